@@ -1,0 +1,29 @@
+"""hyperrec.testing: test helpers shared by hyperrec packages (dev-only).
+
+- :func:`run_on_ranks` runs a function on N real gloo ranks on the CPU.
+- :func:`fake_mesh` builds an N-rank ``DeviceMesh`` in one process (fake backend).
+- Comparators: :func:`rel_error`, :func:`snr_db`, :func:`max_abs_error`,
+  :func:`assert_close_to_reference` (the 2x-the-reference-error rule), :func:`poison_like`.
+"""
+
+from hyperrec.testing._version import __version__
+from hyperrec.testing.distributed import RankError, fake_mesh, run_on_ranks
+from hyperrec.testing.numeric import (
+    assert_close_to_reference,
+    max_abs_error,
+    poison_like,
+    rel_error,
+    snr_db,
+)
+
+__all__ = [
+    "RankError",
+    "__version__",
+    "assert_close_to_reference",
+    "fake_mesh",
+    "max_abs_error",
+    "poison_like",
+    "rel_error",
+    "run_on_ranks",
+    "snr_db",
+]
