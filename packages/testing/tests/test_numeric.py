@@ -67,3 +67,15 @@ def test_poison_like(dtype):
         assert p.all()
     else:
         assert (p == torch.iinfo(dtype).max).all()
+
+
+def test_write_result_records_machine(tmp_path):
+    import json
+
+    from hyperrec.testing import write_result
+
+    out = write_result(tmp_path / "sub" / "r.json", {"rows": [{"x": 1}]})
+    data = json.loads(out.read_text())
+    assert data["rows"] == [{"x": 1}]
+    assert data["machine"]["torch"] == torch.__version__
+    assert data["machine"]["date"].endswith("Z")

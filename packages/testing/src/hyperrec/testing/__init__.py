@@ -4,9 +4,11 @@
 - :func:`fake_mesh` builds an N-rank ``DeviceMesh`` in one process (fake backend).
 - Comparators: :func:`rel_error`, :func:`snr_db`, :func:`max_abs_error`,
   :func:`assert_close_to_reference` (the 2x-the-reference-error rule), :func:`poison_like`.
+- Benchmarks: :func:`machine_info`, :func:`write_result` (JSON with machine and versions).
 """
 
 from hyperrec.testing._version import __version__
+from hyperrec.testing.bench import machine_info, write_result
 from hyperrec.testing.distributed import RankError, fake_mesh, run_on_ranks
 from hyperrec.testing.numeric import (
     assert_close_to_reference,
@@ -26,4 +28,6 @@ __all__ = [
     "rel_error",
     "run_on_ranks",
     "snr_db",
+    "machine_info",
+    "write_result",
 ]

@@ -1,0 +1,64 @@
+"""Benchmark bookkeeping: every committed result records where and when it ran."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["machine_info", "write_result"]
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine, library versions and date for a benchmark's JSON header."""
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "host_os": platform.platform(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+        try:
+            info["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=False,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
+        except (OSError, IndexError, subprocess.SubprocessError):
+            info["driver"] = None
+    else:
+        info["gpu"] = None
+    return info
+
+
+def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write ``{"machine": machine_info(), **payload}`` as indented JSON; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str) + "\n")
+    return out
