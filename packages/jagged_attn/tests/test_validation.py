@@ -205,10 +205,11 @@ def test_kv_index_lets_query_and_kv_batches_differ():
         gdpa(q, k, v, torch.tensor([0, 2, 5]), torch.tensor([0, 1, 4, 6]), 3, 3)
 
 
-def test_triton_backend_is_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
+def test_triton_backend_rejects_unsupported_inputs():
+    # float32 inputs (and, without a GPU, CPU tensors outside the interpreter)
+    with pytest.raises(ValueError, match="backend='triton' cannot run this call"):
         _jagged(backend="triton")
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
+    with pytest.raises(ValueError, match="backend='triton' cannot run this call"):
         _gdpa(backend="triton")
 
 

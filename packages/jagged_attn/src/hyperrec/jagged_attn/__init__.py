@@ -8,7 +8,7 @@
 - :func:`block_attention`: attention within fixed blocks of each sequence, O(L).
 
 Backends: ``"torch"`` (the pure-PyTorch reference in :mod:`~hyperrec.jagged_attn.reference`);
-the Triton kernels are planned (``backend="triton"`` raises ``NotImplementedError``).
+the Triton kernels in :mod:`~hyperrec.jagged_attn.triton` (``"triton"``; ``"auto"`` on CUDA).
 Every function is a ``torch.library`` custom op underneath, so ``torch.compile``
 traces it with ``fullgraph=True``.
 """

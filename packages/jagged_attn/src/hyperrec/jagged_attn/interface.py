@@ -68,7 +68,7 @@ def _dispatch(
             num_targets=num_targets,
             names=names,
         )
-    op = resolve_backend(backend, q.device)
+    op = resolve_backend(backend, q, v)
     return op(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *spec_args(spec))
 
 
@@ -110,8 +110,9 @@ def jagged_attention(
         window_size: ``(left, right)``: keys within ``left`` positions before and
             ``right`` after the query's aligned position; -1 = unbounded (flash-attn's
             convention).
-        backend: ``"auto"`` (the reference for now), ``"torch"`` (the reference) or
-            ``"triton"`` (not implemented yet: raises ``NotImplementedError``).
+        backend: ``"auto"`` (the Triton kernels for supported CUDA inputs, else the
+            reference), ``"torch"`` (the reference) or ``"triton"`` (the kernels; bf16/fp16,
+            head dims 16-256).
         validate: check the offsets' values and ``max_seqlen`` (one device sync; skipped
             under ``torch.compile``). With ``validate=False`` invalid offsets give
             undefined results.
@@ -124,7 +125,7 @@ def jagged_attention(
         TypeError: a non-tensor, unsupported or mismatched dtype, non-int arguments.
         ValueError: wrong ranks/shapes, mismatched heads or head dims, bad offsets, a
             ``max_seqlen`` below the longest sequence, a bad ``window_size`` or ``backend``.
-        NotImplementedError: ``backend="triton"``.
+        ValueError: also ``backend="triton"`` for inputs the kernels do not support.
     """
     check_qkv(q, k, v)
     offsets = check_index_tensor("offsets", offsets, q.device, what="(B + 1 offsets)")
@@ -236,8 +237,8 @@ def gdpa(
             history (subject to causal/window) and themselves, never each other.
         contextual_len: the first ``contextual_len`` positions are global: every query
             sees them and they see every non-target key, whatever causal/window say.
-        backend: ``"auto"`` (the reference for now), ``"torch"`` or ``"triton"`` (not
-            implemented yet: ``NotImplementedError``).
+        backend: ``"auto"`` (the Triton kernels for supported CUDA inputs, else the
+            reference), ``"torch"`` (the reference) or ``"triton"`` (the kernels).
         validate: check offsets, maxima, ``kv_index`` and ``num_targets`` values (one device
             sync; skipped under ``torch.compile``).
 
@@ -256,7 +257,7 @@ def gdpa(
             length below the longest sequence; ``kv_index`` out of range; ``num_targets``
             negative or longer than its kv sequence; an unknown activation,
             normalization or backend.
-        NotImplementedError: ``backend="triton"``.
+        ValueError: also ``backend="triton"`` for inputs the kernels do not support.
     """
     check_qkv(q, k, v)
     q_offsets = check_index_tensor("q_offsets", q_offsets, q.device, what="(Bq + 1 offsets)")
@@ -359,7 +360,7 @@ def block_attention(
         ``(T, H, Dv)`` in ``q.dtype``, differentiable in ``q``, ``k``, ``v``.
 
     Raises:
-        TypeError, ValueError, NotImplementedError: as in :func:`jagged_attention`, plus
+        TypeError, ValueError: as in :func:`jagged_attention`, plus
             ``block_size < 1`` or ``num_global < 0``.
     """
     check_qkv(q, k, v)

@@ -1,0 +1,42 @@
+"""Triton kernels behind ``backend="triton"`` of :mod:`hyperrec.jagged_attn`.
+
+Importing this subpackage does not import Triton; the launchers import it on first use.
+
+* :func:`attention_forward` / :func:`attention_backward`: jagged softmax attention and GDPA
+  (element-wise activations), forward and backward, bf16/fp16 in, fp32 accumulation.
+* :func:`flops`, :func:`flops_upper_bound`: useful-FLOP counts.
+* :func:`supports`, :func:`hopper_features`: capability probes.
+* :class:`KernelConfig`: a tile configuration (to pin one, e.g. in tests or tuning).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hyperrec.jagged_attn.triton._configs import KernelConfig
+from hyperrec.jagged_attn.triton._flops import flops, flops_upper_bound
+from hyperrec.jagged_attn.triton._probe import hopper_features, supports, triton_available
+
+if TYPE_CHECKING:
+    from hyperrec.jagged_attn.triton._launch import attention_backward, attention_forward
+
+__all__ = [
+    "KernelConfig",
+    "attention_backward",
+    "attention_forward",
+    "flops",
+    "flops_upper_bound",
+    "hopper_features",
+    "supports",
+    "triton_available",
+]
+
+_LAZY = {"attention_backward", "attention_forward"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from hyperrec.jagged_attn.triton import _launch
+
+        return getattr(_launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,145 @@
+"""Kernel configurations: a shipped tuned table looked up by bucketed keys.
+
+A configuration is chosen from a *bucketed* key, never from the lengths themselves, so a new
+batch with a new set of lengths never triggers compilation or tuning:
+
+    (kernel, architecture, padded head dim, softmax or activation, causal, max-length bucket)
+
+(the shipped table uses the same tiles for every activation and mask, see :data:`TUNED`).
+``kernel`` is ``"fwd"``, ``"dkdv"`` or ``"dq"``; the architecture is ``"sm90"`` for Hopper
+(H100 and H200 share the SM, so one table serves both) and ``"default"`` elsewhere; the
+length bucket is ``"short"`` (max_seqlen <= 256) or ``"long"``. The table was produced
+offline on an H200 with ``bench/tune_configs.py`` (which times :data:`CANDIDATES`); nothing
+is tuned at run time, so the first call of a shape costs one compilation per kernel and no
+benchmarking. Other GPUs get :func:`_heuristic`'s safe defaults (re-run the tuning script
+there to extend the table).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CANDIDATES",
+    "TUNED",
+    "KernelConfig",
+    "config_key",
+    "select_config",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Tile shape and launch parameters of one kernel.
+
+    For ``fwd`` and ``dq`` a work item is a ``block_m`` tile of queries streaming ``block_n``
+    keys at a time; for ``dkdv`` it is a ``block_n`` tile of keys streaming ``block_m``
+    queries at a time.
+    """
+
+    block_m: int
+    """Query rows per tile (a power of two, >= 16)."""
+    block_n: int
+    """Key rows per tile (a power of two, >= 16)."""
+    num_warps: int = 4
+    """Warps per program."""
+    num_stages: int = 2
+    """Software-pipelining depth of the streamed loop (shared-memory buffers)."""
+    dq_atomic: bool = False
+    """``dkdv`` only: also accumulate dQ there with atomic fp32 adds (no dQ kernel)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def _c(bm: int, bn: int, w: int, s: int, atomic: bool = False) -> KernelConfig:
+    return KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, dq_atomic=atomic)
+
+
+Key = tuple[str, str, int, bool, bool, str]
+
+
+def config_key(
+    kernel: str, arch: str, head_dim: int, softmax: bool, causal: bool, max_seqlen: int
+) -> Key:
+    """The bucketed key a configuration is chosen by (see the module docstring)."""
+    if kernel not in ("fwd", "dkdv", "dq"):
+        raise ValueError(f"kernel must be 'fwd', 'dkdv' or 'dq', got {kernel!r}")
+    d = max(32, 1 << (max(head_dim, 1) - 1).bit_length())
+    bucket = "short" if max_seqlen <= 256 else "long"
+    return (kernel, arch, d, bool(softmax), bool(causal), bucket)
+
+
+#: Tuned on an H200 (torch 2.11, triton 3.6) by ``bench/tune_configs.py`` on softmax,
+#: non-causal, bf16 batches with uniform lengths (short: B=1024, max 256; long: B=64, max
+#: 2048; H=8); results in ``bench/results/tune_h200.json``. Keyed by (kernel, arch, padded
+#: head dim, bucket): the same tiles serve every activation and mask (they change the
+#: element-wise work, not the data movement). H100 uses the same entries (same SM). Keys
+#: missing here fall back to :func:`_heuristic`.
+TUNED: dict[tuple[str, str, int, str], KernelConfig] = {
+    ("fwd", "sm90", 64, "short"): _c(128, 32, 4, 3),
+    ("dkdv", "sm90", 64, "short"): _c(32, 64, 4, 3),
+    ("dq", "sm90", 64, "short"): _c(64, 32, 4, 3),
+    ("fwd", "sm90", 128, "short"): _c(128, 32, 4, 3),
+    ("dkdv", "sm90", 128, "short"): _c(32, 64, 4, 3),
+    ("dq", "sm90", 128, "short"): _c(64, 32, 4, 3),
+    ("fwd", "sm90", 64, "long"): _c(128, 64, 4, 3),
+    ("dkdv", "sm90", 64, "long"): _c(64, 64, 4, 2),
+    ("dq", "sm90", 64, "long"): _c(64, 32, 4, 3),
+    ("fwd", "sm90", 128, "long"): _c(128, 64, 8, 3),
+    ("dkdv", "sm90", 128, "long"): _c(64, 64, 4, 2),
+    ("dq", "sm90", 128, "long"): _c(128, 64, 8, 3),
+}
+
+#: What ``bench/tune_configs.py`` searches, per kernel (dK/dV also with ``dq_atomic``).
+CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
+    "fwd": (
+        _c(128, 64, 8, 3),
+        _c(128, 64, 8, 2),
+        _c(128, 128, 8, 2),
+        _c(128, 64, 4, 3),
+        _c(64, 64, 4, 3),
+        _c(128, 32, 4, 3),
+    ),
+    # dK/dV: block_m = query rows streamed, block_n = key rows owned by a program
+    "dkdv": (
+        _c(64, 128, 8, 2),
+        _c(32, 128, 8, 2),
+        _c(64, 64, 8, 2),
+        _c(64, 64, 4, 2),
+        _c(32, 64, 4, 3),
+    ),
+    "dq": (
+        _c(128, 64, 8, 2),
+        _c(64, 64, 4, 2),
+        _c(128, 32, 8, 2),
+        _c(64, 32, 4, 3),
+        _c(128, 64, 8, 3),
+    ),
+}
+
+
+def _heuristic(kernel: str, arch: str, head_dim: int) -> KernelConfig:
+    """A safe default: fits the shared memory of every GPU since sm80 for each head dim."""
+    if arch == "interpreter":
+        return _c(32, 32, 4, 1)
+    big = head_dim > 128
+    if kernel == "fwd":
+        return _c(64, 32, 4, 2) if big else _c(128, 64, 8 if head_dim > 64 else 4, 3)
+    if kernel == "dkdv":
+        return _c(32, 64, 8, 1) if big else _c(64, 128, 8, 2)
+    return _c(64, 32, 8, 1) if big else _c(128, 64, 8, 2)
+
+
+def select_config(key: Key) -> KernelConfig:
+    """The shipped configuration for ``key`` (tuned table, else the heuristic)."""
+    kernel, arch, d, _, _, bucket = key
+    hit = TUNED.get((kernel, arch, d, bucket))
+    return hit if hit is not None else _heuristic(kernel, arch, d)

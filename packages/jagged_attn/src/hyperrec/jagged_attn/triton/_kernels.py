@@ -1,0 +1,922 @@
+"""Triton kernels for jagged softmax attention and GDPA, forward and backward.
+
+The math is :mod:`hyperrec.jagged_attn.spec` under the mask of :mod:`hyperrec.jagged_attn.masks`
+(``s = scale * q.k``; ``w = softmax(s)`` over allowed keys or ``act(s)`` on allowed pairs;
+``o = coef * sum_j w_ij v_j`` with ``coef = output_scale * normalisation``).
+
+Layout: ``q`` is ``(total_q, H, D)``, ``k`` ``(total_kv, H, D)``, ``v`` ``(total_kv, H, DV)``,
+last dim contiguous; query sequence ``b`` owns rows ``q_offsets[b]:q_offsets[b+1]`` and reads
+kv rows ``kv_offsets[kb]:kv_offsets[kb+1]``, ``kb = kv_index[b]`` (``b`` without a map). No
+padding is read or written.
+
+Kernels:
+
+* ``_fwd_kernel``: a work item is one ``BLOCK_M`` tile of queries x one head, streaming its
+  key range in ``BLOCK_N`` tiles. Softmax keeps FlashAttention-2's online (max, sum) state in
+  base 2; element-wise activations need no running state and accumulate ``act(S) @ V``.
+* ``_bwd_dkdv_kernel``: a work item is one ``BLOCK_N`` tile of keys x one head, streaming
+  the query tiles of every query sequence mapped to its kv sequence; dK and dV accumulate in
+  fp32 registers and are written once (no atomics: deterministic).
+* dQ, two ways, both accumulating in fp32. ``_bwd_dq_kernel`` runs the forward's schedule
+  again, recomputes ``S`` and ``dP`` and accumulates dQ in registers: two more GEMMs per
+  tile than FlashAttention-2's scheme, but deterministic and free of atomics. With
+  ``DQ_ATOMIC`` the dK/dV kernel instead adds each tile's ``dS^T K`` share into a zeroed
+  fp32 buffer with atomics (5 GEMMs per tile; run-to-run bit differences possible).
+* ``_bwd_delta_kernel``: ``delta = rowsum(dO * O)``, the softmax backward's row term.
+
+Scheduling. The three main kernels are *persistent*: the host launches at most as many
+programs as fit on the GPU at once and each program walks the work list with a stride of
+the grid size, so a batch of a thousand short sequences costs no more launches or idle
+programs than one long one. The work list (``_schedule.py``) is a device-side table of
+tiles sorted by estimated cost, heaviest first (longest-processing-time-first: long
+sequences, and for causal the tiles below the longest stretch of the diagonal, start early;
+short ones fill the tail). Rounds alternate direction ("snake") so that no program always
+takes the most expensive item of its round. A program reads its tile's sequence and index
+with two independent loads, so a work item starts after one memory round trip; the host
+never reads a length, and nothing compiled depends on the lengths.
+
+Masking. Only tiles that cross the causal diagonal or the ragged end of a sequence evaluate
+an element-wise mask; interior tiles run mask-free. Any other mask rule (window, block,
+targets, contextual prefix) evaluates the mask on every visited tile, but the visited key
+(or query) range is first narrowed to the band the rules allow, so block and window
+attention cost O(L * band), not O(L^2). Softmax sets disallowed scores to -inf *before* the
+running max and sum are updated, so masked keys never enter the denominator; a row with no
+allowed key outputs 0 and stores LSE = +inf, which makes its backward exactly 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from hyperrec.jagged_attn.activations import GELU_POLY_COEFFS, GELU_POLY_RANGE
+
+# Activation codes (the ``ACT`` constexpr); the launcher maps names to these.
+ACT_SOFTMAX = 0
+ACT_SILU = 1
+ACT_GELU = 2
+ACT_GELU_TANH = 3
+ACT_GELU_POLY = 4
+ACT_RELU = 5
+ACT_SIGMOID = 6
+ACT_IDENTITY = 7
+
+# Normalisation by the kv length is the one rule not folded into the runtime ``coef``.
+NORM_KV_LEN = 2
+
+# Constants are pre-multiplied and written after the tensor operand (x * C, not C * x):
+# the Triton interpreter mistypes a product that starts with a constexpr global.
+_LOG2E = tl.constexpr(1.4426950408889634)
+_TWO_LOG2E = tl.constexpr(2.8853900817779268)
+_NEG_HALF_LOG2E = tl.constexpr(-0.7213475204444817)
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_TANH_CUBIC = tl.constexpr(0.044715)
+_GP_RANGE = tl.constexpr(GELU_POLY_RANGE)
+_GP1 = tl.constexpr(GELU_POLY_COEFFS[0])
+_GP2 = tl.constexpr(GELU_POLY_COEFFS[1])
+_GP3 = tl.constexpr(GELU_POLY_COEFFS[2])
+_GP4 = tl.constexpr(GELU_POLY_COEFFS[3])
+_GP5 = tl.constexpr(GELU_POLY_COEFFS[4])
+_GP6 = tl.constexpr(GELU_POLY_COEFFS[5])
+_GP7 = tl.constexpr(GELU_POLY_COEFFS[6])
+_GP8 = tl.constexpr(GELU_POLY_COEFFS[7])
+_DGP2 = tl.constexpr(2.0 * GELU_POLY_COEFFS[1])
+_DGP3 = tl.constexpr(3.0 * GELU_POLY_COEFFS[2])
+_DGP4 = tl.constexpr(4.0 * GELU_POLY_COEFFS[3])
+_DGP5 = tl.constexpr(5.0 * GELU_POLY_COEFFS[4])
+_DGP6 = tl.constexpr(6.0 * GELU_POLY_COEFFS[5])
+_DGP7 = tl.constexpr(7.0 * GELU_POLY_COEFFS[6])
+_DGP8 = tl.constexpr(8.0 * GELU_POLY_COEFFS[7])
+_THREE_TANH_CUBIC = tl.constexpr(3.0 * 0.044715)
+assert len(GELU_POLY_COEFFS) == 8, "the kernel's Horner scheme is written for 8 coefficients"
+
+# Triton's CPU interpreter gets bf16 wrong in two places: it multiplies bf16 tiles as if
+# their bits were another type, and it rounds fp32 -> bf16 incorrectly. Under
+# TRITON_INTERPRET the GEMM operands are therefore widened to fp32 (they already hold
+# bf16/fp16 values, so this reproduces the tensor cores' exact products with fp32
+# accumulation) and fp32 -> bf16 casts round to nearest-even by hand. On a GPU none of this
+# is compiled: the kernels use the native tensor-core GEMMs and conversions.
+_WIDEN_GEMM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _to(x, DTYPE: tl.constexpr):
+    """``x.to(DTYPE)`` with round-to-nearest-even (see ``_WIDEN_GEMM``)."""
+    if _WIDEN_GEMM and DTYPE == tl.bfloat16:  # noqa: SIM300 (DTYPE is an argument)
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _mm(a, b):
+    """a @ b with fp32 accumulation."""
+    if _WIDEN_GEMM:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _mma(a, b, acc):
+    """acc + a @ b with fp32 accumulation."""
+    if _WIDEN_GEMM:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+# ----------------------------------------------------------------------------------------
+# Element-wise math
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x, FAST: tl.constexpr):
+    if FAST:
+        # One MUFU op (max rel. error ~2^-11, below bf16's 2^-8 rounding of P).
+        y = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        # 1 - 2 / (e^{2x} + 1): exact to fp32 rounding and saturates cleanly at +-1.
+        y = 1.0 - 2.0 / (tl.exp2(x * _TWO_LOG2E) + 1.0)
+    return y
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    # sigmoid(x) = (1 + tanh(x/2)) / 2: one MUFU op instead of exp + reciprocal.
+    return 0.5 + 0.5 * _tanh(0.5 * x, FAST)
+
+
+@triton.jit
+def _gelu_poly_q(u):
+    # Q(u) = sum_k c_k u^k (Horner), the even part of the ALU-only GELU: FMAs only.
+    acc = u * _GP8 + _GP7
+    acc = acc * u + _GP6
+    acc = acc * u + _GP5
+    acc = acc * u + _GP4
+    acc = acc * u + _GP3
+    acc = acc * u + _GP2
+    acc = acc * u + _GP1
+    return acc * u
+
+
+@triton.jit
+def _gelu_poly_dq(u):
+    # Q'(u) = sum_k k c_k u^(k-1)
+    acc = u * _DGP8 + _DGP7
+    acc = acc * u + _DGP6
+    acc = acc * u + _DGP5
+    acc = acc * u + _DGP4
+    acc = acc * u + _DGP3
+    acc = acc * u + _DGP2
+    return acc * u + _GP1
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """The element-wise activation (fp32 in, fp32 out); see ``activations.py``."""
+    if ACT == 1:  # silu(x) = x * sigmoid(x) = h + h * tanh(h), h = x / 2
+        h = 0.5 * x
+        y = h + h * _tanh(h, FAST)
+    elif ACT == 2:  # gelu (erf)
+        y = 0.5 * x * (1.0 + tl.math.erf(x * _INV_SQRT2))
+    elif ACT == 3:  # gelu (tanh approximation)
+        y = 0.5 * x * (1.0 + _tanh((x + x * x * x * _TANH_CUBIC) * _SQRT_2_OVER_PI, FAST))
+    elif ACT == 4:  # gelu_poly: 0.5 x + Q(x^2) inside the range, relu outside; no MUFU
+        xc = tl.minimum(tl.maximum(x, -_GP_RANGE), _GP_RANGE)
+        inside = 0.5 * x + _gelu_poly_q(xc * xc)
+        y = tl.where(tl.abs(x) < _GP_RANGE, inside, tl.maximum(x, 0.0))
+    elif ACT == 5:  # relu
+        y = tl.maximum(x, 0.0)
+    elif ACT == 6:  # sigmoid
+        y = _sigmoid(x, FAST)
+    else:  # identity
+        y = x
+    return y
+
+
+@triton.jit
+def _act_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """d act / dx at ``x`` (fp32)."""
+    if ACT == 1:
+        s = _sigmoid(x, FAST)
+        g = s * (1.0 + x * (1.0 - s))
+    elif ACT == 2:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * _INV_SQRT2))
+        pdf = tl.exp2(x * x * _NEG_HALF_LOG2E) * _INV_SQRT_2PI
+        g = cdf + x * pdf
+    elif ACT == 3:
+        t = _tanh((x + x * x * x * _TANH_CUBIC) * _SQRT_2_OVER_PI, FAST)
+        dinner = (1.0 + x * x * _THREE_TANH_CUBIC) * _SQRT_2_OVER_PI
+        g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+    elif ACT == 4:
+        xc = tl.minimum(tl.maximum(x, -_GP_RANGE), _GP_RANGE)
+        inside = 0.5 + 2.0 * xc * _gelu_poly_dq(xc * xc)
+        g = tl.where(tl.abs(x) < _GP_RANGE, inside, tl.where(x > 0.0, 1.0, 0.0))
+    elif ACT == 5:
+        g = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 6:
+        s = _sigmoid(x, FAST)
+        g = s * (1.0 - s)
+    else:
+        g = tl.full(x.shape, 1.0, tl.float32)
+    return g
+
+
+@triton.jit
+def _act_and_grad(x, ACT: tl.constexpr, FAST: tl.constexpr):
+    """(act(x), act'(x)), sharing the sigmoid where the activation has one."""
+    if ACT == 1:
+        s = _sigmoid(x, FAST)
+        y = x * s
+        g = s * (1.0 + x * (1.0 - s))
+    elif ACT == 6:
+        y = _sigmoid(x, FAST)
+        g = y * (1.0 - y)
+    else:
+        y = _act(x, ACT, FAST)
+        g = _act_grad(x, ACT, FAST)
+    return y, g
+
+
+# ----------------------------------------------------------------------------------------
+# Scheduling and sequence geometry
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _work_item(r, pid, nprog):
+    # Round r of the persistent loop; odd rounds run backwards ("snake") so the program that
+    # took the most expensive item of one round takes the cheapest of the next.
+    return r * nprog + tl.where(r % 2 == 0, pid, nprog - 1 - pid)
+
+
+@triton.jit
+def _floordiv(a, b):
+    # Triton's // truncates toward zero; positions before the first key can be negative.
+    return tl.where(a >= 0, a // b, -((b - 1 - a) // b))
+
+
+@triton.jit
+def _allowed(
+    offs_m,
+    offs_n,
+    Lq,
+    Lk,
+    n_targets,
+    wl,
+    wr,
+    ctx,
+    bsz,
+    CAUSAL: tl.constexpr,
+    GENERIC: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_PREV: tl.constexpr,
+    TRANSPOSED: tl.constexpr = False,
+):
+    """Boolean (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) if ``TRANSPOSED``: may query
+    ``offs_m`` attend to key ``offs_n``.
+
+    Exactly :func:`hyperrec.jagged_attn.masks.allowed`: query i sits at key-timeline
+    position p = i + Lk - Lq (bottom-right alignment); with targets, e = min(p, t0),
+    t0 = Lk - n_targets; history keys (j < t0) follow the causal/window/block rules, or the
+    contextual override; a target key is visible to its own query only. The transposed
+    form is built directly (no register transpose) for the dK/dV kernel's S^T tiles.
+    """
+    if TRANSPOSED:
+        i = offs_m[None, :]
+        j = offs_n[:, None]
+    else:
+        i = offs_m[:, None]
+        j = offs_n[None, :]
+    p = i + (Lk - Lq)
+    ok = (i < Lq) & (j < Lk)
+    if GENERIC:
+        t0 = Lk
+        if HAS_TARGETS:
+            t0 = Lk - n_targets
+        e = tl.minimum(p, t0)
+        base = ok
+        if CAUSAL:
+            base = base & (j <= e)
+        if HAS_WL:
+            base = base & (j >= e - wl)
+        if HAS_WR:
+            base = base & (j <= e + wr)
+        if HAS_BLOCK:
+            q_blk = _floordiv(e, bsz)
+            k_blk = j // bsz
+            same = k_blk == q_blk
+            if BLOCK_PREV:
+                same = same | (k_blk == q_blk - 1)
+            base = base & same
+        if HAS_CONTEXT:
+            base = base | (j < ctx) | ((p >= 0) & (p < ctx))
+        if HAS_TARGETS:
+            ok = ok & ((base & (j < t0)) | ((j >= t0) & (j == p)))
+        else:
+            ok = ok & base
+    elif CAUSAL:
+        ok = ok & (j <= p)
+    return ok
+
+
+@triton.jit
+def _kv_range(
+    m0,
+    Lq,
+    Lk,
+    n_targets,
+    wl,
+    wr,
+    ctx,
+    bsz,
+    CAUSAL: tl.constexpr,
+    GENERIC: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_PREV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys visited by query tile [m0, m0 + BLOCK_M): ``[lo, full)`` mask-free, then
+    ``[full, hi)`` masked. Every allowed key lies in [lo, hi); the bounds follow from the
+    rules of :func:`_allowed` (e <= p, both non-decreasing in the row)."""
+    first_p = m0 + (Lk - Lq)
+    last_p = tl.minimum(m0 + BLOCK_M, Lq) - 1 + (Lk - Lq)
+    if GENERIC:
+        lo = first_p * 0
+        hi = Lk
+        if CAUSAL:
+            hi = tl.minimum(hi, last_p + 1)
+        if HAS_WR:
+            hi = tl.minimum(hi, last_p + wr + 1)
+        if HAS_BLOCK:
+            hi = tl.minimum(hi, (_floordiv(last_p, bsz) + 1) * bsz)
+        e_first = first_p
+        if HAS_TARGETS:
+            e_first = tl.minimum(first_p, Lk - n_targets)
+        if HAS_WL:
+            lo = tl.maximum(lo, e_first - wl)
+        if HAS_BLOCK:
+            if BLOCK_PREV:
+                lo = tl.maximum(lo, (_floordiv(e_first, bsz) - 1) * bsz)
+            else:
+                lo = tl.maximum(lo, _floordiv(e_first, bsz) * bsz)
+        if HAS_CONTEXT:
+            lo = lo * 0  # every query sees the contextual keys
+            if first_p < ctx:
+                hi = Lk  # contextual queries see every history key
+        hi = tl.minimum(tl.maximum(hi, 0), Lk)
+        lo = tl.minimum(tl.maximum(lo, 0), hi) // BLOCK_N * BLOCK_N
+        full = lo
+    elif CAUSAL:
+        lo = first_p * 0
+        hi = tl.minimum(tl.maximum(last_p + 1, 0), Lk)
+        # every row of the tile sees key n iff n <= first_p
+        full = tl.minimum(tl.maximum(first_p + 1, 0), Lk) // BLOCK_N * BLOCK_N
+    else:
+        lo = first_p * 0
+        hi = Lk
+        full = Lk // BLOCK_N * BLOCK_N
+    return lo, full, hi
+
+
+@triton.jit
+def _q_range(
+    n0,
+    Lq,
+    Lk,
+    n_targets,
+    wl,
+    wr,
+    ctx,
+    bsz,
+    CAUSAL: tl.constexpr,
+    GENERIC: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr,
+    HAS_WR: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+    BLOCK_PREV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Queries visited by key tile [n0, n0 + BLOCK_N): ``[lo, mid)`` masked, then
+    ``[mid, hi)`` mask-free (the transpose of :func:`_kv_range`)."""
+    diag = Lk - Lq
+    last_j = tl.minimum(n0 + BLOCK_N, Lk) - 1
+    if GENERIC:
+        # Necessary conditions on the query position p (see _allowed): a lower bound from
+        # causal / right window / block, an upper bound on e from left window / block.
+        lo_p = -diag  # p of row 0
+        if CAUSAL:
+            lo_p = tl.maximum(lo_p, n0)
+        if HAS_WR:
+            lo_p = tl.maximum(lo_p, n0 - wr)
+        if HAS_BLOCK:
+            lo_p = tl.maximum(lo_p, n0 // bsz * bsz)
+        lo = tl.maximum(lo_p + diag, 0)
+        hi = Lq
+        if HAS_WL or HAS_BLOCK:
+            e_hi = Lk + Lq  # effectively unbounded
+            if HAS_WL:
+                e_hi = tl.minimum(e_hi, last_j + wl)
+            if HAS_BLOCK:
+                if BLOCK_PREV:
+                    e_hi = tl.minimum(e_hi, (last_j // bsz + 2) * bsz - 1)
+                else:
+                    e_hi = tl.minimum(e_hi, (last_j // bsz + 1) * bsz - 1)
+            t0 = Lk
+            if HAS_TARGETS:
+                t0 = Lk - n_targets
+            if t0 > e_hi:  # e = min(p, t0) <= e_hi needs p <= e_hi
+                hi = tl.minimum(hi, e_hi - diag + 1)
+        if HAS_CONTEXT:
+            lo = lo * 0  # contextual queries see every history key
+            if n0 < ctx:
+                hi = Lq  # every query sees the contextual keys
+        hi = tl.minimum(tl.maximum(hi, 0), Lq)
+        lo = tl.minimum(lo, hi)
+        mid = hi
+    elif CAUSAL:
+        # rows that see at least one key of the tile: p >= n0
+        lo = tl.minimum(tl.maximum(n0 - diag, 0), Lq)
+        # rows that see the whole tile: p >= n0 + BLOCK_N - 1
+        full = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - diag, lo), Lq)
+        mid = lo + tl.cdiv(full - lo, BLOCK_M) * BLOCK_M
+        hi = Lq
+    else:
+        lo = n0 * 0
+        mid = lo
+        hi = Lq
+    return lo, mid, hi
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Load a (rows x cols) tile, zero-filling rows >= n_rows and cols >= N_COLS."""
+    mask = rows[:, None] < n_rows
+    if BLOCK_COLS != N_COLS:
+        mask = mask & (cols[None, :] < N_COLS)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    mask = rows[:, None] < n_rows
+    if BLOCK_COLS != N_COLS:
+        mask = mask & (cols[None, :] < N_COLS)
+    tl.store(ptrs, _to(x, ptrs.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, Lq, Lk, qk_scale,
+    n_targets, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                       offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                       offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        s = _mm(q, tl.trans(k))  # fp32 accumulation on the tensor cores
+        if MASKED:
+            ok = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                          CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                          HAS_BLOCK, BLOCK_PREV)  # fmt: skip
+        if ACT == 0:
+            # Online softmax in base 2: qk_scale = scale * log2(e).
+            s = s * qk_scale
+            if MASKED:
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if MASKED:
+                # A row with nothing allowed so far keeps m = -inf; shift by 0 instead so
+                # exp2 gives exact zeros rather than NaN from (-inf) - (-inf).
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        else:
+            p = _act(s * qk_scale, ACT, FAST)
+            if MASKED:
+                p = tl.where(ok, p, 0.0)
+        # P is rounded to the input dtype for the second GEMM, as in every flash kernel.
+        acc = _mma(_to(p, v.dtype), v, acc)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
+def _fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lh,
+    q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
+    qk_scale, coef, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(tile_total) * H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, tl.cdiv(total, nprog)):
+        w = _work_item(r, pid, nprog)
+        if w < total:
+            # Heads vary fastest: concurrently running programs read the same sequences.
+            h = w % H
+            b = tl.load(tile_seq + w // H)
+            t = tl.load(tile_idx + w // H)
+            q_start = tl.load(q_offsets + b)
+            Lq = tl.load(q_offsets + b + 1) - q_start
+            kb = b
+            if HAS_MAP:
+                kb = tl.load(kv_index + b)
+            k_start = tl.load(kv_offsets + kb)
+            Lk = tl.load(kv_offsets + kb + 1) - k_start
+            m0 = t * BLOCK_M
+            n_targets = 0
+            if HAS_TARGETS:
+                n_targets = tl.load(num_targets + b)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+            k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
+            v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
+            q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+                           offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            lo, full, hi = _kv_range(
+                m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lo, full,
+                Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+            )  # fmt: skip
+            acc, m_i, l_i = _fwd_tiles(
+                acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, full, hi,
+                Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+            )  # fmt: skip
+            c = coef
+            if NORM == 2:
+                c = coef / tl.maximum(Lk, 1).to(tl.float32)
+            if ACT == 0:
+                # A row with no allowed key (l == 0) outputs 0 and stores LSE = +inf.
+                has_key = l_i > 0.0
+                l_safe = tl.where(has_key, l_i, 1.0)
+                o = acc * (c / l_safe)[:, None]
+                lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
+                tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
+            else:
+                o = acc * c
+            _store_rows(O + q_start.to(tl.int64) * stride_ot + h * stride_oh
+                        + offs_m[:, None] * stride_ot + offs_dv[None, :],
+                        o, offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["stride_dh", "n_tokens"])
+def _bwd_delta_kernel(
+    O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, stride_dh, n_tokens,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """delta[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32 (softmax only).
+
+    With ``o = coef * sum_j w v``, rowsum(dW * w) of the reference equals rowsum(dO * o):
+    the stored output already carries ``coef``.
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_DV)
+    rows = offs_t[:, None].to(tl.int64)
+    o = _load_rows(O + h * stride_oh + rows * stride_ot + offs_d[None, :],
+                   offs_t, n_tokens, offs_d, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+    do = _load_rows(DO + h * stride_doh + rows * stride_dot + offs_d[None, :],
+                    offs_t, n_tokens, offs_d, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + h * stride_dh + offs_t, delta, mask=offs_t < n_tokens)
+
+
+@triton.jit
+def _bwd_dkdv_tiles(
+    dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt,
+    stride_dot,
+    stride_dqat, offs_n, lo, hi, Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, FAST: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):  # fmt: skip
+    # Everything is computed transposed (keys x queries) so that P^T and dS^T come out of
+    # the first GEMMs in the layout the dV and dK GEMMs consume, with no register transpose.
+    # Query rows past the sequence load as q = dO = 0 and LSE = +inf, so they add nothing
+    # even in the mask-free loop.
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # The key/value tile stays in registers across the whole loop (the A operand of the
+    # S^T and dP^T GEMMs).
+    k = _load_rows(k_ptrs, offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_rows(v_ptrs, offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+                       offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                        offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        s_t = _mm(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
+        dp_t = _mm(v, tl.trans(do))  # dO V^T, transposed
+        if MASKED:
+            ok_t = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                            CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                            HAS_BLOCK, BLOCK_PREV, True)  # fmt: skip
+        if ACT == 0:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < Lq, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < Lq, other=0.0)
+            p_t = tl.exp2(s_t * qk_scale - lse[None, :])
+            if MASKED:
+                p_t = tl.where(ok_t, p_t, 0.0)
+            # dS = w * (dW - rowsum(dW * w)), dW = c * dO V^T, rowsum(dW * w) = delta
+            ds_t = p_t * (dp_t * c - delta[None, :])
+        else:
+            p_t, g_t = _act_and_grad(s_t * qk_scale, ACT, FAST)
+            ds_t = dp_t * g_t
+            if MASKED:
+                p_t = tl.where(ok_t, p_t, 0.0)
+                ds_t = tl.where(ok_t, ds_t, 0.0)
+        dv = _mma(_to(p_t, do.dtype), do, dv)
+        ds_in = _to(ds_t, q.dtype)
+        dk = _mma(ds_in, q, dk)
+        if DQ_ATOMIC:
+            # dQ rows of this query tile get this key tile's share, added in fp32 into a
+            # zeroed buffer (FlashAttention-2's scheme): 5 GEMMs per tile instead of 7.
+            dq_part = _mm(tl.trans(ds_in), k)
+            if ACT != 0:
+                dq_part = dq_part * c
+            dqa_mask = offs_m[:, None] < Lq
+            if BLOCK_D != HEAD_DIM:
+                dqa_mask = dqa_mask & (offs_d[None, :] < HEAD_DIM)
+            tl.atomic_add(dqa_base + offs_m[:, None] * stride_dqat + offs_d[None, :], dq_part,
+                          mask=dqa_mask, sem="relaxed")  # fmt: skip
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQA,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah, stride_lh,
+    q_offsets, kv_offsets, inv_ptr, inv_idx, num_targets, tile_seq, tile_idx, tile_total,
+    qk_scale, scale, coef, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(tile_total) * H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, tl.cdiv(total, nprog)):
+        w = _work_item(r, pid, nprog)
+        if w < total:
+            h = w % H
+            kb = tl.load(tile_seq + w // H)
+            t = tl.load(tile_idx + w // H)
+            k_start = tl.load(kv_offsets + kb)
+            Lk = tl.load(kv_offsets + kb + 1) - k_start
+            n0 = t * BLOCK_N
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k_rows = k_start.to(tl.int64) + offs_n[:, None]
+            k_ptrs = K + h * stride_kh + k_rows * stride_kt + offs_d[None, :]
+            v_ptrs = V + h * stride_vh + k_rows * stride_vt + offs_dv[None, :]
+            c = coef
+            if NORM == 2:
+                c = coef / tl.maximum(Lk, 1).to(tl.float32)
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+            # The query sequences that read this kv sequence: its own, or a CSR list.
+            j_lo = kb * 0
+            j_hi = j_lo + 1
+            if HAS_MAP:
+                j_lo = tl.load(inv_ptr + kb)
+                j_hi = tl.load(inv_ptr + kb + 1)
+            for j in range(j_lo, j_hi):
+                b = kb
+                if HAS_MAP:
+                    b = tl.load(inv_idx + j)
+                q_start = tl.load(q_offsets + b)
+                Lq = tl.load(q_offsets + b + 1) - q_start
+                n_targets = 0
+                if HAS_TARGETS:
+                    n_targets = tl.load(num_targets + b)
+                lo, mid, hi = _q_range(
+                    n0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                    BLOCK_PREV, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+                do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
+                lse_base = LSE + h * stride_lh + q_start
+                delta_base = DELTA + h * stride_lh + q_start
+                dqa_base = DQA + q_start.to(tl.int64) * stride_dqat + h * stride_dqah
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base,
+                    stride_qt,
+                    stride_dot, stride_dqat, offs_n, lo, mid, Lq, Lk, qk_scale, c, n_targets, wl,
+                    wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                    HAS_BLOCK, BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                    BLOCK_M, FAST, DQ_ATOMIC,
+                )  # fmt: skip
+                dk, dv = _bwd_dkdv_tiles(
+                    dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base,
+                    stride_qt,
+                    stride_dot, stride_dqat, offs_n, mid, hi, Lq, Lk, qk_scale, c, n_targets, wl,
+                    wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                    HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                    BLOCK_M, FAST, DQ_ATOMIC,
+                )  # fmt: skip
+            # dK = scale * dS^T Q (softmax's dS already holds c); dV = c * W^T dO
+            if ACT == 0:
+                dk = dk * scale
+            else:
+                dk = dk * (scale * c)
+            dv = dv * c
+            _store_rows(DK + h * stride_dkh + k_rows * stride_dkt + offs_d[None, :],
+                        dk, offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            _store_rows(DV + h * stride_dvh + k_rows * stride_dvt + offs_dv[None, :],
+                        dv, offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+
+
+@triton.jit
+def _bwd_dq_tiles(
+    dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, Lq, Lk,
+    qk_scale, c, n_targets, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                       offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                       offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        s = _mm(q, tl.trans(k))
+        dp = _mm(do, tl.trans(v))
+        if ACT == 0:
+            p = tl.exp2(s * qk_scale - lse[:, None])
+            ds = p * (dp * c - delta[:, None])
+        else:
+            ds = dp * _act_grad(s * qk_scale, ACT, FAST)
+        if MASKED:
+            ok = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                          CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                          HAS_BLOCK, BLOCK_PREV)  # fmt: skip
+            ds = tl.where(ok, ds, 0.0)
+        dq = _mma(_to(ds, k.dtype), k, dq)
+    return dq
+
+
+@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lh,
+    q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
+    qk_scale, scale, coef, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(tile_total) * H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, tl.cdiv(total, nprog)):
+        w = _work_item(r, pid, nprog)
+        if w < total:
+            h = w % H
+            b = tl.load(tile_seq + w // H)
+            t = tl.load(tile_idx + w // H)
+            q_start = tl.load(q_offsets + b)
+            Lq = tl.load(q_offsets + b + 1) - q_start
+            kb = b
+            if HAS_MAP:
+                kb = tl.load(kv_index + b)
+            k_start = tl.load(kv_offsets + kb)
+            Lk = tl.load(kv_offsets + kb + 1) - k_start
+            m0 = t * BLOCK_M
+            n_targets = 0
+            if HAS_TARGETS:
+                n_targets = tl.load(num_targets + b)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_rows = q_start.to(tl.int64) + offs_m[:, None]
+            q = _load_rows(Q + h * stride_qh + q_rows * stride_qt + offs_d[None, :],
+                           offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            do = _load_rows(DO + h * stride_doh + q_rows * stride_dot + offs_dv[None, :],
+                            offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+            if ACT == 0:
+                # rows past the sequence get LSE = +inf, hence P = 0
+                lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=offs_m < Lq,
+                              other=float("inf"))  # fmt: skip
+                delta = tl.load(DELTA + h * stride_lh + q_start + offs_m, mask=offs_m < Lq,
+                                other=0.0)  # fmt: skip
+            else:
+                lse = tl.zeros([BLOCK_M], dtype=tl.float32)
+                delta = lse
+            c = coef
+            if NORM == 2:
+                c = coef / tl.maximum(Lk, 1).to(tl.float32)
+            k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
+            v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
+            dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            lo, full, hi = _kv_range(
+                m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lo, full,
+                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+            )  # fmt: skip
+            dq = _bwd_dq_tiles(
+                dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, full, hi,
+                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+            )  # fmt: skip
+            # dQ = scale * dS K (softmax's dS already holds c)
+            if ACT == 0:
+                dq = dq * scale
+            else:
+                dq = dq * (scale * c)
+            _store_rows(DQ + h * stride_dqh + q_rows * stride_dqt + offs_d[None, :],
+                        dq, offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip

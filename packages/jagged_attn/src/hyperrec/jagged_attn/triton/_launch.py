@@ -1,0 +1,410 @@
+"""Launchers: allocate outputs, build schedules, pick configurations, launch the kernels.
+
+The public layer validates user input; these functions only assert their own
+preconditions (layout, dtypes, devices) so that a wrong internal call fails with a clear
+message instead of a wrong answer or an illegal memory access.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from hyperrec.jagged_attn.triton import _configs, _kernels
+from hyperrec.jagged_attn.triton._configs import KernelConfig
+from hyperrec.jagged_attn.triton._schedule import (
+    as_int32,
+    kv_tile_schedule,
+    q_tile_schedule,
+    work_upper_bound,
+)
+
+__all__ = ["attention_backward", "attention_forward"]
+
+ACTIVATION_CODES = {
+    "softmax": _kernels.ACT_SOFTMAX,
+    "silu": _kernels.ACT_SILU,
+    "gelu": _kernels.ACT_GELU,
+    "gelu_tanh": _kernels.ACT_GELU_TANH,
+    "gelu_poly": _kernels.ACT_GELU_POLY,
+    "relu": _kernels.ACT_RELU,
+    "sigmoid": _kernels.ACT_SIGMOID,
+    "identity": _kernels.ACT_IDENTITY,
+}
+NORMALIZATIONS = ("none", "max_seqlen", "length")
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """The mask fields of the spec, as the kernels take them (constexpr flags + ints)."""
+
+    causal: bool
+    window_left: int
+    window_right: int
+    contextual_len: int
+    block_size: int
+    block_previous: bool
+    has_targets: bool
+
+    @property
+    def generic(self) -> bool:
+        """Anything beyond plain causal: every visited tile evaluates the full mask."""
+        return (
+            self.has_targets
+            or self.window_left >= 0
+            or self.window_right >= 0
+            or self.contextual_len > 0
+            or self.block_size > 0
+        )
+
+    def constexprs(self) -> dict[str, bool]:
+        return dict(
+            CAUSAL=self.causal,
+            GENERIC=self.generic,
+            HAS_TARGETS=self.has_targets,
+            HAS_WL=self.window_left >= 0,
+            HAS_WR=self.window_right >= 0,
+            HAS_CONTEXT=self.contextual_len > 0,
+            HAS_BLOCK=self.block_size > 0,
+            BLOCK_PREV=self.block_previous and self.block_size > 0,
+        )
+
+    def ints(self) -> tuple[int, int, int, int]:
+        return (
+            max(self.window_left, 0),
+            max(self.window_right, 0),
+            self.contextual_len,
+            max(self.block_size, 1),
+        )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _arch(device: torch.device) -> str:
+    if _interpreting():
+        return "interpreter"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "sm90"
+    return "default"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if _interpreting() or device.type != "cuda":
+        return 2  # the interpreter runs programs one by one: a small grid tests striding
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+# Programs of a persistent kernel that fit on one SM at once, per compiled variant. Filled
+# from the compiled kernel's registers and shared memory after its first launch (which uses
+# a safe one-per-SM grid).
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _occupancy(compiled: Any, num_warps: int) -> int:
+    try:
+        n_regs = int(compiled.n_regs)
+        shared = int(compiled.metadata.shared)
+    except (AttributeError, TypeError, ValueError):
+        return 1
+    threads = 32 * num_warps
+    by_regs = 65536 // max(n_regs * threads, 1)
+    by_smem = (228 * 1024) // shared if shared > 0 else 32
+    by_threads = 2048 // threads
+    return max(1, min(by_regs, by_smem, by_threads, 8))
+
+
+def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig, key, args, kw):
+    """Launch ``kernel`` on min(upper bound of work items, programs resident at once)."""
+    occ = _OCCUPANCY.get(key, 1)
+    grid = (max(1, min(work_upper_bound, _num_sms(device) * occ)),)
+    compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if key not in _OCCUPANCY and not _interpreting():
+        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index) -> None:
+    assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be (tokens, H, D)"
+    assert q.dtype in _DTYPES, f"triton kernels take bf16/fp16, got {q.dtype}"
+    assert k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share one dtype"
+    assert q.shape[1] == k.shape[1] == v.shape[1], "q, k, v must have the same number of heads"
+    assert q.shape[2] == k.shape[2], "q and k must have the same head dim"
+    assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
+    assert 16 <= q.shape[2] <= 256 and v.shape[2] <= 256, "head dims must be in [16, 256]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.stride(2) == 1, f"{name} must be contiguous in its last dim"
+    for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets), ("kv_index", kv_index)):
+        if t is not None:
+            assert t.device == q.device, f"{name} must be on {q.device}, got {t.device}"
+            assert t.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64"
+    assert q.device == k.device == v.device, "q, k, v must be on one device"
+
+
+def _common(
+    q: torch.Tensor,
+    activation: str,
+    normalization: str,
+    output_scale: float,
+    max_seqlen_kv: int,
+    kv_index: torch.Tensor | None,
+    mask: _Mask,
+    fast_math: bool,
+) -> tuple[float, dict[str, Any]]:
+    """(coef, constexprs shared by all kernels). ``coef = output_scale * normalisation``
+    except the per-sequence ``1 / Lk`` of ``"length"``, which the kernels apply."""
+    assert activation in ACTIVATION_CODES, f"unknown activation {activation!r}"
+    assert normalization in NORMALIZATIONS, f"unknown normalization {normalization!r}"
+    coef = float(output_scale)
+    if normalization == "max_seqlen":
+        coef /= max(max_seqlen_kv, 1)
+    ce = dict(
+        ACT=ACTIVATION_CODES[activation],
+        NORM=_kernels.NORM_KV_LEN if normalization == "length" else 0,
+        HAS_MAP=kv_index is not None,
+        FAST=bool(fast_math) and not _interpreting() and q.device.type == "cuda",
+        **mask.constexprs(),
+    )
+    return coef, ce
+
+
+def _qk_scale(activation: str, scale: float) -> float:
+    # Softmax works in base 2 (exp2 is the native instruction): fold log2(e) into the scale.
+    return scale * math.log2(math.e) if activation == "softmax" else scale
+
+
+def _pick(
+    kernel: str,
+    q: torch.Tensor,
+    activation: str,
+    causal: bool,
+    max_seqlen: int,
+    config: KernelConfig | None,
+) -> KernelConfig:
+    if config is not None:
+        return config
+    key = _configs.config_key(
+        kernel, _arch(q.device), q.shape[2], activation == "softmax", causal, max_seqlen
+    )
+    return _configs.select_config(key)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    activation: str,
+    scale: float,
+    output_scale: float,
+    normalization: str,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    contextual_len: int,
+    block_size: int,
+    block_previous: bool,
+    *,
+    fast_math: bool = True,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of the attention of :mod:`hyperrec.jagged_attn.spec`; returns ``(out, lse)``.
+
+    The positional arguments are those of the ``hyperrec_jagged_attn::attention_*`` custom
+    ops (the tensors, then ``ops.spec_args(spec)``). ``out`` is ``(Tq, H, Dv)`` in the input
+    dtype. ``lse`` (softmax only; an empty tensor otherwise) is ``(H, Tq)`` fp32: the
+    base-2 log-sum-exp of ``log2(e) * s`` over each row's allowed keys, +inf for a row with
+    none; the backward needs it.
+
+    ``max_seqlen_q``/``max_seqlen_kv`` pick the configuration bucket (and ``max_seqlen_kv``
+    is HSTU's divisor); they never size the grid, and nothing is read from the device.
+    ``fast_math`` evaluates tanh (silu, sigmoid, gelu_tanh) with the approximate hardware
+    instruction (relative error ~2^-11, below the bf16 rounding of the weights).
+    ``config`` pins a tile configuration (tests, tuning); default: the shipped table.
+    """
+    _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index)
+    total_q, n_heads, head_dim = q.shape
+    head_dim_v = v.shape[2]
+    n_seq = q_offsets.numel() - 1
+    softmax = activation == "softmax"
+    out = torch.empty((total_q, n_heads, head_dim_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
+    if total_q == 0 or n_seq == 0:
+        return out, lse
+    mask = _Mask(causal, window_left, window_right, contextual_len, block_size, block_previous,
+                 num_targets is not None)  # fmt: skip
+    coef, ce = _common(q, activation, normalization, output_scale, max_seqlen_kv, kv_index,
+                       mask, fast_math)  # fmt: skip
+    cfg = _pick("fwd", q, activation, causal, max(max_seqlen_q, max_seqlen_kv), config)
+    q_offsets, kv_offsets = as_int32(q_offsets), as_int32(kv_offsets)
+    kv_index, num_targets = as_int32(kv_index), as_int32(num_targets)
+    tile_seq, tile_idx, total = q_tile_schedule(
+        q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
+    )
+    unused = total  # a valid pointer for arguments a variant never reads
+    args = (
+        q, k, v, out, lse if softmax else out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), total_q,
+        q_offsets, kv_offsets, unused if kv_index is None else kv_index,
+        unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
+        _qk_scale(activation, scale), coef, *mask.ints(),
+    )  # fmt: skip
+    kw = dict(
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=_pow2(head_dim),
+        BLOCK_DV=_pow2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce,
+    )  # fmt: skip
+    work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
+    key = ("fwd", q.dtype, cfg, tuple(sorted(kw.items())))
+    _launch_persistent(_kernels._fwd_kernel, work, q.device, cfg, key, args, kw)
+    return out, lse
+
+
+def attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    activation: str,
+    scale: float,
+    output_scale: float,
+    normalization: str,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    contextual_len: int,
+    block_size: int,
+    block_previous: bool,
+    *,
+    fast_math: bool = True,
+    deterministic: bool = False,
+    config_dkdv: KernelConfig | None = None,
+    config_dq: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`attention_forward`: ``(dq, dk, dv)`` in the input dtype.
+
+    ``out`` and ``lse`` are the forward's outputs (``lse`` is only read for softmax).
+    dK and dV are accumulated in fp32 registers by one program per key tile and written
+    once. dQ is accumulated in fp32 too, in one of two ways chosen by the dK/dV
+    configuration (``KernelConfig.dq_atomic``): in registers by a second kernel over query
+    tiles (deterministic), or by atomic fp32 adds from the dK/dV kernel into a zeroed buffer
+    (fewer GEMMs; the summation order, hence the last bits, may vary from run to run).
+    ``deterministic=True`` forces the first. With a ``kv_index`` that maps several query
+    sequences to one kv sequence, their dK/dV contributions are summed inside one program;
+    keys that no query reads get zero gradients.
+    """
+    _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index)
+    total_q, n_heads, head_dim = q.shape
+    total_kv, head_dim_v = k.shape[0], v.shape[2]
+    n_seq = q_offsets.numel() - 1
+    n_kv_seq = kv_offsets.numel() - 1
+    softmax = activation == "softmax"
+    assert grad_out.shape == out.shape == (total_q, n_heads, head_dim_v), "grad_out/out shape"
+    assert grad_out.dtype == q.dtype, "grad_out must have the input dtype"
+    assert grad_out.stride(2) == 1 and out.stride(2) == 1, "grad_out/out: last dim contiguous"
+    if softmax:
+        assert lse.shape == (n_heads, total_q) and lse.dtype == torch.float32, "lse shape"
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if total_q == 0 or n_seq == 0 or n_kv_seq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    mask = _Mask(causal, window_left, window_right, contextual_len, block_size, block_previous,
+                 num_targets is not None)  # fmt: skip
+    coef, ce = _common(q, activation, normalization, output_scale, max_seqlen_kv, kv_index,
+                       mask, fast_math)  # fmt: skip
+    qk_scale = _qk_scale(activation, scale)
+    q_offsets, kv_offsets = as_int32(q_offsets), as_int32(kv_offsets)
+    kv_index, num_targets = as_int32(kv_index), as_int32(num_targets)
+    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
+    max_len = max(max_seqlen_q, max_seqlen_kv)
+    if softmax:
+        delta = torch.empty_like(lse)
+        block_t = 64
+        _kernels._bwd_delta_kernel[(triton.cdiv(total_q, block_t), n_heads)](
+            out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0),
+            grad_out.stride(1), delta.stride(0), total_q,
+            HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv, BLOCK_T=block_t,
+        )  # fmt: skip
+        lse_arg, delta_arg, stride_lh = lse, delta, lse.stride(0)
+    else:
+        lse_arg = delta_arg = grad_out  # never read
+        stride_lh = 0
+    targets_arg = num_targets
+
+    # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
+    # tile's share of dQ into a zeroed fp32 buffer, and the dQ kernel is skipped.
+    cfg = _pick("dkdv", q, activation, causal, max_len, config_dkdv)
+    dq_atomic = cfg.dq_atomic and not deterministic
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else dq
+    tile_seq, tile_idx, total, inv_ptr, inv_idx = kv_tile_schedule(
+        q_offsets, kv_offsets, kv_index, cfg.block_n, causal, total_kv
+    )
+    args = (
+        q, k, v, grad_out, lse_arg, delta_arg, dk, dv, dqa,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1), stride_lh,
+        q_offsets, kv_offsets, inv_ptr, inv_idx, total if targets_arg is None else targets_arg,
+        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask.ints(),
+    )  # fmt: skip
+    kw = dict(
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQ_ATOMIC=dq_atomic, **ce,
+    )  # fmt: skip
+    work = work_upper_bound(total_kv, n_kv_seq, cfg.block_n) * n_heads
+    key = ("dkdv", q.dtype, cfg, tuple(sorted(kw.items())))
+    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, key, args, kw)
+    if dq_atomic:
+        return dqa.mul_(scale).to(q.dtype), dk, dv
+
+    # dQ: the forward's schedule (one work item per query tile).
+    cfg = _pick("dq", q, activation, causal, max_len, config_dq)
+    tile_seq, tile_idx, total = q_tile_schedule(
+        q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
+    )
+    args = (
+        q, k, v, grad_out, lse_arg, delta_arg, dq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), stride_lh,
+        q_offsets, kv_offsets, total if kv_index is None else kv_index,
+        total if targets_arg is None else targets_arg, tile_seq, tile_idx, total,
+        qk_scale, scale, coef, *mask.ints(),
+    )  # fmt: skip
+    kw = dict(
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce,
+    )  # fmt: skip
+    work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
+    key = ("dq", q.dtype, cfg, tuple(sorted(kw.items())))
+    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, key, args, kw)
+    return dq, dk, dv

@@ -1,0 +1,170 @@
+"""Device-side tile schedules: built with a few tensor ops, never read on the host.
+
+A schedule lists the work of one kernel as tiles, sorted by estimated cost, heaviest first:
+
+* ``tile_seq`` (int32, U): the sequence of each tile;
+* ``tile_idx`` (int32, U): the tile's index inside its sequence;
+* ``total`` (int32, 1): how many of the U entries are real tiles (the rest sort last).
+
+``U = total_tokens // block + n_seq`` is an upper bound on the tile count that follows
+from tensor *shapes*, so the arrays are allocated and the grid is sized without reading a
+length on the host. The kernel multiplies ``total`` by the number of heads to get its
+work-item count. Cost per tile: the number of keys it visits (a query tile) or of queries
+(a key tile), counting the causal triangle.
+
+Schedules depend only on the offsets (and the query -> kv map), so they are cached per
+offsets *object*: the many attention layers of one step, and their backward passes, reuse
+one schedule. The cache holds weak references and checks PyTorch's version counter, so an
+offsets tensor that is modified in place or freed is never served a stale schedule.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["as_int32", "kv_tile_schedule", "q_tile_schedule", "work_upper_bound"]
+
+_CACHE_SIZE = 32
+_cache: OrderedDict[tuple, tuple[tuple, tuple[int, ...], Any]] = OrderedDict()
+
+
+def _versions(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int, ...] | None:
+    try:
+        return tuple(-1 if t is None else t._version for t in tensors)
+    except RuntimeError:  # inference tensors carry no version counter: do not cache
+        return None
+
+
+def _cached(tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Callable[[], Any]):
+    if torch.compiler.is_compiling():
+        return build()
+    versions = _versions(tensors)
+    if versions is None:
+        return build()
+    key = (tuple(id(t) for t in tensors), extra)
+    hit = _cache.get(key)
+    if hit is not None:
+        refs, old_versions, value = hit
+        alive = all(
+            (r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors)
+        )
+        if alive and old_versions == versions:
+            _cache.move_to_end(key)
+            return value
+    value = build()
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    _cache[key] = (refs, versions, value)
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return value
+
+
+def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as int32 (cached per object), so kernel index arithmetic stays 32-bit."""
+    if t is None or t.dtype == torch.int32:
+        return t
+    return _cached((t,), ("int32",), lambda: t.to(torch.int32))
+
+
+def _lengths(offsets: torch.Tensor) -> torch.Tensor:
+    return (offsets[1:] - offsets[:-1]).to(torch.int64)
+
+
+def work_upper_bound(total_tokens: int, n_seq: int, block: int) -> int:
+    """Tiles of ``block`` rows over sequences of ``total_tokens`` rows: sum ceil(L / block)
+    <= total // block + n_seq. A bound from shapes only (never fewer than 1)."""
+    return max(1, total_tokens // block + n_seq)
+
+
+def _tile_table(tiles: torch.Tensor, upper: int, cost_fn) -> tuple[torch.Tensor, ...]:
+    """(tile_seq, tile_idx, total) for ``tiles[s]`` tiles per sequence, sorted by cost.
+
+    ``cost_fn(seq, idx)`` gives the cost of tile ``idx`` of sequence ``seq`` (int64).
+    """
+    cum = torch.cumsum(tiles, 0)
+    t = torch.arange(upper, device=tiles.device)
+    # tile t belongs to the first sequence whose inclusive prefix sum exceeds t (empty
+    # sequences never do); entries past the real tiles are parked on the last sequence
+    seq = torch.searchsorted(cum, t, right=True).clamp_(max=tiles.numel() - 1)
+    idx = t - (cum[seq] - tiles[seq])
+    cost = torch.where(t < cum[-1], cost_fn(seq, idx), -1)
+    perm = torch.argsort(cost, descending=True, stable=True)
+    total = cum[-1:].to(torch.int32)
+    return seq[perm].to(torch.int32), idx[perm].to(torch.int32), total
+
+
+def q_tile_schedule(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    block_m: int,
+    causal: bool,
+    total_q: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_seq, tile_idx, total) over ``block_m`` query tiles (``total_q`` = q.shape[0])."""
+
+    def build():
+        lq = _lengths(q_offsets)
+        lk = _lengths(kv_offsets)
+        lk_q = lk if kv_index is None else lk[kv_index.long()]
+        tiles = (lq + block_m - 1) // block_m
+        upper = work_upper_bound(total_q, q_offsets.numel() - 1, block_m)
+
+        def cost(seq, idx):
+            keys = lk_q[seq]
+            if causal:  # keys up to the tile's last row on the bottom-right diagonal
+                last = torch.minimum((idx + 1) * block_m, lq[seq]) + keys - lq[seq]
+                keys = torch.minimum(keys, last).clamp_(min=0)
+            return keys + block_m  # + a fixed per-tile overhead
+
+        return _tile_table(tiles, upper, cost)
+
+    return _cached((q_offsets, kv_offsets, kv_index), ("q", block_m, causal, total_q), build)
+
+
+def kv_tile_schedule(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    block_n: int,
+    causal: bool,
+    total_kv: int,
+) -> tuple[torch.Tensor, ...]:
+    """(tile_seq, tile_idx, total, inv_ptr, inv_idx) over ``block_n`` key tiles.
+
+    ``inv_ptr``/``inv_idx`` are the inverse of ``kv_index`` in CSR form: the query sequences
+    that read kv sequence ``kb`` are ``inv_idx[inv_ptr[kb]:inv_ptr[kb + 1]]``. Without a map
+    they are placeholders (the kernel pairs each kv sequence with its own queries).
+    """
+
+    def build():
+        lq = _lengths(q_offsets)
+        lk = _lengths(kv_offsets)
+        tiles = (lk + block_n - 1) // block_n
+        upper = work_upper_bound(total_kv, kv_offsets.numel() - 1, block_n)
+        if kv_index is None:
+            rows = lq
+            inv_ptr = inv_idx = torch.zeros(1, dtype=torch.int32, device=lq.device)
+        else:
+            idx = kv_index.long()
+            rows = torch.zeros_like(lk).index_add_(0, idx, lq)
+            counts = torch.zeros_like(lk).index_add_(0, idx, torch.ones_like(lq))
+            inv_ptr = torch.zeros(lk.numel() + 1, dtype=torch.int32, device=lk.device)
+            inv_ptr[1:] = torch.cumsum(counts, 0)
+            inv_idx = torch.argsort(idx, stable=True).to(torch.int32)
+
+        def cost(seq, tile):
+            r = rows[seq]
+            if causal and kv_index is None:  # queries at or below the tile's first key
+                first_row = (tile * block_n - (lk[seq] - lq[seq])).clamp(min=0)
+                r = (lq[seq] - first_row).clamp_(min=0)
+            return r + block_n
+
+        return (*_tile_table(tiles, upper, cost), inv_ptr, inv_idx)
+
+    return _cached((q_offsets, kv_offsets, kv_index), ("kv", block_n, causal, total_kv), build)
