@@ -1,0 +1,1 @@
+"""Triton kernels (private): the fused MX quantizer and the block-scaled GEMMs."""

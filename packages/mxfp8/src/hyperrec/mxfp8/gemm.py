@@ -1,0 +1,155 @@
+"""Block-scaled GEMMs on MX tensors, and which of them is exact.
+
+``mx_mm(a, b)`` computes ``alpha * a.dequantize() @ b.dequantize() (+ bias)`` with FP32
+accumulation. Kernels (``kernel=``):
+
+* ``"fixup"`` -- FP8 tensor cores (Hopper and later): one FP8 MMA per scale block along
+  K, started from zero, then ``acc += mma * sa * sb`` in FP32. **Exact MX** for
+  ``block_size=32``: every 32-wide block keeps its own scale; the tensor core only ever
+  sums 32 products. The promotion costs two FP32 instructions per output element per
+  block, about as much issue time as the FP8 MMA itself. ``block_size=128`` quantizes
+  with one scale per 128 (a coarser format than MX, the DeepSeek-V3 recipe) and
+  promotes four times less often.
+* ``"upcast"`` -- **exact MX** for ``block_size=32`` on BF16 tensor cores: each FP8
+  element times its power-of-two scale is a BF16 number (exact while the dequantized
+  magnitude is >= 2**-130), BF16 products are exact in FP32 and the accumulator stays in
+  the MMA.
+* ``"cublas"`` -- ``block_size=128`` on cuBLAS's 1x128 block-scaled FP8 GEMM (Hopper,
+  through ``torch.nn.functional.scaled_mm``); same math as ``fixup`` at 128, bias added
+  in the output dtype. Falls back to ``fixup`` where unavailable.
+* ``"dot_scaled"`` -- ``tl.dot_scaled`` with 32-wide scales: native MX MMA on Blackwell
+  (sm100+); elsewhere Triton upcasts to BF16 (exact, slow).
+* ``"auto"`` -- ``block_size=32``: ``dot_scaled`` where :func:`native_mx_supported`, else
+  the exact Hopper kernel; ``block_size=128``: ``cublas`` where available, else ``fixup``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hyperrec.mxfp8._cublas import blockwise_available, blockwise_layouts_ok
+from hyperrec.mxfp8._dispatch import resolve_backend
+from hyperrec.mxfp8._ops import mm_op
+from hyperrec.mxfp8.tensor import MXTensor
+
+__all__ = ["KERNELS", "mx_mm", "native_mx_supported"]
+
+KERNELS = ("auto", "fixup", "upcast", "cublas", "dot_scaled")
+#: The exact (block 32) kernel "auto" picks where MX MMA is not native (Hopper).
+HOPPER_EXACT_KERNEL = "upcast"  # measured faster and more exact than "fixup" on H200
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _native_mx(device_index: int) -> bool:
+    import triton.language as tl
+
+    major, _ = torch.cuda.get_device_capability(device_index)
+    return major >= 10 and hasattr(tl, "dot_scaled")
+
+
+def native_mx_supported(device: torch.device | None = None) -> bool:
+    """True when ``device`` has MX matrix instructions reachable from Triton
+    (compute capability >= 10.0 and ``tl.dot_scaled``); False on Hopper and on CPU."""
+    if not torch.cuda.is_available():
+        return False
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return False
+    return _native_mx(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _auto_kernel(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str:
+    if a.block_size == 32:
+        return "dot_scaled" if native_mx_supported(a.device) else HOPPER_EXACT_KERNEL
+    if (
+        a.block_size == 128
+        and blockwise_available(a.device)
+        and blockwise_layouts_ok(a.data, a.scale, b.data, b.scale, 128, out_dtype)
+    ):
+        return "cublas"
+    return "fixup"
+
+
+def mx_mm(
+    a: MXTensor,
+    b: MXTensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    alpha: float = 1.0,
+    kernel: str = "auto",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``alpha * a.dequantize() @ b.dequantize() + bias`` with FP32 accumulation.
+
+    Args:
+        a: ``(M, K)`` MX tensor blocked along K (``axis=1``, e.g. ``to_mx(x)``).
+        b: ``(K, N)`` MX tensor blocked along K (``axis=0``, e.g. ``to_mx(w).t()`` for a
+            weight ``w`` of shape ``(N, K)``). Same ``block_size`` as ``a``. FP8 elements
+            (E4M3 or E5M2, mixed allowed); MX4 only with ``backend="torch"``.
+        out_dtype: bfloat16 (default), float16 or float32.
+        bias: optional ``(N,)`` tensor added in FP32.
+        alpha: FP32 factor on the product (e.g. ``1/n`` after a Hadamard transform).
+        kernel: ``"auto"``, ``"fixup"``, ``"upcast"``, ``"cublas"`` or ``"dot_scaled"``
+            (see the module docs).
+        backend: ``"auto"`` (Triton on CUDA, the reference on CPU), ``"triton"``, ``"torch"``.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+
+    Raises:
+        TypeError: ``a``/``b`` not MX tensors; bad ``bias`` or ``out_dtype``.
+        ValueError: wrong axes, mismatched K or block sizes, MX4 with Triton, unknown
+            ``kernel``/``backend``.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, MXTensor):
+            raise TypeError(f"{name} must be an MXTensor, got {type(t).__name__}")
+        if len(t.shape) != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if a.axis != 1:
+        raise ValueError("a must be blocked along K (axis=1): use to_mx(x, axis=-1)")
+    if b.axis != 0:
+        raise ValueError("b must be blocked along K (axis=0): use to_mx(w).t() or axis=0")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"inner dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if a.block_size != b.block_size:
+        raise ValueError(f"block sizes differ: a {a.block_size}, b {b.block_size}")
+    if a.device != b.device:
+        raise ValueError(f"a is on {a.device} but b on {b.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a floating-point tensor")
+        if bias.shape != (b.shape[1],) or bias.device != a.device:
+            raise ValueError(f"bias must be ({b.shape[1]},) on {a.device}, got {tuple(bias.shape)}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise TypeError(f"alpha must be a float, got {alpha!r}")
+    impl = resolve_backend(backend, a.device)
+    if impl == "triton":
+        if a.fmt.packed or b.fmt.packed:
+            raise ValueError("MX4 GEMMs are only available with backend='torch'")
+        if kernel == "auto":
+            kernel = _auto_kernel(a, b, out_dtype)
+        if kernel in ("dot_scaled", "upcast") and a.block_size != 32:
+            raise ValueError(f"kernel={kernel!r} needs block_size=32 (the MX block)")
+        if kernel == "cublas" and a.block_size != 128:
+            raise ValueError("kernel='cublas' needs block_size=128")
+        if kernel == "cublas" and not (
+            blockwise_available(a.device)
+            and blockwise_layouts_ok(a.data, a.scale, b.data, b.scale, 128, out_dtype)
+        ):
+            kernel = "fixup"
+        if kernel == "fixup" and a.block_size < 32:
+            raise ValueError("kernel='fixup' needs block_size >= 32 (FP8 MMA has K >= 32)")
+        impl = kernel
+    return mm_op(
+        a.data, a.scale, b.data, b.scale, bias, a.block_size, float(alpha), out_dtype, impl
+    )

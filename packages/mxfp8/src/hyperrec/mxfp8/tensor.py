@@ -1,0 +1,91 @@
+"""``MXTensor``: MX elements plus their E8M0 scales (a plain container, not a subclass)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyperrec.mxfp8 import reference as ref
+from hyperrec.mxfp8.formats import ElemFormat
+
+__all__ = ["MXTensor"]
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """A tensor quantized to an MX format along one dim.
+
+    Build one with :func:`hyperrec.mxfp8.to_mx` or :func:`hyperrec.mxfp8.mx_quantize`.
+
+    Attributes:
+        data: the elements. FP8 formats: ``fmt.storage_dtype`` with the logical
+            ``shape``. MX4: ``uint8`` with two E2M1 codes a byte packed along ``axis``
+            (``shape[axis] / 2`` bytes). May be a non-contiguous view: column-wise copies
+            are stored with the blocked dim contiguous, the layout GEMMs read.
+        scale: ``uint8`` E8M0 bytes, ``shape`` with ``shape[axis]`` replaced by
+            ``ceil(shape[axis] / block_size)``; byte ``b`` means ``2**(b - 127)``, 255 NaN.
+        fmt: the element format.
+        block_size: elements per scale along ``axis``.
+        axis: the blocked dim (non-negative).
+        shape: logical shape of the quantized tensor.
+        orig_dtype: dtype of the tensor that was quantized (the default of
+            :meth:`dequantize`).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: ElemFormat
+    block_size: int
+    axis: int
+    shape: torch.Size
+    orig_dtype: torch.dtype
+
+    @property
+    def elem_dtype(self) -> torch.dtype:
+        """The element dtype (``torch.float4_e2m1fn_x2`` for MX4 where torch has it)."""
+        if self.fmt.packed:
+            return getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+        return self.fmt.storage_dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of ``data`` and ``scale``."""
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``decode(data) * 2**(scale - 127)`` with ``shape``, in ``dtype`` (default
+        ``orig_dtype``). Blocks with a NaN scale dequantize to NaN."""
+        return ref.dequantize(
+            self.data,
+            self.scale,
+            self.fmt,
+            self.block_size,
+            self.axis,
+            self.shape[self.axis],
+            dtype or self.orig_dtype,
+        )
+
+    def t(self) -> MXTensor:
+        """Transpose of a 2-D MX tensor (views, no copy); the blocked dim moves with it.
+
+        Raises:
+            ValueError: not 2-D.
+        """
+        if len(self.shape) != 2:
+            raise ValueError(f"t() needs a 2-D MXTensor, got shape {tuple(self.shape)}")
+        return MXTensor(
+            data=self.data.t(),
+            scale=self.scale.t(),
+            fmt=self.fmt,
+            block_size=self.block_size,
+            axis=1 - self.axis,
+            shape=torch.Size((self.shape[1], self.shape[0])),
+            orig_dtype=self.orig_dtype,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"MXTensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, "
+            f"block_size={self.block_size}, axis={self.axis}, device={self.device})"
+        )
