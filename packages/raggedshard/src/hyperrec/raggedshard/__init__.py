@@ -1,0 +1,55 @@
+"""hyperrec.raggedshard: uneven, block-granular DTensor sharding for flat-buffer FSDP.
+
+- :class:`RaggedShard`: a DTensor placement; rank ``i`` holds ``local_units[i]``
+  consecutive units of the flattened leading ``dims`` (zeros allowed).
+- :func:`plan_layout`: tensors -> offsets in one flat rank-major buffer of equal shards
+  that never cuts a block (:class:`Layout`, pluggable :class:`Strategy`).
+- :func:`redistribute`: every placement pair, one collective per changed mesh axis,
+  differentiable; :func:`from_local`, :func:`distribute_tensor`.
+- Local-shard ops: :func:`ragged_map`, :func:`ragged_foreach`, :func:`total_norm`,
+  :func:`to_local`, :func:`full_tensor`.
+- DCP: :class:`RaggedSavePlanner`, :class:`RaggedLoadPlanner`, :func:`checkpointable`.
+- :mod:`hyperrec.raggedshard.reference`: the single-process spec used by the tests.
+"""
+
+from hyperrec.raggedshard._version import __version__
+from hyperrec.raggedshard.checkpoint import (
+    RaggedLoadPlanner,
+    RaggedSavePlanner,
+    checkpointable,
+    local_chunks,
+)
+from hyperrec.raggedshard.granularity import GranularitySpec, block_numel
+from hyperrec.raggedshard.ops import full_tensor, ragged_foreach, ragged_map, to_local, total_norm
+from hyperrec.raggedshard.placement import RaggedShard
+from hyperrec.raggedshard.planner import STRATEGIES, Layout, Strategy, plan_layout
+from hyperrec.raggedshard.redistribute import (
+    check_placements,
+    distribute_tensor,
+    from_local,
+    redistribute,
+)
+
+__all__ = [
+    "STRATEGIES",
+    "GranularitySpec",
+    "Layout",
+    "RaggedLoadPlanner",
+    "RaggedSavePlanner",
+    "RaggedShard",
+    "Strategy",
+    "__version__",
+    "block_numel",
+    "check_placements",
+    "checkpointable",
+    "distribute_tensor",
+    "from_local",
+    "full_tensor",
+    "local_chunks",
+    "plan_layout",
+    "ragged_foreach",
+    "ragged_map",
+    "redistribute",
+    "to_local",
+    "total_norm",
+]
