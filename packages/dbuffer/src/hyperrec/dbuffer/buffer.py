@@ -1,0 +1,586 @@
+"""DBuffer: one flat, rank-major, zero-copy buffer for a group of same-dtype tensors."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyperrec.dbuffer._layout import Placement, place, uncovered
+from hyperrec.dbuffer._streams import Pending, on_stream
+from hyperrec.raggedshard import plan_layout
+
+__all__ = ["DBuffer"]
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _free(t: torch.Tensor) -> None:
+    # Resizing the storage (not dropping the tensor) keeps every view and every tensor
+    # autograd saved for backward attached to the same storage object, so a later
+    # all-gather into the re-grown storage is seen through all of them.
+    if t.untyped_storage().size() != 0:
+        t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor, numel: int) -> bool:
+    storage = t.untyped_storage()
+    nbytes = numel * t.element_size()
+    if storage.size() == nbytes:
+        return False
+    storage.resize_(nbytes)
+    return True
+
+
+class DBuffer:
+    """A group of tensors laid out in one flat, rank-major buffer planned by raggedshard.
+
+    The buffer holds ``world_size * shard_numel`` elements; rank ``r`` owns elements
+    ``[r * shard_numel, (r + 1) * shard_numel)`` (its *shard*), and tensor ``i`` occupies
+    ``[offset_i, offset_i + numel_i)``. Because the raggedshard planner never lets a shard
+    boundary cut a block of ``granularities[i]`` elements, every rank holds whole blocks
+    (whole rows, whole 2,048-element quantization blocks, whole matrices...).
+
+    Storage:
+
+    * ``shard`` — ``(shard_numel,)`` in ``dtype``, persistent: the master copy this rank
+      owns. Each tensor's local piece is a view of it (:meth:`shard_view`).
+    * ``full`` — ``(world_size * shard_numel,)`` in ``param_dtype``, present only while
+      unsharded; each full tensor is a view of it (:meth:`full_view`). :meth:`unshard` is
+      ONE ``all_gather_into_tensor(full, shard)``: no copy-in, no copy-out. With
+      ``param_dtype != dtype`` the shard is cast straight into this rank's slot of
+      ``full`` and gathered in place. With one rank and no cast, ``full`` *is* ``shard``.
+    * ``grad_full`` — ``(world_size * shard_numel,)`` in ``reduce_dtype``, present while
+      gradients are being produced; each full tensor's gradient is a view of it.
+      :meth:`reduce_grad` is ONE ``reduce_scatter_tensor`` (averaging) into
+      ``grad_shard``, plus one ``all_reduce`` across the replicate axis for HSDP.
+    * ``grad_shard`` — ``(shard_numel,)`` in ``dtype``, persistent once created.
+
+    Full storages are allocated as one block per buffer (the storage object is kept and
+    re-grown, so views and saved tensors stay valid) and freed with :meth:`reshard` /
+    after the reduction; buffers of equal size therefore reuse the same allocator blocks.
+
+    Args:
+        shapes: shape of each tensor (any number of dims; zero-size tensors allowed).
+        mesh: ``None`` (one process), a 1-D ``DeviceMesh`` (shard across it) or a 2-D
+            mesh ``(replicate, shard)`` for HSDP. Default ``None``.
+        dtype: dtype of the shard (master) storage. Default ``torch.float32``.
+        param_dtype: dtype of the full (unsharded) storage. Default ``dtype``.
+        reduce_dtype: dtype gradients are produced and reduced in. Default ``param_dtype``.
+        device: device of all storages. Default: the mesh's device (the current CUDA
+            device for a CUDA mesh) or the CPU.
+        granularities: per tensor, the block size in elements that no shard boundary may
+            cut (1 = element-wise, ``shape[1:]`` product = rows, ``numel`` = whole tensor).
+            Default all 1.
+        alignment: every tensor starts at a multiple of this many elements. Default 1.
+        names: one name per tensor for :meth:`state_dict`. Default ``"0"``, ``"1"``, ...
+
+    Raises:
+        TypeError: ``shapes`` is not a sequence of shapes; a dtype is not a floating dtype.
+        ValueError: ``granularities``/``names`` of the wrong length, non-positive
+            granularity or alignment, a mesh of more than 2 axes.
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]],
+        *,
+        mesh: DeviceMesh | None = None,
+        dtype: torch.dtype = torch.float32,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        granularities: Sequence[int] | None = None,
+        alignment: int = 1,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        if isinstance(shapes, torch.Tensor) or not isinstance(shapes, Sequence):
+            raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.numels = [s.numel() for s in self.shapes]
+        n = len(self.shapes)
+        self.dtype = dtype
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        for name, dt in (
+            ("dtype", self.dtype),
+            ("param_dtype", self.param_dtype),
+            ("reduce_dtype", self.reduce_dtype),
+        ):
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        granularities = [1] * n if granularities is None else [int(g) for g in granularities]
+        if len(granularities) != n:
+            raise ValueError(f"granularities has {len(granularities)} entries for {n} tensors")
+        if any(g < 1 for g in granularities):
+            raise ValueError(f"granularities must be >= 1, got {granularities}")
+        if not isinstance(alignment, int) or alignment < 1:
+            raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+        self.names = [str(i) for i in range(n)] if names is None else [str(x) for x in names]
+        if len(self.names) != n or len(set(self.names)) != n:
+            raise ValueError(f"names must be {n} distinct strings, got {names!r}")
+        self.granularities = granularities
+
+        self.mesh = mesh
+        if mesh is None:
+            self.world_size, self.rank = 1, 0
+            self._shard_group = self._replicate_group = None
+        else:
+            if mesh.ndim not in (1, 2):
+                raise ValueError(f"mesh must have 1 axis (FSDP) or 2 (HSDP), got {mesh.ndim}")
+            self._shard_group = mesh.get_group(mesh.ndim - 1)
+            self._replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+            self.world_size = mesh.size(mesh.ndim - 1)
+            self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        if device is None:
+            if mesh is not None and mesh.device_type == "cuda":
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device(mesh.device_type if mesh is not None else "cpu")
+        self.device = torch.device(device)
+
+        # Zero-numel tensors still get a placement (all-empty ranges).
+        self.layout = plan_layout(self.numels, granularities, self.world_size, alignment=alignment)
+        self.shard_numel = int(self.layout.shard_numel)
+        self.placements: list[Placement] = place(
+            self.numels, [int(o) for o in self.layout.offsets], self.shard_numel, self.world_size
+        )
+        S, W = self.shard_numel, self.world_size
+        self._gaps = uncovered(self.placements, 0, W * S)
+
+        self.shard = torch.zeros(S, dtype=dtype, device=self.device)
+        # With one rank and no cast the full buffer is the shard itself: nothing to
+        # gather, nothing to allocate.
+        self._full_aliases_shard = W == 1 and self.param_dtype == dtype
+        if self._full_aliases_shard:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(W * S, dtype=self.param_dtype, device=self.device)
+        # With one rank on the shard axis gradients land directly in grad_shard; HSDP
+        # replicas then average it in place (a held gradient is equal on all replicas,
+        # so averaging old + new gives old + the average of new).
+        self._grad_full_aliases_shard = W == 1 and self.reduce_dtype == dtype
+        self._grad_shard: torch.Tensor | None = None
+        self._grad_full: torch.Tensor | None = None
+        self._grad_full_live = False
+        self._has_grad = False
+        self._unshard_pending: Pending | None = None
+        self._reduce_pending: Pending | None = None
+        self._full_views = [
+            self.full[p.offset : p.offset + p.numel].view(s)
+            for p, s in zip(self.placements, self.shapes)
+        ]
+        self._shard_views = [self.shard[slice(*p.local(self.rank, S))] for p in self.placements]
+        # Views are made while the storage exists; freeing it afterwards keeps them valid.
+        if not self._full_aliases_shard:
+            _free(self.full)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], **kwargs: Any) -> DBuffer:
+        """A buffer shaped like ``tensors`` (same values on every rank) holding their shards.
+
+        ``dtype`` and ``device`` default to those of the first tensor. Other keyword
+        arguments as for :class:`DBuffer`.
+        """
+        tensors = list(tensors)
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("tensors must be a non-empty sequence of tensors")
+        kwargs.setdefault("dtype", tensors[0].dtype)
+        kwargs.setdefault("device", tensors[0].device)
+        buf = cls([t.shape for t in tensors], **kwargs)
+        buf.copy_from_full_(tensors)
+        return buf
+
+    @torch.no_grad()
+    def copy_from_full_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Fill this rank's shard from full tensors (identical on every rank); init-time only.
+
+        Raises:
+            ValueError: wrong number of tensors or a shape mismatch.
+        """
+        if len(tensors) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} tensors, got {len(tensors)}")
+        for i, (t, s) in enumerate(zip(tensors, self.shapes)):
+            if t.shape != s:
+                raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, expected {tuple(s)}")
+            lo, hi = self.placements[i].ranges[self.rank]
+            self._shard_views[i].copy_(t.detach().reshape(-1)[lo:hi])
+
+    # ----------------------------------------------------------------------- views
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the flat elements of tensor ``i`` held by ``rank`` (default: self)."""
+        return self.placements[i].ranges[self.rank if rank is None else rank]
+
+    def shard_view(self, i: int) -> torch.Tensor:
+        """1-D view of this rank's piece of tensor ``i`` inside :attr:`shard` (may be empty)."""
+        return self._shard_views[i]
+
+    def full_view(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` (its full shape) as a view of :attr:`full`; valid while unsharded."""
+        return self._full_views[i]
+
+    def flat_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor ``i``'s local piece of any ``(shard_numel,)`` tensor (optimizer states...).
+
+        Raises:
+            ValueError: ``flat`` is not 1-D of ``shard_numel`` elements.
+        """
+        if flat.dim() != 1 or flat.numel() != self.shard_numel:
+            raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
+        return flat[slice(*self.placements[i].local(self.rank, self.shard_numel))]
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the full storage currently holds memory."""
+        return self.full.untyped_storage().size() != 0
+
+    @property
+    def padding(self) -> int:
+        """Elements of the flat buffer that belong to no tensor (all ranks together)."""
+        return self.world_size * self.shard_numel - sum(self.numels)
+
+    # ------------------------------------------------------------- all-gather side
+    @torch.no_grad()
+    def unshard(self, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Materialise every full tensor: one ``all_gather_into_tensor``, zero copies.
+
+        On CUDA the gather runs on ``stream`` (default: the current stream) after work
+        already queued; call :meth:`wait_unshard` before using the full views. A second
+        call while unsharded is a no-op.
+        """
+        if self._full_aliases_shard or self._unshard_pending is not None or self.is_unsharded:
+            return
+        # Allocate on the current stream: the side stream waits for it below, and the
+        # block is later freed on the current stream after the consumer's wait.
+        _alloc(self.full, self.world_size * self.shard_numel)
+        S, r = self.shard_numel, self.rank
+        # Refilling the storage is not a modification autograd must see: tensors saved
+        # in forward are views of it and must read the re-gathered values in backward.
+        with (
+            on_stream(stream, self.device),
+            torch.autograd._unsafe_preserve_version_counter(self.full),
+        ):
+            src = self.shard
+            if self.param_dtype != self.dtype:
+                # The cast the mixed-precision policy asks for, written straight into
+                # this rank's slot of the output: the gather then runs in place.
+                src = self.full[r * S : (r + 1) * S]
+                src.copy_(self.shard)
+            if self.world_size > 1:
+                _all_gather(self.full, src, group=self._shard_group)
+            self._unshard_pending = Pending(self.device)
+
+    def wait_unshard(self) -> None:
+        """Order the current stream after the pending :meth:`unshard` (no-op if none)."""
+        if self._unshard_pending is not None:
+            self._unshard_pending.wait()
+            self._unshard_pending = None
+
+    def reshard(self) -> None:
+        """Free the full storage (views stay valid objects; no-op when it aliases the shard)."""
+        self.wait_unshard()
+        if not self._full_aliases_shard:
+            _free(self.full)
+
+    # ---------------------------------------------------------- reduce-scatter side
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """``(shard_numel,)`` gradient of the shard in ``dtype`` (zeros when (re)allocated)."""
+        g = self._grad_storage()
+        if _alloc(g, self.shard_numel):
+            g.zero_()
+        return g
+
+    def _grad_storage(self) -> torch.Tensor:
+        # The tensor object (and so every view of it) lives as long as the buffer; its
+        # memory may be released between steps (see drop_grad_).
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self._grad_shard
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether :attr:`grad_shard` holds a reduced gradient (cleared by :meth:`zero_grad_`)."""
+        return self._has_grad
+
+    @property
+    def grad_full(self) -> torch.Tensor:
+        """``(world_size * shard_numel,)`` unreduced gradient in ``reduce_dtype``."""
+        if self._grad_full is None:
+            if self._grad_full_aliases_shard:
+                self._grad_full = self.grad_shard
+            else:
+                self._grad_full = torch.empty(
+                    self.world_size * self.shard_numel,
+                    dtype=self.reduce_dtype,
+                    device=self.device,
+                )
+            self._grad_full_views = [
+                self._grad_full[p.offset : p.offset + p.numel].view(s)
+                for p, s in zip(self.placements, self.shapes)
+            ]
+            if not self._grad_full_aliases_shard:
+                _free(self._grad_full)
+        return self._grad_full
+
+    def grad_full_view(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s gradient (full shape) as a view of :attr:`grad_full`."""
+        self.grad_full  # noqa: B018  (creates the views on first use)
+        return self._grad_full_views[i]
+
+    def grad_shard_view(self, i: int) -> torch.Tensor:
+        """1-D view of this rank's piece of tensor ``i``'s gradient inside :attr:`grad_shard`."""
+        return self.flat_view(self.grad_shard, i)
+
+    @property
+    def grad_full_live(self) -> bool:
+        """Whether :attr:`grad_full` currently holds gradients waiting for :meth:`reduce_grad`."""
+        return self._grad_full_live
+
+    @torch.no_grad()
+    def begin_grad(self, *, zero: bool = True) -> torch.Tensor:
+        """Make :attr:`grad_full` ready to receive gradients and return it.
+
+        Allocates it (one block) if needed. With ``zero=True`` it is zeroed by one kernel
+        unless it already holds gradients of this accumulation window (then gradients
+        keep accumulating). When ``grad_full`` aliases ``grad_shard`` (one rank) and the
+        shard already holds a reduced gradient, it is not zeroed either, so gradients
+        accumulate across optimizer-free backward passes exactly as with more ranks.
+        """
+        g = self.grad_full
+        if self._grad_full_live:
+            return g
+        self.wait_reduce()
+        if not self._grad_full_aliases_shard:
+            _alloc(g, self.world_size * self.shard_numel)
+            if zero:
+                g.zero_()
+        elif _alloc(g, self.shard_numel) or (not self._has_grad and zero):
+            g.zero_()
+        self._grad_full_live = True
+        return g
+
+    @torch.no_grad()
+    def zero_grad_padding_(self) -> None:
+        """Zero the parts of :attr:`grad_full` that belong to no tensor (before a reduce)."""
+        for a, b in self._gaps:
+            self.grad_full[a:b].zero_()
+
+    @torch.no_grad()
+    def reduce_grad(self, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Average :attr:`grad_full` over all data-parallel ranks into :attr:`grad_shard`.
+
+        One ``reduce_scatter_tensor`` over the shard axis (in ``reduce_dtype``), then for
+        HSDP one ``all_reduce`` over the replicate axis of this rank's slice only. If
+        ``grad_shard`` already holds a gradient (accumulation across synced backward
+        passes) the new one is added to it, else it is overwritten. On CUDA this runs on
+        ``stream``; call :meth:`wait_reduce` before reading ``grad_shard``. ``grad_full``
+        is released once the reduction is done.
+
+        Raises:
+            RuntimeError: no gradients were begun with :meth:`begin_grad`.
+        """
+        if not self._grad_full_live:
+            raise RuntimeError("reduce_grad() without begin_grad(): no gradients to reduce")
+        self.wait_reduce()
+        S, r, W = self.shard_numel, self.rank, self.world_size
+        g, out = self._grad_full, self._grad_storage()
+        if _alloc(out, S) and self._has_grad:
+            raise RuntimeError("grad_shard was released while holding a gradient")
+        with on_stream(stream, self.device):
+            if self._grad_full_aliases_shard:
+                # One rank on the shard axis: the gradient already sits in grad_shard.
+                if self._replicate_group is not None:
+                    dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self._replicate_group)
+            elif not self._has_grad and self.reduce_dtype == self.dtype:
+                _reduce_scatter(out, g, op=dist.ReduceOp.AVG, group=self._shard_group)
+                if self._replicate_group is not None:
+                    dist.all_reduce(out, op=dist.ReduceOp.AVG, group=self._replicate_group)
+            else:
+                # Accumulating (or casting): reduce in place into this rank's slot of
+                # grad_full, then one add/cast kernel into grad_shard.
+                mine = g[r * S : (r + 1) * S]
+                if W > 1:
+                    _reduce_scatter(mine, g, op=dist.ReduceOp.AVG, group=self._shard_group)
+                if self._replicate_group is not None:
+                    dist.all_reduce(mine, op=dist.ReduceOp.AVG, group=self._replicate_group)
+                if self._has_grad:
+                    out.add_(mine)
+                else:
+                    out.copy_(mine)
+            keep = None if self._grad_full_aliases_shard else g
+            self._reduce_pending = Pending(self.device, keepalive=keep)
+        self._has_grad = True
+        self._grad_full_live = False
+
+    def wait_reduce(self) -> None:
+        """Order the current stream after the pending :meth:`reduce_grad`; free ``grad_full``."""
+        if self._reduce_pending is not None:
+            self._reduce_pending.wait()
+            self._reduce_pending = None
+            if not self._grad_full_aliases_shard and not self._grad_full_live:
+                _free(self._grad_full)
+
+    def discard_grad_full(self) -> None:
+        """Drop unreduced gradients (e.g. after an aborted step) and free their storage."""
+        self.wait_reduce()
+        self._grad_full_live = False
+        if self._grad_full is not None and not self._grad_full_aliases_shard:
+            _free(self._grad_full)
+
+    # ------------------------------------------------------------------- group ops
+    @torch.no_grad()
+    def zero_grad_(self) -> None:
+        """Zero :attr:`grad_shard` (one kernel) and mark it empty for the next reduce."""
+        self.wait_reduce()
+        if self._grad_shard is not None:
+            self._grad_shard.zero_()
+        self._has_grad = False
+
+    def drop_grad_(self, *, release: bool = False) -> None:
+        """Mark :attr:`grad_shard` empty without writing it: the next reduce overwrites it.
+
+        With ``release=True`` its memory is also returned until the next reduction (the
+        tensor object and its views stay valid), as ``zero_grad(set_to_none=True)``
+        frees gradients between steps.
+        """
+        self.wait_reduce()
+        self._has_grad = False
+        if release and self._grad_shard is not None and not self._grad_full_live:
+            _free(self._grad_shard)
+
+    @torch.no_grad()
+    def scale_grad_(self, factor: float | torch.Tensor) -> None:
+        """``grad_shard *= factor`` in one kernel."""
+        self.grad_shard.mul_(factor)
+
+    @torch.no_grad()
+    def add_(self, other: DBuffer | torch.Tensor, *, alpha: float = 1.0) -> None:
+        """``shard += alpha * other`` in one kernel; ``other`` a same-layout buffer or flat tensor.
+
+        Raises:
+            ValueError: ``other`` has another layout or shape.
+        """
+        if isinstance(other, DBuffer):
+            if other.layout != self.layout or other.shapes != self.shapes:
+                raise ValueError("other must be a DBuffer with the same shapes and layout")
+            other = other.shard
+        if other.shape != self.shard.shape:
+            raise ValueError(f"other must have shape ({self.shard_numel},), got {other.shape}")
+        self.shard.add_(other, alpha=alpha)
+
+    @torch.no_grad()
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's :attr:`grad_shard` in fp32 (padding is zero).
+
+        The global squared norm is the sum of this over the shard axis; see
+        :func:`hyperrec.dbuffer.clip_grad_norm_`.
+        """
+        g = self.grad_shard
+        return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+    @torch.no_grad()
+    def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Full values of every tensor from a ``(shard_numel,)`` tensor (default :attr:`shard`).
+
+        One all-gather into a fresh buffer (the live full storage is not touched), then
+        one clone per tensor. Collective over the shard axis. For checkpoints that need a
+        single file, tests and debugging; training never calls it.
+        """
+        flat = self.shard if flat is None else flat
+        if flat.dim() != 1 or flat.numel() != self.shard_numel:
+            raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
+        if self.world_size > 1:
+            full = flat.new_empty(self.world_size * self.shard_numel)
+            _all_gather(full, flat.contiguous(), group=self._shard_group)
+        else:
+            full = flat
+        return [
+            full[p.offset : p.offset + p.numel].view(s).clone()
+            for p, s in zip(self.placements, self.shapes)
+        ]
+
+    # ------------------------------------------------------------------ state dict
+    def as_dtensors(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each tensor's piece of ``flat`` (default :attr:`shard`) as a ragged DTensor view.
+
+        Without a mesh the pieces are plain tensors of the full shapes. Any
+        ``(shard_numel,)`` tensor works, e.g. a flat optimizer state. No copies.
+        """
+        from hyperrec.dbuffer._ragged import dtensor_view
+
+        flat = self.shard if flat is None else flat
+        out = []
+        for i, shape in enumerate(self.shapes):
+            local = self.flat_view(flat, i)
+            if self.mesh is None:
+                out.append(local.view(shape))
+            else:
+                ranges = self.placements[i].ranges
+                out.append(dtensor_view(local, shape, ranges, self.mesh))
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{name: tensor}`` with every tensor a zero-copy view of this rank's shard.
+
+        With a mesh the values are DTensors with ``RaggedShard`` placements, so
+        ``torch.distributed.checkpoint`` saves and reloads them onto any world size.
+        """
+        return dict(zip(self.names, self.as_dtensors()))
+
+    @torch.no_grad()
+    def load_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+    ) -> None:
+        """Copy values into the shard: ragged DTensors with the same layout copy locally;
+        other DTensors are redistributed; plain tensors are taken as full values.
+
+        Raises:
+            KeyError: a name is missing (``strict``) or unknown.
+            ValueError: a value has the wrong shape.
+        """
+        unknown = set(state_dict) - set(self.names)
+        if unknown:
+            raise KeyError(f"unexpected keys {sorted(unknown)}")
+        views = self.as_dtensors()
+        for i, name in enumerate(self.names):
+            if name not in state_dict:
+                if strict:
+                    raise KeyError(f"missing key {name!r}")
+                continue
+            src, dst = state_dict[name], views[i]
+            if tuple(src.shape) != tuple(self.shapes[i]):
+                raise ValueError(
+                    f"{name!r} has shape {tuple(src.shape)}, expected {tuple(self.shapes[i])}"
+                )
+            _copy_into(dst, src, self.local_range(i), self.shard_view(i))
+
+
+def _copy_into(
+    dst: torch.Tensor, src: torch.Tensor, local: tuple[int, int], flat_dst: torch.Tensor
+) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, DTensor):
+        if isinstance(dst, DTensor) and src.placements == dst.placements:
+            flat_dst.copy_(src.to_local().reshape(-1))
+            return
+        if isinstance(dst, DTensor):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                src = src.redistribute(dst.device_mesh, dst.placements).to_local()
+            flat_dst.copy_(src.reshape(-1))
+            return
+        src = src.full_tensor()
+    lo, hi = local
+    flat_dst.copy_(src.reshape(-1)[lo:hi].to(flat_dst.dtype))

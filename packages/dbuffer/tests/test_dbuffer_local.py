@@ -1,0 +1,220 @@
+"""Single-process DBuffer checks: layout arithmetic, views, group ops, errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyperrec.dbuffer import DBuffer, clip_grad_norm_, flat_params, grad_norm, zero_grad_
+from hyperrec.dbuffer._layout import place, uncovered
+from hyperrec.raggedshard import plan_layout
+
+
+def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
+    lo = base.untyped_storage().data_ptr()
+    hi = lo + base.untyped_storage().nbytes()
+    if view.untyped_storage().data_ptr() != lo:
+        return False
+    if view.numel() == 0:
+        return True
+    start = view.data_ptr()
+    return lo <= start and (start + view.numel() * view.element_size() <= hi)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    numels=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    world=st.integers(1, 9),
+    block=st.sampled_from([1, 2, 7, 32]),
+)
+def test_place_partitions_every_tensor(numels, world, block):
+    grans = [min(block, max(n, 1)) for n in numels]
+    layout = plan_layout(numels, grans, world)
+    S = int(layout.shard_numel)
+    places = place(numels, [int(o) for o in layout.offsets], S, world)
+    for p, n, g in zip(places, numels, grans):
+        # Rank ranges tile [0, n) in order, and every cut falls on a block edge.
+        assert p.ranges[0][0] == 0 and p.ranges[-1][1] == n
+        for (a, b), (c, d) in zip(p.ranges, p.ranges[1:]):
+            assert b == c and a <= b and c <= d
+        for a, b in p.ranges:
+            assert (a % g == 0 or a == n) and (b % g == 0 or b == n)
+        for r in range(world):
+            lo, hi = p.local(r, S)
+            assert 0 <= lo <= hi <= S and hi - lo == p.ranges[r][1] - p.ranges[r][0]
+    covered = sum(numels) + sum(b - a for a, b in uncovered(places, 0, world * S))
+    assert covered == world * S
+
+
+def test_place_rejects_overlap_and_overflow():
+    with pytest.raises(ValueError, match="overlaps"):
+        place([4, 4], [0, 2], 8, 1)
+    with pytest.raises(ValueError, match="outside"):
+        place([4], [6], 4, 2)
+    with pytest.raises(ValueError, match="offsets"):
+        place([4, 4], [0], 8, 1)
+
+
+def test_views_alias_the_flat_storage_single_rank():
+    torch.manual_seed(0)
+    ts = [torch.randn(3, 4), torch.randn(5), torch.randn(0, 3), torch.randn(2, 2, 2)]
+    buf = DBuffer.from_tensors(ts, granularities=[4, 1, 1, 8])
+    assert buf.full is buf.shard  # one rank, no cast: nothing to gather or allocate
+    for i, t in enumerate(ts):
+        assert _inside(buf.shard_view(i), buf.shard)
+        assert _inside(buf.full_view(i), buf.shard)
+        assert torch.equal(buf.full_view(i), t)
+    buf.unshard()
+    buf.wait_unshard()
+    buf.reshard()
+    assert buf.is_unsharded  # aliasing storage is never freed
+
+
+def test_cast_unshard_and_free_single_rank():
+    ts = [torch.randn(4, 4), torch.randn(3)]
+    buf = DBuffer.from_tensors(ts, param_dtype=torch.bfloat16)
+    assert not buf.is_unsharded
+    buf.unshard()
+    buf.wait_unshard()
+    for i, t in enumerate(ts):
+        assert buf.full_view(i).dtype == torch.bfloat16
+        assert torch.equal(buf.full_view(i), t.to(torch.bfloat16))
+        assert _inside(buf.full_view(i), buf.full)
+    ptr = buf.full.untyped_storage()
+    buf.reshard()
+    assert not buf.is_unsharded and buf.full.untyped_storage().size() == 0
+    buf.unshard()
+    buf.wait_unshard()
+    assert buf.full.untyped_storage() is not None and ptr.size() > 0  # same storage, regrown
+    assert torch.equal(buf.full_view(0), ts[0].to(torch.bfloat16))
+
+
+def test_grad_accumulates_in_place_single_rank():
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    buf = DBuffer.from_tensors(ts)
+    g = buf.begin_grad()
+    assert g is buf.grad_shard  # one rank: unreduced gradient == reduced gradient
+    buf.grad_full_view(0).add_(1.0)
+    buf.reduce_grad()
+    buf.wait_reduce()
+    assert buf.has_grad and torch.equal(buf.grad_shard_view(0), torch.ones(12))
+    buf.begin_grad()
+    buf.grad_full_view(0).add_(2.0)
+    buf.reduce_grad()
+    assert torch.equal(buf.grad_shard_view(0), torch.full((12,), 3.0))  # accumulated
+    assert torch.equal(buf.grad_shard_view(1), torch.zeros(5))
+    buf.drop_grad_(release=True)
+    assert buf._grad_shard.untyped_storage().size() == 0
+    buf.begin_grad()
+    assert torch.equal(buf.grad_shard, torch.zeros(buf.shard_numel))  # fresh window
+    with pytest.raises(RuntimeError, match="begin_grad"):
+        DBuffer.from_tensors(ts).reduce_grad()
+
+
+def test_reduce_casts_into_master_dtype():
+    ts = [torch.randn(3, 4)]
+    buf = DBuffer.from_tensors(ts, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    buf.begin_grad()
+    assert buf.grad_full.dtype == torch.bfloat16
+    buf.grad_full_view(0).copy_(torch.full((3, 4), 0.5))
+    buf.reduce_grad()
+    buf.wait_reduce()
+    assert buf.grad_shard.dtype == torch.float32
+    assert torch.equal(buf.grad_shard_view(0), torch.full((12,), 0.5))
+    assert buf.grad_full.untyped_storage().size() == 0  # released after the reduction
+
+
+def test_group_ops_match_torch():
+    torch.manual_seed(1)
+    ts = [torch.randn(7, 3), torch.randn(11), torch.randn(2, 5)]
+    grads = [torch.randn_like(t) for t in ts]
+    bufs = [DBuffer.from_tensors(ts[:2]), DBuffer.from_tensors(ts[2:])]
+    for b, gs in zip(bufs, (grads[:2], grads[2:])):
+        b.begin_grad()
+        for i, gr in enumerate(gs):
+            b.grad_full_view(i).copy_(gr)
+        b.reduce_grad()
+    ref = [t.clone().requires_grad_() for t in ts]
+    for r, gr in zip(ref, grads):
+        r.grad = gr.clone()
+    torch.testing.assert_close(
+        grad_norm(bufs), torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+    )
+    n_ref = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    n = clip_grad_norm_(bufs, 0.5)
+    torch.testing.assert_close(n, n_ref)
+    got = [bufs[0].grad_full_view(0), bufs[0].grad_full_view(1), bufs[1].grad_full_view(0)]
+    for gv, r in zip(got, ref):
+        torch.testing.assert_close(gv, r.grad)
+    # Fused AdamW over the flat storages == per-tensor AdamW.
+    opt = torch.optim.AdamW(flat_params(bufs), lr=0.1, fused=True)
+    opt_ref = torch.optim.AdamW(ref, lr=0.1, fused=True)
+    opt.step()
+    opt_ref.step()
+    for v, r in zip([bufs[0].full_view(0), bufs[0].full_view(1), bufs[1].full_view(0)], ref):
+        torch.testing.assert_close(v, r.detach(), rtol=0, atol=0)
+    bufs[0].scale_grad_(2.0)
+    bufs[0].add_(bufs[0], alpha=-0.5)
+    torch.testing.assert_close(bufs[0].full_view(1), ref[1].detach() * 0.5)
+    zero_grad_(bufs)
+    assert all(not b.has_grad and not b.grad_shard.any() for b in bufs)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(bufs, 0.0)
+    with pytest.raises(TypeError, match="DBuffer"):
+        grad_norm([torch.zeros(2)])
+    with pytest.raises(ValueError, match="same shapes"):
+        bufs[0].add_(bufs[1])
+
+
+def test_state_dict_round_trip_single_rank():
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    buf = DBuffer.from_tensors(ts, names=["w", "b"])
+    sd = buf.state_dict()
+    assert set(sd) == {"w", "b"} and _inside(sd["w"], buf.shard)
+    other = DBuffer([t.shape for t in ts], names=["w", "b"])
+    other.load_state_dict({k: v.clone() for k, v in sd.items()})
+    assert torch.equal(other.shard, buf.shard)
+    with pytest.raises(KeyError, match="missing"):
+        other.load_state_dict({"w": ts[0]})
+    with pytest.raises(KeyError, match="unexpected"):
+        other.load_state_dict({"w": ts[0], "b": ts[1], "c": ts[1]})
+    with pytest.raises(ValueError, match="shape"):
+        other.load_state_dict({"w": ts[1], "b": ts[1]})
+
+
+def test_gather_full_of_flat_state():
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    buf = DBuffer.from_tensors(ts)
+    state = torch.arange(buf.shard_numel, dtype=torch.float32)
+    full = buf.gather_full(state)
+    assert torch.equal(full[0].reshape(-1), state[: ts[0].numel()])
+    with pytest.raises(ValueError, match="flat"):
+        buf.gather_full(torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"shapes": torch.zeros(3)}, TypeError, "shapes"),
+        ({"shapes": [(2,)], "dtype": torch.int32}, TypeError, "dtype"),
+        ({"shapes": [(2,)], "reduce_dtype": "fp32"}, TypeError, "reduce_dtype"),
+        ({"shapes": [(2,)], "granularities": [1, 2]}, ValueError, "granularities"),
+        ({"shapes": [(2,)], "granularities": [0]}, ValueError, "granularities"),
+        ({"shapes": [(2,)], "alignment": 0}, ValueError, "alignment"),
+        ({"shapes": [(2,), (3,)], "names": ["a", "a"]}, ValueError, "names"),
+    ],
+)
+def test_bad_arguments(kwargs, err, match):
+    shapes = kwargs.pop("shapes")
+    with pytest.raises(err, match=match):
+        DBuffer(shapes, **kwargs)
+
+
+def test_from_tensors_errors():
+    with pytest.raises(TypeError, match="tensors"):
+        DBuffer.from_tensors([])
+    buf = DBuffer([(2, 2)])
+    with pytest.raises(ValueError, match="shape"):
+        buf.copy_from_full_([torch.zeros(3)])
+    with pytest.raises(ValueError, match="expected 1"):
+        buf.copy_from_full_([])

@@ -1,0 +1,481 @@
+"""hyperrec fully_shard vs PyTorch FSDP2: same run, same model, same batch.
+
+Launch on any number of GPUs (or CPU processes with gloo)::
+
+    torchrun --nproc_per_node 8 packages/parallel5d/bench/bench_fsdp.py --model llama gem
+    torchrun --nproc_per_node 4 packages/parallel5d/bench/bench_fsdp.py --device cpu --preset tiny
+
+Without torchrun it runs as one process. For each model and each variant it builds the
+model from the same seed, applies ``fully_shard`` per block and at the root (both
+libraries, same mixed-precision policy and ``reshard_after_forward``), and measures:
+
+* step time (median of the timed steps, forward + backward + optimizer step);
+* peak allocated / reserved memory over the timed steps (CUDA), or the peak of live
+  tensor bytes over one step from ``MemTracker`` (CPU);
+* collectives per step (c10d ops seen by a dispatch mode) and their bytes;
+* bytes written by copy kernels per step (same-dtype layout copies and dtype casts
+  reported apart; copy-in/copy-out of FSDP2 shows as the former).
+
+Rank 0 prints a table and writes JSON (``--out``) with the machine description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ----------------------------------------------------------------------------- models
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, head_dim: int = 128) -> None:
+        super().__init__()
+        self.heads = dim // head_dim
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, -1).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(
+            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
+        )
+        return self.wo(o.transpose(1, 2).reshape(b, s, d))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """Llama-like decoder stack (no RoPE: it does not change the sharding work)."""
+
+    def __init__(self, layers: int, dim: int, ffn: int, vocab: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([LlamaBlock(dim, ffn) for _ in range(layers)])
+        self.norm = nn.RMSNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        ids, target = batch
+        h = self.tok(ids)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.out(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+class GEMBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class GEMTower(nn.Module):
+    """GEM-like dense tower: many small per-feature projections feeding an MLP stack and
+    several task heads — many uneven tensors, the case FSDP2 pads and copies the most."""
+
+    def __init__(self, layers: int, dim: int, features: int, feat_dim: int, tasks: int) -> None:
+        super().__init__()
+        self.feat_dim = feat_dim
+        self.features = nn.ModuleList([nn.Linear(feat_dim, 48) for _ in range(features)])
+        self.proj = nn.Linear(48 * features, dim)
+        self.layers = nn.ModuleList([GEMBlock(dim, 4 * dim) for _ in range(layers)])
+        self.heads = nn.ModuleList(
+            [nn.Sequential(nn.Linear(dim, 500), nn.ReLU(), nn.Linear(500, 1)) for _ in range(tasks)]
+        )
+
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        parts = x.split(self.feat_dim, dim=1)
+        h = self.proj(torch.cat([f(p) for f, p in zip(self.features, parts)], dim=1))
+        for layer in self.layers:
+            h = layer(h)
+        logits = torch.cat([head(h) for head in self.heads], dim=1)
+        return F.binary_cross_entropy_with_logits(logits.float(), y)
+
+
+PRESETS = {
+    # name: (constructor kwargs, batch maker)
+    "llama": dict(kind="llama", layers=8, dim=4096, ffn=11008, vocab=32000, batch=2, seq=2048),
+    "gem": dict(kind="gem", layers=8, dim=2048, features=64, feat_dim=16, tasks=3, batch=8192),
+}
+TINY = {
+    "llama": dict(kind="llama", layers=4, dim=256, ffn=688, vocab=1000, batch=2, seq=64),
+    "gem": dict(kind="gem", layers=4, dim=128, features=16, feat_dim=8, tasks=3, batch=256),
+}
+
+
+def build(cfg: dict, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        if cfg["kind"] == "llama":
+            return Llama(cfg["layers"], cfg["dim"], cfg["ffn"], cfg["vocab"])
+        return GEMTower(cfg["layers"], cfg["dim"], cfg["features"], cfg["feat_dim"], cfg["tasks"])
+
+
+def make_batch(cfg: dict, device: torch.device, step: int, rank: int) -> tuple:
+    g = torch.Generator(device="cpu").manual_seed(1000 * step + rank)
+    if cfg["kind"] == "llama":
+        ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
+        return ids[:, :-1].to(device), ids[:, 1:].to(device)
+    x = torch.randn(cfg["batch"], cfg["features"] * cfg["feat_dim"], generator=g)
+    y = (torch.rand(cfg["batch"], cfg["tasks"], generator=g) < 0.3).float()
+    return x.to(device), y.to(device)
+
+
+# ---------------------------------------------------------------------------- sharding
+
+
+def shard(model: nn.Module, impl: str, mesh, mp: bool) -> None:
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from hyperrec.parallel5d import MixedPrecisionPolicy, fully_shard
+    kw = {}
+    if mp:
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for block in model.blocks():
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, **kw)
+
+
+def make_optimizer(model: nn.Module, impl: str, optim: str) -> torch.optim.Optimizer:
+    lr = 1e-4
+    if impl == "hyperrec" and optim == "flat":
+        from hyperrec.dbuffer import flat_params
+        from hyperrec.parallel5d import dbuffers
+
+        # One fused AdamW kernel per flat buffer.
+        return torch.optim.AdamW(flat_params(dbuffers(model)), lr=lr, fused=True)
+    if optim in ("fused", "flat"):
+        return torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+
+
+# ----------------------------------------------------------------------------- counting
+
+_COPY_OPS = {
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::cat",
+    "aten::_chunk_cat",
+    "aten::split_with_sizes_copy",
+    "aten::_foreach_copy_",
+    "aten::clone",
+    "fsdp::all_gather_copy_in",
+    "fsdp::split_with_sizes_copy",
+    "fsdp::chunk_cat",
+}
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts collectives and the bytes written by copy-like ops during one step.
+
+    Copies that a backend makes inside ``Work.wait()`` (gloo stages results through
+    aten copies; NCCL does not) belong to the collective, not to the FSDP
+    implementation, and are reported apart as ``backend_copy_bytes``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend_copy_bytes = 0
+        self._in_wait = 0
+        self._orig_wait = None
+        self.collectives: dict[str, int] = {}
+        self.collective_bytes = 0
+        self.copy_bytes = 0
+        self.cast_bytes = 0
+        self.copy_ops: dict[str, int] = {}
+
+    def __enter__(self):
+        work = torch._C._distributed_c10d.Work
+        self._orig_wait = work.wait
+        counter = self
+
+        def wait(w, *a, **k):
+            counter._in_wait += 1
+            try:
+                return counter._orig_wait(w, *a, **k)
+            finally:
+                counter._in_wait -= 1
+
+        work.wait = wait
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch._C._distributed_c10d.Work.wait = self._orig_wait
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if self._in_wait and name in _COPY_OPS:
+            self.backend_copy_bytes += _nbytes(_tensors(args[0]) if args else [])
+            return out
+        ns = name.split("::")[0]
+        if ns in ("c10d", "_c10d_functional"):
+            if not name.endswith(("wait", "wait_tensor", "barrier")):
+                self.collectives[name] = self.collectives.get(name, 0) + 1
+                self.collective_bytes += _nbytes(_tensors(args[0]) if args else [])
+        elif name in _COPY_OPS:
+            if name == "fsdp::all_gather_copy_in":
+                written, src = _tensors(out)[:1], _tensors(args[0])
+            elif "out" in kwargs:
+                written, src = _tensors(kwargs["out"]), _tensors(args[0])
+            elif name in ("aten::copy_", "aten::_foreach_copy_"):
+                written, src = _tensors(args[0]), _tensors(args[1])
+            else:
+                written, src = _tensors(out), _tensors(args[0])
+            nbytes = _nbytes(written)
+            cast = bool(src) and bool(written) and src[0].dtype != written[0].dtype
+            if cast:
+                self.cast_bytes += nbytes
+            else:
+                self.copy_bytes += nbytes
+            self.copy_ops[name] = self.copy_ops.get(name, 0) + 1
+        return out
+
+
+# ------------------------------------------------------------------------------- runs
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_step(model, opt, batch) -> torch.Tensor:
+    loss = model(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
+    rank = dist.get_rank()
+    model = build(cfg, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    shard(model, impl, mesh, mp)
+    opt = make_optimizer(model, impl, optim)
+    for s in range(args.warmup):
+        train_step(model, opt, make_batch(cfg, device, s, rank))
+    sync(device)
+    result = {"impl": impl, "optimizer": optim, "params": n_params}
+
+    # Counting step (not timed).
+    counter = OpCounter()
+    with counter:
+        train_step(model, opt, make_batch(cfg, device, args.warmup, rank))
+    sync(device)
+    result["collectives"] = dict(sorted(counter.collectives.items()))
+    result["collectives_per_step"] = sum(counter.collectives.values())
+    result["collective_bytes"] = counter.collective_bytes
+    result["copy_bytes"] = counter.copy_bytes
+    result["cast_bytes"] = counter.cast_bytes
+    result["backend_copy_bytes"] = counter.backend_copy_bytes
+    result["copy_ops"] = dict(sorted(counter.copy_ops.items()))
+
+    # Memory.
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        result.update(cpu_memory(model, opt, cfg, device, rank, args))
+
+    times, losses = [], []
+    for s in range(args.steps):
+        batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
+        sync(device)
+        t0 = time.perf_counter()
+        losses.append(train_step(model, opt, batch))
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    result["step_s"] = statistics.median(times)
+    result["step_s_all"] = times
+    result["final_loss"] = float(losses[-1])
+    if device.type == "cuda":
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def cpu_memory(model, opt, cfg, device, rank, args) -> dict:
+    """Peak live tensor bytes over one step (CPU has no allocator statistics)."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            train_step(model, opt, make_batch(cfg, device, 10_000, rank))
+        peak = tracker.get_tracker_snapshot("peak")[device]
+        return {
+            "peak_live_bytes": int(peak["Total"]),
+            "peak_live_by_kind": {
+                str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak.items()
+            },
+        }
+    except Exception as e:  # the tracker is a private tool: report rather than die
+        return {"peak_live_bytes": None, "memory_error": repr(e)[:300]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", nargs="+", default=["llama", "gem"], choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="full", choices=["full", "tiny"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fsdp2:fused", "hyperrec:flat", "fsdp2:foreach", "hyperrec:foreach"],
+        help="impl:optimizer pairs; optimizer in foreach | fused | flat (hyperrec only)",
+    )
+    ap.add_argument("--no-mp", action="store_true", help="fp32 compute (no mixed precision)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--out", default=None, help="JSON path (rank 0 writes)")
+    args = ap.parse_args()
+
+    if "RANK" not in os.environ:  # plain `python bench_fsdp.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    presets = PRESETS if args.preset == "full" else TINY
+    rows = []
+    for name in args.model:
+        cfg = dict(presets[name])
+        if args.layers:
+            cfg["layers"] = args.layers
+        for variant in args.variants:
+            impl, optim = variant.split(":")
+            try:
+                r = run_variant(cfg, impl, optim, not args.no_mp, mesh, device, args)
+                r["error"] = None
+            except Exception as e:  # keep the other rows
+                r = {"impl": impl, "optimizer": optim, "error": repr(e)[:500]}
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            r.update(model=name, config=cfg)
+            rows.append(r)
+            if dist.get_rank() == 0:
+                print(json.dumps({k: v for k, v in r.items() if k != "step_s_all"}), flush=True)
+    if dist.get_rank() == 0:
+        print_table(rows, device)
+        if args.out:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
+            from hyperrec.testing import write_result
+
+            write_result(
+                args.out,
+                {
+                    "benchmark": "fully_shard vs FSDP2",
+                    "world_size": world,
+                    "device": device.type,
+                    "mixed_precision": None if args.no_mp else "bf16 params, fp32 reduce",
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "rows": rows,
+                },
+            )
+    dist.destroy_process_group()
+
+
+def print_table(rows: list[dict], device: torch.device) -> None:
+    mem = "peak_alloc_GiB peak_resv_GiB" if device.type == "cuda" else "peak_live_MiB"
+    print(
+        f"\n{'model':6} {'variant':18} {'step_ms':>8} {mem:>28} {'colls':>6} {'copy_MiB':>9} {'cast_MiB':>9}"
+    )
+    for r in rows:
+        variant = f"{r['impl']}:{r['optimizer']}"
+        if r.get("error"):
+            print(f"{r['model']:6} {variant:18} ERROR {r['error'][:80]}")
+            continue
+        if device.type == "cuda":
+            m = f"{r['peak_allocated_gib']:14.2f} {r['peak_reserved_gib']:13.2f}"
+        else:
+            live = r.get("peak_live_bytes")
+            m = f"{(live or math.nan) / 2**20:28.1f}"
+        print(
+            f"{r['model']:6} {variant:18} {r['step_s'] * 1e3:8.1f} {m:>28} "
+            f"{r['collectives_per_step']:6d} {r['copy_bytes'] / 2**20:9.1f} {r['cast_bytes'] / 2**20:9.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

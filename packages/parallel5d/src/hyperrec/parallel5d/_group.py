@@ -1,0 +1,346 @@
+"""One ``fully_shard`` call's parameters: DBuffers per dtype, sharded/unsharded swaps, grads."""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
+
+from hyperrec.dbuffer import DBuffer
+from hyperrec.parallel5d._api import MixedPrecisionPolicy
+
+__all__ = ["ParamGroup", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One managed parameter."""
+
+    fqn: str
+    registrations: list[tuple[nn.Module, str]]
+    buffer: int
+    index: int
+    requires_grad: bool
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    grad_dtensor: torch.Tensor | None = None
+    grad_view: torch.Tensor | None = None  # the grad_full view set as `unsharded.grad`
+    written: bool = False  # its gradient landed in grad_full in this accumulation window
+
+
+@dataclass(eq=False)
+class _Comm:
+    """Streams and per-iteration bookkeeping shared by all groups under one root."""
+
+    device: torch.device
+    ag_stream: torch.cuda.Stream | None = None
+    rs_stream: torch.cuda.Stream | None = None
+    pending_reduce: list[ParamGroup] = field(default_factory=list)
+    forward_order: list[ParamGroup] = field(default_factory=list)
+    last_forward_order: list[ParamGroup] = field(default_factory=list)
+    post_forward_order: list[ParamGroup] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Prefetching only pays where communication overlaps compute (CUDA streams);
+        # gloo collectives are synchronous, so there it would only hold memory longer.
+        self.overlap = self.device.type == "cuda"
+        if self.device.type == "cuda":
+            # High priority so collectives are not starved by queued compute.
+            self.ag_stream = torch.cuda.Stream(self.device, priority=-1)
+            self.rs_stream = torch.cuda.Stream(self.device, priority=-1)
+
+    def wait_reduces(self) -> None:
+        for group in self.pending_reduce:
+            for buf in group.buffers:
+                buf.wait_reduce()
+        self.pending_reduce.clear()
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call, one :class:`DBuffer` per dtype.
+
+    Between steps the module holds ``sharded`` parameters: ``nn.Parameter`` DTensors with
+    RaggedShard placements whose local tensors are views of the buffers' shard storage,
+    so an optimizer that updates them updates the buffers in place. During forward and
+    backward it holds ``unsharded`` parameters: plain ``nn.Parameter`` views of the
+    buffers' full storage, created once and kept (their storage is freed and re-grown).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        registrations: Sequence[list[tuple[nn.Module, str]]],
+        granularities: Sequence[int],
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        alignment: int,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.device = device
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.training_state = TrainingState.IDLE
+        self.post_forward_index: int | None = None
+        self.comm: _Comm | None = None
+        self._grads_begun = False
+        self._reduced = False
+        self.defer_grad_landing = False  # set for the root group at lazy init
+
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(k)
+        self.buffers: list[DBuffer] = []
+        self.slots: list[_Slot] = []
+        self._in_place: list[bool] = []
+        for b, (dtype, members) in enumerate(by_dtype.items()):
+            floating = dtype.is_floating_point
+            param_dtype = (mp_policy.param_dtype if floating else None) or dtype
+            reduce_dtype = (mp_policy.reduce_dtype if floating else None) or param_dtype
+            buf = DBuffer(
+                [params[k].shape for k in members],
+                mesh=mesh,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                device=device,
+                granularities=[granularities[k] for k in members],
+                alignment=alignment,
+                names=[fqns[k] for k in members],
+            )
+            if not any(params[k].is_meta for k in members):
+                buf.copy_from_full_([params[k] for k in members])
+            self.buffers.append(buf)
+            # How gradients land in grad_full: see the "gradients" section below.
+            self._in_place.append(reduce_dtype == param_dtype)
+            views = buf.as_dtensors()
+            for i, k in enumerate(members):
+                p = params[k]
+                sharded = nn.Parameter(views[i], requires_grad=p.requires_grad)
+                # Which flat elements of the full parameter this rank holds: what
+                # structure-aware optimizers need to find their blocks.
+                sharded._hyperrec_local_range = buf.local_range(i)
+                self.slots.append(
+                    _Slot(
+                        fqn=fqns[k],
+                        registrations=list(registrations[k]),
+                        buffer=b,
+                        index=i,
+                        requires_grad=p.requires_grad,
+                        sharded=sharded,
+                    )
+                )
+        self._register(sharded=True)
+        self._sharded = True
+
+    # ------------------------------------------------------------------ helpers
+    def _register(self, *, sharded: bool) -> None:
+        for s in self.slots:
+            param = s.sharded if sharded else s.unsharded
+            for module, name in s.registrations:
+                module._parameters[name] = param
+
+    def _slots_of(self, b: int) -> list[_Slot]:
+        return [s for s in self.slots if s.buffer == b]
+
+    def _make_unsharded(self) -> None:
+        # Created on first unshard, while the full storage exists; kept afterwards.
+        for s in self.slots:
+            if s.unsharded is None:
+                view = self.buffers[s.buffer].full_view(s.index)
+                s.unsharded = nn.Parameter(view, requires_grad=s.requires_grad)
+                if s.requires_grad and not self._in_place[s.buffer]:
+                    s.unsharded.register_post_accumulate_grad_hook(
+                        functools.partial(self._land_grad, s)
+                    )
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._sharded
+
+    # ------------------------------------------------------------- unshard side
+    def unshard(self) -> None:
+        """Issue the all-gathers (one per buffer); no-op if already unsharded."""
+        stream = self.comm.ag_stream if self.comm is not None else None
+        for buf in self.buffers:
+            buf.unshard(stream=stream)
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gathers and register the unsharded parameters."""
+        for buf in self.buffers:
+            buf.wait_unshard()
+        self._make_unsharded()
+        if self._sharded:
+            self._register(sharded=False)
+            self._sharded = False
+
+    def reshard(self) -> None:
+        """Register the sharded parameters and free the full storages."""
+        if not self._sharded:
+            self._register(sharded=True)
+            self._sharded = True
+        for buf in self.buffers:
+            buf.reshard()
+
+    # ---------------------------------------------------------------- gradients
+    #
+    # Gradients computed in the reduce dtype accumulate in place: each unsharded
+    # parameter's `.grad` is set to its view of grad_full, and autograd adds into it.
+    # Otherwise (mixed precision: bf16 gradients, fp32 reduction) each gradient is cast
+    # into grad_full as soon as autograd produces it (a post-accumulate hook), and
+    # grad_full is allocated on the first one. The root group is the exception: its
+    # reduction can only run when the whole backward is over, so its gradients wait in
+    # their compute dtype (half the bytes of an fp32 grad_full held through backward)
+    # and are folded in at its post-backward.
+
+    def begin_grads(self) -> None:
+        """Prepare every buffer to receive this backward's gradients."""
+        if self._grads_begun:
+            return
+        self._grads_begun = True
+        for b, buf in enumerate(self.buffers):
+            slots = [s for s in self._slots_of(b) if s.requires_grad]
+            if not slots:
+                continue
+            if not buf.grad_full_live:
+                self._sync_with_sharded_grads(b, slots)
+            if self._in_place[b]:
+                buf.begin_grad(zero=True)
+                for s in slots:
+                    s.grad_view = buf.grad_full_view(s.index)
+                    s.unsharded.grad = s.grad_view
+
+    def _ensure_live(self, b: int) -> DBuffer:
+        buf = self.buffers[b]
+        if not buf.grad_full_live:
+            slots = [s for s in self._slots_of(b) if s.requires_grad]
+            self._sync_with_sharded_grads(b, slots)
+            for s in slots:
+                s.written = False
+            buf.begin_grad(zero=self._in_place[b])
+        return buf
+
+    def release_dropped_grads(self) -> None:
+        """Before forward: give back the memory of gradients the optimizer set to ``None``."""
+        for b, buf in enumerate(self.buffers):
+            slots = [s for s in self._slots_of(b) if s.requires_grad]
+            if slots and not buf.grad_full_live:
+                self._sync_with_sharded_grads(b, slots, release=True)
+
+    def _sync_with_sharded_grads(
+        self, b: int, slots: list[_Slot], *, release: bool = False
+    ) -> None:
+        # The optimizer's zero_grad(set_to_none=True) clears the sharded `.grad`s (or the
+        # flat one): then the next reduction overwrites instead of accumulating.
+        buf = self.buffers[b]
+        if not buf.has_grad:
+            return
+        if buf.shard.grad is None or all(s.sharded.grad is None for s in slots):
+            buf.drop_grad_(release=release)
+            return
+        for s in slots:
+            if s.sharded.grad is None:
+                buf.grad_shard_view(s.index).zero_()
+                s.sharded.grad = s.grad_dtensor
+
+    @torch.no_grad()
+    def _land(self, s: _Slot, grad: torch.Tensor) -> None:
+        view = self._ensure_live(s.buffer).grad_full_view(s.index)
+        if s.written or self._in_place[s.buffer]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)  # the cast to the reduce dtype, written in place
+        s.written = True
+
+    @torch.no_grad()
+    def _land_grad(self, s: _Slot, param: nn.Parameter) -> None:
+        # Post-accumulate hook of the cast path.
+        if self.defer_grad_landing or param.grad is None:
+            return
+        with record_function("hyperrec::land_grad"):
+            self._land(s, param.grad)
+        param.grad = None
+
+    @torch.no_grad()
+    def _fold_pending_grads(self) -> None:
+        # Gradients still outside the buffer: the root's deferred ones, and any autograd
+        # produced although pre-backward never ran for this group (outputs that did not
+        # require grad), which it then stored as fresh tensors.
+        for s in self.slots:
+            u = s.unsharded
+            if u is None or u.grad is None or u.grad is s.grad_view:
+                continue
+            grad = u.grad
+            u.grad = None
+            self._land(s, grad)
+
+    def post_backward(self) -> None:
+        """Reduce-scatter this group's gradients (unless accumulating) and reshard."""
+        if self.training_state == TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        self._fold_pending_grads()
+        live = [b for b, buf in enumerate(self.buffers) if buf.grad_full_live]
+        if self.requires_gradient_sync and live:
+            comm = self.comm
+            if comm is not None:
+                comm.wait_reduces()  # one group's reduction in flight at a time
+            stream = comm.rs_stream if comm is not None else None
+            for b in live:
+                buf = self.buffers[b]
+                slots = [s for s in self._slots_of(b) if s.requires_grad]
+                if self._in_place[b]:
+                    for s in slots:
+                        s.unsharded.grad = None
+                        s.grad_view = None
+                else:
+                    buf.zero_grad_padding_()
+                    for s in slots:
+                        if not s.written:
+                            buf.grad_full_view(s.index).zero_()
+                        s.written = False
+                buf.reduce_grad(stream=stream)
+            if comm is not None:
+                comm.pending_reduce.append(self)
+            self._grads_begun = False
+            self._reduced = True
+        if self.reshard_after_backward:
+            self.reshard()
+
+    def finalize_backward(self) -> None:
+        """After all reductions: expose the reduced gradients on the sharded parameters."""
+        self.training_state = TrainingState.IDLE
+        self.post_forward_index = None
+        if not self._reduced:
+            return
+        self._reduced = False
+        for b, buf in enumerate(self.buffers):
+            buf.wait_reduce()
+            if not buf.has_grad:
+                continue
+            slots = [s for s in self._slots_of(b) if s.requires_grad]
+            if slots and slots[0].grad_dtensor is None:
+                grads = buf.as_dtensors(buf.grad_shard)
+                for s in self._slots_of(b):
+                    s.grad_dtensor = grads[s.index]
+            for s in slots:
+                if s.sharded.grad is None:
+                    s.sharded.grad = s.grad_dtensor
+            buf.shard.grad = buf.grad_shard

@@ -1,0 +1,274 @@
+"""``fully_shard``: FSDP2's call shape on RaggedShard + DBuffer, with zero copy-in/copy-out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hyperrec.dbuffer import DBuffer
+from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy, resolve_granularity
+from hyperrec.parallel5d._group import ParamGroup
+from hyperrec.parallel5d._state import FSDPState, get_state
+
+__all__ = ["FSDPModule", "fully_shard", "full_state_dict", "dbuffers"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised default process group or a mesh")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
+    if mp_policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if all(hasattr(mp_policy, f) for f in fields):  # torch's FSDP2 policy
+        return MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in fields})
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    granularity: Granularity = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    alignment: int = 64,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not already sharded by a nested call).
+
+    Call it bottom-up, like PyTorch FSDP2's ``fully_shard``: each call forms one group
+    whose parameters are gathered by one ``all_gather_into_tensor`` per dtype before the
+    module's forward and whose gradients are reduce-scattered by one
+    ``reduce_scatter_tensor`` per dtype after its backward. The parameters of a group
+    live in :class:`hyperrec.dbuffer.DBuffer` s laid out by the raggedshard planner; every
+    sharded and unsharded parameter is a view, so there is no copy-in and no copy-out.
+
+    Between iterations the module's parameters are ``nn.Parameter`` DTensors with
+    ``RaggedShard`` placements (``(Replicate(), RaggedShard)`` on a 2-D HSDP mesh) whose
+    local tensors are views into the shard storage: any ``torch.optim`` optimizer works on
+    them unchanged, and ``module.state_dict()`` returns DTensors that
+    ``torch.distributed.checkpoint`` saves and loads across world sizes.
+
+    The first ``fully_shard`` module to run forward becomes the root: it owns the
+    communication streams, prefetches the next group's all-gather during a group's
+    forward (in the previous iteration's order) and the previous group's during backward,
+    and finishes the gradient reductions when backward ends. Gradients are averaged over
+    all data-parallel ranks.
+
+    Args:
+        module: the module to shard (in place; its class gains :class:`FSDPModule`).
+        mesh: 1-D ``DeviceMesh`` (FSDP) or 2-D ``(replicate, shard)`` (HSDP). Default: all
+            ranks of the default process group on CUDA if available, else the CPU.
+        reshard_after_forward: free the gathered parameters after forward and gather them
+            again in backward (``True``, default), or keep them until after backward.
+        mp_policy: mixed precision; ``None`` = full precision. Torch's
+            ``MixedPrecisionPolicy`` is accepted too.
+        granularity: block size no shard boundary may cut (see
+            :data:`hyperrec.parallel5d.Granularity`): ``"matrix"`` for Muon, an int such as
+            2048 for 8-bit Adam blocks. Default element-wise.
+        ignored_params: parameters to leave alone (not sharded, not reduced).
+        alignment: every parameter starts at a multiple of this many elements in the
+            flat buffer (aligned views for fast kernels). Default 64.
+
+    Returns:
+        ``module``, now an instance of :class:`FSDPModule`.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; bad ``mp_policy`` or ``granularity``.
+        ValueError: ``module`` is already sharded; a bad mesh, granularity or alignment.
+        RuntimeError: no mesh and no default process group.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if get_state(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    mesh = mesh if mesh is not None else _default_mesh()
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
+        raise ValueError("mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh")
+    policy = _as_policy(mp_policy)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
+    ignored = {id(p) for p in (ignored_params or ())}
+
+    # Parameters already owned by a nested fully_shard are skipped.
+    nested: set[int] = set()
+    for sub in module.modules():
+        state = get_state(sub)
+        if state is not None and state.group is not None:
+            nested.update(id(s.sharded) for s in state.group.slots)
+
+    params: list[nn.Parameter] = []
+    fqns: list[str] = []
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=True):
+        if id(p) in ignored or id(p) in nested:
+            continue
+        params.append(p)
+        fqns.append(name)
+        regs[id(p)] = []
+    for sub in module.modules():
+        for pname, p in sub._parameters.items():
+            if p is not None and id(p) in regs and (sub, pname) not in regs[id(p)]:
+                regs[id(p)].append((sub, pname))
+    granularities = [resolve_granularity(granularity, f, p) for f, p in zip(fqns, params)]
+
+    group = None
+    if params:
+        group = ParamGroup(
+            params,
+            fqns,
+            [regs[id(p)] for p in params],
+            granularities,
+            mesh=mesh,
+            device=device,
+            mp_policy=policy,
+            alignment=alignment,
+            reshard_after_forward=reshard_after_forward,
+        )
+    FSDPState(module, group, device=device, mp_policy=policy)
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        new_cls = _CLASS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLASS_CACHE[cls] = new_cls
+        module.__class__ = new_cls
+    return module
+
+
+class FSDPModule:
+    """Mixin added to every module passed to :func:`fully_shard` (FSDP2's method names)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build new instances of `type(self)` (e.g. slicing nn.Sequential):
+        # give them the original class, not an unsharded FSDP wrapper.
+        orig = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
+        obj = orig.__new__(orig)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def _fsdp_state(self) -> FSDPState:
+        return get_state(self)  # type: ignore[arg-type]
+
+    def _states(self, recurse: bool) -> Iterator[FSDPState]:
+        if not recurse:
+            yield self._fsdp_state()
+            return
+        for m in self.modules():  # type: ignore[attr-defined]
+            if (s := get_state(m)) is not None:
+                yield s
+
+    def unshard(self) -> None:
+        """All-gather this module's parameters now and register them (not recursive)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard()
+            group.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """Free the gathered parameters and register the sharded ones (not recursive)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: accumulate unreduced gradients across backward passes (no collective)."""
+        for s in self._states(recurse):
+            if s.group is not None:
+                s.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
+        """Change ``reshard_after_forward`` (see :func:`fully_shard`)."""
+        for s in self._states(recurse):
+            if s.group is not None:
+                s.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: keep parameters gathered after backward (e.g. between accumulation steps)."""
+        for s in self._states(recurse):
+            if s.group is not None:
+                s.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters when this module's forward starts."""
+        self._fsdp_state().forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters when this module's backward starts."""
+        self._fsdp_state().backward_prefetch = [_state_of(m) for m in modules]
+
+    @property
+    def dbuffers(self) -> list[DBuffer]:
+        """The DBuffers of this module's own group (one per parameter dtype)."""
+        group = self._fsdp_state().group
+        return [] if group is None else list(group.buffers)
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    state = get_state(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
+    return state
+
+
+def dbuffers(module: nn.Module) -> list[DBuffer]:
+    """Every DBuffer of every ``fully_shard`` module in ``module``'s tree, in module order.
+
+    Use with :func:`hyperrec.dbuffer.flat_params` for fused single-kernel optimizer
+    steps, or :func:`hyperrec.dbuffer.clip_grad_norm_`.
+    """
+    out = []
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None and state.group is not None:
+            out.extend(state.group.buffers)
+    return out
+
+
+def full_state_dict(
+    module: nn.Module, *, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every parameter's full value in its master dtype, keyed by FQN (one all-gather per
+    buffer). Collective: call it on every rank. Parameters left out of ``fully_shard``
+    (``ignored_params``) are included as they are; module buffers are not.
+    """
+    out: dict[str, torch.Tensor] = {}
+    prefixes = {id(m): n for n, m in module.named_modules()}
+    for m in module.modules():
+        state = get_state(m)
+        if state is None or state.group is None:
+            continue
+        prefix = prefixes[id(m)]
+        gathered = [buf.gather_full() for buf in state.group.buffers]
+        for s in state.group.slots:
+            key = f"{prefix}.{s.fqn}" if prefix else s.fqn
+            out[key] = gathered[s.buffer][s.index].to(device)
+    for name, p in module.named_parameters():
+        if name not in out and not hasattr(p, "placements"):
+            out[name] = p.detach().to(device)
+    return out

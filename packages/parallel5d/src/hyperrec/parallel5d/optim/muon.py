@@ -1,0 +1,142 @@
+"""Muon on sharded parameters: each matrix is orthogonalised where it lives, whole."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hyperrec.parallel5d.optim._local import local_flat, local_range
+
+__all__ = ["Muon", "newton_schulz"]
+
+# Quintic iteration coefficients of Muon (Jordan et al., 2024): they push all singular
+# values into roughly [0.7, 1.2] in five steps, which is all the update needs.
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, *, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate ``U V^T`` of ``g = U S V^T`` (2-D) by the quintic Newton-Schulz iteration.
+
+    Computed in ``g``'s dtype; the input is not modified. Returns a new tensor of
+    ``g``'s shape.
+
+    Raises:
+        ValueError: ``g`` is not 2-D.
+    """
+    if g.dim() != 2:
+        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
+    a, b, c = _NS_COEFFS
+    x = g / (torch.linalg.matrix_norm(g) + eps)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.mT
+    for _ in range(steps):
+        m = x @ x.mT
+        x = a * x + (b * m + c * m @ m) @ x
+    return x.mT if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (momentum + orthogonalised update) for matrix parameters, shard-aware.
+
+    Works on plain tensors and on ``fully_shard`` parameters sharded with
+    ``granularity="matrix"``: each matrix then lies whole on exactly one rank, which
+    runs Newton-Schulz on it locally — no gather, no communication, and the same
+    arithmetic as single-process Muon, so states and results do not depend on the mesh.
+    Ranks holding no piece of a matrix skip it. Use another optimizer (e.g. AdamW) for
+    1-D parameters (biases, norms) and embeddings, as usual with Muon.
+
+    Update per matrix ``W`` (rows x cols) with gradient ``G``::
+
+        B <- momentum * B + G
+        U <- G + momentum * B  (nesterov) or B
+        W <- W * (1 - lr * weight_decay) - lr * max(1, rows / cols) ** 0.5 * NS(U)
+
+    Args:
+        params: parameters or param groups; every parameter must have >= 2 dims
+            (leading dims are flattened into rows).
+        lr: learning rate. Default 0.02.
+        momentum: momentum coefficient in [0, 1). Default 0.95.
+        nesterov: Nesterov momentum. Default ``True``.
+        ns_steps: Newton-Schulz iterations. Default 5.
+        weight_decay: decoupled weight decay. Default 0.
+        ns_dtype: dtype Newton-Schulz runs in (``torch.bfloat16`` is faster on GPUs).
+            Default ``torch.float32``.
+
+    Raises:
+        ValueError: bad hyper-parameters, a parameter with fewer than 2 dims, or a
+            matrix split across ranks (shard with ``granularity="matrix"``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        *,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not isinstance(ns_steps, int) or ns_steps < 1:
+            raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            ns_dtype=ns_dtype,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() < 2:
+                    raise ValueError(
+                        f"Muon updates matrices; got a parameter of shape {tuple(p.shape)} "
+                        "(give 1-D parameters to AdamW)"
+                    )
+                start, stop = local_range(p)
+                if stop - start not in (0, p.numel()):
+                    raise ValueError(
+                        f"a parameter of shape {tuple(p.shape)} is split across ranks "
+                        f"(this rank holds elements [{start}, {stop})); shard it with "
+                        "fully_shard(..., granularity='matrix')"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                start, stop = local_range(p)
+                if stop == start:
+                    continue  # another rank owns this matrix
+                w = local_flat(p).view(p.shape[0], -1)
+                g = local_flat(p.grad).view(p.shape[0], -1)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.mul_(group["momentum"]).add_(g)
+                u = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+                o = newton_schulz(u.to(group["ns_dtype"]), group["ns_steps"]).to(w.dtype)
+                scale = max(1.0, w.shape[0] / w.shape[1]) ** 0.5
+                if group["weight_decay"]:
+                    w.mul_(1 - group["lr"] * group["weight_decay"])
+                w.add_(o, alpha=-group["lr"] * scale)
+        return loss
