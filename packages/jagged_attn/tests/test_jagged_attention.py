@@ -181,3 +181,19 @@ def test_hypothesis_sweep(q_lens, data, heads, dim, causal, left, right, seed):
     kv_lens = data.draw(st.lists(st.integers(0, 7), min_size=len(q_lens), max_size=len(q_lens)))
     p = make_problem(q_lens, kv_lens if asym else None, heads=heads, dim=dim, seed=seed)
     _check_against_oracle(p, asym=asym, causal=causal, window=(left, right))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_ignores_ambient_autocast(dtype):
+    """Under torch.autocast the reference must still compute in float32 (not mix dtypes)."""
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, 5, 5, 12])
+    q, k, v = (torch.randn(12, 2, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    plain = jagged_attention(q, k, v, offsets, 7, causal=True, backend="torch")
+    (gq,) = torch.autograd.grad(plain.float().sum(), q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = jagged_attention(q, k, v, offsets, 7, causal=True, backend="torch")
+        (gq_inside,) = torch.autograd.grad(inside.float().sum(), q)
+    assert inside.dtype == dtype
+    torch.testing.assert_close(inside, plain, rtol=0, atol=0)
+    torch.testing.assert_close(gq_inside, gq, rtol=0, atol=0)

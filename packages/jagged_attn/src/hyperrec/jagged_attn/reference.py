@@ -24,6 +24,7 @@ Inputs are assumed valid (the public functions validate them).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +210,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _without_autocast(fn):
+    """Run ``fn`` with autocast off for its inputs' device.
+
+    The reference computes in float32 (float64 for float64 inputs) on purpose; under an
+    ambient ``torch.autocast`` its matmuls would silently drop to bf16/fp16 and mix dtypes.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        with torch.autocast(device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_without_autocast
 def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -250,6 +268,7 @@ def attention_forward(
     return out.to(q.dtype)
 
 
+@_without_autocast
 def attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
