@@ -2,7 +2,8 @@
 
     nox                      lint + every package's tests + integration (what CI runs)
     nox -s "tests(bbs)"      one package, in its own venv
-    nox -s train             the main job on its embedded default
+    nox -s train             the main job: train the GEM-style model's tiny preset
+    nox -s simulate          the Base Batch Shuffling load-balance simulation
     nox -s "bench(bbs)"      a package's benchmarks (GPU packages need CUDA)
 
 Every venv installs torch through ``constraints/cpu.txt`` (the CPU build) so no
@@ -142,9 +143,20 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def train(session: nox.Session) -> None:
-    """The main job on its embedded default: the BBS load-balance simulation.
+    """The main job: train the GEM-style model's tiny preset on the CPU (about a minute).
 
-    Extra arguments go to the command, e.g. ``nox -s train -- --world-sizes 8 64``.
+    Prints where the metrics JSON and the loss/AUC/throughput plot were written. Extra
+    arguments go to ``hyperrec-train``, e.g. ``nox -s train -- --preset small --steps 50``.
+    """
+    _install_local(session, ROOT / "integration", extras=())
+    session.run("hyperrec-train", "--preset", "tiny", *session.posargs)
+
+
+@nox.session(python=PYTHON, default=False)
+def simulate(session: nox.Session) -> None:
+    """The Base Batch Shuffling load-balance simulation (``python -m hyperrec.bbs.simulate``).
+
+    Extra arguments go to the command, e.g. ``nox -s simulate -- --world-sizes 8 64``.
     """
     _install_local(session, ROOT / "packages" / "bbs", extras=())
     session.run("python", "-m", "hyperrec.bbs.simulate", *session.posargs)

@@ -1,0 +1,59 @@
+"""hyperrec.integration: a GEM-style ranking model trained end to end on the hyperrec stack.
+
+- Configs: :class:`Preset` = :class:`DataConfig` + :class:`ModelConfig` +
+  :class:`TrainConfig`; presets ``micro``, ``tiny``, ``small``, ``h200`` (:func:`get_preset`).
+- Data: :class:`SyntheticRecsysData` (power-law histories, Zipf ids, hidden ground truth,
+  every sample a pure function of its index) producing jagged :class:`Batch` es.
+- Model: :class:`GEMModel` (embeddings, HSTU-style GDPA/block-attention tower, PMA,
+  candidate cross attention, DCN-v2, CTR/CVR heads with ESMM).
+- Training: :class:`Trainer` (BBS batching, FSDP2 under torchrun, DCP checkpoints with
+  exact resume, eval against popularity and ground truth); CLI ``hyperrec-train``.
+- Metrics: :func:`auc`, :func:`normalized_entropy`, :func:`calibration`.
+"""
+
+from hyperrec.integration._version import __version__
+from hyperrec.integration.baseline import PopularityBaseline
+from hyperrec.integration.config import (
+    PRESETS,
+    DataConfig,
+    ModelConfig,
+    Preset,
+    TrainConfig,
+    get_preset,
+    override,
+)
+from hyperrec.integration.data import EVAL, TRAIN, Batch, SyntheticRecsysData
+from hyperrec.integration.distributed import init_distributed, parallelize
+from hyperrec.integration.metrics import auc, calibration, log_loss, normalized_entropy
+from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory
+from hyperrec.integration.pipeline import TrainStream
+from hyperrec.integration.trainer import RunResult, StepRecord, Trainer
+
+__all__ = [
+    "EVAL",
+    "PRESETS",
+    "TRAIN",
+    "Batch",
+    "DataConfig",
+    "GEMModel",
+    "ModelConfig",
+    "PopularityBaseline",
+    "Preset",
+    "RunResult",
+    "StepRecord",
+    "SyntheticRecsysData",
+    "TrainConfig",
+    "TrainStream",
+    "Trainer",
+    "__version__",
+    "auc",
+    "calibration",
+    "esmm_loss",
+    "estimate_memory",
+    "get_preset",
+    "init_distributed",
+    "log_loss",
+    "normalized_entropy",
+    "override",
+    "parallelize",
+]

@@ -1,0 +1,606 @@
+"""Configs as code: frozen, keyword-only dataclasses and the named presets.
+
+A run is described by one :class:`Preset` = :class:`DataConfig` (the synthetic world)
++ :class:`ModelConfig` (the network) + :class:`TrainConfig` (optimisation, batching,
+checkpointing). Every field is validated when the dataclass is built, so a bad value
+fails at construction with a ``ValueError``/``TypeError`` that names the field, not
+deep inside a training step. Derive variants with :func:`dataclasses.replace` (which
+re-validates) or :func:`override` (``"model.dim=64"`` strings, as the CLI does).
+
+Presets (:data:`PRESETS`):
+
+- ``micro``: the test suite's size; a few seconds per run on one CPU core.
+- ``tiny``: the default CPU run (``nox -s train``), about a minute on two cores.
+- ``small``: a single-GPU or many-core smoke run with realistic proportions.
+- ``h200``: sized to fill one 141 GB H200 (see :func:`hyperrec.integration.model.estimate_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PRESETS",
+    "DataConfig",
+    "ModelConfig",
+    "Preset",
+    "TrainConfig",
+    "get_preset",
+    "override",
+]
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "softmax")
+
+
+def _require_int(obj: Any, name: str, *, minimum: int) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+
+
+def _require_float(
+    obj: Any, name: str, *, low: float, high: float = math.inf, open_low: bool = False
+) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{type(obj).__name__}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
+        bracket = "(" if open_low else "["
+        raise ValueError(
+            f"{type(obj).__name__}.{name} must be in {bracket}{low}, {high}], got {value}"
+        )
+
+
+def _require_dims(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+    ):
+        raise TypeError(
+            f"{type(obj).__name__}.{name} must be a tuple of positive ints, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The synthetic world: vocabularies, length/popularity distributions, ground truth.
+
+    Samples are *requests*: one user, that user's jagged history and 1 to
+    ``max_candidates`` candidate items with click / conversion labels drawn from a hidden
+    ground-truth model. Every sample is a pure function of ``(seed, split, index)``.
+    """
+
+    num_items: int
+    """Item vocabulary size (history and candidate items share it). Must be a multiple of
+    ``num_topics``: item ``i`` belongs to topic ``i % num_topics``."""
+    num_topics: int
+    """Latent item categories of the ground truth; also the vocabulary of the item-category
+    and user-tag features."""
+    num_users: int
+    """User vocabulary size; user ids are Zipf-distributed over it."""
+    max_seqlen: int
+    """Cap on the history length (tokens) of one request."""
+    min_seqlen: int = 1
+    """Shortest history. 0 is allowed (new users) and exercises empty sequences."""
+    seqlen_scale: float = 8.0
+    """Scale of the Lomax (Pareto II) history-length law:
+    ``L = min(max_seqlen, min_seqlen + floor(scale * (u^(-1/alpha) - 1)))``, u ~ U(0, 1)."""
+    seqlen_alpha: float = 1.2
+    """Tail exponent of the history-length law; smaller is heavier-tailed."""
+    item_zipf: float = 1.05
+    """Zipf exponent of item popularity within a topic."""
+    topic_zipf: float = 0.6
+    """Zipf exponent of topic popularity (for the non-personal part of histories/candidates)."""
+    user_zipf: float = 0.9
+    """Zipf exponent of user activity (how often each user id occurs)."""
+    max_candidates: int = 4
+    """Candidates per request are uniform in ``[1, max_candidates]``."""
+    max_user_tags: int = 4
+    """The multi-hot user-tag feature has ``1..max_user_tags`` ids per request."""
+    latent_dim: int = 16
+    """Dimension of the ground truth's topic/item latent vectors."""
+    interest_strength: float = 3.0
+    """Weight of short-term interest (recency-weighted history) in the true click logit."""
+    preference_strength: float = 1.5
+    """Weight of long-term user preference (favourite topics) in the true click logit."""
+    item_bias_std: float = 0.5
+    """Std of the per-item click bias: the part a popularity model can learn."""
+    noise_std: float = 0.3
+    """Std of Gaussian noise added to the true logits (irreducible error beyond Bernoulli)."""
+    base_ctr_logit: float = -2.0
+    """Intercept of the true click logit (sets the base click rate, roughly 20-30%)."""
+    base_cvr_logit: float = -1.5
+    """Intercept of the true conversion-given-click logit."""
+    eval_requests: int = 4096
+    """Size of the held-out evaluation split (requests)."""
+    seed: int = 0
+    """Seed of the synthetic world (ground truth and every sample)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("num_topics", 2),
+            ("num_items", 2),
+            ("num_users", 1),
+            ("max_seqlen", 1),
+            ("min_seqlen", 0),
+            ("max_candidates", 1),
+            ("max_user_tags", 1),
+            ("latent_dim", 1),
+            ("eval_requests", 1),
+            ("seed", 0),
+        ):
+            _require_int(self, name, minimum=minimum)
+        if self.num_items % self.num_topics:
+            raise ValueError(
+                f"DataConfig.num_items ({self.num_items}) must be a multiple of "
+                f"num_topics ({self.num_topics})"
+            )
+        if self.min_seqlen > self.max_seqlen:
+            raise ValueError(
+                f"DataConfig.min_seqlen ({self.min_seqlen}) exceeds max_seqlen ({self.max_seqlen})"
+            )
+        _require_float(self, "seqlen_scale", low=0.0)
+        _require_float(self, "seqlen_alpha", low=0.0, open_low=True)
+        for name in ("item_zipf", "topic_zipf", "user_zipf"):
+            _require_float(self, name, low=0.0, high=5.0)
+        for name in ("interest_strength", "preference_strength", "item_bias_std", "noise_std"):
+            _require_float(self, name, low=0.0, high=100.0)
+        for name in ("base_ctr_logit", "base_cvr_logit"):
+            _require_float(self, name, low=-20.0, high=20.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The GEM-style ranking network (see :class:`hyperrec.integration.model.GEMModel`)."""
+
+    dim: int
+    """Width of every embedding and of the sequence tower's tokens."""
+    heads: int
+    """Attention heads; must divide ``dim``."""
+    seq_layers: int
+    """HSTU-style GDPA blocks in the sequence tower (0 disables the tower)."""
+    block_attention_layers: int = 0
+    """How many of the *lowest* sequence layers use O(L) block attention instead of full
+    causal GDPA: the cheap local layers come first, for long histories."""
+    attn_block_size: int = 64
+    """Tokens per block in the block-attention layers."""
+    activation: str = "silu"
+    """GDPA activation of the full-attention layers (one of silu, gelu, gelu_tanh, relu,
+    softmax). HSTU normalisation (1/max_seqlen) applies unless it is softmax."""
+    pma_queries: int = 4
+    """Learned queries of the PMA pooling of each history (0 disables PMA)."""
+    time_buckets: int = 16
+    """Log2 buckets of the age of a history event (``floor(log2(1 + age_minutes))``)."""
+    user_hash_size: int = 4096
+    """Rows of the user-id table; ids are hashed into it (collisions are intended)."""
+    cross_layers: int = 2
+    """DCN-v2 cross layers of the interaction tower."""
+    cross_rank: int = 0
+    """Rank of the low-rank DCN-v2 cross matrices; 0 means full rank."""
+    mlp_dims: tuple[int, ...] = (64, 32)
+    """Hidden widths of the shared MLP above the interaction tower."""
+    head_dims: tuple[int, ...] = (32,)
+    """Hidden widths of each task head (CTR and CVR)."""
+    dropout: float = 0.0
+    """Dropout in the sequence tower and MLPs (its RNG state is checkpointed)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("dim", 1),
+            ("heads", 1),
+            ("seq_layers", 0),
+            ("block_attention_layers", 0),
+            ("attn_block_size", 1),
+            ("pma_queries", 0),
+            ("time_buckets", 1),
+            ("user_hash_size", 1),
+            ("cross_layers", 0),
+            ("cross_rank", 0),
+        ):
+            _require_int(self, name, minimum=minimum)
+        if self.dim % self.heads:
+            raise ValueError(
+                f"ModelConfig.heads ({self.heads}) must divide ModelConfig.dim ({self.dim})"
+            )
+        if self.block_attention_layers > self.seq_layers:
+            raise ValueError(
+                f"ModelConfig.block_attention_layers ({self.block_attention_layers}) exceeds "
+                f"seq_layers ({self.seq_layers})"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}"
+            )
+        _require_dims(self, "mlp_dims")
+        _require_dims(self, "head_dims")
+        _require_float(self, "dropout", low=0.0, high=1.0)
+        if self.dropout >= 1.0:
+            raise ValueError(f"ModelConfig.dropout must be < 1, got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        """``dim // heads``."""
+        return self.dim // self.heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Optimisation, batching (BBS), evaluation and checkpointing.
+
+    Batch sizes are *global* (summed over data-parallel ranks) so one config means the
+    same optimisation problem on any world size; each rank trains
+    ``global_batch_size / (sub_batch_size * world_size)`` sub-batches per step.
+    """
+
+    steps: int
+    """Optimizer steps of the run (also the length of the LR schedule)."""
+    global_batch_size: int
+    """Requests per optimizer step over all ranks; a multiple of ``sub_batch_size``."""
+    sub_batch_size: int = 32
+    """Requests per reader sub-batch: the unit Base Batch Shuffling moves between steps."""
+    window_steps: int = 4
+    """BBS window W: sub-batches of W steps are pooled and dealt heavy-with-light. A sample
+    is delayed by fewer than W steps. 1 disables shuffling."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate of the dense parameters."""
+    embedding_lr: float = 1e-2
+    """Peak AdamW learning rate of the embedding tables (no weight decay on them)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay of the dense weight matrices (not norms, biases, embeddings)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps, followed by cosine decay to 10% of the peak."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps (0: only at the end)."""
+    ckpt_every: int = 0
+    """Write a DCP checkpoint every this many steps (0: never)."""
+    log_every: int = 1
+    """Record train metrics (loss, AUC over recent steps, samples/s) every this many steps."""
+    auc_window: int = 20
+    """Training AUC is computed over the predictions of the last ``auc_window`` steps."""
+    amp: str = "auto"
+    """Autocast dtype: "auto" (bf16 on CUDA, off on CPU), "bf16" or "off"."""
+    validate_inputs: bool = True
+    """Check every batch (offsets, id ranges, NaN) before the forward; costs host syncs."""
+    cpu_threads: int = 0
+    """Intra-op threads per process when training on the CPU (0: PyTorch's default). Small
+    models run many tiny ops whose threading overhead exceeds the gain, and one thread
+    per process keeps several ranks (or a busy machine) from oversubscribing the cores."""
+    seed: int = 0
+    """Seed of parameter initialisation and dropout."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("steps", 1),
+            ("global_batch_size", 1),
+            ("sub_batch_size", 1),
+            ("window_steps", 1),
+            ("warmup_steps", 0),
+            ("eval_every", 0),
+            ("ckpt_every", 0),
+            ("log_every", 1),
+            ("auc_window", 1),
+            ("cpu_threads", 0),
+            ("seed", 0),
+        ):
+            _require_int(self, name, minimum=minimum)
+        if self.global_batch_size % self.sub_batch_size:
+            raise ValueError(
+                f"TrainConfig.global_batch_size ({self.global_batch_size}) must be a multiple "
+                f"of sub_batch_size ({self.sub_batch_size})"
+            )
+        for name in ("lr", "embedding_lr"):
+            _require_float(self, name, low=0.0, high=10.0, open_low=True)
+        _require_float(self, "weight_decay", low=0.0, high=1.0)
+        _require_float(self, "grad_clip", low=0.0)
+        if self.amp not in ("auto", "bf16", "off"):
+            raise ValueError(f"TrainConfig.amp must be 'auto', 'bf16' or 'off', got {self.amp!r}")
+        if not isinstance(self.validate_inputs, bool):
+            raise TypeError(
+                f"TrainConfig.validate_inputs must be a bool, got {self.validate_inputs!r}"
+            )
+
+    def sub_batches_per_rank(self, world_size: int) -> int:
+        """Sub-batches each of ``world_size`` ranks trains per step.
+
+        Raises:
+            ValueError: the global batch does not split into whole sub-batches per rank.
+        """
+        per_step = self.global_batch_size // self.sub_batch_size
+        if world_size < 1 or per_step % world_size:
+            raise ValueError(
+                f"TrainConfig.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"sub_batch_size * world_size ({self.sub_batch_size} * {world_size})"
+            )
+        return per_step // world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named, complete run description."""
+
+    name: str
+    """Short name (used in the default output directory)."""
+    data: DataConfig
+    """The synthetic world."""
+    model: ModelConfig
+    """The network."""
+    train: TrainConfig
+    """Optimisation, batching and checkpointing."""
+    description: str = ""
+    """One line for ``--help`` and the README."""
+
+    def __post_init__(self) -> None:
+        for name, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"Preset.{name} must be a {cls.__name__}")
+        if self.model.block_attention_layers and self.model.attn_block_size > self.data.max_seqlen:
+            raise ValueError(
+                f"ModelConfig.attn_block_size ({self.model.attn_block_size}) exceeds "
+                f"DataConfig.max_seqlen ({self.data.max_seqlen}): block attention would be full"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return dataclasses.asdict(self)
+
+
+def micro() -> Preset:
+    """The test suite's size: one sequence layer, 16-token histories, seconds per run."""
+    return Preset(
+        name="micro",
+        description="test size: seconds per run on one core",
+        data=DataConfig(
+            num_items=512,
+            num_topics=16,
+            num_users=256,
+            max_seqlen=16,
+            seqlen_scale=4.0,
+            eval_requests=1024,
+        ),
+        model=ModelConfig(
+            dim=16,
+            heads=2,
+            seq_layers=1,
+            pma_queries=2,
+            time_buckets=8,
+            user_hash_size=256,
+            cross_layers=1,
+            mlp_dims=(32,),
+            head_dims=(16,),
+        ),
+        train=TrainConfig(
+            steps=40,
+            global_batch_size=64,
+            sub_batch_size=16,
+            window_steps=2,
+            warmup_steps=4,
+            lr=3e-3,
+            embedding_lr=2e-2,
+            auc_window=10,
+            cpu_threads=1,
+        ),
+    )
+
+
+def tiny() -> Preset:
+    """The default CPU run: about a minute on two cores, clearly beats popularity."""
+    return Preset(
+        name="tiny",
+        description="default CPU run, about a minute on two cores",
+        data=DataConfig(
+            num_items=4096,
+            num_topics=32,
+            num_users=4096,
+            max_seqlen=64,
+            eval_requests=4096,
+        ),
+        model=ModelConfig(
+            dim=32,
+            heads=2,
+            seq_layers=2,
+            block_attention_layers=1,
+            attn_block_size=16,
+            pma_queries=4,
+            time_buckets=16,
+            user_hash_size=2048,
+            cross_layers=2,
+            mlp_dims=(64, 32),
+            head_dims=(32,),
+        ),
+        train=TrainConfig(
+            steps=500,
+            global_batch_size=128,
+            sub_batch_size=32,
+            window_steps=4,
+            lr=3e-3,
+            embedding_lr=2e-2,
+            warmup_steps=20,
+            eval_every=250,
+            ckpt_every=250,
+            log_every=1,
+            cpu_threads=1,
+        ),
+    )
+
+
+def small() -> Preset:
+    """Realistic proportions at single-GPU scale (or a long many-core CPU run)."""
+    return Preset(
+        name="small",
+        description="single-GPU smoke run with realistic proportions",
+        data=DataConfig(
+            num_items=1_048_576,
+            num_topics=1024,
+            num_users=1_000_000,
+            max_seqlen=512,
+            min_seqlen=4,
+            seqlen_scale=32.0,
+            seqlen_alpha=1.3,
+            max_candidates=8,
+            max_user_tags=8,
+            latent_dim=32,
+            eval_requests=32768,
+        ),
+        model=ModelConfig(
+            dim=128,
+            heads=4,
+            seq_layers=4,
+            block_attention_layers=2,
+            attn_block_size=64,
+            pma_queries=8,
+            time_buckets=24,
+            user_hash_size=262_144,
+            cross_layers=3,
+            cross_rank=64,
+            mlp_dims=(512, 256),
+            head_dims=(128,),
+            dropout=0.1,
+        ),
+        train=TrainConfig(
+            steps=5000,
+            global_batch_size=1024,
+            sub_batch_size=128,
+            window_steps=8,
+            lr=1e-3,
+            embedding_lr=5e-3,
+            warmup_steps=200,
+            eval_every=1000,
+            ckpt_every=1000,
+            log_every=10,
+            auc_window=50,
+        ),
+    )
+
+
+def h200() -> Preset:
+    """Sized to fill one H200 (141 GB); see the README for the memory estimate."""
+    return Preset(
+        name="h200",
+        description="fills one H200: 2.7B parameters, 4k-token histories",
+        data=DataConfig(
+            num_items=8_388_608,
+            num_topics=4096,
+            num_users=50_000_000,
+            max_seqlen=4096,
+            min_seqlen=16,
+            seqlen_scale=256.0,
+            seqlen_alpha=1.5,
+            max_candidates=16,
+            max_user_tags=16,
+            latent_dim=64,
+            eval_requests=65536,
+        ),
+        model=ModelConfig(
+            dim=256,
+            heads=4,
+            seq_layers=8,
+            block_attention_layers=4,
+            attn_block_size=128,
+            pma_queries=16,
+            time_buckets=32,
+            user_hash_size=2_097_152,
+            cross_layers=4,
+            cross_rank=256,
+            mlp_dims=(2048, 1024, 512),
+            head_dims=(256,),
+            dropout=0.1,
+        ),
+        train=TrainConfig(
+            steps=20000,
+            global_batch_size=2048,
+            sub_batch_size=128,
+            window_steps=8,
+            lr=1e-3,
+            embedding_lr=5e-3,
+            warmup_steps=500,
+            eval_every=2000,
+            ckpt_every=2000,
+            log_every=20,
+            auc_window=50,
+            validate_inputs=False,
+        ),
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], Preset]] = {
+    "micro": micro,
+    "tiny": tiny,
+    "small": small,
+    "h200": h200,
+}
+"""Preset name -> a function building it (configs as code)."""
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def _parse_value(raw: str, annotation: Any, where: str) -> Any:
+    if annotation in (bool, "bool"):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{where}: expected a bool, got {raw!r}")
+    if annotation in (int, "int"):
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{where}: expected an int, got {raw!r}") from None
+    if annotation in (float, "float"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {raw!r}") from None
+    if annotation in ("tuple[int, ...]",):
+        try:
+            return tuple(int(v) for v in raw.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"{where}: expected comma-separated ints, got {raw!r}") from None
+    return raw
+
+
+def override(preset: Preset, assignments: list[str] | tuple[str, ...]) -> Preset:
+    """Apply ``"section.field=value"`` strings (``section`` in data/model/train).
+
+    Example: ``override(tiny(), ["model.dim=64", "train.steps=50", "model.mlp_dims=128,64"])``.
+    The result is re-validated.
+
+    Raises:
+        ValueError: malformed assignment, unknown section or field, or an invalid value.
+    """
+    sections: dict[str, dict[str, Any]] = {"data": {}, "model": {}, "train": {}}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ValueError(f"override {item!r} must look like 'section.field=value'")
+        if section not in sections:
+            raise ValueError(f"override {item!r}: section must be one of {sorted(sections)}")
+        cfg = getattr(preset, section)
+        fields = {f.name: f for f in dataclasses.fields(cfg)}
+        if name not in fields:
+            raise ValueError(
+                f"override {item!r}: {type(cfg).__name__} has no field {name!r} "
+                f"(fields: {', '.join(sorted(fields))})"
+            )
+        sections[section][name] = _parse_value(raw.strip(), fields[name].type, key)
+    return dataclasses.replace(
+        preset,
+        **{s: dataclasses.replace(getattr(preset, s), **kw) for s, kw in sections.items() if kw},
+    )

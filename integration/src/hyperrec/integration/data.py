@@ -1,0 +1,567 @@
+"""Synthetic ranking data with a hidden ground truth, and the jagged :class:`Batch`.
+
+Each sample is a *request*: a user, that user's history of events (item, action,
+timestamp; jagged, power-law length) and 1 to ``max_candidates`` candidate items with a
+click label and a conversion label. Labels come from a fixed hidden model in which
+personalisation dominates, so a model that reads the history beats item popularity:
+
+- items belong to topics (``topic = item % num_topics``); an item's latent vector is its
+  topic's random unit centroid plus item-specific noise;
+- a user has two favourite topics (long-term preference) and each request has a
+  *session topic* that dominates the most recent events (short-term interest);
+- the true click logit of a candidate ``c`` is::
+
+      base + interest_strength * <I, v_c> + preference_strength * <p_user, v_c>
+           + item_bias[c] + user_bias + noise
+
+  where ``I`` is the history's mean item latent weighted by action (view 0.5, click 1,
+  conversion 2, skip -1) and recency ``exp(-age / 1 h)``;
+- a conversion needs a click; its logit is ``base_cvr + 2 <I, v_c> + cvr_bias[c] + noise``.
+
+Determinism: every random quantity is a counter-based hash of ``(seed, split, field,
+sample index, position)`` (splitmix64), so any sample can be regenerated alone, in any
+batch composition, on any rank, with no state and no communication. This is what
+makes resume exact and lets ranks generate their own shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from hyperrec.integration.config import DataConfig
+
+__all__ = [
+    "ACTIONS",
+    "DENSE_FEATURES",
+    "EVAL",
+    "TRAIN",
+    "Batch",
+    "SyntheticRecsysData",
+]
+
+TRAIN = 0
+"""Split id of the training stream (indices 0, 1, 2, ... without end)."""
+EVAL = 1
+"""Split id of the held-out evaluation set (indices ``0 .. eval_requests - 1``)."""
+
+ACTIONS = ("view", "click", "conversion", "skip")
+"""History action types; the index is the id in ``Batch.history_actions``."""
+_ACTION_WEIGHT = np.array([0.5, 1.0, 2.0, -1.0])
+# Events on a topic the user likes are clicked/converted more and skipped less; this
+# is what makes the action feature informative.
+_ACTION_P_LIKED = np.array([0.35, 0.40, 0.15, 0.10])
+_ACTION_P_OTHER = np.array([0.55, 0.12, 0.03, 0.30])
+
+DENSE_FEATURES = (
+    "log_history_length",
+    "history_click_rate",
+    "user_ctr_estimate",
+    "hour_sin",
+    "hour_cos",
+)
+"""Names of the columns of ``Batch.dense``."""
+
+_EPOCH = 1_700_000_000  # request timestamps start here (seconds)
+_SECONDS_PER_REQUEST = 7
+_RECENCY_S = 3600.0
+_NOISE_ROWS = 65536  # item-latent noise comes from a fixed table: O(1) memory in num_items
+
+# Stream tags: each random field draws from its own hash stream.
+(
+    _S_USER,
+    _S_SESSION,
+    _S_SESSION_FAV,
+    _S_SESSION_TOPIC,
+    _S_LENGTH,
+    _S_TIME,
+    _S_H_CHOICE,
+    _S_H_FAV,
+    _S_H_TOPIC,
+    _S_H_ITEM,
+    _S_H_GAP,
+    _S_H_ACTION,
+    _S_NCAND,
+    _S_C_CHOICE,
+    _S_C_FAV,
+    _S_C_TOPIC,
+    _S_C_ITEM,
+    _S_C_NOISE,
+    _S_C_CLICK,
+    _S_C_CVR_NOISE,
+    _S_C_CONV,
+    _S_NTAGS,
+    _S_TAG_CHOICE,
+    _S_TAG_FAV,
+    _S_TAG_TOPIC,
+    _S_USER_CTR,
+    _E_USER_FAV,
+    _E_USER_BIAS,
+    _E_ITEM_BIAS,
+    _E_ITEM_CVR_BIAS,
+    _E_ITEM_NOISE,
+) = range(1, 32)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # uint64 arithmetic wraps modulo 2**64, which is exactly what splitmix64 needs.
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _hash(*keys: np.ndarray | int) -> np.ndarray:
+    h = np.zeros(1, dtype=np.uint64)
+    # Scalar-only key tuples would otherwise make numpy warn about the intended wrap-around.
+    with np.errstate(over="ignore"):
+        for k in keys:
+            h = _splitmix64(h ^ np.asarray(k).astype(np.uint64))
+    return h if any(np.ndim(k) for k in keys) else h.reshape(())
+
+
+def _uniform(*keys: np.ndarray | int) -> np.ndarray:
+    """float64 in the open interval (0, 1), a pure function of ``keys``."""
+    return ((_hash(*keys) >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def _gauss(*keys: np.ndarray | int) -> np.ndarray:
+    u1 = _uniform(*keys, 0)
+    u2 = _uniform(*keys, 1)
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def _zipf_rank(u: np.ndarray, n: int, exponent: float) -> np.ndarray:
+    """Ranks in ``[0, n)`` with P(rank r) ~ (r + 1)^-exponent (bounded continuous inverse CDF)."""
+    if abs(exponent - 1.0) < 1e-9:
+        x = np.power(float(n + 1), u)
+    else:
+        e = 1.0 - exponent
+        x = np.power(1.0 + u * (float(n + 1) ** e - 1.0), 1.0 / e)
+    return np.clip(np.floor(x).astype(np.int64) - 1, 0, n - 1)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch of ``B`` requests in jagged layout (all tensors on one device).
+
+    ``T`` = total history events, ``C`` = total candidates, ``G`` = total user tags.
+    Offsets are int64, length ``B + 1``, start at 0, non-decreasing; request ``b`` owns
+    rows ``offsets[b]:offsets[b + 1]`` of its jagged fields. Histories are in
+    chronological order (oldest first).
+    """
+
+    sample_ids: torch.Tensor
+    """int64 [B]: index of each request in its split (for exact-resume bookkeeping)."""
+    user_ids: torch.Tensor
+    """int64 [B]: raw user ids (the model hashes them into its table)."""
+    request_time: torch.Tensor
+    """int64 [B]: request timestamp, seconds."""
+    dense: torch.Tensor
+    """float32 [B, len(DENSE_FEATURES)]: dense features, see :data:`DENSE_FEATURES`."""
+    tag_offsets: torch.Tensor
+    """int64 [B + 1]: offsets of the multi-hot user-tag feature."""
+    tags: torch.Tensor
+    """int64 [G]: user-tag ids in ``[0, num_topics)``."""
+    history_offsets: torch.Tensor
+    """int64 [B + 1]: offsets of the history events."""
+    history_items: torch.Tensor
+    """int64 [T]: item ids in ``[0, num_items)``."""
+    history_categories: torch.Tensor
+    """int64 [T]: the category (topic) of each history item, in ``[0, num_topics)``."""
+    history_actions: torch.Tensor
+    """int64 [T]: action ids in ``[0, len(ACTIONS))``."""
+    history_time: torch.Tensor
+    """int64 [T]: event timestamps, seconds, <= the request's ``request_time``."""
+    candidate_offsets: torch.Tensor
+    """int64 [B + 1]: offsets of the candidates (every request has at least one)."""
+    candidate_items: torch.Tensor
+    """int64 [C]: candidate item ids in ``[0, num_items)``."""
+    candidate_categories: torch.Tensor
+    """int64 [C]: the category (topic) of each candidate, in ``[0, num_topics)``."""
+    click: torch.Tensor
+    """float32 [C]: click label in {0, 1}."""
+    conversion: torch.Tensor
+    """float32 [C]: conversion label in {0, 1}; 1 only where ``click`` is 1."""
+    max_history_len: int
+    """Longest history in the batch (a host int, so attention needs no device sync)."""
+
+    @property
+    def num_requests(self) -> int:
+        """``B``."""
+        return int(self.sample_ids.shape[0])
+
+    @property
+    def num_candidates(self) -> int:
+        """``C``."""
+        return int(self.candidate_items.shape[0])
+
+    @property
+    def num_history_events(self) -> int:
+        """``T``."""
+        return int(self.history_items.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy with every tensor on ``device``."""
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
+        return Batch(**kw)
+
+    def validate(self, *, num_items: int, num_topics: int) -> None:
+        """Check structure, ranges and finiteness; costs a few host syncs on GPU.
+
+        Raises:
+            ValueError: empty batch; offsets of the wrong length, not starting at 0, not
+                non-decreasing or not ending at their field's length; a request without
+                candidates; ids out of range (naming the field); a history event later
+                than its request; NaN/Inf dense features; labels outside {0, 1} or a
+                conversion without a click; ``max_history_len`` not the true maximum.
+            TypeError: a field with the wrong dtype or rank.
+        """
+        b = self.num_requests
+        if b == 0:
+            raise ValueError("batch is empty: it must hold at least one request")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "max_history_len":
+                continue
+            want = torch.float32 if f.name in ("dense", "click", "conversion") else torch.int64
+            if not torch.is_tensor(v) or v.dtype != want:
+                got = v.dtype if torch.is_tensor(v) else type(v).__name__
+                raise TypeError(f"Batch.{f.name} must be a {want} tensor, got {got}")
+            if v.dim() != (2 if f.name == "dense" else 1):
+                raise TypeError(f"Batch.{f.name} has rank {v.dim()}, expected the documented shape")
+        for name in ("user_ids", "request_time"):
+            if getattr(self, name).shape[0] != b:
+                raise ValueError(f"Batch.{name} has {getattr(self, name).shape[0]} rows, not B={b}")
+        if tuple(self.dense.shape) != (b, len(DENSE_FEATURES)):
+            raise ValueError(
+                f"Batch.dense must have shape ({b}, {len(DENSE_FEATURES)}), "
+                f"got {tuple(self.dense.shape)}"
+            )
+        jagged = (
+            ("tag_offsets", ("tags",)),
+            (
+                "history_offsets",
+                ("history_items", "history_categories", "history_actions", "history_time"),
+            ),
+            (
+                "candidate_offsets",
+                ("candidate_items", "candidate_categories", "click", "conversion"),
+            ),
+        )
+        for off_name, value_names in jagged:
+            off = getattr(self, off_name)
+            if off.shape[0] != b + 1:
+                raise ValueError(f"Batch.{off_name} must have B + 1 = {b + 1} entries")
+            if int(off[0]) != 0 or bool((off[1:] < off[:-1]).any()):
+                raise ValueError(f"Batch.{off_name} must start at 0 and be non-decreasing")
+            for name in value_names:
+                n = getattr(self, name).shape[0]
+                if int(off[-1]) != n:
+                    raise ValueError(
+                        f"Batch.{off_name}[-1] = {int(off[-1])} but Batch.{name} has {n} rows"
+                    )
+        lengths = self.history_offsets.diff()
+        if int(lengths.max()) != self.max_history_len:
+            raise ValueError(
+                f"Batch.max_history_len = {self.max_history_len} but the longest history "
+                f"has {int(lengths.max())} events"
+            )
+        if bool((self.candidate_offsets.diff() == 0).any()):
+            raise ValueError("every request needs at least one candidate (Batch.candidate_offsets)")
+        for name, high in (
+            ("history_items", num_items),
+            ("candidate_items", num_items),
+            ("history_actions", len(ACTIONS)),
+            ("history_categories", num_topics),
+            ("candidate_categories", num_topics),
+            ("tags", num_topics),
+        ):
+            v = getattr(self, name)
+            if v.numel() and (int(v.min()) < 0 or int(v.max()) >= high):
+                raise ValueError(
+                    f"Batch.{name} has ids in [{int(v.min())}, {int(v.max())}], outside [0, {high})"
+                )
+        if self.user_ids.numel() and int(self.user_ids.min()) < 0:
+            raise ValueError("Batch.user_ids must be non-negative")
+        owner = torch.repeat_interleave(self.request_time, lengths)
+        if bool((self.history_time > owner).any()):
+            raise ValueError("Batch.history_time has events later than their request_time")
+        if not bool(torch.isfinite(self.dense).all()):
+            raise ValueError("Batch.dense contains NaN or Inf")
+        for name in ("click", "conversion"):
+            v = getattr(self, name)
+            if not bool(((v == 0) | (v == 1)).all()):
+                raise ValueError(f"Batch.{name} labels must be 0 or 1")
+        if bool((self.conversion > self.click).any()):
+            raise ValueError("Batch.conversion is 1 where click is 0 (a conversion needs a click)")
+
+
+def _segment_ids(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner row of every jagged element, its position inside its row)."""
+    lengths = np.diff(offsets)
+    owner = np.repeat(np.arange(lengths.shape[0]), lengths)
+    pos = np.arange(int(offsets[-1])) - offsets[:-1][owner]
+    return owner, pos
+
+
+class SyntheticRecsysData:
+    """Generator of requests and their ground truth for one :class:`DataConfig`.
+
+    Stateless apart from a few small tables built from ``config.seed``; thread-safe.
+    """
+
+    def __init__(self, config: DataConfig):
+        if not isinstance(config, DataConfig):
+            raise TypeError(f"config must be a DataConfig, got {type(config).__name__}")
+        self.config = config
+        rng = np.random.default_rng([config.seed, 0x5EED])
+        k, d = config.num_topics, config.latent_dim
+        centroids = rng.standard_normal((k, d))
+        self._centroids = centroids / np.linalg.norm(centroids, axis=1, keepdims=True)
+        self._topic_by_rank = rng.permutation(k)
+        self._item_noise = rng.standard_normal((_NOISE_ROWS, d)) * (0.5 / math.sqrt(d))
+        self._items_per_topic = config.num_items // k
+
+    # -- entity properties (pure functions of the id) ------------------------------------
+    def _popular_topic(self, u: np.ndarray) -> np.ndarray:
+        return self._topic_by_rank[_zipf_rank(u, self.config.num_topics, self.config.topic_zipf)]
+
+    def _user_favourites(self, users: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s = self.config.seed
+        return (
+            self._popular_topic(_uniform(s, _E_USER_FAV, users, 0)),
+            self._popular_topic(_uniform(s, _E_USER_FAV, users, 1)),
+        )
+
+    def _item_latent(self, items: np.ndarray) -> np.ndarray:
+        row = (_hash(self.config.seed, _E_ITEM_NOISE, items) % np.uint64(_NOISE_ROWS)).astype(
+            np.int64
+        )
+        return self._centroids[items % self.config.num_topics] + self._item_noise[row]
+
+    def _item_in_topic(self, u: np.ndarray, topics: np.ndarray) -> np.ndarray:
+        rank = _zipf_rank(u, self._items_per_topic, self.config.item_zipf)
+        return rank * self.config.num_topics + topics
+
+    def _choose_topic(
+        self,
+        u: np.ndarray,
+        p_session: np.ndarray | float,
+        p_favourite: float,
+        session: np.ndarray,
+        favs: tuple[np.ndarray, np.ndarray],
+        u_fav: np.ndarray,
+        u_topic: np.ndarray,
+    ) -> np.ndarray:
+        fav = np.where(u_fav < 0.5, favs[0], favs[1])
+        other = self._popular_topic(u_topic)
+        return np.where(u < p_session, session, np.where(u < p_session + p_favourite, fav, other))
+
+    # -- requests -----------------------------------------------------------------------
+    def history_lengths(self, split: int, ids: np.ndarray) -> np.ndarray:
+        """int64 history length of each request ``ids`` of ``split`` (cheap: for BBS costs)."""
+        c = self.config
+        ids = np.asarray(ids, dtype=np.int64)
+        u = _uniform(c.seed, split, _S_LENGTH, ids)
+        extra = c.seqlen_scale * (np.power(u, -1.0 / c.seqlen_alpha) - 1.0)
+        return np.minimum(c.min_seqlen + np.floor(extra), c.max_seqlen).astype(np.int64)
+
+    def batch(self, split: int, ids: np.ndarray | list[int]) -> Batch:
+        """The requests ``ids`` of ``split`` (:data:`TRAIN` or :data:`EVAL`) as a CPU batch.
+
+        Raises:
+            ValueError: empty ``ids``, negative ids, eval ids past ``eval_requests``,
+                unknown split.
+        """
+        return self._generate(split, ids)[0]
+
+    def truth(self, split: int, ids: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden model's (P(click), P(conversion | click)) for every candidate of ``ids``.
+
+        float64 tensors [C] aligned with ``batch(split, ids).candidate_items``: the Bayes
+        optimal scores, used to report how far a trained model is from the ceiling.
+        """
+        return self._generate(split, ids)[1]
+
+    def batch_and_truth(
+        self, split: int, ids: np.ndarray | list[int]
+    ) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
+        """``(batch(split, ids), truth(split, ids))`` from a single generation pass."""
+        return self._generate(split, ids)
+
+    def _generate(self, split: int, ids) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        if split not in (TRAIN, EVAL):
+            raise ValueError(f"split must be TRAIN ({TRAIN}) or EVAL ({EVAL}), got {split!r}")
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("ids is empty: a batch needs at least one request")
+        if ids.min() < 0:
+            raise ValueError("ids must be non-negative")
+        if split == EVAL and ids.max() >= c.eval_requests:
+            raise ValueError(f"eval ids must be < eval_requests ({c.eval_requests})")
+        s = c.seed
+        b = ids.shape[0]
+
+        users = _zipf_rank(_uniform(s, split, _S_USER, ids), c.num_users, c.user_zipf)
+        favs = self._user_favourites(users)
+        user_bias = 0.3 * _gauss(s, _E_USER_BIAS, users)
+        session = np.where(
+            _uniform(s, split, _S_SESSION, ids) < 0.5,
+            np.where(_uniform(s, split, _S_SESSION_FAV, ids) < 0.5, favs[0], favs[1]),
+            self._popular_topic(_uniform(s, split, _S_SESSION_TOPIC, ids)),
+        )
+        request_time = (
+            _EPOCH
+            + ids * _SECONDS_PER_REQUEST
+            + np.floor(_uniform(s, split, _S_TIME, ids) * _SECONDS_PER_REQUEST).astype(np.int64)
+            + split * 10**8
+        )
+
+        # History: the session topic dominates the most recent events.
+        lengths = self.history_lengths(split, ids)
+        h_off = np.concatenate([[0], np.cumsum(lengths)])
+        h_row, h_pos = _segment_ids(h_off)
+        h_id = ids[h_row]
+        recent = lengths[h_row] - 1 - h_pos  # 0 = most recent event
+        p_sess = 0.6 * np.exp(-recent / 6.0)
+        h_topic = self._choose_topic(
+            _uniform(s, split, _S_H_CHOICE, h_id, h_pos),
+            p_sess,
+            (1.0 - p_sess) * 0.5,
+            session[h_row],
+            (favs[0][h_row], favs[1][h_row]),
+            _uniform(s, split, _S_H_FAV, h_id, h_pos),
+            _uniform(s, split, _S_H_TOPIC, h_id, h_pos),
+        )
+        h_items = self._item_in_topic(_uniform(s, split, _S_H_ITEM, h_id, h_pos), h_topic)
+        # Gaps grow with recency rank: minutes apart within a session, hours further back.
+        gaps = -np.log(_uniform(s, split, _S_H_GAP, h_id, h_pos)) * 120.0 * (1.0 + recent)
+        csum = np.concatenate([[0.0], np.cumsum(gaps)])
+        # age of an event = sum of the gaps of it and every later event of its request
+        age = csum[h_off[1:][h_row]] - csum[np.arange(h_row.shape[0])]
+        age = np.floor(age).astype(np.int64)
+        h_time = request_time[h_row] - age
+        liked = (
+            (h_topic == session[h_row]) | (h_topic == favs[0][h_row]) | (h_topic == favs[1][h_row])
+        )
+        cdf_liked, cdf_other = np.cumsum(_ACTION_P_LIKED), np.cumsum(_ACTION_P_OTHER)
+        u_act = _uniform(s, split, _S_H_ACTION, h_id, h_pos)
+        h_actions = np.where(
+            liked,
+            np.searchsorted(cdf_liked, u_act, side="right"),
+            np.searchsorted(cdf_other, u_act, side="right"),
+        ).clip(0, len(ACTIONS) - 1)
+
+        # Short-term interest: action- and recency-weighted mean of history item latents.
+        w = _ACTION_WEIGHT[h_actions] * np.exp(-age / _RECENCY_S)
+        h_lat = self._item_latent(h_items)
+        # bincount sums each request's events in order, independently of the other
+        # requests of the batch: a request's labels must not depend on its batch.
+        interest = np.stack(
+            [np.bincount(h_row, weights=h_lat[:, j] * w, minlength=b) for j in range(c.latent_dim)],
+            axis=1,
+        )
+        norm = np.bincount(h_row, weights=np.abs(w), minlength=b)
+        interest = interest / (norm[:, None] + 1e-3)
+        preference = 0.5 * (self._centroids[favs[0]] + self._centroids[favs[1]])
+
+        # Candidates and labels.
+        n_cand = 1 + np.floor(_uniform(s, split, _S_NCAND, ids) * c.max_candidates).astype(np.int64)
+        c_off = np.concatenate([[0], np.cumsum(n_cand)])
+        c_row, c_pos = _segment_ids(c_off)
+        c_id = ids[c_row]
+        c_topic = self._choose_topic(
+            _uniform(s, split, _S_C_CHOICE, c_id, c_pos),
+            0.35,
+            0.2,
+            session[c_row],
+            (favs[0][c_row], favs[1][c_row]),
+            _uniform(s, split, _S_C_FAV, c_id, c_pos),
+            _uniform(s, split, _S_C_TOPIC, c_id, c_pos),
+        )
+        c_items = self._item_in_topic(_uniform(s, split, _S_C_ITEM, c_id, c_pos), c_topic)
+        c_lat = self._item_latent(c_items)
+        affinity = np.einsum("cd,cd->c", interest[c_row], c_lat)
+        z_click = (
+            c.base_ctr_logit
+            + c.interest_strength * affinity
+            + c.preference_strength * np.einsum("cd,cd->c", preference[c_row], c_lat)
+            + c.item_bias_std * _gauss(s, _E_ITEM_BIAS, c_items)
+            + user_bias[c_row]
+            + c.noise_std * _gauss(s, split, _S_C_NOISE, c_id, c_pos)
+        )
+        z_cvr = (
+            c.base_cvr_logit
+            + 2.0 * affinity
+            + c.item_bias_std * _gauss(s, _E_ITEM_CVR_BIAS, c_items)
+            + c.noise_std * _gauss(s, split, _S_C_CVR_NOISE, c_id, c_pos)
+        )
+        p_click, p_cvr = _sigmoid(z_click), _sigmoid(z_cvr)
+        click = (_uniform(s, split, _S_C_CLICK, c_id, c_pos) < p_click).astype(np.float32)
+        conv = click * (_uniform(s, split, _S_C_CONV, c_id, c_pos) < p_cvr).astype(np.float32)
+
+        # Pooled multi-hot user tags: mostly the favourite topics, some noise.
+        n_tags = 1 + np.floor(_uniform(s, split, _S_NTAGS, ids) * c.max_user_tags).astype(np.int64)
+        t_off = np.concatenate([[0], np.cumsum(n_tags)])
+        t_row, t_pos = _segment_ids(t_off)
+        t_id = ids[t_row]
+        tags = self._choose_topic(
+            _uniform(s, split, _S_TAG_CHOICE, t_id, t_pos),
+            0.0,
+            0.7,
+            session[t_row],
+            (favs[0][t_row], favs[1][t_row]),
+            _uniform(s, split, _S_TAG_FAV, t_id, t_pos),
+            _uniform(s, split, _S_TAG_TOPIC, t_id, t_pos),
+        )
+
+        clicks_in_history = np.bincount(
+            h_row, weights=(h_actions == 1) | (h_actions == 2), minlength=b
+        )
+        hour = (request_time % 86400) / 3600.0
+        dense = np.stack(
+            [
+                np.log1p(lengths) / math.log1p(c.max_seqlen),
+                clicks_in_history / np.maximum(lengths, 1),
+                _sigmoid(c.base_ctr_logit + user_bias) + 0.05 * _gauss(s, split, _S_USER_CTR, ids),
+                np.sin(2 * np.pi * hour / 24.0),
+                np.cos(2 * np.pi * hour / 24.0),
+            ],
+            axis=1,
+        )
+
+        def t(x: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+
+        batch = Batch(
+            sample_ids=t(ids),
+            user_ids=t(users),
+            request_time=t(request_time),
+            dense=t(dense, torch.float32),
+            tag_offsets=t(t_off),
+            tags=t(tags),
+            history_offsets=t(h_off),
+            history_items=t(h_items),
+            history_categories=t(h_topic),
+            history_actions=t(h_actions),
+            history_time=t(h_time),
+            candidate_offsets=t(c_off),
+            candidate_items=t(c_items),
+            candidate_categories=t(c_topic),
+            click=t(click, torch.float32),
+            conversion=t(conv, torch.float32),
+            max_history_len=int(lengths.max()),
+        )
+        return batch, (torch.from_numpy(p_click), torch.from_numpy(p_cvr))

@@ -1,0 +1,140 @@
+"""Process group, device and the one place where the model is parallelised.
+
+:func:`init_distributed` works for a plain ``python`` process (world size 1), under
+``torchrun`` (reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; NCCL on CUDA, gloo on CPU),
+and inside a process group someone else already created (tests).
+
+:func:`parallelize` is the seam for hyperrec's own sharding: today it applies PyTorch
+FSDP2 (``torch.distributed.fsdp.fully_shard``), one unit per sequence layer plus the
+root, which also shards the embedding tables row-wise. When ``hyperrec.parallel5d``
+lands (ragged sharding, the 5-D mesh, fully sharded 2-D embeddings) only this function
+changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistributedContext", "init_distributed", "parallelize", "resolve_device"]
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process runs."""
+
+    rank: int
+    """Global rank (0 when not distributed)."""
+    world_size: int
+    """Number of data-parallel ranks (1 when not distributed)."""
+    device: torch.device
+    """The device of this rank's model and batches."""
+    owns_process_group: bool
+    """True if :func:`init_distributed` created the process group (and must destroy it)."""
+
+    @property
+    def distributed(self) -> bool:
+        """True when more than one rank takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that prints and writes metrics."""
+        return self.rank == 0
+
+    def close(self) -> None:
+        """Destroy the process group if this context created it."""
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """``"auto"`` -> ``cuda:<local_rank>`` if CUDA is available else ``cpu``.
+
+    Raises:
+        ValueError: an unknown device string, or ``"cuda"`` without CUDA.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> DistributedContext:
+    """Join (or create) the default process group and pick this rank's device.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the group is created with
+    NCCL when the device is CUDA and gloo otherwise. An existing default group is used
+    as is. Otherwise the run is single-process.
+
+    Raises:
+        ValueError: as :func:`resolve_device`.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        dev = resolve_device(device, local_rank)
+        return DistributedContext(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            device=dev,
+            owns_process_group=False,
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = resolve_device(device, local_rank)
+    if world > 1:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        return DistributedContext(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            device=dev,
+            owns_process_group=True,
+        )
+    return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=False)
+
+
+def parallelize(model: nn.Module, ctx: DistributedContext) -> nn.Module:
+    """Shard ``model`` for data-parallel training on ``ctx`` (no-op for one rank).
+
+    FSDP2 units: each sequence layer, the PMA and cross-attention modules, the
+    interaction tower + MLP + heads, and the root (embedding tables, norms). Gradients
+    are averaged over ranks by FSDP's reduce-scatter, so the loss given to ``backward``
+    must be the rank's share of the *global* mean (see the trainer).
+
+    Args:
+        model: a :class:`~hyperrec.integration.model.GEMModel` on ``ctx.device``, with the
+            same initial parameters on every rank.
+        ctx: from :func:`init_distributed`.
+
+    Returns:
+        The same module object, sharded in place (parameters become DTensors).
+    """
+    if not ctx.distributed:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+    for layer in model.seq_layers:
+        fully_shard(layer, mesh=mesh)
+    for name in ("pma", "cross_attention"):
+        sub = getattr(model, name, None)
+        if sub is not None:
+            fully_shard(sub, mesh=mesh)
+    fully_shard([model.interaction, model.mlp, model.ctr_head, model.cvr_head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -1,0 +1,185 @@
+"""Ranking metrics: exact AUC, normalised entropy, calibration, and a sliding-window AUC.
+
+All functions take 1-D tensors of equal length, compute in float64 on the CPU and return
+Python floats. Probabilities are clamped to ``[1e-7, 1 - 1e-7]`` inside log-losses.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import torch
+
+__all__ = [
+    "WindowedAUC",
+    "auc",
+    "calibration",
+    "log_loss",
+    "normalized_entropy",
+    "task_metrics",
+]
+
+_EPS = 1e-7
+
+
+def _pair(
+    scores: torch.Tensor, labels: torch.Tensor, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.is_tensor(scores) or not torch.is_tensor(labels):
+        raise TypeError(f"{name}: scores and labels must be tensors")
+    if scores.dim() != 1 or scores.shape != labels.shape:
+        raise ValueError(
+            f"{name}: scores and labels must be 1-D of equal length, got "
+            f"{tuple(scores.shape)} and {tuple(labels.shape)}"
+        )
+    s = scores.detach().to("cpu", torch.float64)
+    y = labels.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"{name}: scores contain NaN or Inf")
+    if not bool(((y == 0) | (y == 1)).all()):
+        raise ValueError(f"{name}: labels must be 0 or 1")
+    return s, y
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Exact ROC AUC: P(score of a random positive > score of a random negative).
+
+    Ties count one half (the Mann-Whitney U statistic with average ranks), so the result
+    equals the brute-force pairwise count. O(n log n).
+
+    Args:
+        scores: [n] any real dtype (probabilities or logits: AUC is rank-based).
+        labels: [n] values in {0, 1}.
+
+    Returns:
+        The AUC in [0, 1], or NaN when ``labels`` has no positive or no negative.
+
+    Raises:
+        TypeError: non-tensor inputs.
+        ValueError: shapes differ or are not 1-D, non-finite scores, labels not in {0, 1}.
+    """
+    s, y = _pair(scores, labels, "auc")
+    n_pos = float(y.sum())
+    n_neg = float(y.numel()) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = torch.argsort(s, stable=True)
+    _, inverse, counts = torch.unique_consecutive(s[order], return_inverse=True, return_counts=True)
+    # 1-based rank of a group of tied scores = the mean of the ranks it spans.
+    mean_rank = counts.cumsum(0).double() - (counts.double() - 1.0) / 2.0
+    rank_sum_pos = float((mean_rank[inverse] * y[order]).sum())
+    return (rank_sum_pos - n_pos * (n_pos + 1.0) / 2.0) / (n_pos * n_neg)
+
+
+def log_loss(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean binary cross-entropy of probabilities ``probs`` [n] against ``labels`` [n].
+
+    Raises:
+        ValueError: as :func:`auc`, or probabilities outside [0, 1], or empty input.
+    """
+    p, y = _pair(probs, labels, "log_loss")
+    if p.numel() == 0:
+        raise ValueError("log_loss: empty input")
+    if bool(((p < 0) | (p > 1)).any()):
+        raise ValueError("log_loss: probabilities must lie in [0, 1]")
+    p = p.clamp(_EPS, 1.0 - _EPS)
+    return float(-(y * p.log() + (1.0 - y) * (-p).log1p()).mean())
+
+
+def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Normalised entropy (He et al., 2014): log-loss divided by the entropy of the base rate.
+
+    ``NE = log_loss(p, y) / H(mean(y))`` with ``H(r) = -r log r - (1 - r) log(1 - r)``.
+    Below 1 means better than always predicting the empirical base rate; lower is better.
+
+    Returns:
+        NE, or NaN when every label is equal (the base-rate entropy is 0).
+
+    Raises:
+        ValueError: as :func:`log_loss`.
+    """
+    ll = log_loss(probs, labels)
+    rate = float(labels.detach().double().mean())
+    if rate <= 0.0 or rate >= 1.0:
+        return math.nan
+    return ll / -(rate * math.log(rate) + (1.0 - rate) * math.log(1.0 - rate))
+
+
+def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
+    """Sum of predicted probabilities over the number of positives (1.0 is calibrated).
+
+    Returns:
+        The ratio, or NaN when there is no positive.
+
+    Raises:
+        ValueError: as :func:`auc`.
+    """
+    p, y = _pair(probs, labels, "calibration")
+    positives = float(y.sum())
+    return float(p.sum()) / positives if positives > 0 else math.nan
+
+
+def task_metrics(
+    p_ctr: torch.Tensor, p_cvr: torch.Tensor, click: torch.Tensor, conversion: torch.Tensor
+) -> dict[str, float]:
+    """Metrics of both tasks from per-impression predictions and labels (all [n]).
+
+    CTR metrics are over every impression. CVR (P(conversion | click)) metrics are over
+    clicked impressions only, the population where the task is defined; CTCVR metrics
+    score ``p_ctr * p_cvr`` against conversions over every impression (the ESMM view).
+
+    Returns:
+        ``{"ctr_auc", "ctr_ne", "ctr_calibration", "cvr_auc", "cvr_ne", "ctcvr_auc"}``
+        (NaN where a population lacks a class).
+    """
+    clicked = click.detach().to("cpu") == 1
+    cvr_scores, cvr_labels = (
+        p_cvr.detach().to("cpu")[clicked],
+        conversion.detach().to("cpu")[clicked],
+    )
+    has_clicks = bool(clicked.any())
+    return {
+        "ctr_auc": auc(p_ctr, click),
+        "ctr_ne": normalized_entropy(p_ctr, click),
+        "ctr_calibration": calibration(p_ctr, click),
+        "cvr_auc": auc(cvr_scores, cvr_labels) if has_clicks else math.nan,
+        "cvr_ne": normalized_entropy(cvr_scores, cvr_labels) if has_clicks else math.nan,
+        "ctcvr_auc": auc(p_ctr * p_cvr, conversion),
+    }
+
+
+class WindowedAUC:
+    """AUC over the predictions of the last ``window`` updates (e.g. training steps).
+
+    Cheap enough to call every step at test/CPU scale: it keeps at most ``window``
+    chunks and recomputes the exact AUC on demand.
+    """
+
+    def __init__(self, window: int):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self._chunks: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque(
+            maxlen=window
+        )
+
+    def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
+        """Append one chunk ([n] scores and {0, 1} labels; copied to the CPU)."""
+        self._chunks.append((scores.detach().float().cpu(), labels.detach().float().cpu()))
+
+    def state_dict(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The chunks in the window (for checkpoints)."""
+        return {"chunks": list(self._chunks)}
+
+    def load_state_dict(self, state: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Restore chunks saved by :meth:`state_dict` (the newest ``window`` are kept)."""
+        self._chunks.clear()
+        self._chunks.extend(state["chunks"])
+
+    def compute(self) -> float:
+        """The AUC over the window; NaN if empty or single-class."""
+        if not self._chunks:
+            return math.nan
+        s = torch.cat([c[0] for c in self._chunks])
+        y = torch.cat([c[1] for c in self._chunks])
+        return auc(s, y)

@@ -1,0 +1,600 @@
+"""The training loop: data -> model -> ESMM loss -> AdamW, with eval, checkpoints, metrics.
+
+One :class:`Trainer` per process. With several ranks (``torchrun`` or an existing
+process group) each rank reads its own requests (no data exchange), the model is
+sharded by :func:`~hyperrec.integration.distributed.parallelize`, and the loss is
+normalised by the *global* number of impressions of the step (one all-reduce), so a
+run computes the same gradients on any world size for the same global batch.
+
+Optimizer: AdamW for everything, in three groups: embedding tables (their own, higher
+learning rate; no weight decay, which would shrink the rows of rare items whenever any
+row is touched), dense matrices (weight decay) and vectors (norms, biases; no decay).
+The tables take dense gradients: sparse gradients do not compose with FSDP2 or the DCP
+state-dict helpers. Production rankers use row-wise Adagrad fused into the embedding
+backward (FBGEMM/TorchRec) for tables of billions of rows; that belongs with sharded
+embeddings in ``hyperrec.parallel5d``, behind :func:`build_optimizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hyperrec.bbs import ImbalanceStats
+from hyperrec.integration._version import __version__
+from hyperrec.integration.baseline import PopularityBaseline
+from hyperrec.integration.checkpoint import (
+    checkpoint_dir,
+    find_checkpoint,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
+from hyperrec.integration.config import Preset, TrainConfig
+from hyperrec.integration.data import EVAL, SyntheticRecsysData
+from hyperrec.integration.distributed import DistributedContext, init_distributed, parallelize
+from hyperrec.integration.metrics import WindowedAUC, task_metrics
+from hyperrec.integration.model import GEMModel, esmm_loss
+from hyperrec.integration.pipeline import TrainStream, default_cost_model
+from hyperrec.integration.progress import ProgressBar
+
+__all__ = ["RunResult", "StepRecord", "Trainer", "build_optimizer", "lr_factor"]
+
+_EVAL_CHUNK = 1024  # requests per eval forward
+_EMA_BETA = 0.95
+_HISTORY_KEYS = (
+    "step",
+    "loss",
+    "loss_ema",
+    "ctr_loss",
+    "ctr_auc",
+    "lr",
+    "grad_norm",
+    "samples_per_s",
+    "step_time_s",
+    "cost_max_over_mean",
+    "arrival_cost_max_over_mean",
+)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one rank did in one step (given to the ``on_step`` callback)."""
+
+    step: int
+    """1-based step number."""
+    loss: float
+    """Global mean loss of the step (identical on every rank)."""
+    sample_ids: torch.Tensor
+    """int64 [B]: the training requests this rank trained on."""
+    sub_batches: tuple[int, ...]
+    """The global reader sub-batches they came from."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Outcome of :meth:`Trainer.fit`."""
+
+    out_dir: Path
+    """The run directory."""
+    metrics: dict[str, Any]
+    """The metrics written to ``metrics.json`` (empty on ranks other than 0)."""
+    metrics_path: Path | None
+    """``<out_dir>/metrics.json`` (rank 0), else None."""
+    plot_path: Path | None
+    """``<out_dir>/metrics.png`` (rank 0, unless plotting was off), else None."""
+    last_checkpoint: Path | None
+    """The newest checkpoint written by this run, if any."""
+    interrupted: bool
+    """True when ``stop_after`` ended the run before ``TrainConfig.steps``."""
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Learning-rate multiplier at 1-based ``step``: linear warm-up, cosine to 0.1."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min(max((step - cfg.warmup_steps) / span, 0.0), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with groups for embeddings, decayed matrices and undecayed vectors.
+
+    Call it after :func:`~hyperrec.integration.distributed.parallelize` (sharding
+    replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"``.
+    """
+    embedding = {id(p) for p in model.embedding_parameters()}
+    emb, decay, no_decay = [], [], []
+    for p in model.parameters():
+        if id(p) in embedding:
+            emb.append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [
+        {"params": emb, "lr": cfg.embedding_lr, "base_lr": cfg.embedding_lr, "weight_decay": 0.0},
+        {"params": decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8)
+
+
+def _default_out_dir(preset: Preset) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{preset.name}-{stamp}"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+class Trainer:
+    """Build everything for ``preset`` and train it.
+
+    Args:
+        preset: the run description.
+        out_dir: run directory (metrics, plot, checkpoints). Default: the directory of
+            the ``resume`` checkpoint's run, else ``runs/<preset>-<timestamp>/``.
+        resume: a checkpoint or run directory to resume from (latest complete step).
+        device: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
+        progress: draw the progress bar on stderr (rank 0).
+        on_step: called on every rank after every step with a :class:`StepRecord`.
+
+    Raises:
+        ValueError: the global batch does not split over the world size; ``resume``
+            has no complete checkpoint or another world size; bad device.
+    """
+
+    def __init__(
+        self,
+        preset: Preset,
+        *,
+        out_dir: str | Path | None = None,
+        resume: str | Path | None = None,
+        device: str = "auto",
+        progress: bool = True,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ):
+        if not isinstance(preset, Preset):
+            raise TypeError(f"preset must be a Preset, got {type(preset).__name__}")
+        self.preset = preset
+        self._created = time.perf_counter()
+        self.ctx: DistributedContext = init_distributed(device)
+        cfg = preset.train
+        if self.ctx.device.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
+        self.sub_batches_per_rank = cfg.sub_batches_per_rank(self.ctx.world_size)
+        ckpt = None
+        if resume is not None:
+            ckpt = find_checkpoint(resume)
+            if ckpt is None:
+                raise ValueError(f"resume={str(resume)!r} holds no complete checkpoint")
+        if out_dir is None:
+            out_dir = ckpt.parent.parent if ckpt is not None else _default_out_dir(preset)
+        self.out_dir = Path(self._broadcast(str(out_dir)))
+        self.on_step = on_step
+        self.progress_enabled = progress and self.ctx.is_main
+
+        self.data = SyntheticRecsysData(preset.data)
+        # Same seed on every rank: FSDP2 shards parameters that start identical. Built on
+        # the target device: the big presets' tables would be slow to initialise on a CPU.
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.ctx.device):
+            model = GEMModel(preset.model, preset.data, validate=cfg.validate_inputs)
+        self.model = parallelize(model, self.ctx)
+        # Dropout draws differ per rank (they see different requests anyway).
+        torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.stream = TrainStream(
+            self.data,
+            sub_batch_size=cfg.sub_batch_size,
+            sub_batches_per_step=self.sub_batches_per_rank,
+            window_steps=cfg.window_steps,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            cost=default_cost_model(preset.model.dim),
+        )
+        self.popularity = PopularityBaseline(preset.data.num_items)
+        self.auc_window = WindowedAUC(cfg.auc_window)
+        self.step = 0
+        self.history: dict[str, list[Any]] = {k: [] for k in _HISTORY_KEYS}
+        self.evals: list[dict[str, Any]] = []
+        self.rank_costs: list[list[list[float]]] = []
+        """Per step, per rank: [BBS step cost, arrival-order step cost]."""
+        self.train_time_s = 0.0
+        self._ema = 0.0
+        self.last_checkpoint: Path | None = None
+        if ckpt is not None:
+            self.load(ckpt)
+
+    # -- helpers ------------------------------------------------------------------------
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.ctx.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        amp = self.preset.train.amp
+        if amp == "bf16" or (amp == "auto" and self.ctx.device.type == "cuda"):
+            return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- one step -----------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        """Run one optimizer step; returns its metrics (identical on every rank)."""
+        cfg = self.preset.train
+        start = time.perf_counter()
+        item = self.stream.next()
+        batch = item.batch.to(self.ctx.device, non_blocking=True)
+        if cfg.validate_inputs:
+            self.model.check_batch(batch)
+        step = self.step + 1
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * lr_factor(step, cfg)
+
+        with self._autocast():
+            ctr_logit, cvr_logit = self.model(batch)
+        ctr_sum, ctcvr_sum = esmm_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
+        dev = self.ctx.device
+        sums = torch.stack(
+            [
+                torch.tensor(float(batch.num_candidates), device=dev, dtype=torch.float64),
+                ctr_sum.detach().double(),
+                ctcvr_sum.detach().double(),
+            ]
+        )
+        costs = torch.tensor([item.cost, item.arrival_cost], device=dev, dtype=torch.float64)
+        if self.ctx.distributed:
+            dist.all_reduce(sums)
+            gathered = [torch.empty_like(costs) for _ in range(self.ctx.world_size)]
+            dist.all_gather(gathered, costs)
+            costs = torch.stack(gathered)
+        impressions = sums[0]
+        # Each rank's share of the global mean; FSDP's reduce-scatter averages over ranks.
+        loss = (ctr_sum + ctcvr_sum) * (self.ctx.world_size / impressions.float())
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        n, ctr_total, ctcvr_total = sums.tolist()
+        rank_costs = costs.reshape(-1, 2).tolist()  # [rank][balanced, arrival order]
+        self.rank_costs.append(rank_costs)
+        balanced, arrival = ([row[i] for row in rank_costs] for i in (0, 1))
+        self.step = step
+        self.popularity.update(batch.candidate_items, batch.click, batch.conversion)
+        self.auc_window.update(torch.sigmoid(ctr_logit.detach()), batch.click)
+        elapsed = time.perf_counter() - start
+        self.train_time_s += elapsed
+        loss_value = (ctr_total + ctcvr_total) / n
+        self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+        metrics = {
+            "step": step,
+            "loss": loss_value,
+            "loss_ema": self._ema / (1.0 - _EMA_BETA**step),
+            "ctr_loss": ctr_total / n,
+            "ctr_auc": self.auc_window.compute(),
+            "lr": self.optimizer.param_groups[1]["lr"],
+            "grad_norm": float(grad_norm),
+            "samples_per_s": cfg.global_batch_size / elapsed,
+            "step_time_s": elapsed,
+            "cost_max_over_mean": max(balanced) / (sum(balanced) / len(balanced)),
+            "arrival_cost_max_over_mean": max(arrival) / (sum(arrival) / len(arrival)),
+        }
+        if self.on_step is not None:
+            self.on_step(
+                StepRecord(
+                    step=step,
+                    loss=loss_value,
+                    sample_ids=item.batch.sample_ids.clone(),
+                    sub_batches=item.sub_batches,
+                )
+            )
+        return metrics
+
+    # -- evaluation ---------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Score the held-out split; returns the record on rank 0 (``{}`` elsewhere).
+
+        The record holds the model's metrics (see
+        :func:`~hyperrec.integration.metrics.task_metrics`) and its held-out loss, plus the
+        same metrics for the popularity baseline (counts so far, all ranks) and for the
+        hidden ground truth (the Bayes-optimal ceiling).
+        """
+        world, rank = self.ctx.world_size, self.ctx.rank
+        total = self.preset.data.eval_requests
+        counts = self.popularity.global_counts(self.ctx.device)
+        pop_ctr, pop_cvr = PopularityBaseline.rates(counts, self.popularity.prior_strength)
+        local = np.arange(rank, total, world)
+        # Every rank runs the same number of forwards (FSDP all-gathers are collective).
+        n_chunks = max(1, math.ceil(math.ceil(total / world) / _EVAL_CHUNK))
+        parts: dict[str, list[torch.Tensor]] = {}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for piece in np.array_split(local, n_chunks):
+                ids = piece if piece.size else np.zeros(1, dtype=np.int64)
+                batch, (true_ctr, true_cvr) = self.data.batch_and_truth(EVAL, ids)
+                with self._autocast():
+                    ctr_logit, cvr_logit = self.model(batch.to(self.ctx.device))
+                if not piece.size:
+                    continue
+                ctr_sum, ctcvr_sum = esmm_loss(
+                    ctr_logit.cpu(), cvr_logit.cpu(), batch.click, batch.conversion
+                )
+                items = batch.candidate_items
+                for key, value in (
+                    ("p_ctr", torch.sigmoid(ctr_logit.float()).cpu()),
+                    ("p_cvr", torch.sigmoid(cvr_logit.float()).cpu()),
+                    ("click", batch.click),
+                    ("conversion", batch.conversion),
+                    ("pop_ctr", pop_ctr[items]),
+                    ("pop_cvr", pop_cvr[items]),
+                    ("true_ctr", true_ctr),
+                    ("true_cvr", true_cvr),
+                    ("loss_sum", (ctr_sum + ctcvr_sum).reshape(1).double()),
+                ):
+                    parts.setdefault(key, []).append(value)
+        finally:
+            self.model.train(was_training)
+        mine = {k: torch.cat(v) for k, v in parts.items()}
+        if self.ctx.distributed:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        if not self.ctx.is_main:
+            return {}
+        allp = {k: torch.cat([g[k] for g in gathered if g]) for k in mine}
+        click, conv = allp["click"], allp["conversion"]
+        record: dict[str, Any] = {
+            "step": self.step,
+            "loss": float(allp["loss_sum"].sum() / click.numel()),
+            **task_metrics(allp["p_ctr"], allp["p_cvr"], click, conv),
+            "popularity": task_metrics(allp["pop_ctr"], allp["pop_cvr"], click, conv),
+            "ground_truth": task_metrics(allp["true_ctr"], allp["true_cvr"], click, conv),
+            "impressions": int(click.numel()),
+        }
+        return record
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a checkpoint of the current step (collective); returns its directory."""
+        path = checkpoint_dir(self.out_dir, self.step)
+        rng = {"cpu": torch.get_rng_state()}
+        if self.ctx.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        save_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            meta={
+                "step": self.step,
+                "preset": self.preset.to_dict(),
+                "history": self.history,
+                "evals": self.evals,
+                "rank_costs": self.rank_costs,
+                "train_time_s": self.train_time_s,
+                "ema": self._ema,
+            },
+            rank_state={
+                "stream": self.stream.state_dict(),
+                "rng": rng,
+                "auc_window": self.auc_window.state_dict(),
+            },
+            rank_tensors={"popularity": self.popularity.counts},
+        )
+        self.last_checkpoint = path
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Restore the state saved by :meth:`save` (collective).
+
+        Raises:
+            ValueError: the checkpoint's preset differs in a field that changes the run
+                (anything but steps / eval / checkpoint / logging cadence), or its world
+                size differs.
+        """
+        saved, now = read_meta(path)["preset"], self.preset.to_dict()
+        cadence = {"steps", "eval_every", "ckpt_every", "log_every"}
+        for section in ("data", "model", "train"):
+            for key, value in now[section].items():
+                if section == "train" and key in cadence:
+                    continue
+                if saved[section].get(key) != value:
+                    raise ValueError(
+                        f"checkpoint {path} was trained with {section}.{key}="
+                        f"{saved[section].get(key)!r}, this run has {value!r}"
+                    )
+        meta, state = load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            rank_tensors={"popularity": self.popularity.counts},
+        )
+        self.step = meta["step"]
+        self.history = meta["history"]
+        self.evals = meta["evals"]
+        self.rank_costs = meta["rank_costs"]
+        self.train_time_s = meta["train_time_s"]
+        self._ema = meta["ema"]
+        self.stream.load_state_dict(state["stream"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
+        self.auc_window.load_state_dict(state["auc_window"])
+        self.last_checkpoint = Path(path)
+
+    # -- the run ------------------------------------------------------------------------
+    def fit(self, *, stop_after: int | None = None, plot: bool = True) -> RunResult:
+        """Train to ``TrainConfig.steps`` (or until step ``stop_after``), then report.
+
+        Evaluates every ``eval_every`` steps and at the end, checkpoints every
+        ``ckpt_every`` steps and at the end (when ``ckpt_every > 0``), and on rank 0
+        writes ``metrics.json`` and ``metrics.png`` into the run directory.
+
+        Args:
+            stop_after: stop after this step as if interrupted (no final eval, no
+                final checkpoint beyond the periodic ones); for resume tests.
+            plot: draw the PNG (matplotlib is imported only then).
+        """
+        cfg = self.preset.train
+        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
+            raise ValueError(f"stop_after must be a positive int, got {stop_after!r}")
+        last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+        bar = ProgressBar(cfg.steps, enabled=self.progress_enabled)
+        if self.step and self.ctx.is_main:
+            bar.write(f"resumed at step {self.step} from {self.last_checkpoint}")
+        while self.step < last:
+            m = self.train_step()
+            if m["step"] % cfg.log_every == 0 or m["step"] == cfg.steps:
+                for key in _HISTORY_KEYS:
+                    self.history[key].append(m[key])
+            bar.update(
+                m["step"], loss=m["loss_ema"], auc=m["ctr_auc"], samples_per_s=m["samples_per_s"]
+            )
+            if cfg.eval_every and m["step"] % cfg.eval_every == 0 and m["step"] != cfg.steps:
+                self._eval_and_log(bar)
+            if cfg.ckpt_every and (m["step"] % cfg.ckpt_every == 0 or m["step"] == cfg.steps):
+                self.save()
+        bar.close()
+        interrupted = self.step < cfg.steps
+        if not interrupted and (not self.evals or self.evals[-1]["step"] != self.step):
+            self._eval_and_log(bar)
+        return self._report(interrupted=interrupted, plot=plot)
+
+    def _eval_and_log(self, bar: ProgressBar) -> None:
+        record = self.evaluate()
+        if self.ctx.is_main:
+            self.evals.append(record)
+            bar.write(
+                f"eval @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
+                f"(popularity {record['popularity']['ctr_auc']:.4f}, "
+                f"ground truth {record['ground_truth']['ctr_auc']:.4f}), "
+                f"CVR AUC {record['cvr_auc']:.4f}, NE {record['ctr_ne']:.4f}"
+            )
+
+    def _report(self, *, interrupted: bool, plot: bool) -> RunResult:
+        if not self.ctx.is_main:
+            return RunResult(self.out_dir, {}, None, None, self.last_checkpoint, interrupted)
+        cfg = self.preset.train
+        requests = self.step * cfg.global_batch_size
+        final = self.evals[-1] if self.evals else None
+        metrics: dict[str, Any] = {
+            "preset": self.preset.name,
+            "version": __version__,
+            "machine": _machine(self.ctx.device),
+            "device": str(self.ctx.device),
+            "world_size": self.ctx.world_size,
+            "steps_completed": self.step,
+            "interrupted": interrupted,
+            "requests_trained": requests,
+            "train_time_s": self.train_time_s,
+            # This process only (a resumed run counts from its restart), set-up to report.
+            "wall_time_s": time.perf_counter() - self._created,
+            "mean_samples_per_s": requests / self.train_time_s if self.train_time_s else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(self.ctx.device) / 1e9
+            if self.ctx.device.type == "cuda"
+            else None,
+            "final": None
+            if final is None
+            else {k: v for k, v in final.items() if k not in ("popularity", "ground_truth")},
+            "baselines": None
+            if final is None
+            else {"popularity": final["popularity"], "ground_truth": final["ground_truth"]},
+            "bbs": self._bbs_summary(),
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "config": self.preset.to_dict(),
+            "eval": self.evals,
+            "history": self.history,
+        }
+        metrics = _jsonable(metrics)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.out_dir / "metrics.json"
+        metrics_path.write_text(json.dumps(metrics, indent=1) + "\n")
+        plot_path = None
+        if plot and self.history["step"]:
+            from hyperrec.integration.plot import plot_metrics
+
+            plot_path = plot_metrics(metrics, self.out_dir / "metrics.png")
+        return RunResult(
+            self.out_dir, metrics, metrics_path, plot_path, self.last_checkpoint, interrupted
+        )
+
+    def _bbs_summary(self) -> dict[str, Any]:
+        """Step-cost balance with BBS and in arrival order, over every step so far.
+
+        ``across_ranks``: :class:`hyperrec.bbs.ImbalanceStats` of the (step, rank) cost
+        matrix (what synchronous data parallelism loses to its slowest rank).
+        ``step_cost_cv``: coefficient of variation of a rank's step cost over steps (what
+        BBS flattens even on one rank).
+        """
+        cfg = self.preset.train
+        out: dict[str, Any] = {
+            "window_steps": cfg.window_steps,
+            "sub_batch_size": cfg.sub_batch_size,
+            "sub_batches_per_rank_step": self.sub_batches_per_rank,
+        }
+        if not self.rank_costs:
+            return out
+        c = np.asarray(self.rank_costs, dtype=np.float64)  # (steps, ranks, 2)
+        for i, name in enumerate(("balanced", "arrival_order")):
+            per_step = c[:, :, i]
+            out[name] = {
+                "across_ranks": ImbalanceStats.from_step_costs(per_step).as_dict(),
+                "step_cost_cv": float(per_step.std(axis=0).mean() / per_step.mean()),
+            }
+        return out
+
+    def close(self) -> None:
+        """Release the process group if this trainer created it."""
+        self.ctx.close()
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _mean(xs: list[float]) -> float | None:
+    finite = [x for x in xs if isinstance(x, float) and math.isfinite(x)]
+    return sum(finite) / len(finite) if finite else None

@@ -1,0 +1,93 @@
+"""Progress bar, plot, popularity baseline and checkpoint discovery."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from hyperrec.integration import PopularityBaseline
+from hyperrec.integration.checkpoint import checkpoint_dir, find_checkpoint
+from hyperrec.integration.distributed import resolve_device
+from hyperrec.integration.plot import plot_metrics
+from hyperrec.integration.progress import ProgressBar, format_duration
+
+
+def test_progress_bar_in_a_log_prints_whole_lines():
+    out = io.StringIO()
+    bar = ProgressBar(10, stream=out, log_interval_s=0.0)
+    for step in range(1, 11):
+        bar.update(step, loss=0.5, auc=0.75, samples_per_s=1234.0)
+    bar.write("eval done")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert lines[-2].startswith("[########################] 10/10 100% | loss 0.5000 | auc 0.7500")
+    assert "1,234 samples/s" in lines[-2] and "ETA 0:00" in lines[-2]
+    assert lines[-1] == "eval done"
+
+
+def test_progress_bar_disabled_and_durations():
+    out = io.StringIO()
+    bar = ProgressBar(3, stream=out, enabled=False)
+    bar.update(3, force=True)
+    bar.write("x")
+    assert out.getvalue() == ""
+    assert format_duration(3725) == "1:02:05" and format_duration(65) == "1:05"
+    assert format_duration(math.nan) == "?"
+    with pytest.raises(ValueError, match="total"):
+        ProgressBar(0)
+
+
+def test_plot_writes_a_png(tmp_path):
+    metrics = {
+        "preset": "x",
+        "history": {"step": [1, 2, 3], "loss": [1.0, 0.9, float("nan")], "ctr_auc": [0.5, 0.6, 0.7],
+                    "samples_per_s": [10.0, 11.0, 12.0], "loss_ema": [1.0, 0.95, 0.9]},
+        "eval": [{"step": 3, "loss": 0.8, "ctr_auc": 0.7, "cvr_auc": 0.6}],
+        "baselines": {"popularity": {"ctr_auc": 0.55}, "ground_truth": {"ctr_auc": 0.8}},
+    }  # fmt: skip
+    path = plot_metrics(metrics, tmp_path / "sub" / "m.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_metrics({"history": {"step": []}}, tmp_path / "n.png")
+
+
+def test_popularity_baseline_counts_and_smooths():
+    pop = PopularityBaseline(4, prior_strength=2.0)
+    pop.update(
+        torch.tensor([0, 0, 1, 3]),
+        torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        torch.tensor([1.0, 0.0, 0.0, 0.0]),
+    )
+    assert pop.counts.tolist() == [[2, 1, 0, 1], [1, 1, 0, 0], [1, 0, 0, 0]]
+    ctr, cvr = PopularityBaseline.rates(pop.global_counts(), 2.0)
+    g = 2 / 4
+    assert ctr.tolist() == pytest.approx([(1 + 2 * g) / 4, (1 + 2 * g) / 3, g, 2 * g / 3])
+    assert cvr[0].item() == pytest.approx((1 + 2 * 0.5) / 3)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        pop.update(torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="shape"):
+        pop.load_state_dict({"counts": torch.zeros(3, 5, dtype=torch.int64)})
+
+
+def test_find_checkpoint_ignores_incomplete_ones(tmp_path):
+    assert find_checkpoint(tmp_path) is None
+    done, partial = checkpoint_dir(tmp_path, 4), checkpoint_dir(tmp_path, 8)
+    done.mkdir(parents=True)
+    (done / ".metadata").write_bytes(b"")
+    partial.mkdir(parents=True)  # killed while saving: no .metadata
+    assert find_checkpoint(tmp_path) == done
+    assert find_checkpoint(done) == done
+    with pytest.raises(FileNotFoundError):
+        find_checkpoint(tmp_path / "nope")
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
