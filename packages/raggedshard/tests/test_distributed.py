@@ -24,6 +24,7 @@ from hyperrec.raggedshard import (
     RaggedShard,
     check_placements,
     distribute_tensor,
+    enable_local_ops,
     from_local,
     full_tensor,
     local_chunks,
@@ -285,6 +286,24 @@ def _ops(mesh):
         s.placements == p.placements and torch.equal(full_tensor(s), full_tensor(p) + o)
         for s, p, o in zip(sums, params, others)
     )
+    # Opt-in hook: a stock torch.optim optimizer steps ragged DTensor parameters locally,
+    # exactly as it steps the full tensors in one process.
+    enable_local_ops()
+    for kind in ("foreach", "fused"):
+        leaves = [torch.nn.Parameter(dt(f, p)[0]) for f, p in zip(fulls, places)]
+        refs = [torch.nn.Parameter(f.clone()) for f in fulls]
+        opt = torch.optim.AdamW(leaves, lr=0.1, weight_decay=0.01, **{kind: True})
+        ref_opt = torch.optim.AdamW(refs, lr=0.1, weight_decay=0.01, **{kind: True})
+        for step in range(2):
+            for leaf, ref, o, pl in zip(leaves, refs, others, places):
+                leaf.grad = dt(o * (step + 1), pl)[0]
+                ref.grad = o * (step + 1)
+            opt.step()
+            ref_opt.step()
+        out[f"stock_adamw_{kind}"] = all(
+            leaf.placements == pl and torch.equal(full_tensor(leaf.detach()), ref.detach())
+            for leaf, ref, pl in zip(leaves, refs, places)
+        )
     flat = torch.cat([full_tensor(p).reshape(-1) for p in params])
     for norm_type in (2.0, 1.0, math.inf):
         got = total_norm(params, norm_type)

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from hyperrec.raggedshard import RaggedShard
+from hyperrec.raggedshard import RaggedShard, enable_local_ops
 
-__all__ = ["dtensor_view", "install_local_ops"]
+__all__ = ["dtensor_view"]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -33,7 +33,7 @@ def dtensor_view(
     ``RaggedShard.from_numels`` of those counts (fewest flattened leading dims), on a
     2-D ``(replicate, shard)`` mesh ``(Replicate(), RaggedShard)``.
     """
-    install_local_ops()
+    enable_local_ops()  # so stock torch.optim steps these views without a gather
     shape = torch.Size(int(s) for s in shape)
     placement = RaggedShard.from_numels(shape, [b - a for a, b in ranges])
     rank = mesh.get_local_rank(mesh.ndim - 1)
@@ -42,109 +42,3 @@ def dtensor_view(
     return DTensor.from_local(
         local, mesh, placements, shape=shape, stride=_contiguous_stride(shape), run_check=False
     )
-
-
-# ---------------------------------------------------------------------------------------
-# Local execution of pointwise / foreach / fused-optimizer ops on ragged DTensors.
-#
-# Upstream DTensor (torch 2.13) has no sharding rule for a custom placement: a pointwise op
-# on a RaggedShard operand is all-gathered first and an in-place one is rejected, so a
-# stock `torch.optim` step on ragged parameters fails. Elementwise math needs no
-# communication when every operand shares the layout, so these ops run on the local
-# shards and the result keeps the operand's placement. Installed through DTensor's
-# custom-op-handler table; ops without a ragged operand take upstream's path unchanged.
-
-_INSTALLED = False
-_EXTRA_OPS = (
-    "zeros_like.default",
-    "ones_like.default",
-    "empty_like.default",
-    "full_like.default",
-    "clone.default",
-    "copy_.default",
-    "detach.default",
-    "_fused_adam_.default",
-    "_fused_adam_.tensor_lr",
-    "_fused_adamw_.default",
-    "_fused_adamw_.tensor_lr",
-    "_fused_sgd_.default",
-    "_fused_sgd_.tensor_lr",
-)
-
-
-def _local_op_set() -> set:
-    from torch.distributed.tensor._ops import _pointwise_ops
-
-    ops = set()
-    for value in vars(_pointwise_ops).values():
-        if isinstance(value, list | tuple):
-            ops.update(v for v in value if isinstance(v, torch._ops.OpOverload))
-    for name in _EXTRA_OPS:
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            ops.add(op)
-    return ops
-
-
-def _is_ragged(t: DTensor) -> bool:
-    return any(isinstance(p, RaggedShard) for p in t.placements)
-
-
-def _wrap(local: torch.Tensor, ref: DTensor) -> DTensor:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    spec = DTensorSpec(
-        ref.device_mesh,
-        ref.placements,
-        tensor_meta=TensorMeta(ref.shape, ref.stride(), local.dtype),
-    )
-    return DTensor(local, spec, requires_grad=local.requires_grad)
-
-
-def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    leaves, _ = tree_flatten((args, kwargs))
-    dts = [x for x in leaves if isinstance(x, DTensor)]
-    plain = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
-    foreach = op.name().startswith(("aten::_foreach_", "aten::_fused_"))
-    local_ok = any(_is_ragged(d) for d in dts) and (
-        foreach
-        or (
-            all(p.dim() == 0 for p in plain)
-            and all(d.placements == dts[0].placements and d.shape == dts[0].shape for d in dts)
-        )
-    )
-    if not local_ok:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        handler = handlers.pop(op)
-        try:
-            return op(*args, **kwargs)
-        finally:
-            handlers[op] = handler
-    local_args, local_kwargs = tree_map(
-        lambda x: x._local_tensor if isinstance(x, DTensor) else x, (args, kwargs)
-    )
-    out = op(*local_args, **local_kwargs)
-    if op._schema.is_mutable:
-        # In-place: the DTensor operands already see the new local values.
-        return args[0] if isinstance(args[0], DTensor) else out
-    if isinstance(out, torch.Tensor):
-        return _wrap(out, dts[0])
-    if isinstance(out, list | tuple):
-        # Out-of-place foreach: element j takes the layout of the first list's element j.
-        refs = next(a for a in args if isinstance(a, list | tuple))
-        return type(out)(_wrap(o, r) if isinstance(r, DTensor) else o for o, r in zip(out, refs))
-    return out
-
-
-def install_local_ops() -> None:
-    """Run pointwise/foreach/fused-optimizer ops on ragged DTensors locally (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _local_op_set():
-        handlers.setdefault(op, _local_handler)
-    _INSTALLED = True

@@ -8,6 +8,8 @@
   differentiable; :func:`from_local`, :func:`distribute_tensor`.
 - Local-shard ops: :func:`ragged_map`, :func:`ragged_foreach`, :func:`total_norm`,
   :func:`to_local`, :func:`full_tensor`.
+- :func:`enable_local_ops` (opt-in): stock pointwise/foreach/fused-optimizer ATen ops
+  on ragged DTensors run shard-locally, so ``torch.optim`` works on them unchanged.
 - DCP: :class:`RaggedSavePlanner`, :class:`RaggedLoadPlanner`, :func:`checkpointable`.
 - :mod:`hyperrec.raggedshard.reference`: the single-process spec used by the tests.
 """
@@ -19,6 +21,7 @@ from hyperrec.raggedshard.checkpoint import (
     checkpointable,
     local_chunks,
 )
+from hyperrec.raggedshard.dtensor_ops import enable_local_ops
 from hyperrec.raggedshard.granularity import GranularitySpec, block_numel
 from hyperrec.raggedshard.ops import full_tensor, ragged_foreach, ragged_map, to_local, total_norm
 from hyperrec.raggedshard.placement import RaggedShard
@@ -38,6 +41,7 @@ __all__ = [
     "RaggedSavePlanner",
     "RaggedShard",
     "Strategy",
+    "enable_local_ops",
     "__version__",
     "block_numel",
     "check_placements",

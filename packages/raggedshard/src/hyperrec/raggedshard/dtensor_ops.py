@@ -1,0 +1,123 @@
+"""Opt-in: stock ATen pointwise, foreach and fused-optimizer ops on ragged DTensors.
+
+Upstream DTensor (torch 2.11-2.14) has no sharding rule for a custom placement: torch 2.13
+all-gathers a ``RaggedShard`` operand of a pointwise op (and returns a ``Replicate``
+result) and rejects in-place ops, torch 2.11 raises. Elementwise math needs no
+communication when every operand shares one layout, so :func:`enable_local_ops` routes
+those ops to the local shards and keeps the operands' placement. That is what lets a stock
+``torch.optim`` optimizer (foreach or fused) step parameters exposed as ragged DTensors.
+
+It installs handlers in DTensor's custom-op-handler table, a private upstream hook, so it
+is opt-in and global to the process; ops with no ragged operand, or whose operands do not
+share one layout, fall through to upstream's normal path unchanged. The explicit
+:func:`~hyperrec.raggedshard.ragged_map` / :func:`~hyperrec.raggedshard.ragged_foreach`
+need no hook.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hyperrec.raggedshard.placement import RaggedShard
+
+__all__ = ["enable_local_ops"]
+
+_INSTALLED = False
+_EXTRA_OPS = (
+    "zeros_like.default",
+    "ones_like.default",
+    "empty_like.default",
+    "full_like.default",
+    "clone.default",
+    "copy_.default",
+    "detach.default",
+    "_fused_adam_.default",
+    "_fused_adam_.tensor_lr",
+    "_fused_adamw_.default",
+    "_fused_adamw_.tensor_lr",
+    "_fused_sgd_.default",
+    "_fused_sgd_.tensor_lr",
+)
+
+
+def _local_op_set() -> set:
+    from torch.distributed.tensor._ops import _pointwise_ops
+
+    ops = set()
+    for value in vars(_pointwise_ops).values():
+        if isinstance(value, list | tuple):
+            ops.update(v for v in value if isinstance(v, torch._ops.OpOverload))
+    for name in _EXTRA_OPS:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            ops.add(op)
+    return ops
+
+
+def _is_ragged(t: DTensor) -> bool:
+    return any(isinstance(p, RaggedShard) for p in t.placements)
+
+
+def _wrap(local: torch.Tensor, ref: DTensor) -> DTensor:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(
+        ref.device_mesh,
+        ref.placements,
+        tensor_meta=TensorMeta(ref.shape, ref.stride(), local.dtype),
+    )
+    return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    leaves, _ = tree_flatten((args, kwargs))
+    dts = [x for x in leaves if isinstance(x, DTensor)]
+    plain = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
+    foreach = op.name().startswith(("aten::_foreach_", "aten::_fused_"))
+    local_ok = any(_is_ragged(d) for d in dts) and (
+        foreach
+        or (
+            all(p.dim() == 0 for p in plain)
+            and all(d.placements == dts[0].placements and d.shape == dts[0].shape for d in dts)
+        )
+    )
+    if not local_ok:
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        handler = handlers.pop(op)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+    local_args, local_kwargs = tree_map(
+        lambda x: x._local_tensor if isinstance(x, DTensor) else x, (args, kwargs)
+    )
+    out = op(*local_args, **local_kwargs)
+    if op._schema.is_mutable:
+        # In-place: the DTensor operands already see the new local values.
+        return args[0] if isinstance(args[0], DTensor) else out
+    if isinstance(out, torch.Tensor):
+        return _wrap(out, dts[0])
+    if isinstance(out, list | tuple):
+        # Out-of-place foreach: element j takes the layout of the first list's element j.
+        refs = next(a for a in args if isinstance(a, list | tuple))
+        return type(out)(_wrap(o, r) if isinstance(r, DTensor) else o for o, r in zip(out, refs))
+    return out
+
+
+def enable_local_ops() -> None:
+    """Run pointwise, foreach and fused-optimizer ops on ragged DTensors shard-locally.
+
+    Idempotent and process-global (see the module docstring). Call it once before an
+    optimizer steps ragged-DTensor parameters.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in _local_op_set():
+        handlers.setdefault(op, _local_handler)
+    _INSTALLED = True
