@@ -262,6 +262,33 @@ def _work_item(r, pid, nprog):
 
 
 @triton.jit
+def _query_tile(
+    w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+    H: tl.constexpr, HAS_MAP: tl.constexpr, HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Decode work item ``w`` of a query-tile schedule (forward and dQ passes).
+
+    Heads vary fastest, so programs running at the same time read the same sequences.
+    Returns (head, query sequence, its start and length, its kv sequence's start and
+    length, its number of HSTU targets, the tile's first query row).
+    """
+    h = w % H
+    b = tl.load(tile_seq + w // H)
+    t = tl.load(tile_idx + w // H)
+    q_start = tl.load(q_offsets + b)
+    Lq = tl.load(q_offsets + b + 1) - q_start
+    kb = b
+    if HAS_MAP:
+        kb = tl.load(kv_index + b)
+    k_start = tl.load(kv_offsets + kb)
+    Lk = tl.load(kv_offsets + kb + 1) - k_start
+    n_targets = 0
+    if HAS_TARGETS:
+        n_targets = tl.load(num_targets + b)
+    return h, b, q_start, Lq, k_start, Lk, n_targets, t * BLOCK_M
+
+
+@triton.jit
 def _floordiv(a, b):
     # Triton's // truncates toward zero; positions before the first key can be negative.
     return tl.where(a >= 0, a // b, -((b - 1 - a) // b))
@@ -564,21 +591,10 @@ def _fwd_kernel(
     for r in range(0, tl.cdiv(total, nprog)):
         w = _work_item(r, pid, nprog)
         if w < total:
-            # Heads vary fastest: concurrently running programs read the same sequences.
-            h = w % H
-            b = tl.load(tile_seq + w // H)
-            t = tl.load(tile_idx + w // H)
-            q_start = tl.load(q_offsets + b)
-            Lq = tl.load(q_offsets + b + 1) - q_start
-            kb = b
-            if HAS_MAP:
-                kb = tl.load(kv_index + b)
-            k_start = tl.load(kv_offsets + kb)
-            Lk = tl.load(kv_offsets + kb + 1) - k_start
-            m0 = t * BLOCK_M
-            n_targets = 0
-            if HAS_TARGETS:
-                n_targets = tl.load(num_targets + b)
+            h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
+                w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+                H, HAS_MAP, HAS_TARGETS, BLOCK_M,
+            )  # fmt: skip
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
             k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
@@ -861,20 +877,10 @@ def _bwd_dq_kernel(
     for r in range(0, tl.cdiv(total, nprog)):
         w = _work_item(r, pid, nprog)
         if w < total:
-            h = w % H
-            b = tl.load(tile_seq + w // H)
-            t = tl.load(tile_idx + w // H)
-            q_start = tl.load(q_offsets + b)
-            Lq = tl.load(q_offsets + b + 1) - q_start
-            kb = b
-            if HAS_MAP:
-                kb = tl.load(kv_index + b)
-            k_start = tl.load(kv_offsets + kb)
-            Lk = tl.load(kv_offsets + kb + 1) - k_start
-            m0 = t * BLOCK_M
-            n_targets = 0
-            if HAS_TARGETS:
-                n_targets = tl.load(num_targets + b)
+            h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
+                w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+                H, HAS_MAP, HAS_TARGETS, BLOCK_M,
+            )  # fmt: skip
             offs_m = m0 + tl.arange(0, BLOCK_M)
             q_rows = q_start.to(tl.int64) + offs_m[:, None]
             q = _load_rows(Q + h * stride_qh + q_rows * stride_qt + offs_d[None, :],
