@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from hyperrec.integration import TrainStream
-from hyperrec.integration.pipeline import default_cost_model
+from hyperrec.integration.data import TRAIN
+from hyperrec.integration.pipeline import SubBatchReader, default_cost_model
 
 
 def _stream(data, *, rank=0, world=1, k=3, w=4, s=8):
@@ -62,6 +63,57 @@ def test_resume_mid_window_replays_the_same_batches(micro_data):
         assert x.sub_batches == y.sub_batches
         assert np.array_equal(x.batch.sample_ids.numpy(), y.batch.sample_ids.numpy())
         assert x.arrival_cost == y.arrival_cost
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (1, 2)])
+def test_arrival_cost_is_the_arrival_order_steps_cost(micro_data, rank, world):
+    k, w, s = 3, 4, 8
+    stream = _stream(micro_data, rank=rank, world=world, k=k, w=w, s=s)
+    model = default_cost_model(16)
+    for step in range(2 * w + 1):
+        item = stream.next()
+        # Arrival order trains this rank's local sub-batches [step k, (step+1) k).
+        arrival = [rank + n * world for n in range(step * k, (step + 1) * k)]
+        lengths = [
+            micro_data.history_lengths(TRAIN, np.arange(j * s, (j + 1) * s)) for j in arrival
+        ]
+        assert item.arrival_cost == pytest.approx(sum(model(x) for x in lengths))
+
+
+def test_resume_reads_only_the_interrupted_window(micro_data, monkeypatch):
+    k, w = 3, 4
+    a = _stream(micro_data, rank=1, world=2, k=k, w=w)
+    assert a.shuffler.source_kind == "index_only"  # resumed by index, never re-read
+    for _ in range(2 * w + 1):  # one step into the third window
+        a.next()
+    state = a.state_dict()
+    expected = [a.next() for _ in range(w - 1)]  # the rest of that window
+    reads = []
+    original = SubBatchReader.__getitem__
+
+    def recording(self, n):
+        reads.append(n)
+        return original(self, n)
+
+    monkeypatch.setattr(SubBatchReader, "__getitem__", recording)
+    b = _stream(micro_data, rank=1, world=2, k=k, w=w)
+    b.load_state_dict(state)
+    got = [b.next() for _ in range(w - 1)]
+    assert [x.sub_batches for x in got] == [x.sub_batches for x in expected]
+    assert [(x.cost, x.arrival_cost) for x in got] == [(x.cost, x.arrival_cost) for x in expected]
+    # The window is re-read to re-plan it, and nothing else: no step before it and no
+    # second pass over arrival order for the costs.
+    assert reads == list(range(2 * w * k, 3 * w * k))
+
+
+def test_reader_is_endless_and_index_only(micro_data):
+    reader = SubBatchReader(micro_data, sub_batch_size=4, rank=2, world_size=3)
+    assert not hasattr(reader, "__len__")
+    far = reader[10**12]
+    assert far.index == 2 + 3 * 10**12
+    assert far.requests.tolist() == list(range(far.index * 4, far.index * 4 + 4))
+    with pytest.raises(IndexError, match="sub-batch index"):
+        reader[-1]
 
 
 def test_state_from_another_layout_is_rejected(micro_data):

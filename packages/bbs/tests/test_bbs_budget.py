@@ -97,6 +97,39 @@ def test_resume_neither_skips_nor_repeats(n, wait, seed, data):
     assert head + list(resumed) == full
 
 
+class IndexOnly:
+    """``__getitem__`` only, ``IndexError`` at ``n``; logs every index read."""
+
+    def __init__(self, n):
+        self.n, self.reads = n, []
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        if i >= self.n:
+            raise IndexError(i)
+        return i
+
+
+def test_resume_from_an_index_only_source_starts_at_the_oldest_buffered_item():
+    n, wait = 60, 3
+    table = np.random.default_rng(7).integers(1, 40, n).astype(float)
+
+    def make(src):
+        return CostBudgetBatcher(src, budget=60.0, max_wait_steps=wait, cost=lambda i: table[i])
+
+    full = list(make(list(range(n))))
+    first = make(IndexOnly(n))
+    head = list(itertools.islice(iter(first), 4))
+    state = first.state_dict()
+    oldest = min(s for s, _ in state["pending"])
+    assert oldest > 0  # the resume has a past to leave unread
+    src = IndexOnly(n)
+    resumed = make(src)
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full
+    assert src.reads == list(range(oldest, n + 1))
+
+
 def test_simulator_runs_the_same_algorithm_as_the_batcher():
     rng = np.random.default_rng()
     ranks, n, k = 3, 200, 4

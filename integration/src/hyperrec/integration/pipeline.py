@@ -10,9 +10,10 @@ Each rank balances its own steps with :class:`hyperrec.bbs.BalancedShuffler`: th
 sub-batches of ``window_steps`` consecutive steps are pooled and dealt so that every
 step gets ``sub_batches_per_step`` of them with similar total cost (heavy-tailed history
 lengths make some sub-batches far more expensive than others). A sub-batch trains at
-most ``window_steps - 1`` steps away from its arrival-order step. The reader is
-indexable, so the shuffler's checkpointed position is all a resumed run needs to replay
-exactly the same batches.
+most ``window_steps - 1`` steps away from its arrival-order step. The reader is an
+endless index-only source (``__getitem__``, no length), which the shuffler resumes by
+index: its checkpointed position is all a resumed run needs to replay exactly the same
+batches, and nothing before the interrupted window is read again.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ class SubBatch:
 
 
 class SubBatchReader:
-    """Rank ``rank``'s sub-batches, as an indexable sequence (item ``n`` = global ``rank + n R``).
+    """Rank ``rank``'s endless stream of sub-batches: item ``n`` is global sub-batch
+    ``rank + n R``.
 
-    Its length is astronomically large rather than infinite, because exact resume in
-    :class:`~hyperrec.bbs.BalancedShuffler` indexes sequences directly instead of
-    re-reading them.
+    Index-only on purpose: ``__getitem__`` without ``__len__`` or ``__iter__``, so
+    :class:`~hyperrec.bbs.BalancedShuffler` reads it as ``reader[0], reader[1], ...``
+    and resumes at any position by index, without a length and without re-reading.
     """
 
     def __init__(
@@ -65,14 +67,15 @@ class SubBatchReader:
         self.data = data
         self.sub_batch_size = sub_batch_size
         self.rank, self.world_size = rank, world_size
-        self._len = (2**62 // sub_batch_size - rank) // world_size
-
-    def __len__(self) -> int:
-        return self._len
 
     def __getitem__(self, n: int) -> SubBatch:
-        if not 0 <= n < self._len:
-            raise IndexError(n)
+        """Sub-batch ``n`` of this rank.
+
+        Raises:
+            IndexError: ``n`` is negative (the stream has no end to count from).
+        """
+        if n < 0:
+            raise IndexError(f"sub-batch index must be >= 0, got {n}")
         j = self.rank + n * self.world_size
         requests = np.arange(j * self.sub_batch_size, (j + 1) * self.sub_batch_size)
         return SubBatch(j, requests, self.data.history_lengths(TRAIN, requests))
@@ -89,7 +92,8 @@ class StepBatch:
     cost: float
     """Its cost under the pipeline's cost model."""
     arrival_cost: float
-    """Cost of the step that arrival order (no BBS) would have built."""
+    """Cost of the step that arrival order (no BBS) would have built (reported by the
+    shuffler, from the costs it already computed)."""
 
 
 class TrainStream:
@@ -136,7 +140,6 @@ class TrainStream:
             cost=self._sub_batch_cost,
         )
         self.sub_batches_per_step = sub_batches_per_step
-        self._steps = 0  # steps handed out (the arrival-order step index of the next one)
         self._it: Iterator[list[SubBatch]] | None = None
 
     def _sub_batch_cost(self, sub_batch: SubBatch) -> float:
@@ -147,19 +150,16 @@ class TrainStream:
         if self._it is None:
             self._it = iter(self.shuffler)
         chosen = next(self._it)
-        k = self.sub_batches_per_step
-        arrival = [self.reader[self._steps * k + i] for i in range(k)]
-        self._steps += 1
         return StepBatch(
             batch=self.data.batch(TRAIN, np.concatenate([sb.requests for sb in chosen])),
             sub_batches=tuple(sb.index for sb in chosen),
             cost=float(self.shuffler.last_step_cost),
-            arrival_cost=sum(self._sub_batch_cost(sb) for sb in arrival),
+            arrival_cost=float(self.shuffler.last_step_arrival_cost),
         )
 
     def state_dict(self) -> dict[str, Any]:
         """The shuffler's position plus this stream's layout (ints only)."""
-        return {"shuffler": self.shuffler.state_dict(), "steps": self._steps, **self._layout()}
+        return {"shuffler": self.shuffler.state_dict(), **self._layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a position saved by :meth:`state_dict`.
@@ -173,8 +173,9 @@ class TrainStream:
             raise ValueError(
                 f"stream state was saved with {saved}, this stream has {self._layout()}"
             )
+        # States of 0.1.0 also hold "steps", a step count that only the arrival-cost
+        # recomputation needed; it is ignored, so their checkpoints still resume.
         self.shuffler.load_state_dict(state["shuffler"])
-        self._steps = int(state["steps"])
         self._it = None
 
     def _layout(self) -> dict[str, int]:

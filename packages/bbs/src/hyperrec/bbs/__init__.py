@@ -7,7 +7,8 @@ sub-batches so that every step pairs heavy with light ones.
 
 - :func:`shuffle_plan` - the core: plan one window of sub-batch costs.
 - :func:`global_shuffle_plan` - the global mode for readers sharing an index.
-- :class:`BalancedShuffler` - streaming BBS over any iterable, with exact resume.
+- :class:`BalancedShuffler` - streaming BBS over any iterable or index-only source,
+  with exact resume.
 - :class:`BalancedBatchSampler` - a ``torch.utils.data`` batch sampler (local/global).
 - :class:`CostBudgetBatcher` - fill each step up to a fixed cost budget instead.
 - :class:`CostModel` - linear tokens + quadratic attention cost of jagged lengths.

@@ -278,7 +278,10 @@ class CostBudgetBatcher(Generic[T]):
 
     Args:
         source: any iterable of items (sub-batches, or samples for max-tokens-style
-            batching). For :meth:`load_state_dict` it must replay the same order.
+            batching), read like :class:`BalancedShuffler`'s: ``"sized"`` and
+            ``"index_only"`` sources are indexed from the oldest buffered item on a
+            resume, other iterables are re-read from their start. For
+            :meth:`load_state_dict` it must replay the same order.
         budget, max_wait_steps, lookahead_steps, max_buffer_items, swap_rounds: see
             :class:`BudgetConfig`.
         cost: :class:`CostModel`, callable ``item -> float`` or ``None`` (items are

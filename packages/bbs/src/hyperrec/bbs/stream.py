@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from hyperrec.bbs._source import open_at
+from hyperrec.bbs._source import SourceKind, open_at, source_kind
 from hyperrec.bbs._validate import check_int
 from hyperrec.bbs.cost import CostFn, CostModel, checked_cost, resolve_cost_fn
 from hyperrec.bbs.plan import _check_method, plan_partial_window, plan_windows
@@ -50,11 +50,24 @@ class BalancedShuffler(Generic[T]):
     start of the pass) and ``s`` the index of the step that yields it,
     ``|s - i // k| <= W - 1``. Memory: ``W * k`` sub-batches.
 
+    Sources, by how a resume reaches its position (:attr:`source_kind`):
+
+    - ``"sized"``: ``__len__`` and ``__getitem__`` (a list, a map-style dataset):
+      indexed directly.
+    - ``"index_only"``: ``__getitem__`` but neither ``__len__`` nor ``__iter__``: an
+      endless or unknown-length reader, read as ``source[0], source[1], ...`` until
+      ``source[i]`` raises ``IndexError`` or ``StopIteration`` (Python's sequence
+      protocol). Also indexed directly, so resuming deep into an endless stream costs
+      one window of reads. An ``IndexError`` escaping from a bug inside
+      ``__getitem__`` also ends the data, as it would for Python's ``iter()``.
+    - ``"iterable"``: anything else (a generator, an ``IterableDataset``): iterated
+      again from its start and the items before the position read and dropped.
+
+    Indexed sources must return the same item for the same index and iterables must
+    replay the same order, or a resumed run trains on other data.
+
     Args:
-        source: any iterable of sub-batches (list, map-style dataset, generator,
-            ``IterableDataset``). For :meth:`load_state_dict`, iterating it again must
-            replay the same order (indexable sources are indexed directly; others are
-            re-read and skipped).
+        source: the sub-batches, of any kind above.
         sub_batches_per_step: ``k >= 1``.
         window_steps: ``W >= 1`` (``W = 1`` keeps arrival order).
         cost: a :class:`CostModel` (items are 1-D sequence lengths), any callable
@@ -100,7 +113,22 @@ class BalancedShuffler(Generic[T]):
         self._step = 0  # steps yielded in this pass
         self._epoch = 0  # completed passes
         self.last_step_cost: float | None = None
-        """Cost of the most recently yielded step (for local metrics)."""
+        """Cost of the most recently yielded step (for local metrics); ``None`` before
+        the first step."""
+        self.last_step_arrival_cost: float | None = None
+        """What the most recently yielded step would have cost without BBS: the summed
+        cost of the sub-batches of its natural step (arrival positions ``[s k, (s+1) k)``
+        of the pass for step ``s``; fewer in a short last window). Over a window both
+        costs add up to the same total (up to rounding), so ``last_step_cost`` against
+        this is the BBS gain of the step, with no second reading of the source. ``None``
+        before the first step."""
+
+    @property
+    def source_kind(self) -> SourceKind:
+        """``"sized"``, ``"index_only"`` or ``"iterable"``: how the source is read and
+        resumed (see the class docstring). Only an ``"iterable"`` source is read again
+        before the interrupted window on resume."""
+        return source_kind(self._source)
 
     def __iter__(self) -> Iterator[list[T]]:
         k, w = self.config.sub_batches_per_step, self.config.window_steps
@@ -124,6 +152,9 @@ class BalancedShuffler(Generic[T]):
                     self._window_start, self._steps_done = pos, s + 1
                 self._step += 1
                 self.last_step_cost = float(costs[plan[s]].sum())
+                # Plans never move data across windows and windows start at multiples
+                # of W*k, so step s of a window replaces that window's s-th run of k.
+                self.last_step_arrival_cost = float(costs[s * k : (s + 1) * k].sum())
                 yield [window[i] for i in plan[s]]
             skip = 0
             pos += len(window)
