@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d import AdamW8bit, Muon, fully_shard
 from hyperrec.parallel5d.optim import dequantize_blocks, newton_schulz, quantize_blocks
-from hyperrec.parallel5d.optim._local import local_range
+from hyperrec.parallel5d.optim._local import element_ranges, local_range
 from hyperrec.testing import fake_mesh, run_on_ranks
 
 BLOCK = 64
@@ -65,13 +66,11 @@ def _states_on(mesh) -> list[dict]:
     for p in params:
         a, b = local_range(p)
         assert a % BLOCK == 0 or a == b  # whole blocks only
-        st = opt.state.get(p, {})
+        st = opt.state[p]
+        # The global value of every state (DTensors gathered; the scales' placement must
+        # put each block's scale where the block is for this to match one process).
         out.append(
-            {
-                "range": (a, b),
-                **{k: st[k].numpy() for k in ("exp_avg", "exp_avg_sq") if k in st},
-                **{k: st[k].numpy() for k in ("exp_avg_scale", "exp_avg_sq_scale") if k in st},
-            }
+            {k: (v.full_tensor() if isinstance(v, DTensor) else v).numpy() for k, v in st.items()}
         )
     return [out, [t.numpy() for t in buf.gather_full()]]
 
@@ -82,25 +81,20 @@ def _all_meshes() -> dict:
     return {1: _states_on(None), 2: _states_on(mesh22["shard"]), 4: _states_on(mesh4)}
 
 
-def _assemble(per_rank: list, world: int, key: str, i: int):
-    import numpy as np
-
-    pieces = sorted((r[world][0][i]["range"], r[world][0][i].get(key)) for r in per_rank)
-    return np.concatenate([p for (a, b), p in pieces if b > a])
-
-
 def test_adamw8bit_states_do_not_depend_on_the_mesh():
     import numpy as np
 
     per_rank = run_on_ranks(_all_meshes, 4)
+    ref = per_rank[0][1]  # one process holds everything
     for i in range(len(SHAPES)):
-        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
-            ref = per_rank[0][1][0][i][key]  # one rank holds everything
+        for key in ("step", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
             for world in (2, 4):
-                got = _assemble(per_rank[: 2 if world == 2 else 4], world, key, i)
-                assert np.array_equal(got, ref), (i, key, world)
+                for r in per_rank:
+                    got = r[world][0][i][key]
+                    assert got.dtype == ref[0][i][key].dtype, (i, key, world)
+                    assert np.array_equal(got, ref[0][i][key]), (i, key, world)
         for world in (2, 4):
-            assert np.array_equal(per_rank[0][world][1][i], per_rank[0][1][1][i])
+            assert np.array_equal(per_rank[0][world][1][i], ref[1][i])
 
 
 def test_newton_schulz_orthogonalises():
@@ -122,6 +116,8 @@ def test_optimizer_errors_name_the_fix():
     for bad in ({"lr": 0}, {"betas": (1.0, 0.9)}, {"eps": 0}, {"block_size": 0}):
         with pytest.raises(ValueError):
             AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **bad)
+    with pytest.raises(ValueError, match="block_size"):  # per param group too
+        AdamW8bit([{"params": [torch.nn.Parameter(torch.zeros(3))], "block_size": 2.0}])
     with fake_mesh((2,), rank=1) as mesh:
         lin = fully_shard(torch.nn.Linear(30, 30), mesh=mesh, alignment=1)
         with pytest.raises(ValueError, match="granularity='matrix'"):
@@ -133,3 +129,31 @@ def test_optimizer_errors_name_the_fix():
         AdamW8bit(
             list(fully_shard(torch.nn.Linear(64, 64), mesh=mesh, granularity=2048).parameters())
         )
+
+
+def test_states_are_dtensors_sharded_like_their_parameters():
+    with fake_mesh((4,), rank=1) as mesh:
+        lin = fully_shard(torch.nn.Linear(64, 50), mesh=mesh, granularity=BLOCK, alignment=1)
+        opt = AdamW8bit(lin.parameters(), block_size=BLOCK)
+        for p in lin.parameters():
+            st = opt.state[p]
+            assert st["step"].shape == () and st["step"].dtype == torch.int64
+            for name, dtype in (("exp_avg", torch.int8), ("exp_avg_sq", torch.uint8)):
+                assert isinstance(st[name], DTensor) and st[name].dtype == dtype
+                assert st[name].shape == p.shape and st[name].placements == p.placements
+                assert st[name].to_local().shape == p.to_local().shape
+            # One scale per block, on the rank that holds the block.
+            nblocks = -(-p.numel() // BLOCK)
+            for name in ("exp_avg_scale", "exp_avg_sq_scale"):
+                scales = st[name]
+                assert scales.shape == (nblocks,) and scales.dtype == torch.float32
+                want = [
+                    (a // BLOCK, -(-b // BLOCK)) if b > a else None for a, b in element_ranges(p)
+                ]
+                got = scales.placements[0].element_bounds(scales.shape)
+                assert [g if g[1] > g[0] else None for g in got] == want
+        assert opt.state[lin.weight]["exp_avg_scale"].to_local().numel() > 0  # rank 1 holds some
+        whole = fully_shard(torch.nn.Linear(30, 30), mesh=mesh, granularity="matrix")
+        buf = Muon([whole.weight]).state[whole.weight]["momentum_buffer"]
+        assert buf.placements == whole.weight.placements and buf.shape == whole.weight.shape
+        assert buf.to_local().shape == whole.weight.to_local().shape

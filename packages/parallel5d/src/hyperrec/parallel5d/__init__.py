@@ -5,7 +5,9 @@
   reduce-scatter per group and dtype, no copy-in, no copy-out; parameters are DTensors
   with ``RaggedShard`` placements so standard optimizers and DCP work unchanged.
 - Structure-aware optimizers whose state does not depend on the mesh:
-  :class:`Muon` (whole matrices) and :class:`AdamW8bit` (block-quantized states).
+  :class:`Muon` (whole matrices) and :class:`AdamW8bit` (block-quantized states); their
+  states are DTensors sharded like the parameters, so DCP saves them on N ranks and
+  loads them on M.
 """
 
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy

@@ -1,48 +1,148 @@
-"""Where a (possibly sharded) parameter's local elements sit inside the full tensor."""
+"""Where a (possibly sharded) parameter's local elements sit inside the full tensor, and
+optimizer-state tensors sharded the way their parameter is."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["local_flat", "local_range"]
+from hyperrec.raggedshard import RaggedShard
+
+__all__ = [
+    "block_placements",
+    "element_ranges",
+    "local_flat",
+    "local_range",
+    "state_tensor",
+]
+
+
+def _ragged_axis(p: torch.Tensor) -> tuple[int, RaggedShard] | None:
+    """The mesh axis holding ``p``'s ``RaggedShard`` and the placement (``None``: none).
+
+    Raises:
+        TypeError: a DTensor whose placements are neither ``RaggedShard`` nor
+            ``Replicate`` (e.g. PyTorch FSDP2's ``Shard(0)``): its local elements are not
+            one flat range of the full tensor, which the block-wise states rely on.
+    """
+    if not isinstance(p, DTensor):
+        return None
+    found = None
+    for axis, placement in enumerate(p.placements):
+        if isinstance(placement, RaggedShard):
+            found = (axis, placement)
+        elif not placement.is_replicate():
+            raise TypeError(
+                f"cannot locate the local elements of a DTensor with {p.placements}: "
+                "shard it with hyperrec.parallel5d.fully_shard (RaggedShard placements)"
+            )
+    return found
+
+
+def element_ranges(p: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Per rank of ``p``'s sharded mesh axis, the ``(start, stop)`` flat elements of the
+    full parameter it holds, in rank order; ``((0, numel),)`` for a plain tensor or a
+    replicated DTensor.
+
+    Raises:
+        TypeError: see :func:`local_range`.
+    """
+    found = _ragged_axis(p)
+    if found is None:
+        return ((0, p.numel()),)
+    return tuple(found[1].element_bounds(p.shape))
 
 
 def local_range(p: torch.Tensor) -> tuple[int, int]:
     """``(start, stop)``: the flat elements of the full parameter held by this rank.
 
     Plain tensors hold everything. Parameters made by ``fully_shard`` carry their range;
-    other DTensors are read from a ``RaggedShard`` placement (``dims``/``local_units``).
+    other DTensors are read from their ``RaggedShard`` placement.
 
     Raises:
-        TypeError: a DTensor whose placement is not understood.
+        TypeError: a DTensor with a placement other than ``RaggedShard``/``Replicate``.
     """
     rng = getattr(p, "_hyperrec_local_range", None)
     if rng is not None:
         return tuple(rng)
-    if not hasattr(p, "placements"):
+    found = _ragged_axis(p)
+    if found is None:
         return 0, p.numel()
-    mesh = p.device_mesh
-    for axis, placement in enumerate(p.placements):
-        units = getattr(placement, "local_units", None)
-        dims = getattr(placement, "dims", None)
-        if units is None or dims is None:
-            continue
-        row = math.prod(p.shape[len(dims) :])
-        total_rows = math.prod(p.shape[: len(dims)])
-        unit = total_rows * row // max(sum(units), 1)
-        r = mesh.get_local_rank(axis)
-        start = sum(units[:r]) * unit
-        return start, start + units[r] * unit
-    if all(pl.is_replicate() for pl in p.placements):
-        return 0, p.numel()
-    raise TypeError(f"cannot locate the local elements of a DTensor with {p.placements}")
+    axis, placement = found
+    return placement.element_bounds(p.shape)[p.device_mesh.get_local_rank(axis)]
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
-    """The local elements of ``t`` (a DTensor's local tensor or ``t``) as a flat view."""
-    local = t.to_local() if hasattr(t, "to_local") else t
+    """The local elements of ``t`` (a DTensor's local tensor or ``t``) as a flat view.
+
+    Raises:
+        ValueError: the local tensor is not contiguous (an in-place update through a
+            flat view would then miss elements).
+    """
+    local = t.to_local() if isinstance(t, DTensor) else t
     if not local.is_contiguous():
         raise ValueError("optimizer state and parameters must be contiguous to update in place")
     return local.view(-1)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def block_placements(p: torch.Tensor, block_size: int) -> tuple[Placement, ...] | None:
+    """Placements of a ``(ceil(numel / block_size),)`` per-block tensor of ``p`` (one
+    entry per quantization block) that put every block's entry on the rank holding
+    that block's elements: ``RaggedShard`` over blocks where ``p`` has its
+    ``RaggedShard``, ``Replicate`` where ``p`` is replicated. ``None`` for a plain ``p``.
+
+    Needs every rank's piece of ``p`` to start on a block boundary (callers check).
+    """
+    found = _ragged_axis(p)
+    if found is None:
+        return None if not isinstance(p, DTensor) else tuple(p.placements)
+    axis, placement = found
+    nblocks = -(-p.numel() // block_size)
+    counts = [
+        0 if stop == start else -(-stop // block_size) - start // block_size
+        for start, stop in placement.element_bounds(p.shape)
+    ]
+    out = list(p.placements)
+    out[axis] = RaggedShard.from_numels((nblocks,), counts)
+    return tuple(out)
+
+
+def state_tensor(
+    p: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    shape: Sequence[int] | None = None,
+    placements: Sequence[Placement] | None = None,
+) -> torch.Tensor:
+    """A zero optimizer-state tensor of ``p``, sharded like ``p``.
+
+    For a plain ``p``: a zero tensor of ``shape`` (default ``p.shape``). For a DTensor
+    ``p``: a DTensor of global ``shape`` (default ``p.shape``) on ``p``'s mesh with
+    ``placements`` (default ``p.placements``), whose local tensor is a fresh contiguous
+    zero tensor of the local shape those placements give this rank. On ``p``'s device.
+    Building it communicates nothing.
+    """
+    shape = torch.Size(p.shape if shape is None else shape)
+    if not isinstance(p, DTensor):
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    mesh = p.device_mesh
+    placements = tuple(p.placements if placements is None else placements)
+    local_shape = list(shape)
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, RaggedShard):
+            local_shape = list(placement.local_shape(shape, mesh.get_local_rank(axis)))
+    local = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
+    return DTensor.from_local(
+        local, mesh, placements, shape=shape, stride=_contiguous_stride(shape), run_check=False
+    )

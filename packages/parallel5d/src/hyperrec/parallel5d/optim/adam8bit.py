@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from hyperrec.parallel5d.optim._local import local_flat, local_range
+from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
+from hyperrec.parallel5d.optim._local import (
+    block_placements,
+    element_ranges,
+    local_flat,
+    state_tensor,
+)
 
 __all__ = ["AdamW8bit", "dequantize_blocks", "quantize_blocks"]
 
@@ -41,7 +47,7 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block_size: int
     return (padded.view(nb, block_size) * scales[:, None]).view(-1)[:n]
 
 
-class AdamW8bit(torch.optim.Optimizer):
+class AdamW8bit(ShardedStateOptimizer):
     """AdamW whose moments are stored in 8 bits per element, quantized per block.
 
     The first moment is stored as int8 with one fp32 scale per block; the second as the
@@ -53,15 +59,39 @@ class AdamW8bit(torch.optim.Optimizer):
     whatever the mesh, for the same gradients. Parameters and gradients stay in their
     dtype; the math runs in fp32.
 
+    State of a parameter ``p`` of ``n`` elements (``nb = ceil(n / block_size)``), each
+    sharded like ``p`` (a DTensor with ``p``'s placements for a ``fully_shard``
+    parameter, the rank holding a block also holding its scales; plain tensors for a
+    plain ``p``):
+
+    ============================  ===============  ==========================
+    name                          global shape     dtype
+    ============================  ===============  ==========================
+    ``"step"``                    ``()``           int64 (CPU; same on all ranks)
+    ``"exp_avg"``                 ``p.shape``      int8 codes
+    ``"exp_avg_scale"``           ``(nb,)``        float32
+    ``"exp_avg_sq"``              ``p.shape``      uint8 codes (of the square root)
+    ``"exp_avg_sq_scale"``        ``(nb,)``        float32
+    ============================  ===============  ==========================
+
+    States are created (zero) with the optimizer; :meth:`state_dict` /
+    :meth:`load_state_dict` round-trip through ``torch.distributed.checkpoint`` onto any
+    world size and shard layout (see the package README).
+
     Args:
         params: parameters or param groups (plain or ``fully_shard`` DTensors).
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (defaults 1e-3,
             (0.9, 0.999), 1e-8, 1e-2).
-        block_size: elements per quantization block. Default 2048.
+        block_size: elements per quantization block (also settable per param group;
+            saved with the state and checked on load). Default 2048.
 
     Raises:
-        ValueError: bad hyper-parameters, or a shard that starts inside a block.
+        ValueError: bad hyper-parameters, or a parameter whose piece on some rank starts
+            inside a block (shard with ``fully_shard(..., granularity=block_size)``).
+        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``.
     """
+
+    _FIXED_GROUP_KEYS = ("block_size",)
 
     def __init__(
         self,
@@ -79,20 +109,35 @@ class AdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if not eps > 0:
             raise ValueError(f"eps must be positive, got {eps}")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        _check_block_size(block_size)
         self.block_size = block_size
-        for group in self.param_groups:
-            for p in group["params"]:
-                start, stop = local_range(p)
-                if start % block_size and stop > start:
-                    raise ValueError(
-                        f"a shard of a parameter of shape {tuple(p.shape)} starts at element "
-                        f"{start}, inside a {block_size}-element block; shard it with "
-                        f"fully_shard(..., granularity={block_size})"
-                    )
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size
+        )
+        super().__init__(params, defaults)
+
+    def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        bs = _check_block_size(group["block_size"])
+        # Every rank checks every rank's piece, so all of them raise together.
+        for rank, (start, stop) in enumerate(element_ranges(p)):
+            if stop > start and start % bs:
+                raise ValueError(
+                    f"rank {rank}'s shard of a parameter of shape {tuple(p.shape)} starts at "
+                    f"element {start}, inside a {bs}-element block; shard it with "
+                    f"fully_shard(..., granularity={bs})"
+                )
+
+    def _new_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        bs = group["block_size"]
+        blocks = (-(-p.numel() // bs),)
+        on_blocks = block_placements(p, bs)
+        return {
+            "step": torch.zeros((), dtype=torch.int64),
+            "exp_avg": state_tensor(p, torch.int8),
+            "exp_avg_scale": state_tensor(p, torch.float32, shape=blocks, placements=on_blocks),
+            "exp_avg_sq": state_tensor(p, torch.uint8),
+            "exp_avg_sq_scale": state_tensor(p, torch.float32, shape=blocks, placements=on_blocks),
+        }
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -100,28 +145,26 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        bs = self.block_size
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            bs = group["block_size"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                state = self._state_of(p, group)
+                # Counted on every rank, also those holding none of p: the counter is
+                # one replicated value in a checkpoint.
+                state["step"].add_(1)
                 x = local_flat(p)
                 if x.numel() == 0:
                     continue
                 g = local_flat(p.grad).float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    nb = -(-x.numel() // bs)
-                    state["exp_avg"] = torch.zeros(x.numel(), dtype=torch.int8, device=x.device)
-                    state["exp_avg_scale"] = torch.zeros(nb, device=x.device)
-                    state["exp_avg_sq"] = torch.zeros(x.numel(), dtype=torch.uint8, device=x.device)
-                    state["exp_avg_sq_scale"] = torch.zeros(nb, device=x.device)
-                state["step"] += 1
-                t = state["step"]
-                m = dequantize_blocks(state["exp_avg"], state["exp_avg_scale"], bs)
-                r = dequantize_blocks(state["exp_avg_sq"], state["exp_avg_sq_scale"], bs)
+                t = int(state["step"])
+                m_codes, m_scales = local_flat(state["exp_avg"]), local_flat(state["exp_avg_scale"])
+                r_codes = local_flat(state["exp_avg_sq"])
+                r_scales = local_flat(state["exp_avg_sq_scale"])
+                m = dequantize_blocks(m_codes, m_scales, bs)
+                r = dequantize_blocks(r_codes, r_scales, bs)
                 m.lerp_(g, 1 - beta1)
                 v = r.square_().mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 bc1 = 1 - beta1**t
@@ -131,8 +174,18 @@ class AdamW8bit(torch.optim.Optimizer):
                 xf.mul_(1 - group["lr"] * group["weight_decay"])
                 xf.addcdiv_(m, denom, value=-group["lr"] / bc1)
                 x.copy_(xf)
-                state["exp_avg"], state["exp_avg_scale"] = quantize_blocks(m, bs, signed=True)
-                state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blocks(
-                    v.sqrt_(), bs, signed=False
-                )
+                # Written into the existing state tensors: they are (views of) the
+                # DTensors a checkpoint holds.
+                codes, scales = quantize_blocks(m, bs, signed=True)
+                m_codes.copy_(codes)
+                m_scales.copy_(scales)
+                codes, scales = quantize_blocks(v.sqrt_(), bs, signed=False)
+                r_codes.copy_(codes)
+                r_scales.copy_(scales)
         return loss
+
+
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    return block_size

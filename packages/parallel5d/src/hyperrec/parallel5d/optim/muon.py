@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from hyperrec.parallel5d.optim._local import local_flat, local_range
+from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
+from hyperrec.parallel5d.optim._local import element_ranges, local_flat, local_range, state_tensor
 
 __all__ = ["Muon", "newton_schulz"]
 
@@ -38,7 +39,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, *, eps: float = 1e-7) -> torc
     return x.mT if tall else x
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ShardedStateOptimizer):
     """Muon (momentum + orthogonalised update) for matrix parameters, shard-aware.
 
     Works on plain tensors and on ``fully_shard`` parameters sharded with
@@ -54,6 +55,13 @@ class Muon(torch.optim.Optimizer):
         U <- G + momentum * B  (nesterov) or B
         W <- W * (1 - lr * weight_decay) - lr * max(1, rows / cols) ** 0.5 * NS(U)
 
+    State of a parameter ``p``: ``"momentum_buffer"``, ``p``'s global shape and dtype,
+    sharded like ``p`` (for a ``fully_shard`` parameter a DTensor with ``p``'s
+    placements: whole on the rank that owns the matrix, empty elsewhere). It is created
+    (zero) with the optimizer; :meth:`state_dict` / :meth:`load_state_dict` round-trip
+    through ``torch.distributed.checkpoint`` onto any world size, where another rank may
+    own the matrix (see the package README).
+
     Args:
         params: parameters or param groups; every parameter must have >= 2 dims
             (leading dims are flattened into rows).
@@ -68,6 +76,7 @@ class Muon(torch.optim.Optimizer):
     Raises:
         ValueError: bad hyper-parameters, a parameter with fewer than 2 dims, or a
             matrix split across ranks (shard with ``granularity="matrix"``).
+        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``.
     """
 
     def __init__(
@@ -98,20 +107,24 @@ class Muon(torch.optim.Optimizer):
             ns_dtype=ns_dtype,
         )
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dim() < 2:
-                    raise ValueError(
-                        f"Muon updates matrices; got a parameter of shape {tuple(p.shape)} "
-                        "(give 1-D parameters to AdamW)"
-                    )
-                start, stop = local_range(p)
-                if stop - start not in (0, p.numel()):
-                    raise ValueError(
-                        f"a parameter of shape {tuple(p.shape)} is split across ranks "
-                        f"(this rank holds elements [{start}, {stop})); shard it with "
-                        "fully_shard(..., granularity='matrix')"
-                    )
+
+    def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        if p.dim() < 2:
+            raise ValueError(
+                f"Muon updates matrices; got a parameter of shape {tuple(p.shape)} "
+                "(give 1-D parameters to AdamW)"
+            )
+        # Every rank checks every rank's piece, so all of them raise together.
+        for rank, (start, stop) in enumerate(element_ranges(p)):
+            if stop - start not in (0, p.numel()):
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is split across ranks "
+                    f"(rank {rank} holds elements [{start}, {stop})); shard it with "
+                    "fully_shard(..., granularity='matrix')"
+                )
+
+    def _new_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {"momentum_buffer": state_tensor(p, p.dtype)}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -126,12 +139,10 @@ class Muon(torch.optim.Optimizer):
                 start, stop = local_range(p)
                 if stop == start:
                     continue  # another rank owns this matrix
-                w = local_flat(p).view(p.shape[0], -1)
-                g = local_flat(p.grad).view(p.shape[0], -1)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g)
-                buf = state["momentum_buffer"]
+                rows = p.shape[0]
+                w = local_flat(p).view(rows, -1)
+                g = local_flat(p.grad).view(rows, -1)
+                buf = local_flat(self._state_of(p, group)["momentum_buffer"]).view(rows, -1)
                 buf.mul_(group["momentum"]).add_(g)
                 u = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
                 o = newton_schulz(u.to(group["ns_dtype"]), group["ns_steps"]).to(w.dtype)
