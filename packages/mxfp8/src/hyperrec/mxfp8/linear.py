@@ -23,7 +23,7 @@ from torch import nn
 from hyperrec.mxfp8 import reference as ref
 from hyperrec.mxfp8.gemm import mx_mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
-from hyperrec.mxfp8.quantize import mx_quantize
+from hyperrec.mxfp8.quantize import _mx, mx_quantize
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["MXLinear", "mx_linear"]
@@ -37,18 +37,7 @@ def _pack(t: MXTensor | None) -> tuple:
 
 
 def _unpack(data: torch.Tensor | None, scale: torch.Tensor | None, meta) -> MXTensor | None:
-    if meta is None:
-        return None
-    fmt, block_size, axis, shape, dtype = meta
-    return MXTensor(
-        data=data,
-        scale=scale,
-        fmt=fmt,
-        block_size=block_size,
-        axis=axis,
-        shape=shape,
-        orig_dtype=dtype,
-    )
+    return None if meta is None else _mx(data, scale, *meta)
 
 
 def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
