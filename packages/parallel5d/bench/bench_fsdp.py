@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # ----------------------------------------------------------------------------- models
@@ -71,7 +72,16 @@ class LlamaBlock(nn.Module):
         self.w3 = nn.Linear(dim, ffn, bias=False)
         self.w2 = nn.Linear(ffn, dim, bias=False)
 
+    checkpoint = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Inside the block, as torchtitan composes it: the sharding hooks of the block
+        # run outside the recomputed region.
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
@@ -106,7 +116,14 @@ class GEMBlock(nn.Module):
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
 
+    checkpoint = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
@@ -137,14 +154,59 @@ class GEMTower(nn.Module):
         return F.binary_cross_entropy_with_logits(logits.float(), y)
 
 
+class MoEBlock(nn.Module):
+    """GPT-OSS-like block: attention + ``experts`` stacked expert MLPs with top-1 routing.
+
+    The experts live in two 3-D parameters ``(experts, dim, ffn)`` / ``(experts, ffn,
+    dim)``: with more ranks than experts, sharding dim 0 (FSDP2's default) pads."""
+
+    checkpoint = False
+
+    def __init__(self, dim: int, ffn: int, experts: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, dim, ffn) * dim**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, ffn, dim) * ffn**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        h = self.ffn_norm(x).flatten(0, 1)
+        gate, expert = self.router(h).softmax(-1).max(-1)
+        out = torch.zeros_like(h)
+        # Every expert runs (possibly on zero tokens) so every parameter gets a gradient.
+        for e in range(self.w_in.shape[0]):
+            idx = (expert == e).nonzero().squeeze(1)
+            y = F.silu(h[idx] @ self.w_in[e]) @ self.w_out[e]
+            out = out.index_add(0, idx, y * gate[idx, None])
+        return x + out.view_as(x)
+
+
+class MoE(Llama):
+    def __init__(self, layers: int, dim: int, ffn: int, vocab: int, experts: int) -> None:
+        super().__init__(0, dim, ffn, vocab)
+        self.layers = nn.ModuleList([MoEBlock(dim, ffn, experts) for _ in range(layers)])
+
+
 PRESETS = {
     # name: (constructor kwargs, batch maker)
     "llama": dict(kind="llama", layers=8, dim=4096, ffn=11008, vocab=32000, batch=2, seq=2048),
     "gem": dict(kind="gem", layers=8, dim=2048, features=64, feat_dim=16, tasks=3, batch=8192),
+    "moe": dict(
+        kind="moe", layers=12, dim=2048, ffn=2048, experts=32, vocab=32000, batch=1, seq=2048
+    ),
 }
 TINY = {
     "llama": dict(kind="llama", layers=4, dim=256, ffn=688, vocab=1000, batch=2, seq=64),
     "gem": dict(kind="gem", layers=4, dim=128, features=16, feat_dim=8, tasks=3, batch=256),
+    "moe": dict(kind="moe", layers=2, dim=256, ffn=128, experts=4, vocab=1000, batch=2, seq=64),
 }
 
 
@@ -152,13 +214,21 @@ def build(cfg: dict, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         if cfg["kind"] == "llama":
-            return Llama(cfg["layers"], cfg["dim"], cfg["ffn"], cfg["vocab"])
-        return GEMTower(cfg["layers"], cfg["dim"], cfg["features"], cfg["feat_dim"], cfg["tasks"])
+            model = Llama(cfg["layers"], cfg["dim"], cfg["ffn"], cfg["vocab"])
+        elif cfg["kind"] == "moe":
+            model = MoE(cfg["layers"], cfg["dim"], cfg["ffn"], cfg["vocab"], cfg["experts"])
+        else:
+            model = GEMTower(
+                cfg["layers"], cfg["dim"], cfg["features"], cfg["feat_dim"], cfg["tasks"]
+            )
+    for block in model.blocks():
+        block.checkpoint = bool(cfg.get("checkpoint", False))
+    return model
 
 
 def make_batch(cfg: dict, device: torch.device, step: int, rank: int) -> tuple:
     g = torch.Generator(device="cpu").manual_seed(1000 * step + rank)
-    if cfg["kind"] == "llama":
+    if cfg["kind"] in ("llama", "moe"):
         ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
         return ids[:, :-1].to(device), ids[:, 1:].to(device)
     x = torch.randn(cfg["batch"], cfg["features"] * cfg["feat_dim"], generator=g)
@@ -170,11 +240,18 @@ def make_batch(cfg: dict, device: torch.device, step: int, rank: int) -> tuple:
 
 
 def shard(model: nn.Module, impl: str, mesh, mp: bool) -> None:
+    kw = {}
+    if impl == "fsdp2-dim1":
+        # FSDP2 tuned by hand for 3-D expert weights: shard dim 1 (no padding when the
+        # ranks outnumber the experts; FSDP2 then copies with a chunk-cat instead).
+        from torch.distributed.tensor import Shard
+
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 3 else Shard(0)
+        impl = "fsdp2"
     if impl == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
         from hyperrec.parallel5d import MixedPrecisionPolicy, fully_shard
-    kw = {}
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -186,7 +263,7 @@ def shard(model: nn.Module, impl: str, mesh, mp: bool) -> None:
 
 def make_optimizer(model: nn.Module, impl: str, optim: str) -> torch.optim.Optimizer:
     lr = 1e-4
-    if impl == "hyperrec" and optim == "flat":
+    if impl == "hyperrec" and optim == "flat":  # (fsdp2-dim1 falls through below)
         from hyperrec.dbuffer import flat_params
         from hyperrec.parallel5d import dbuffers
 
@@ -312,6 +389,13 @@ def train_step(model, opt, batch) -> torch.Tensor:
 
 def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     rank = dist.get_rank()
+    prof = None
+    if device.type == "cpu":
+        from torch.profiler import ProfilerActivity, profile
+
+        # Net allocator bytes from here to the end of warm-up = what the step starts with.
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        prof.__enter__()
     model = build(cfg, device)
     n_params = sum(p.numel() for p in model.parameters())
     shard(model, impl, mesh, mp)
@@ -319,6 +403,13 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     for s in range(args.warmup):
         train_step(model, opt, make_batch(cfg, device, s, rank))
     sync(device)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        model._bench_live_bytes = sum(
+            e.nbytes()
+            for e in prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
+        )
     result = {"impl": impl, "optimizer": optim, "params": n_params}
 
     # Counting step (not timed).
@@ -362,23 +453,28 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
 
 
 def cpu_memory(model, opt, cfg, device, rank, args) -> dict:
-    """Peak live tensor bytes over one step (CPU has no allocator statistics)."""
-    try:
-        from torch.distributed._tools.mem_tracker import MemTracker
+    """Peak bytes held by the CPU allocator over one step, from the profiler's memory events.
 
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            train_step(model, opt, make_batch(cfg, device, 10_000, rank))
-        peak = tracker.get_tracker_snapshot("peak")[device]
-        return {
-            "peak_live_bytes": int(peak["Total"]),
-            "peak_live_by_kind": {
-                str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak.items()
-            },
-        }
-    except Exception as e:  # the tracker is a private tool: report rather than die
-        return {"peak_live_bytes": None, "memory_error": repr(e)[:300]}
+    Every allocation, free and storage resize goes through the allocator, so this sees
+    what a tracker of live tensors cannot (DBuffer frees and re-grows storages in place).
+    The count starts from the bytes live when the step begins (parameters, gradients,
+    optimizer states), taken as the allocator's net total since the model was built.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    before = getattr(model, "_bench_live_bytes", 0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        train_step(model, opt, make_batch(cfg, device, 10_000, rank))
+    deltas = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
+    )
+    live = peak = before
+    for _, n in deltas:
+        live += n
+        peak = max(peak, live)
+    return {"peak_live_bytes": int(peak), "start_live_bytes": int(before)}
 
 
 def main() -> None:
@@ -392,25 +488,47 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["fsdp2:fused", "hyperrec:flat", "fsdp2:foreach", "hyperrec:foreach"],
-        help="impl:optimizer pairs; optimizer in foreach | fused | flat (hyperrec only)",
+        help="impl:optimizer pairs; impl in fsdp2 | fsdp2-dim1 (3-D weights sharded on dim 1) | hyperrec; optimizer in foreach | fused | flat (hyperrec only)",
     )
     ap.add_argument("--no-mp", action="store_true", help="fp32 compute (no mixed precision)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     ap.add_argument("--out", default=None, help="JSON path (rank 0 writes)")
+    ap.add_argument(
+        "--fake-world-size",
+        type=int,
+        default=None,
+        help="run ONE process as rank 0 of this many ranks on the fake backend: "
+        "collectives move no data but allocate their real outputs, so per-rank memory "
+        "is that of an N-rank job (step times then exclude all communication)",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="activation checkpointing of every block (torch.utils.checkpoint)",
+    )
     args = ap.parse_args()
 
-    if "RANK" not in os.environ:  # plain `python bench_fsdp.py`: one process
+    if args.fake_world_size is not None:
+        if args.fake_world_size < 1:
+            ap.error("--fake-world-size must be >= 1")
+        os.environ.update(RANK="0", WORLD_SIZE=str(args.fake_world_size), LOCAL_RANK="0")
+    elif "RANK" not in os.environ:  # plain `python bench_fsdp.py`: one process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
-    else:
+    elif args.fake_world_size is None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if args.fake_world_size is not None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world_size)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -421,6 +539,7 @@ def main() -> None:
         cfg = dict(presets[name])
         if args.layers:
             cfg["layers"] = args.layers
+        cfg["checkpoint"] = args.checkpoint
         for variant in args.variants:
             impl, optim = variant.split(":")
             try:
@@ -446,6 +565,8 @@ def main() -> None:
                 {
                     "benchmark": "fully_shard vs FSDP2",
                     "world_size": world,
+                    "fake_backend": args.fake_world_size is not None,
+                    "activation_checkpointing": args.checkpoint,
                     "device": device.type,
                     "mixed_precision": None if args.no_mp else "bf16 params, fp32 reduce",
                     "steps": args.steps,

@@ -98,3 +98,50 @@ def test_the_same_check_catches_fsdp2_copies():
         for _ in range(2):
             copies, _ = _step_trace(model, opt, prefix="FSDP::")
         assert len(copies) >= 8
+
+
+def test_mixed_precision_grad_buffer_lives_only_from_post_backward():
+    """bf16 compute / fp32 reduction on several ranks: the fp32 gradient buffer of a
+    group must not exist while that group's backward is still computing (FSDP2 holds
+    only autograd's bf16 gradients there), and the previous group's buffer is released
+    before the next one is allocated."""
+    from hyperrec.parallel5d import dbuffers
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with fake_mesh((4,), rank=0) as mesh:
+        model = shard_model(make("net"), mesh, mp_policy=mp)
+        seen: list[tuple[int, int]] = []
+
+        def live_grad_buffers() -> int:
+            return sum(
+                1
+                for b in dbuffers(model)
+                if b._grad_full is not None and b._grad_full.untyped_storage().size() > 0
+            )
+
+        def probe(block_index: int):
+            def hook(grad):
+                # Runs inside block `block_index`'s backward, after its `down` layer's
+                # gradients were produced.
+                own = dbuffers(model.blocks[block_index])[0]
+                own_live = own._grad_full is not None and own._grad_full.untyped_storage().size()
+                seen.append((int(bool(own_live)), live_grad_buffers()))
+                return grad
+
+            return hook
+
+        def watch(k: int):
+            def forward_hook(module, inputs, output) -> None:
+                output.register_hook(probe(k))
+
+            return forward_hook
+
+        handles = [blk.up.register_forward_hook(watch(k)) for k, blk in enumerate(model.blocks)]
+        x, y = batch(0, n=4)
+        loss_fn(model(x), y).backward()
+        for h in handles:
+            h.remove()
+    assert len(seen) == len(model.blocks)
+    for own_live, total in seen:
+        assert own_live == 0, seen
+        assert total <= 1, seen

@@ -343,6 +343,11 @@ class DBuffer:
         return self.flat_view(self.grad_shard, i)
 
     @property
+    def grad_full_aliases_shard(self) -> bool:
+        """Whether :attr:`grad_full` is :attr:`grad_shard` itself (one rank, no cast)."""
+        return self._grad_full_aliases_shard
+
+    @property
     def grad_full_live(self) -> bool:
         """Whether :attr:`grad_full` currently holds gradients waiting for :meth:`reduce_grad`."""
         return self._grad_full_live

@@ -203,12 +203,29 @@ class ParamGroup:
     #
     # Gradients computed in the reduce dtype accumulate in place: each unsharded
     # parameter's `.grad` is set to its view of grad_full, and autograd adds into it.
-    # Otherwise (mixed precision: bf16 gradients, fp32 reduction) each gradient is cast
-    # into grad_full as soon as autograd produces it (a post-accumulate hook), and
-    # grad_full is allocated on the first one. The root group is the exception: its
-    # reduction can only run when the whole backward is over, so its gradients wait in
-    # their compute dtype (half the bytes of an fp32 grad_full held through backward)
-    # and are folded in at its post-backward.
+    # Otherwise (mixed precision: bf16 gradients, fp32 reduction) when and where a
+    # gradient is cast into grad_full decides the memory held through backward:
+    # * a synced backward on several ranks keeps autograd's bf16 gradients as they are
+    #   and casts them into grad_full at the group's post-backward, so the fp32 grad_full
+    #   (twice the group's bf16 bytes) exists only from there until its reduction is
+    #   done, never through the group's backward compute; this is also what FSDP2 holds
+    #   (its reduce-scatter input), and the cast is the one the policy asks for;
+    # * where grad_full is the persistent grad_shard (one rank) or already holds
+    #   gradients of unsynced passes (accumulation, in fp32 as FSDP2 does), each
+    #   gradient is cast in by a post-accumulate hook as soon as autograd produces it,
+    #   which frees the bf16 copy at once and costs no transient buffer.
+    # The root group always waits for its post-backward (its reduction can only run
+    # when the whole backward is over).
+
+    def _defer_landing(self, s: _Slot) -> bool:
+        if self.defer_grad_landing:
+            return True
+        buf = self.buffers[s.buffer]
+        return (
+            self.requires_gradient_sync
+            and not buf.grad_full_aliases_shard
+            and not buf.grad_full_live
+        )
 
     def begin_grads(self) -> None:
         """Prepare every buffer to receive this backward's gradients."""
@@ -272,7 +289,7 @@ class ParamGroup:
     @torch.no_grad()
     def _land_grad(self, s: _Slot, param: nn.Parameter) -> None:
         # Post-accumulate hook of the cast path.
-        if self.defer_grad_landing or param.grad is None:
+        if param.grad is None or self._defer_landing(s):
             return
         with record_function("hyperrec::land_grad"):
             self._land(s, param.grad)
@@ -296,12 +313,15 @@ class ParamGroup:
         if self.training_state == TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
+        comm = self.comm
+        if self.requires_gradient_sync and comm is not None:
+            # One group's reduction in flight at a time; waiting before the deferred
+            # gradients are cast in lets the previous grad_full's block be reused for
+            # this one instead of both being held at once.
+            comm.wait_reduces()
         self._fold_pending_grads()
         live = [b for b, buf in enumerate(self.buffers) if buf.grad_full_live]
         if self.requires_gradient_sync and live:
-            comm = self.comm
-            if comm is not None:
-                comm.wait_reduces()  # one group's reduction in flight at a time
             stream = comm.rs_stream if comm is not None else None
             for b in live:
                 buf = self.buffers[b]
