@@ -439,6 +439,23 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         losses.append(train_step(model, opt, batch))
         sync(device)
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        # Where the time goes: two more steps under the profiler, table to a text file.
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for s in range(2):
+                train_step(model, opt, make_batch(cfg, device, 50_000 + s, rank))
+            sync(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        path = Path(args.profile) / f"profile_{cfg['kind']}_{impl}_{optim}_r{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=40)
+            + "\n\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        )
     result["step_s"] = statistics.median(times)
     result["step_s_all"] = times
     result["final_loss"] = float(losses[-1])
@@ -503,6 +520,7 @@ def main() -> None:
         "collectives move no data but allocate their real outputs, so per-rank memory "
         "is that of an N-rank job (step times then exclude all communication)",
     )
+    ap.add_argument("--profile", default=None, help="folder for per-variant profiler tables")
     ap.add_argument(
         "--checkpoint",
         action="store_true",

@@ -254,7 +254,9 @@ class RaggedShard(Placement):
 
         ``dims`` is chosen as short as possible: the fewest leading dims such that every
         rank boundary falls between rows (e.g. row boundaries of a matrix give
-        ``dims=(0,)``; a single owner gives ``dims=()``).
+        ``dims=(0,)``; a single owner among several ranks gives ``dims=()``). An axis of
+        one rank gets ``dims=(0,)`` (for tensors of 1 dim or more) so that the local shape
+        is the global one, as upstream DTensor assumes on such an axis.
 
         Args:
             shape: the global tensor shape.
@@ -278,7 +280,11 @@ class RaggedShard(Placement):
             # Nothing to hold: by convention rank 0 owns the (empty) tensor.
             return cls((), (1,) + (0,) * (len(counts) - 1))
         cuts = [b for b, _ in prefix_bounds(counts)[1:]]
-        for k in range(len(dims) + 1):
+        # On an axis of one rank upstream DTensor skips the placement's redistribute
+        # methods and treats the local tensor as the global one, so the local shape must
+        # be the global shape: dims=(0,), never the (1, *shape) of dims=().
+        first = 1 if len(counts) == 1 and dims else 0
+        for k in range(first, len(dims) + 1):
             row = math.prod(dims[k:])
             if all(c % row == 0 for c in cuts):
                 return cls(tuple(range(k)), [c // row for c in counts])
