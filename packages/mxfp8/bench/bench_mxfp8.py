@@ -91,9 +91,8 @@ def quantize_section(m: int, k: int, explore: bool) -> list[dict]:
     if explore:
         from hyperrec.mxfp8._triton import quantize as qk
 
-        for key, tuned in qk._AUTOTUNED.items():
-            best = getattr(tuned, "best_config", None)
-            rows.append({"variant": f"autotuned config for {key[:3]}", "best": str(best)})
+        for key, cfg in qk._TUNED.items():
+            rows.append({"variant": f"autotuned config for {key}", "best": list(cfg)})
     return rows
 
 

@@ -389,13 +389,6 @@ def train_step(model, opt, batch) -> torch.Tensor:
 
 def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     rank = dist.get_rank()
-    prof = None
-    if device.type == "cpu":
-        from torch.profiler import ProfilerActivity, profile
-
-        # Net allocator bytes from here to the end of warm-up = what the step starts with.
-        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        prof.__enter__()
     model = build(cfg, device)
     n_params = sum(p.numel() for p in model.parameters())
     shard(model, impl, mesh, mp)
@@ -403,13 +396,6 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     for s in range(args.warmup):
         train_step(model, opt, make_batch(cfg, device, s, rank))
     sync(device)
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        model._bench_live_bytes = sum(
-            e.nbytes()
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
-        )
     result = {"impl": impl, "optimizer": optim, "params": n_params}
 
     # Counting step (not timed).
@@ -469,17 +455,61 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     return result
 
 
+def _live_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of every distinct storage reachable from parameters, gradients, optimizer
+    states and (hyperrec) the DBuffers: what a step starts with."""
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            if st.nbytes():
+                storages[st.data_ptr()] = st.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for state in opt.state.values():
+        for v in state.values():
+            add(v)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            add(p)
+            add(p.grad)
+    try:
+        from hyperrec.parallel5d import dbuffers
+
+        for buf in dbuffers(model):
+            for t in (buf.shard, buf.full, buf._grad_shard, buf._grad_full):
+                add(t)
+    except (ImportError, TypeError, ValueError):
+        pass
+    return sum(storages.values())
+
+
 def cpu_memory(model, opt, cfg, device, rank, args) -> dict:
-    """Peak bytes held by the CPU allocator over one step, from the profiler's memory events.
+    """Peak CPU bytes over one step: the state live at its start plus the largest net
+    growth within it, from the profiler's allocator events.
 
     Every allocation, free and storage resize goes through the allocator, so this sees
     what a tracker of live tensors cannot (DBuffer frees and re-grows storages in place).
-    The count starts from the bytes live when the step begins (parameters, gradients,
-    optimizer states), taken as the allocator's net total since the model was built.
     """
     from torch.profiler import ProfilerActivity, profile
 
-    before = getattr(model, "_bench_live_bytes", 0)
+    # hyperrec returns the memory of gradients the optimizer set to None at the next
+    # forward (FSDP2 at zero_grad). The profiler cannot see the free of a block allocated
+    # before it started, so that release is done here, before the count starts, exactly
+    # as the forward would do it; the peak (in backward) does not depend on when.
+    state = model.__dict__.get("_hyperrec_fsdp_state")
+    if state is not None:
+        for st in state.all_states:
+            if st.group is not None:
+                st.group.release_dropped_grads()
+    before = _live_state_bytes(model, opt)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         train_step(model, opt, make_batch(cfg, device, 10_000, rank))
     deltas = sorted(
@@ -487,11 +517,11 @@ def cpu_memory(model, opt, cfg, device, rank, args) -> dict:
         for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
     )
-    live = peak = before
+    live = growth = 0
     for _, n in deltas:
         live += n
-        peak = max(peak, live)
-    return {"peak_live_bytes": int(peak), "start_live_bytes": int(before)}
+        growth = max(growth, live)
+    return {"peak_live_bytes": int(before + growth), "start_live_bytes": int(before)}
 
 
 def main() -> None:

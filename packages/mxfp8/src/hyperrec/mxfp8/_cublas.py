@@ -4,7 +4,9 @@ cuBLAS (12.9+) multiplies FP8 operands with one FP32 scale per 128 elements alon
 each row of A and each column of B, promoting per block: the same math as our
 ``block_size=128`` Triton kernel. Our quantizer already writes the layouts it wants:
 A row-major with scales ``(M, K/128)`` stored M-contiguous, B column-major with scales
-``(N, K/128)`` stored N-contiguous. Only the E8M0 bytes are widened to FP32 (exact).
+``(N, K/128)`` stored N-contiguous, and on this path it also writes the scales as FP32
+(``MXTensor.scale_fp32``), so a GEMM is one cuBLAS call. E8M0 bytes without their FP32
+copy are widened here (exact, a few small kernels).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch.nn.functional as F
 
 __all__ = ["blockwise_available", "blockwise_layouts_ok", "blockwise_mm"]
 
-_STATE = {"layout": 0, "broken": False}
+# layout: which B-scale layout cuBLAS took last; bias: 1 when it takes the bias fused,
+# 0 when it refused it (then the bias is added after), None before the first try.
+_STATE: dict = {"layout": 0, "broken": False, "bias": None}
 
 
 @functools.cache
@@ -76,14 +80,18 @@ def blockwise_mm(
 ) -> torch.Tensor | None:
     """``alpha * deq(a) @ deq(b) + bias`` on cuBLAS, or ``None`` if cuBLAS refuses.
 
-    A refusal disables this path for the process (with one warning) so callers fall
-    back to the Triton kernel.
+    ``a_scale`` ``(M, K/128)`` and ``b_scale`` ``(K/128, N)`` are E8M0 bytes or their
+    FP32 values (used as they are: no op before the GEMM unless ``alpha != 1``). A
+    refusal disables this path for the process (with one warning) so callers fall back
+    to the Triton kernel.
     """
     scaling = F.ScalingType
     # Widen on the stored (contiguous) layout so the views keep cuBLAS's strides.
-    sa = (_e8m0_to_fp32(a_scale.t()) * alpha).t()
-    sb_stored = _e8m0_to_fp32(b_scale)
-    candidates = (sb_stored.t(), sb_stored)
+    sa = a_scale if a_scale.dtype == torch.float32 else _e8m0_to_fp32(a_scale.t()).t()
+    if alpha != 1.0:
+        sa = sa * alpha  # elementwise ops keep the M-contiguous strides
+    sb = b_scale if b_scale.dtype == torch.float32 else _e8m0_to_fp32(b_scale)
+    fused = bias is not None and _STATE["bias"] != 0
     errors = []
     for i in (_STATE["layout"], 1 - _STATE["layout"]):
         try:
@@ -92,15 +100,24 @@ def blockwise_mm(
                 b,
                 sa,
                 scaling.BlockWise1x128,
-                candidates[i],
+                sb.t() if i == 0 else sb,
                 scaling.BlockWise1x128,
+                bias=_cast(bias, out_dtype) if fused else None,
                 output_dtype=out_dtype,
             )
         except (RuntimeError, ValueError) as e:
+            if fused and _STATE["bias"] is None:
+                # Some builds take no bias with block scaling: retry without, add it after.
+                _STATE["bias"] = 0
+                return blockwise_mm(a, a_scale, b, b_scale, bias, alpha, out_dtype)
             errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
             continue
         _STATE["layout"] = i
-        return out if bias is None else out + bias.to(out.dtype)
+        if fused:
+            _STATE["bias"] = 1
+        elif bias is not None:
+            out.add_(bias)  # in FP32, rounded once to out_dtype
+        return out
     _STATE["broken"] = True
     warnings.warn(
         f"cuBLAS block-scaled GEMM refused ({'; '.join(errors)}); using the Triton kernel",
@@ -108,3 +125,7 @@ def blockwise_mm(
         stacklevel=3,
     )
     return None
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)

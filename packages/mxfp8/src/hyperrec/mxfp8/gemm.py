@@ -15,8 +15,10 @@ accumulation. Kernels (``kernel=``):
   magnitude is >= 2**-130), BF16 products are exact in FP32 and the accumulator stays in
   the MMA.
 * ``"cublas"`` -- ``block_size=128`` on cuBLAS's 1x128 block-scaled FP8 GEMM (Hopper,
-  through ``torch.nn.functional.scaled_mm``); same math as ``fixup`` at 128, bias added
-  in the output dtype. Falls back to ``fixup`` where unavailable.
+  through ``torch.nn.functional.scaled_mm``); same math as ``fixup`` at 128, the bias
+  added in cuBLAS's epilogue (or in FP32 right after, where cuBLAS refuses it), output
+  rounded once. Operands from the quantizer carry FP32 scales, so a call is one cuBLAS
+  launch. Falls back to ``fixup`` where unavailable.
 * ``"dot_scaled"`` -- ``tl.dot_scaled`` with 32-wide scales: native MX MMA on Blackwell
   (sm100+); elsewhere Triton upcasts to BF16 (exact, slow).
 * ``"auto"`` -- ``block_size=32``: ``dot_scaled`` where :func:`native_mx_supported`, else
@@ -29,9 +31,9 @@ import functools
 
 import torch
 
-from hyperrec.mxfp8._cublas import blockwise_available, blockwise_layouts_ok
+from hyperrec.mxfp8 import _cublas
 from hyperrec.mxfp8._dispatch import resolve_backend
-from hyperrec.mxfp8._ops import mm_op
+from hyperrec.mxfp8._ops import eager_ok, mm_impl, mm_op
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["KERNELS", "mx_mm", "native_mx_supported"]
@@ -62,16 +64,61 @@ def native_mx_supported(device: torch.device | None = None) -> bool:
     return _native_mx(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _cublas_ok(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> bool:
+    return _cublas.blockwise_available(a.device) and _cublas.blockwise_layouts_ok(
+        a.data, a.scale, b.data, b.scale, a.block_size, out_dtype
+    )
+
+
 def _auto_kernel(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> str:
     if a.block_size == 32:
         return "dot_scaled" if native_mx_supported(a.device) else HOPPER_EXACT_KERNEL
-    if (
-        a.block_size == 128
-        and blockwise_available(a.device)
-        and blockwise_layouts_ok(a.data, a.scale, b.data, b.scale, 128, out_dtype)
-    ):
+    if a.block_size == 128 and _cublas_ok(a, b, out_dtype):
         return "cublas"
     return "fixup"
+
+
+def _mm(
+    a: MXTensor,
+    b: MXTensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    alpha: float,
+    kernel: str,
+    impl: str,
+) -> torch.Tensor:
+    """The body of :func:`mx_mm` after argument validation (used by MXLinear)."""
+    if impl == "triton":
+        if a.fmt.packed or b.fmt.packed:
+            raise ValueError("MX4 GEMMs are only available with backend='torch'")
+        if kernel == "auto":
+            kernel = _auto_kernel(a, b, out_dtype)
+        if kernel in ("dot_scaled", "upcast") and a.block_size != 32:
+            raise ValueError(f"kernel={kernel!r} needs block_size=32 (the MX block)")
+        if kernel == "cublas":
+            if a.block_size != 128:
+                raise ValueError("kernel='cublas' needs block_size=128")
+            if not _cublas_ok(a, b, out_dtype):
+                kernel = "fixup"
+        if kernel == "fixup" and a.block_size < 32:
+            raise ValueError("kernel='fixup' needs block_size >= 32 (FP8 MMA has K >= 32)")
+        impl = kernel
+    fp32 = impl == "cublas"
+    args = (
+        a.data,
+        a.scale,
+        b.data,
+        b.scale,
+        bias,
+        a.block_size,
+        float(alpha),
+        out_dtype,
+        impl,
+        a.scale_fp32 if fp32 else None,
+        b.scale_fp32 if fp32 else None,
+    )
+    # Eager calls skip the custom-op dispatch; traces still see the op.
+    return mm_impl(*args) if eager_ok(a.data, b.data, bias) else mm_op(*args)
 
 
 def mx_mm(
@@ -133,23 +180,4 @@ def mx_mm(
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise TypeError(f"alpha must be a float, got {alpha!r}")
     impl = resolve_backend(backend, a.device)
-    if impl == "triton":
-        if a.fmt.packed or b.fmt.packed:
-            raise ValueError("MX4 GEMMs are only available with backend='torch'")
-        if kernel == "auto":
-            kernel = _auto_kernel(a, b, out_dtype)
-        if kernel in ("dot_scaled", "upcast") and a.block_size != 32:
-            raise ValueError(f"kernel={kernel!r} needs block_size=32 (the MX block)")
-        if kernel == "cublas" and a.block_size != 128:
-            raise ValueError("kernel='cublas' needs block_size=128")
-        if kernel == "cublas" and not (
-            blockwise_available(a.device)
-            and blockwise_layouts_ok(a.data, a.scale, b.data, b.scale, 128, out_dtype)
-        ):
-            kernel = "fixup"
-        if kernel == "fixup" and a.block_size < 32:
-            raise ValueError("kernel='fixup' needs block_size >= 32 (FP8 MMA has K >= 32)")
-        impl = kernel
-    return mm_op(
-        a.data, a.scale, b.data, b.scale, bias, a.block_size, float(alpha), out_dtype, impl
-    )
+    return _mm(a, b, out_dtype, bias, alpha, kernel, impl)

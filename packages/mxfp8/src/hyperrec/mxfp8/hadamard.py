@@ -17,7 +17,7 @@ import torch
 
 from hyperrec.mxfp8.reference import hadamard_matrix, hadamard_signs
 
-__all__ = ["HADAMARD_SIZES", "block_diag", "check_hadamard", "signs"]
+__all__ = ["HADAMARD_SIZES", "block_diag", "check_hadamard", "seeded_block_diag", "signs"]
 
 #: Supported transform sizes (0 disables the transform).
 HADAMARD_SIZES = (0, 16, 32)
@@ -64,3 +64,20 @@ def block_diag(
     """``[size, size]`` block-diagonal ``kron(I, H_n diag(s))`` (cached per device/dtype)."""
     key = tuple(float(v) for v in sign_vec.cpu())
     return _block_diag_cached(key, size, dtype, str(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _seeded_block_diag(
+    n: int, seed: int, size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return block_diag(_signs_cpu(n, seed), size, dtype, device)
+
+
+def seeded_block_diag(
+    n: int, seed: int, size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """:func:`block_diag` of the sign vector ``signs(n, seed)``, cached on the ints (no
+    per-call work once built; build it outside a CUDA graph capture)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _seeded_block_diag(n, seed, size, dtype, device)

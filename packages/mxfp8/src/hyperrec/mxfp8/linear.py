@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyperrec.mxfp8 import reference as ref
-from hyperrec.mxfp8.gemm import mx_mm
+from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
+from hyperrec.mxfp8.formats import get_format
+from hyperrec.mxfp8.gemm import _mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
-from hyperrec.mxfp8.quantize import _mx, mx_quantize
+from hyperrec.mxfp8.quantize import _mx, _quantize, _seed_tensor
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["MXLinear", "mx_linear"]
@@ -31,13 +33,13 @@ __all__ = ["MXLinear", "mx_linear"]
 
 def _pack(t: MXTensor | None) -> tuple:
     if t is None:
-        return (None, None, None)
+        return (None, None, None, None)
     meta = (t.fmt, t.block_size, t.axis, t.shape, t.orig_dtype)
-    return (t.data, t.scale, meta)
+    return (t.data, t.scale, t.scale_fp32, meta)
 
 
-def _unpack(data: torch.Tensor | None, scale: torch.Tensor | None, meta) -> MXTensor | None:
-    return None if meta is None else _mx(data, scale, *meta)
+def _unpack(data, scale, scale_fp32, meta) -> MXTensor | None:
+    return None if meta is None else _mx(data, scale, *meta, scale_fp32)
 
 
 def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
@@ -49,11 +51,13 @@ def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch
 
 
 class _MXLinearFunction(torch.autograd.Function):
+    # The policy and the activation were validated when the layer (or mx_linear) took
+    # them, so the steps below call the quantizer and the GEMM past their checks.
     @staticmethod
     def forward(ctx, x, weight, bias, policy: PrecisionPolicy, activation: str):
         p = policy
         k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
         m = x2.shape[0]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and not p.wgrad_high_precision
@@ -63,69 +67,60 @@ class _MXLinearFunction(torch.autograd.Function):
         pad = (-m) % h if h else 0
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
-        common = {"block_size": p.block_size, "scale_mode": p.scale_mode, "backend": p.backend}
-        xr, xc = mx_quantize(
-            x2,
-            elem_dtype=p.elem_dtype,
-            rowwise=True,
-            colwise=fp8_wgrad,
-            activation=activation,
-            hadamard=h,
-            hadamard_seed=p.hadamard_seed,
-            **common,
+        impl = resolve_backend(p.backend, x.device)
+        fmt, bs, mode = get_format(p.elem_dtype), p.block_size, p.scale_mode
+        xr, xc = _quantize(
+            x2, None, fmt, bs, mode, True, fp8_wgrad, activation, h, p.hadamard_seed, impl
         )
-        wr, wc = mx_quantize(weight, elem_dtype=p.elem_dtype, colwise=need_dgrad, **common)
-        y = mx_mm(xr, wr.t(), out_dtype=x.dtype, bias=bias, kernel=p.kernel, backend=p.backend)
+        wr, wc = _quantize(weight, None, fmt, bs, mode, True, need_dgrad, "none", 0, 0, impl)
+        y = _mm(xr, wr.t(), x.dtype, bias, 1.0, p.kernel, impl)
         if pad:
             y = y[:m]
         xc_t, wc_t = _pack(xc), _pack(wc)
         keep_x = activation != "none" or (need_wgrad and p.wgrad_high_precision)
-        ctx.save_for_backward(x if keep_x else None, xc_t[0], xc_t[1], wc_t[0], wc_t[1])
-        ctx.meta = (xc_t[2], wc_t[2], m, pad, h, activation, p, x.shape, weight.dtype)
+        ctx.save_for_backward(x if keep_x else None, *xc_t[:3], *wc_t[:3])
+        ctx.meta = (xc_t[3], wc_t[3], m, pad, h, activation, p, x.shape, weight.dtype, impl)
         ctx.has_bias = bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, xc_d, xc_s, wc_d, wc_s = ctx.saved_tensors
-        xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype = ctx.meta
+        x, xc_d, xc_s, xc_f, wc_d, wc_s, wc_f = ctx.saved_tensors
+        xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype, impl = ctx.meta
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and not p.wgrad_high_precision
         n = dy.shape[-1]
-        dy2 = dy.reshape(-1, n)
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, n)
         dx = dw = db = None
         if need_dgrad or fp8_wgrad:
             dyq = F.pad(dy2, (0, 0, 0, pad)) if pad else dy2
-            dyr, dyc = mx_quantize(
+            # A new seed each step, drawn on the device (no host sync).
+            seed = _seed_tensor(p.stochastic_rounding, None, dy.device)
+            dyr, dyc = _quantize(
                 dyq,
-                elem_dtype=p.grad_dtype,
-                block_size=p.block_size,
-                scale_mode=p.scale_mode,
-                rowwise=need_dgrad,
-                colwise=fp8_wgrad,
-                hadamard=h,
-                hadamard_seed=p.hadamard_seed,
-                stochastic_rounding=p.stochastic_rounding,
-                backend=p.backend,
+                seed,
+                get_format(p.grad_dtype),
+                p.block_size,
+                p.scale_mode,
+                need_dgrad,
+                fp8_wgrad,
+                "none",
+                h,
+                p.hadamard_seed,
+                impl,
             )
         if need_dgrad:
-            wc = _unpack(wc_d, wc_s, wc_meta)
-            dx = mx_mm(dyr, wc, out_dtype=dy.dtype, kernel=p.kernel, backend=p.backend)
+            wc = _unpack(wc_d, wc_s, wc_f, wc_meta)
+            dx = _mm(dyr, wc, dy.dtype, None, 1.0, p.kernel, impl)
             if pad:
                 dx = dx[:m]
             if activation != "none":
                 dx = _act_backward(x.reshape(m, -1), dx, activation)
-            dx = dx.reshape(x_shape)
+            if dx.shape != x_shape:
+                dx = dx.reshape(x_shape)
         if fp8_wgrad:
-            xc = _unpack(xc_d, xc_s, xc_meta)
-            dw = mx_mm(
-                dyc.t(),
-                xc,
-                out_dtype=w_dtype,
-                alpha=1.0 / h if h else 1.0,
-                kernel=p.kernel,
-                backend=p.backend,
-            )
+            xc = _unpack(xc_d, xc_s, xc_f, xc_meta)
+            dw = _mm(dyc.t(), xc, w_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
         elif need_wgrad:
             a = ref.apply_activation(x.reshape(m, -1), activation).to(dy.dtype)
             dw = (dy2.t() @ a).to(w_dtype)
@@ -169,6 +164,15 @@ def mx_linear(
         )
     if input_activation not in ref.ACTIVATIONS:
         raise ValueError(f"input_activation must be one of {ref.ACTIVATIONS}")
+    check_float_tensor("x", x)
+    check_float_tensor("weight", weight)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a floating-point tensor")
+        if bias.shape != (weight.shape[0],) or bias.device != x.device:
+            raise ValueError(
+                f"bias must be ({weight.shape[0]},) on {x.device}, got {tuple(bias.shape)}"
+            )
     return _MXLinearFunction.apply(x, weight, bias, policy, input_activation)
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from hyperrec.mxfp8 import _cublas
 from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
-from hyperrec.mxfp8._ops import quantize_2d_op
-from hyperrec.mxfp8.formats import ElemFormat, check_scale_mode, get_format
+from hyperrec.mxfp8._ops import eager_ok, quantize_2d_impl, quantize_2d_op
+from hyperrec.mxfp8.formats import E4M3, ElemFormat, check_scale_mode, get_format
 from hyperrec.mxfp8.hadamard import check_hadamard
 from hyperrec.mxfp8.reference import ACTIVATIONS
 from hyperrec.mxfp8.tensor import MXTensor
@@ -58,6 +59,7 @@ def _mx(
     axis: int,
     shape: torch.Size,
     dtype: torch.dtype,
+    scale_fp32: torch.Tensor | None = None,
 ) -> MXTensor:
     return MXTensor(
         data=data,
@@ -67,7 +69,55 @@ def _mx(
         axis=axis,
         shape=torch.Size(shape),
         orig_dtype=dtype,
+        scale_fp32=scale_fp32,
     )
+
+
+def _wants_fp32_scales(fmt: ElemFormat, block_size: int, impl: str, device: torch.device) -> bool:
+    # The cuBLAS 1x128 path reads FP32 scales: the kernel writes them in the same pass.
+    if impl != "triton" or block_size != 128 or fmt is not E4M3:
+        return False
+    return _cublas.blockwise_available(device)
+
+
+def _quantize(
+    x: torch.Tensor,
+    seed: torch.Tensor | None,
+    fmt: ElemFormat,
+    block_size: int,
+    scale_mode: str,
+    rowwise: bool,
+    colwise: bool,
+    activation: str,
+    hadamard: int,
+    hadamard_seed: int,
+    impl: str,
+) -> tuple[MXTensor | None, MXTensor | None]:
+    """Validated 2-D quantization (the body of :func:`mx_quantize`, used by MXLinear)."""
+    sf = _wants_fp32_scales(fmt, block_size, impl, x.device)
+    args = (
+        x,
+        seed,
+        fmt.name,
+        block_size,
+        scale_mode,
+        rowwise,
+        colwise,
+        activation,
+        hadamard,
+        hadamard_seed,
+        impl,
+        sf,
+    )
+    # Eager calls skip the custom-op dispatch (~10 us each); traces still see the op.
+    outs = quantize_2d_impl(*args, placeholder=x) if eager_ok(x, seed) else quantize_2d_op(*args)
+    shape, dtype = x.shape, x.dtype
+    row = col = None
+    if rowwise:
+        row = _mx(outs[0], outs[1], fmt, block_size, 1, shape, dtype, outs[4] if sf else None)
+    if colwise:
+        col = _mx(outs[2], outs[3], fmt, block_size, 0, shape, dtype, outs[5] if sf else None)
+    return row, col
 
 
 def to_mx(
@@ -120,15 +170,18 @@ def to_mx(
         raise ValueError(f"MX4 needs an even size along axis {axis}, got {x.shape[axis]}")
     impl = resolve_backend(backend, x.device)
     seed_t = _seed_tensor(stochastic_rounding, seed, x.device)
-    args = (fmt.name, block_size, mode)
-    if x.dim() == 2 and axis == 0:
-        _, _, d, s = quantize_2d_op(x, seed_t, *args, False, True, "none", 0, 0, impl)
-        return _mx(d, s, fmt, block_size, 0, x.shape, x.dtype)
+    if x.dim() == 2:
+        row, col = _quantize(
+            x, seed_t, fmt, block_size, mode, axis == 1, axis == 0, "none", 0, 0, impl
+        )
+        return row if axis == 1 else col
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]
-    d, s, _, _ = quantize_2d_op(xm.reshape(-1, n), seed_t, *args, True, False, "none", 0, 0, impl)
-    data = d.reshape(*lead, d.shape[-1]).movedim(-1, axis)
-    scale = s.reshape(*lead, s.shape[-1]).movedim(-1, axis)
+    q, _ = _quantize(
+        xm.reshape(-1, n), seed_t, fmt, block_size, mode, True, False, "none", 0, 0, impl
+    )
+    data = q.data.reshape(*lead, q.data.shape[-1]).movedim(-1, axis)
+    scale = q.scale.reshape(*lead, q.scale.shape[-1]).movedim(-1, axis)
     return _mx(data, scale, fmt, block_size, axis, x.shape, x.dtype)
 
 
@@ -197,10 +250,10 @@ def mx_quantize(
         raise ValueError(f"MX4 needs even sizes along the blocked dims, got {(m, k)}")
     impl = resolve_backend(backend, x.device)
     seed_t = _seed_tensor(stochastic_rounding, seed, x.device)
-    rd, rs, cd, cs = quantize_2d_op(
+    return _quantize(
         x,
         seed_t,
-        fmt.name,
+        fmt,
         block_size,
         mode,
         rowwise,
@@ -210,6 +263,3 @@ def mx_quantize(
         hadamard_seed,
         impl,
     )
-    row = _mx(rd, rs, fmt, block_size, 1, x.shape, x.dtype) if rowwise else None
-    col = _mx(cd, cs, fmt, block_size, 0, x.shape, x.dtype) if colwise else None
-    return row, col

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,10 @@ class MXTensor:
         shape: logical shape of the quantized tensor.
         orig_dtype: dtype of the tensor that was quantized (the default of
             :meth:`dequantize`).
+        scale_fp32: optional ``float32`` copy of ``scale`` (``2**(b - 127)``, NaN for
+            255; same shape and strides) that the quantizer writes on the cuBLAS fast
+            path (``block_size=128`` E4M3 on Hopper), so the GEMM needs no conversion;
+            ``None`` otherwise. Not compared or printed.
     """
 
     data: torch.Tensor
@@ -40,6 +44,7 @@ class MXTensor:
     axis: int
     shape: torch.Size
     orig_dtype: torch.dtype
+    scale_fp32: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def elem_dtype(self) -> torch.dtype:
@@ -82,6 +87,7 @@ class MXTensor:
             axis=1 - self.axis,
             shape=torch.Size((self.shape[1], self.shape[0])),
             orig_dtype=self.orig_dtype,
+            scale_fp32=None if self.scale_fp32 is None else self.scale_fp32.t(),
         )
 
     def __repr__(self) -> str:

@@ -31,35 +31,82 @@ def hash32(x):
 def e8m0_to_f32(s):
     """E8M0 bytes -> float32 (byte 0 is the FP32 subnormal 2**-127; 255 is NaN)."""
     b = s.to(tl.int32)
-    bits = tl.where(b == 0, 4194304, b << 23)
-    f = bits.to(tl.float32, bitcast=True)
-    return tl.where(b == 255, float("nan"), f)
+    # Bytes 0 and 255 get the top mantissa bit: 2**-127 and a quiet NaN.
+    edge = (b - 1).to(tl.uint32, bitcast=True) >= 254
+    return ((b << 23) | tl.where(edge, 4194304, 0)).to(tl.float32, bitcast=True)
+
+
+def scale_constants(max_value: float, emax: int) -> tuple[int, int]:
+    """Integer constants of the division-free scale rules (see :func:`e8m0_byte`).
+
+    With ``max_value = c * 2**emax`` (``1 <= c < 2``) and ``T = (c - 1) * 2**23``:
+    ``add = 2**23 - 1 - T - emax * 2**23`` and ``odd``, the bits of the one FP32 amax
+    whose RCEIL byte the exponent formula gets one too high (the quotient lands in the
+    subnormal range and rounds down to ``2**-127``). Exact rational arithmetic.
+    """
+    from fractions import Fraction
+
+    c = Fraction(max_value) / 2**emax
+    if not 1 <= c < 2:
+        raise ValueError(f"max_value {max_value} is not c * 2**{emax} with 1 <= c < 2")
+    t = int((c - 1) * 2**23)
+    # amax / max_value rounds to 2**-127 or below while amax < max_value * (2**-127 +
+    # 2**-150); the largest such float32 has bits `odd`.
+    limit = Fraction(max_value) * (Fraction(1, 2**127) + Fraction(1, 2**150))
+    e = (limit.numerator.bit_length() - limit.denominator.bit_length()) - 1
+    while Fraction(2) ** (e + 1) <= limit:
+        e += 1
+    ulp = Fraction(2) ** (max(e, -126) - 23)
+    q = limit / ulp
+    n = -(-q.numerator // q.denominator) - 1  # the largest multiple of ulp below limit
+    v = n * ulp  # a normal float32 (max_value >= 1)
+    mant = int((v / Fraction(2) ** e - 1) * 2**23)
+    odd = ((e + 127) << 23) | mant
+    return 2**23 - 1 - t - (emax << 23), odd
 
 
 @triton.jit
-def e8m0_byte(amax_bits, EMAX: tl.constexpr, MAXV: tl.constexpr, RCEIL: tl.constexpr):
-    """Scale byte (int32) from the int32 bits of the block amax (reference.e8m0_scale)."""
+def e8m0_byte(amax, EMAX: tl.constexpr, RCEIL: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr):
+    """Scale byte (int32) of a block's FP32 amax (reference.e8m0_scale; NaN/Inf -> 255).
+
+    RCEIL without the division: ``amax / max_value`` rounds above ``2**(E - emax)`` (for
+    ``amax`` in ``[2**E, 2**(E + 1))``) exactly when the mantissa of ``amax`` exceeds
+    ``T``; adding ``2**23 - 1 - T`` to the bits carries that into the exponent field.
+    The clamp at byte 0 covers the subnormal quotients except one amax (``ODD``).
+    Checked against the division for every FP32 value (``scale_constants``).
+    """
+    bits = amax.to(tl.int32, bitcast=True)
     if RCEIL:
-        d = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), MAXV)
-        db = d.to(tl.int32, bitcast=True)
-        biased = db >> 23
-        mant = db & 0x7FFFFF
-        e = tl.where(
-            biased > 0,
-            biased - 127 + (mant != 0).to(tl.int32),
-            -127 + (mant > 4194304).to(tl.int32),
-        )
+        byte = tl.maximum((bits + ADD) >> 23, 0) - (bits == ODD).to(tl.int32)
     else:
-        e = (amax_bits >> 23) - 127 - EMAX
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    return tl.where(amax_bits >= 0x7F800000, 255, e + 127)
+        byte = tl.maximum((bits - (EMAX << 23)) >> 23, 0)
+    return tl.where(bits >= 0x7F800000, 255, byte)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def block_amax(v, axis: tl.constexpr, FLOAT_MAX: tl.constexpr):
+    """max |v| along ``axis`` as float32; NaN (bits >= 0x7F800001) if any element is NaN.
+
+    ``FLOAT_MAX``: a NaN-propagating float max, one instruction a element on the GPU.
+    Otherwise the integer max of the magnitude bits (the same value for every input; the
+    interpreter runs it much faster than a custom reduction)."""
+    if FLOAT_MAX:
+        return tl.reduce(tl.abs(v), axis, _max_nan)
+    bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(bits, axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def inv_scale(byte):
-    """2**-(byte - 127) as float32 (always a normal number); NaN for the NaN byte."""
-    e = byte - 127
-    inv = ((127 - tl.minimum(e, 126)) << 23).to(tl.float32, bitcast=True)
+    """2**-(byte - 127) as float32 for a scale byte (NaN for the NaN byte 255). Bytes
+    above 253 never occur for finite blocks of these formats (emax >= 2), so the result
+    is always a normal number."""
+    inv = ((254 - byte) << 23).to(tl.float32, bitcast=True)
     return tl.where(byte == 255, float("nan"), inv)
 
 
@@ -82,7 +129,9 @@ def encode(
     23 random bits per element when ``SR``.
     """
     if HW and (not SR) and FMT != 2:
-        v = tl.clamp(y, -MAXV, MAXV, propagate_nan=tl.PropagateNan.ALL)
+        # The hardware cast rounds to nearest-even and saturates (satfinite): the same
+        # as clamping to +-MAXV first. NaN stays NaN.
+        v = y
     else:
         sign = y.to(tl.int32, bitcast=True) & -2147483648
         a = tl.abs(y)
