@@ -264,6 +264,136 @@ def test_empty_inputs():
 
 
 # ----------------------------------------------------------------------------------------
+# Forward variants (KernelConfig flags): each against the reference, backward included (it
+# reads the variant's LSE). Under the interpreter the warp-specialisation flag only checks
+# the plumbing (the interpreter runs the plain loop).
+# ----------------------------------------------------------------------------------------
+
+ALL_FLAGS = dict(prefetch=True, tma=True, softmax_fma=True, lazy_rescale=True,
+                 warp_specialize=True)  # fmt: skip
+FWD_VARIANTS = {
+    "prefetch": dict(prefetch=True),
+    "tma": dict(tma=True),
+    "tma_in_kernel": dict(tma=True, tma_in_kernel=True),
+    "fma": dict(softmax_fma=True),
+    "lazy": dict(lazy_rescale=True),
+    "ws": dict(warp_specialize=True),
+    "all": ALL_FLAGS,
+}
+
+
+def _variant(flags: dict, base: KernelConfig = SMALL) -> KernelConfig:
+    return replace(base, **flags)
+
+
+@pytest.mark.parametrize("flags", list(FWD_VARIANTS.values()), ids=list(FWD_VARIANTS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_variants_softmax(flags, causal):
+    # 0- and 1-length sequences, partial tiles, several tiles per sequence, a small grid.
+    _check(Case(LENS, mask=dict(causal=causal)), configs=(_variant(flags), DKDV, DQ))
+
+
+@pytest.mark.parametrize("flags", list(FWD_VARIANTS.values()), ids=list(FWD_VARIANTS))
+def test_forward_variants_hstu(flags):
+    # GDPA with HSTU semantics, targets and contextual tokens (the targets column of the
+    # prefetched tile table), one head dim that is not a power of two (no descriptors).
+    spec = dict(activation="silu", normalization="max_seqlen")
+    case = Case((26, 0, 1, 37), targets=(4, 0, 1, 2), spec=spec,
+                mask=dict(causal=True, contextual_len=3))  # fmt: skip
+    _check(case, configs=(_variant(flags), DKDV, DQ), backward=False)
+    _check(replace(case, head_dim=48), seed=1, configs=(_variant(flags), DKDV, DQ),
+           backward=False)  # fmt: skip
+
+
+def test_forward_variants_kv_index():
+    # The query -> kv map through the prefetched tile table and the descriptors: Lq > Lk
+    # and Lq < Lk, an empty kv sequence, an unused one.
+    case = Case(q_lens=(5, 1, 0, 30, 12), kv_lens=(23, 9, 0), kv_index=(0, 0, 2, 0, 2),
+                mask=dict(causal=True))  # fmt: skip
+    _check(case, configs=(_variant(ALL_FLAGS), DKDV, DQ))
+
+
+def test_lazy_rescale_large_scores():
+    # Large scores: running maxima jump by far more than the 2**8 threshold between tiles,
+    # so both branches of the lazy rescale run (small scores above take the lazy one).
+    for flags in (dict(lazy_rescale=True), dict(lazy_rescale=True, softmax_fma=True)):
+        _check(Case(LENS, spec=dict(scale=2.0), mask=dict(causal=True)),
+               configs=(_variant(flags), DKDV, DQ))  # fmt: skip
+
+
+def test_fma_needs_positive_scale():
+    # softmax_fma takes the row max before scaling: with scale <= 0 the launcher drops it.
+    from hyperrec.jagged_attn.triton import _launch
+
+    q = torch.zeros(4, 1, 16, dtype=torch.bfloat16)
+    flags = _launch._forward_variants(_variant(ALL_FLAGS), "softmax", -0.5, (q, q, q, q),
+                                      (16, 16))  # fmt: skip
+    assert not flags["FMA"] and flags["LAZY"] and flags["PREFETCH"] and flags["TMA"]
+    _check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
+
+
+def test_forward_variants_nan_stays_inside_its_sequence():
+    # Descriptors read whole blocks: rows past a sequence's end belong to the next one. A
+    # NaN there must not reach this sequence's output (K is replaced by the mask, V is read
+    # through masked loads in tiles that cross the end, Q's extra rows are never stored).
+    case = Case((17, 40, 5, 33))
+    q, k, v, _, qo, ko, kvi, nt, spec = _build(case, 0)
+    q[17:57], k[17:57], v[17:57] = (float("nan"),) * 3  # sequence 1
+    args = (qo, ko, kvi, nt, *spec_args(spec))
+    want, _ = attention_forward(q, k, v, *args, config=SMALL)
+    for flags in (dict(tma=True), dict(tma=True, tma_in_kernel=True), ALL_FLAGS):
+        for cfg in (_variant(flags), _variant(flags, KernelConfig(block_m=32, block_n=32))):
+            out, lse = attention_forward(q, k, v, *args, config=cfg)
+            others = torch.cat([out[:17], out[57:]])
+            assert torch.isfinite(others).all(), flags
+            assert torch.isnan(out[17:57]).all()
+            torch.testing.assert_close(others, torch.cat([want[:17], want[57:]]), atol=1e-2,
+                                       rtol=0)  # fmt: skip
+
+
+def test_warp_specialize_build_failure_falls_back(monkeypatch):
+    # A Triton that cannot warp-specialise the loop: the launcher builds the same kernel
+    # without it, remembers the failure and does not try again.
+    from hyperrec.jagged_attn.triton import _launch
+
+    real = _launch._launch_persistent
+    calls = []
+
+    def fake(kernel, work, device, cfg, key, args, kw):
+        calls.append(kw.get("WARP_SPEC"))
+        if kw.get("WARP_SPEC"):
+            raise RuntimeError("PassManager::run failed (simulated)")
+        return real(kernel, work, device, cfg, key, args, kw)
+
+    monkeypatch.setattr(_launch, "_launch_persistent", fake)
+    monkeypatch.setattr(_launch, "_FAILED_BUILDS", {})
+    cfg = _variant(dict(warp_specialize=True))
+    _check(Case((19, 0, 1)), configs=(cfg, DKDV, DQ), backward=False)
+    _check(Case((19, 0, 1)), seed=1, configs=(cfg, DKDV, DQ), backward=False)
+    fwd_calls = [c for c in calls if c is not None]
+    assert fwd_calls == [True, False, False]
+    assert len(_launch.forward_build_failures()) == 1
+
+
+def test_tile_meta_table():
+    # The prefetched table resolves each scheduled tile to its geometry.
+    from hyperrec.jagged_attn.triton._schedule import q_tile_meta, q_tile_schedule
+
+    qo = torch.tensor([0, 5, 5, 6, 40], dtype=torch.int32)
+    ko = torch.tensor([0, 23, 23, 30], dtype=torch.int32)
+    kvi = torch.tensor([0, 1, 2, 0], dtype=torch.int32)
+    nt = torch.tensor([1, 0, 0, 3], dtype=torch.int32)
+    meta, total = q_tile_meta(qo, ko, kvi, nt, 16, True, 40)
+    seq, idx, total2 = q_tile_schedule(qo, ko, kvi, 16, True, 40)
+    assert int(total) == int(total2) == 1 + 0 + 1 + 3
+    for row, b, t in zip(meta[: int(total)].tolist(), seq.tolist(), idx.tolist()):
+        kb = int(kvi[b])
+        want = [int(qo[b]), int(qo[b + 1] - qo[b]), int(ko[kb]), int(ko[kb + 1] - ko[kb]),
+                t * 16, int(nt[b]), b, 0]  # fmt: skip
+        assert row == want
+
+
+# ----------------------------------------------------------------------------------------
 # GPU sweeps
 # ----------------------------------------------------------------------------------------
 

@@ -6,14 +6,23 @@ Importing this subpackage does not import Triton; the launchers import it on fir
   (element-wise activations), forward and backward, bf16/fp16 in, fp32 accumulation.
 * :func:`flops`, :func:`flops_upper_bound`: useful-FLOP counts.
 * :func:`supports`, :func:`hopper_features`: capability probes.
-* :class:`KernelConfig`: a tile configuration (to pin one, e.g. in tests or tuning).
+* :class:`KernelConfig`: a tile configuration (to pin one, e.g. in tests or tuning), with
+  the forward's opt-in variants (``prefetch``, ``softmax_fma``, ``lazy_rescale``, ``tma``
+  with the ``TMA_*`` bits, ``warp_specialize``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hyperrec.jagged_attn.triton._configs import KernelConfig
+from hyperrec.jagged_attn.triton._configs import (
+    TMA_ALL,
+    TMA_K_MASKED,
+    TMA_KV,
+    TMA_O,
+    TMA_Q,
+    KernelConfig,
+)
 from hyperrec.jagged_attn.triton._flops import flops, flops_upper_bound
 from hyperrec.jagged_attn.triton._probe import hopper_features, supports, triton_available
 
@@ -21,6 +30,11 @@ if TYPE_CHECKING:
     from hyperrec.jagged_attn.triton._launch import attention_backward, attention_forward
 
 __all__ = [
+    "TMA_ALL",
+    "TMA_KV",
+    "TMA_K_MASKED",
+    "TMA_O",
+    "TMA_Q",
     "KernelConfig",
     "attention_backward",
     "attention_forward",

@@ -21,11 +21,24 @@ from dataclasses import dataclass
 
 __all__ = [
     "CANDIDATES",
+    "TMA_ALL",
+    "TMA_K_MASKED",
+    "TMA_KV",
+    "TMA_O",
+    "TMA_Q",
     "TUNED",
     "KernelConfig",
     "config_key",
     "select_config",
 ]
+
+
+#: ``KernelConfig.tma`` bits: the parts of the forward read or written through descriptors.
+TMA_Q = 1
+TMA_KV = 2
+TMA_K_MASKED = 4
+TMA_O = 8
+TMA_ALL = TMA_Q | TMA_KV | TMA_K_MASKED | TMA_O
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +61,43 @@ class KernelConfig:
     dq_atomic: bool = False
     """``dkdv`` only: also accumulate dQ there with atomic fp32 adds (no dQ kernel)."""
 
+    # Forward-only variants (``fwd`` configurations; the other kernels ignore them). All off
+    # by default: the shipped table was measured without them. Each one that cannot apply
+    # to a call (see ``_launch.attention_forward``) is dropped silently for that call, so a
+    # configuration that sets one is valid everywhere.
+    prefetch: bool = False
+    """Read each work item's tile metadata (sequence starts and lengths, first row, targets)
+    from a precomputed 32-byte row, and issue the next item's read before computing the
+    current one: no dependent load chain between two items of the persistent loop."""
+    softmax_fma: bool = False
+    """Softmax: take the row max of the unscaled scores and form ``exp2`` arguments as one
+    fused ``s * qk_scale - m`` (drops one multiply per score). Needs ``scale > 0``."""
+    lazy_rescale: bool = False
+    """Softmax: rescale the accumulator only when some row's running max grew by more than
+    ``2**8`` since the last rescale (a tile-wide branch); otherwise keep the stale max, so
+    the weights of that tile are at most ``256``: exact in fp32, no loss in bf16."""
+    tma: int = 0
+    """Which tiles go through tensor descriptors (Hopper's bulk copy engine) instead of
+    pointer loads: a bitmask of :data:`TMA_Q` (the query tile), :data:`TMA_KV` (K and V in
+    mask-free tiles), :data:`TMA_K_MASKED` (K in masked tiles; V there stays a masked load)
+    and :data:`TMA_O` (the output of tiles inside the sequence); ``True`` means all
+    (:data:`TMA_ALL`). Needs power-of-two head dims, heads packed in 16-byte aligned rows and
+    ``hopper_features()["tma"]`` (also runs under the interpreter)."""
+    tma_in_kernel: bool = False
+    """With ``tma``: build the descriptors in the kernel, once per program, instead of on the
+    host at every call (host-built descriptors cost tens of microseconds of launch time;
+    in-kernel ones need a Triton allocator for their scratch memory: the launcher installs a
+    PyTorch one when none is set)."""
+    warp_specialize: bool = False
+    """Ask Triton to warp-specialise the key loops (``tl.range(warp_specialize=True)``);
+    needs ``hopper_features()["warp_specialize"]``. A build that fails falls back to the
+    same configuration without it (remembered per compiled variant)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.tma, bool):  # frozen: normalise through object.__setattr__
+            object.__setattr__(self, "tma", TMA_ALL if self.tma else 0)
+        if not 0 <= self.tma <= TMA_ALL:
+            raise ValueError(f"tma must be a bitmask of TMA_* flags, got {self.tma}")
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):

@@ -24,6 +24,13 @@ Kernels:
   fp32 buffer with atomics (5 GEMMs per tile; run-to-run bit differences possible).
 * ``_bwd_delta_kernel``: ``delta = rowsum(dO * O)``, the softmax backward's row term.
 
+Forward variants (``KernelConfig`` flags, constexprs here, all off in the shipped table;
+``bench/sweep_forward.py`` measures them): ``PREFETCH`` reads work items from a precomputed
+tile table one item ahead; ``TMA`` (a bitmask) moves Q, K/V of mask-free tiles, K of masked
+tiles and O of in-sequence tiles through tensor descriptors; ``FMA`` folds the softmax scale
+into one fused multiply-add per score; ``LAZY`` skips the accumulator rescale while no row's
+max grew by more than 2**8; ``WARP_SPEC`` asks Triton to warp-specialise the key loops.
+
 Scheduling. The three main kernels are *persistent*: the host launches at most as many
 programs as fit on the GPU at once and each program walks the work list with a stride of
 the grid size, so a batch of a thousand short sequences costs no more launches or idle
@@ -519,25 +526,43 @@ def _store_rows(ptrs, x, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: t
 # Forward
 # ----------------------------------------------------------------------------------------
 
+# Lazy rescaling (``LAZY``): the accumulator is rescaled only when a row's running max grew
+# by more than this many powers of two since the last rescale, so unnormalised weights stay
+# below 2**8 (exact in fp32; bf16/fp16 keep their relative precision at that magnitude).
+_LAZY_LOG2_THRESHOLD = tl.constexpr(8.0)
+
 
 @triton.jit
 def _fwd_tiles(
-    acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, Lq, Lk, qk_scale,
-    n_targets, wl, wr, ctx, bsz,
+    acc, m_i, l_i, q, k_base, v_base, K_desc, V_desc, k_row0, k_col, v_col, stride_kt,
+    stride_vt, offs_m, lo, hi, Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    K_TMA: tl.constexpr, V_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, FMA: tl.constexpr,
+    LAZY: tl.constexpr,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-                       offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
-        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                       offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        if K_TMA:
+            # Rows past the sequence belong to the next one (or are zero past the tensor):
+            # harmless for K, whose scores the mask replaces below (tl.where, so even a NaN
+            # there never reaches this sequence), but V rows are multiplied by P = 0, and
+            # 0 * NaN = NaN; so V goes through descriptors only in mask-free tiles, which
+            # lie inside the sequence.
+            k = K_desc.load([k_row0 + start_n, k_col])
+        else:
+            k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                           offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        if V_TMA:
+            v = V_desc.load([k_row0 + start_n, v_col])
+        else:
+            v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                           offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
         s = _mm(q, tl.trans(k))  # fp32 accumulation on the tensor cores
         if MASKED:
             ok = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
@@ -545,21 +570,48 @@ def _fwd_tiles(
                           HAS_BLOCK, BLOCK_PREV)  # fmt: skip
         if ACT == 0:
             # Online softmax in base 2: qk_scale = scale * log2(e).
-            s = s * qk_scale
-            if MASKED:
-                s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if MASKED:
-                # A row with nothing allowed so far keeps m = -inf; shift by 0 instead so
-                # exp2 gives exact zeros rather than NaN from (-inf) - (-inf).
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if FMA:
+                # max(s) * c == max(s * c) for c > 0 (rounding is monotone); the exp2
+                # argument below is then one fused multiply-add per score.
+                if MASKED:
+                    s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             else:
-                m_use = m_new
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
+                s = s * qk_scale
+                if MASKED:
+                    s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+            if LAZY:
+                # One decision for the whole tile: rescale only if some row's max grew by
+                # more than the threshold (a row's first finite max counts as infinite
+                # growth); otherwise every row keeps its previous, slightly stale max.
+                up = m_new > m_i  # never true where m_new = -inf: no (-inf) - (-inf)
+                grow = tl.max(tl.where(up, m_new, 0.0) - tl.where(up, m_i, 0.0), 0)
+                if grow > _LAZY_LOG2_THRESHOLD:
+                    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_shift)
+                    l_i = l_i * alpha
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                m_use = m_i
+                if MASKED:
+                    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            else:
+                if MASKED:
+                    # A row with nothing allowed so far keeps m = -inf; shift by 0 instead
+                    # so exp2 gives exact zeros rather than NaN from (-inf) - (-inf).
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                alpha = tl.exp2(m_i - m_use)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            if FMA:
+                p = tl.exp2(s * qk_scale - m_use[:, None])
+            else:
+                p = tl.exp2(s - m_use[:, None])
+            l_i = l_i + tl.sum(p, 1)
         else:
             p = _act(s * qk_scale, ACT, FAST)
             if MASKED:
@@ -569,12 +621,99 @@ def _fwd_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
-def _fwd_kernel(
-    Q, K, V, O, LSE,
+@triton.jit
+def _fwd_item(
+    Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lh,
-    q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
+    stride_lh, h, q_start, Lq, k_start, Lk, n_targets, m0,
+    qk_scale, coef, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    ACT: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPEC: tl.constexpr, FMA: tl.constexpr, LAZY: tl.constexpr,
+):  # fmt: skip
+    """One work item of the forward: query rows [m0, m0 + BLOCK_M) of one sequence and head."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+    k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
+    if TMA & 1:
+        # Rows past the sequence hold the next sequence's queries: their results are
+        # computed and never stored (each score row depends on its own query only).
+        q = Q_desc.load([q_start + m0, h * HEAD_DIM])
+    else:
+        q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+                       offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo, full, hi = _kv_range(
+        m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+        CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+        BLOCK_PREV, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, K_desc, V_desc, k_start, h * HEAD_DIM,
+        h * HEAD_DIM_V, stride_kt, stride_vt, offs_m, lo, full,
+        Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+        CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+        BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+        TMA & 2, TMA & 2, WARP_SPEC, FMA, LAZY,
+    )  # fmt: skip
+    acc, m_i, l_i = _fwd_tiles(
+        acc, m_i, l_i, q, k_base, v_base, K_desc, V_desc, k_start, h * HEAD_DIM,
+        h * HEAD_DIM_V, stride_kt, stride_vt, offs_m, full, hi,
+        Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+        CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+        BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+        TMA & 4, False, WARP_SPEC, FMA, LAZY,
+    )  # fmt: skip
+    c = coef
+    if NORM == 2:
+        c = coef / tl.maximum(Lk, 1).to(tl.float32)
+    if ACT == 0:
+        # A row with no allowed key (l == 0) outputs 0 and stores LSE = +inf.
+        has_key = l_i > 0.0
+        l_safe = tl.where(has_key, l_i, 1.0)
+        o = acc * (c / l_safe)[:, None]
+        lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
+        tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
+    else:
+        o = acc * c
+    o_ptrs = (O + q_start.to(tl.int64) * stride_ot + h * stride_oh
+              + offs_m[:, None] * stride_ot + offs_dv[None, :])  # fmt: skip
+    if TMA & 8:
+        # A tile inside the sequence is one bulk store; the last, partial tile of a
+        # sequence must not write the next sequence's rows, so it takes the masked path.
+        if m0 + BLOCK_M <= Lq:
+            O_desc.store([q_start + m0, h * HEAD_DIM_V], _to(o, O.dtype.element_ty))
+        else:
+            _store_rows(o_ptrs, o, offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)
+    else:
+        _store_rows(o_ptrs, o, offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)
+
+
+@triton.jit
+def _tile_meta(META, w, total, H: tl.constexpr):
+    """Work item ``w``'s row of the precomputed tile table (``_schedule.q_tile_meta``):
+    (head, q start, Lq, kv start, Lk, targets, first row). Independent loads of one 32-byte
+    row, so an item costs one memory round trip; ``w`` past the end reads a valid row."""
+    row = META + tl.maximum(tl.minimum(w, total - 1), 0) // H * 8
+    return (w % H, tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3),
+            tl.load(row + 5), tl.load(row + 4))  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_lh", "n_q_rows", "n_kv_rows", "wl", "wr", "ctx", "bsz"])
+def _fwd_kernel(
+    Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lh, n_q_rows, n_kv_rows,
+    q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total, tile_meta,
     qk_scale, coef, wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
@@ -582,60 +721,68 @@ def _fwd_kernel(
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    PREFETCH: tl.constexpr = False, TMA: tl.constexpr = 0, TMA_IN_KERNEL: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = False, FMA: tl.constexpr = False, LAZY: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for r in range(0, tl.cdiv(total, nprog)):
-        w = _work_item(r, pid, nprog)
-        if w < total:
-            h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
-                w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
-                H, HAS_MAP, HAS_TARGETS, BLOCK_M,
-            )  # fmt: skip
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
-            k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
-            v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
-            q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-                           offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
-            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            lo, full, hi = _kv_range(
-                m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
-                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
-                BLOCK_PREV, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            acc, m_i, l_i = _fwd_tiles(
-                acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lo, full,
-                Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
-                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
-                BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
-            )  # fmt: skip
-            acc, m_i, l_i = _fwd_tiles(
-                acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, full, hi,
-                Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
-                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
-                BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
-            )  # fmt: skip
-            c = coef
-            if NORM == 2:
-                c = coef / tl.maximum(Lk, 1).to(tl.float32)
-            if ACT == 0:
-                # A row with no allowed key (l == 0) outputs 0 and stores LSE = +inf.
-                has_key = l_i > 0.0
-                l_safe = tl.where(has_key, l_i, 1.0)
-                o = acc * (c / l_safe)[:, None]
-                lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
-                tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
-            else:
-                o = acc * c
-            _store_rows(O + q_start.to(tl.int64) * stride_ot + h * stride_oh
-                        + offs_m[:, None] * stride_ot + offs_dv[None, :],
-                        o, offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+    if TMA_IN_KERNEL:
+        # The descriptors (over the whole (tokens, H * D) tensors) are built once per
+        # program here instead of on the host at every call.
+        if TMA & 1:
+            Q_desc = tl.make_tensor_descriptor(Q, shape=[n_q_rows, H * HEAD_DIM],
+                                               strides=[stride_qt, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])  # fmt: skip
+        if TMA & 6:
+            K_desc = tl.make_tensor_descriptor(K, shape=[n_kv_rows, H * HEAD_DIM],
+                                               strides=[stride_kt, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])  # fmt: skip
+        if TMA & 2:
+            V_desc = tl.make_tensor_descriptor(V, shape=[n_kv_rows, H * HEAD_DIM_V],
+                                               strides=[stride_vt, 1],
+                                               block_shape=[BLOCK_N, BLOCK_DV])  # fmt: skip
+        if TMA & 8:
+            O_desc = tl.make_tensor_descriptor(O, shape=[n_q_rows, H * HEAD_DIM_V],
+                                               strides=[stride_ot, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DV])  # fmt: skip
+    if PREFETCH:
+        # Software pipelining across work items: the next item's table row is requested
+        # before the current item computes, and has arrived by the time it is needed.
+        w = _work_item(0, pid, nprog)
+        h_n, qs_n, lq_n, ks_n, lk_n, nt_n, m0_n = _tile_meta(tile_meta, w, total, H)
+        for r in range(0, tl.cdiv(total, nprog)):
+            h, q_start, Lq, k_start, Lk, n_targets, m0 = h_n, qs_n, lq_n, ks_n, lk_n, nt_n, m0_n
+            w_cur = w
+            w = _work_item(r + 1, pid, nprog)
+            h_n, qs_n, lq_n, ks_n, lk_n, nt_n, m0_n = _tile_meta(tile_meta, w, total, H)
+            if w_cur < total:
+                _fwd_item(
+                    Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ot, stride_oh, stride_lh, h, q_start, Lq, k_start, Lk, n_targets,
+                    m0, qk_scale, coef, wl, wr, ctx, bsz,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                    BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
+                )  # fmt: skip
+    else:
+        for r in range(0, tl.cdiv(total, nprog)):
+            w = _work_item(r, pid, nprog)
+            if w < total:
+                h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
+                    w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+                    H, HAS_MAP, HAS_TARGETS, BLOCK_M,
+                )  # fmt: skip
+                _fwd_item(
+                    Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ot, stride_oh, stride_lh, h, q_start, Lq, k_start, Lk, n_targets,
+                    m0, qk_scale, coef, wl, wr, ctx, bsz,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                    BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
+                )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ import triton
 
 from hyperrec.jagged_attn.triton import _configs, _kernels
 from hyperrec.jagged_attn.triton._configs import KernelConfig
+from hyperrec.jagged_attn.triton._probe import hopper_features
 from hyperrec.jagged_attn.triton._schedule import (
     as_int32,
     kv_tile_schedule,
+    q_tile_meta,
     q_tile_schedule,
     work_upper_bound,
 )
@@ -134,6 +136,85 @@ def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig,
     compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if key not in _OCCUPANCY and not _interpreting():
         _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps)
+        _COMPILED[key] = compiled
+
+
+# The compiled kernel of each key (for benchmarks: registers, spills, shared memory, IR).
+_COMPILED: dict[tuple, Any] = {}
+
+
+# Forward variants whose build failed once (warp specialisation): their key -> the error.
+# Such a key is launched without the variant from then on.
+_FAILED_BUILDS: dict[tuple, str] = {}
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether (tokens, H, D) tensors can be read as 2-D (tokens, H * D) tensor descriptors:
+    heads packed, 16-byte aligned base and row stride."""
+    for t in tensors:
+        item = t.element_size()
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.shape[0] == 0:
+            return False
+        if t.data_ptr() % 16 or (t.stride(0) * item) % 16 or (t.shape[2] * item) % 16:
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int, used: bool):
+    """A host-built 2-D (tokens, H * D) descriptor of ``t``, or ``t`` itself if not ``used``
+    (the kernel never reads it then; building one costs launch time)."""
+    if not used:
+        return t
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, h, d = t.shape
+    return TensorDescriptor(t, shape=[n, h * d], strides=[t.stride(0), 1],
+                            block_shape=[block_rows, block_cols])  # fmt: skip
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    del alignment, stream  # PyTorch allocations are 256-byte aligned, on the current stream
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """In-kernel descriptors need scratch memory from Triton's allocator: install one that
+    allocates through PyTorch, unless the caller set their own."""
+    from triton.runtime import _allocation
+
+    current = getattr(_allocation, "_allocator", None)
+    current = current.get() if hasattr(current, "get") else current
+    if current is None or isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _forward_variants(
+    cfg: KernelConfig,
+    activation: str,
+    scale: float,
+    tensors: tuple[torch.Tensor, ...],
+    head_dims: tuple[int, int],
+) -> dict[str, bool | int]:
+    """The forward variants of ``cfg`` that apply to this call (the kernel's constexprs):
+    ``tma`` needs descriptors on this GPU (or the interpreter) and tensors they can read,
+    ``warp_specialize`` the Triton feature, ``softmax_fma`` a positive scale."""
+    softmax = activation == "softmax"
+    device = tensors[0].device
+    gpu = device.type == "cuda" and not _interpreting()
+    features = hopper_features(device.index) if gpu else {}
+    tma = cfg.tma if _interpreting() or features.get("tma", False) else 0
+    if tma and not (all(d == _pow2(d) for d in head_dims) and _tma_ready(*tensors)):
+        tma = 0
+    # The interpreter ignores warp specialisation, so there the flag only tests the plumbing.
+    ws = cfg.warp_specialize and (_interpreting() or features.get("warp_specialize", False))
+    return dict(
+        PREFETCH=cfg.prefetch,
+        TMA=tma,
+        TMA_IN_KERNEL=bool(tma) and cfg.tma_in_kernel,
+        WARP_SPEC=ws,
+        FMA=cfg.softmax_fma and softmax and scale > 0,
+        LAZY=cfg.lazy_rescale and softmax,
+    )
 
 
 def _pow2(n: int) -> int:
@@ -259,26 +340,68 @@ def attention_forward(
     cfg = _pick("fwd", q, activation, causal, max(max_seqlen_q, max_seqlen_kv), config)
     q_offsets, kv_offsets = as_int32(q_offsets), as_int32(kv_offsets)
     kv_index, num_targets = as_int32(kv_index), as_int32(num_targets)
-    tile_seq, tile_idx, total = q_tile_schedule(
-        q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
-    )
+    variants = _forward_variants(cfg, activation, scale, (q, k, v, out), (head_dim, head_dim_v))
+    if variants["PREFETCH"]:
+        tile_meta, total = q_tile_meta(
+            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q
+        )
+        tile_seq = tile_idx = total  # not read
+    else:
+        tile_seq, tile_idx, total = q_tile_schedule(
+            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
+        )
+        tile_meta = total  # not read
     unused = total  # a valid pointer for arguments a variant never reads
+    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
+    tma = variants["TMA"]
+    if tma and not variants["TMA_IN_KERNEL"]:
+        descs = (
+            _descriptor(q, cfg.block_m, bd, bool(tma & _configs.TMA_Q)),
+            _descriptor(k, cfg.block_n, bd, bool(tma & (_configs.TMA_KV | _configs.TMA_K_MASKED))),
+            _descriptor(v, cfg.block_n, bdv, bool(tma & _configs.TMA_KV)),
+            _descriptor(out, cfg.block_m, bdv, bool(tma & _configs.TMA_O)),
+        )
+    else:
+        descs = (q, k, v, out)  # not read, or replaced by descriptors built in the kernel
+        if tma and not _interpreting():
+            _ensure_allocator()
     args = (
-        q, k, v, out, lse if softmax else out,
+        q, k, v, out, lse if softmax else out, *descs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), total_q,
+        out.stride(0), out.stride(1), total_q, total_q, k.shape[0],
         q_offsets, kv_offsets, unused if kv_index is None else kv_index,
-        unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
+        unused if num_targets is None else num_targets, tile_seq, tile_idx, total, tile_meta,
         _qk_scale(activation, scale), coef, *mask.ints(),
     )  # fmt: skip
     kw = dict(
-        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=_pow2(head_dim),
-        BLOCK_DV=_pow2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce,
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce, **variants,
     )  # fmt: skip
     work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
     key = ("fwd", q.dtype, cfg, tuple(sorted(kw.items())))
-    _launch_persistent(_kernels._fwd_kernel, work, q.device, cfg, key, args, kw)
+    if key in _FAILED_BUILDS:
+        kw["WARP_SPEC"] = False
+        key = ("fwd", q.dtype, cfg, tuple(sorted(kw.items())))
+    try:
+        _launch_persistent(_kernels._fwd_kernel, work, q.device, cfg, key, args, kw)
+    except Exception as e:  # any compiler error
+        if not kw["WARP_SPEC"] or key in _OCCUPANCY:
+            raise
+        # Triton's warp specialisation rejects some loops on some versions and GPUs: build
+        # the same kernel without it (once; later calls go straight there).
+        _FAILED_BUILDS[key] = f"{type(e).__name__}: {e}"[:500]
+        return attention_forward(
+            q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, scale,
+            output_scale, normalization, max_seqlen_q, max_seqlen_kv, causal, window_left,
+            window_right, contextual_len, block_size, block_previous,
+            fast_math=fast_math, config=cfg,
+        )  # fmt: skip
     return out, lse
+
+
+def forward_build_failures() -> dict[tuple, str]:
+    """Forward builds that failed with warp specialisation (and ran without it)."""
+    return dict(_FAILED_BUILDS)
 
 
 def attention_backward(

@@ -60,10 +60,12 @@ def _capability(index: int | None) -> tuple[int, int]:
 def hopper_features(index: int | None = None) -> dict[str, bool]:
     """Hopper-only features present on this GPU and in this Triton.
 
-    ``tma``: the bulk tensor copy engine (sm90) and Triton's tensor descriptors;
-    ``warp_specialize``: sm90 and ``tl.range(warp_specialize=...)`` in this Triton. The
-    kernels do not use either today: the measured default path is the pipelined one (see
-    ``bench/RESULTS.md``); the probe is here for the variants that would.
+    ``tma``: the bulk tensor copy engine (sm90) and Triton's tensor descriptors, built in
+    the kernel (``tl.make_tensor_descriptor``) and on the host
+    (``triton.tools.tensor_descriptor``); ``warp_specialize``: sm90 and
+    ``tl.range(warp_specialize=...)`` in this Triton (whether a given loop builds is only
+    known by building it). The forward uses them only in the variants that ask for them
+    (``KernelConfig.tma`` / ``KernelConfig.warp_specialize``, off in the shipped table).
     """
     if not triton_available() or interpreting() or not torch.cuda.is_available():
         return {"tma": False, "warp_specialize": False}
@@ -72,6 +74,8 @@ def hopper_features(index: int | None = None) -> dict[str, bool]:
     import triton.language as tl
 
     sm90 = _capability(index)[0] >= 9
-    has_desc = hasattr(tl, "make_tensor_descriptor")
+    has_desc = hasattr(tl, "make_tensor_descriptor") and (
+        importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+    )
     has_ws = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
     return {"tma": sm90 and has_desc, "warp_specialize": sm90 and has_ws}

@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_int32", "kv_tile_schedule", "q_tile_schedule", "work_upper_bound"]
+__all__ = [
+    "as_int32",
+    "kv_tile_schedule",
+    "q_tile_meta",
+    "q_tile_schedule",
+    "work_upper_bound",
+]
 
 _CACHE_SIZE = 32
 _cache: OrderedDict[tuple, tuple[tuple, tuple[int, ...], Any]] = OrderedDict()
@@ -125,6 +131,47 @@ def q_tile_schedule(
         return _tile_table(tiles, upper, cost)
 
     return _cached((q_offsets, kv_offsets, kv_index), ("q", block_m, causal, total_q), build)
+
+
+def q_tile_meta(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    block_m: int,
+    causal: bool,
+    total_q: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(meta, total): :func:`q_tile_schedule` with each tile's geometry resolved.
+
+    ``meta`` is ``(U, 8)`` int32, one 32-byte row per tile in schedule order: query start,
+    query length, kv start, kv length, first query row, number of targets (0 without
+    targets), query sequence, 0. A kernel reads a work item with independent loads of one
+    row instead of the dependent chain tile -> sequence -> offsets (-> kv map).
+    """
+
+    def build():
+        tile_seq, tile_idx, total = q_tile_schedule(
+            q_offsets, kv_offsets, kv_index, block_m, causal, total_q
+        )
+        seq = tile_seq.long()
+        kb = seq if kv_index is None else kv_index.long()[seq]
+        q_start = q_offsets.long()[seq]
+        k_start = kv_offsets.long()[kb]
+        meta = torch.zeros(seq.numel(), 8, dtype=torch.int32, device=seq.device)
+        meta[:, 0] = q_start
+        meta[:, 1] = q_offsets.long()[seq + 1] - q_start
+        meta[:, 2] = k_start
+        meta[:, 3] = kv_offsets.long()[kb + 1] - k_start
+        meta[:, 4] = tile_idx * block_m
+        if num_targets is not None:
+            meta[:, 5] = num_targets.long()[seq]
+        meta[:, 6] = tile_seq
+        return meta, total
+
+    return _cached(
+        (q_offsets, kv_offsets, kv_index, num_targets), ("qmeta", block_m, causal, total_q), build
+    )
 
 
 def kv_tile_schedule(
