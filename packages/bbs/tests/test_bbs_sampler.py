@@ -171,9 +171,13 @@ def test_bad_costs_and_states():
             [1.0, -1.0], samples_per_sub_batch=1, sub_batches_per_step=1, window_steps=1
         )
     (a,) = _samplers(np.ones(60), 1)
-    (b,) = _samplers(np.ones(60), 1, window_steps=2)
-    with pytest.raises(ValueError, match="window_steps"):
-        b.load_state_dict(a.state_dict())
+    for key, value in (("seed", 5), ("samples_per_sub_batch", 3), ("mode", "global")):
+        with pytest.raises(ValueError, match=key):
+            a.load_state_dict({**a.state_dict(), key: value})
+    with pytest.raises(ValueError, match="segments"):
+        a.load_state_dict({**a.state_dict(), "segments": [[1, 2]]})
+    with pytest.raises(ValueError, match="version"):
+        a.load_state_dict({**a.state_dict(), "version": 7})
     with pytest.raises(ValueError, match="step"):
         a.load_state_dict({**a.state_dict(), "step": 10**6})
     with pytest.raises(ValueError, match="step"):
@@ -193,3 +197,98 @@ def test_state_at_trained_step_resumes_there():
     assert list(b) == full[3:]
     with pytest.raises(ValueError, match="step"):
         a.state_dict(step=len(a) + 1)
+
+
+def _epoch_samples(samplers, epoch, stop=None):
+    """Samples the ranks yield in their first ``stop`` steps of ``epoch`` (all: None)."""
+    out = []
+    for smp in samplers:
+        smp.set_epoch(epoch)
+        steps = list(itertools.islice(iter(smp), stop if stop is not None else len(smp)))
+        out += [i for step in steps for i in step]
+    return out
+
+
+def _resume_rest(samplers, state):
+    """Load ``state`` into every new rank and drain the epoch; same steps on every rank."""
+    rest, counts = [], set()
+    for smp in samplers:
+        smp.load_state_dict(state)
+        batches = list(smp)  # the rest of the epoch; then the sampler moves to the next
+        per_step = smp.sub_batches_per_step * smp.samples_per_sub_batch
+        assert all(len(b) == per_step for b in batches)
+        counts.add(len(batches))
+        rest += [i for b in batches for i in b]
+    assert len(counts) == 1
+    return rest
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    mode=st.sampled_from(["local", "global"]),
+    old=st.integers(1, 4),
+    new=st.integers(1, 4),
+    new_k=st.integers(1, 3),
+    data=st.data(),
+)
+def test_resume_on_another_world_size_trains_each_sample_at_most_once(mode, old, new, new_k, data):
+    n = 240
+    costs = np.random.default_rng(10 * old + new).random(n)
+    a = _samplers(costs, old, mode=mode)
+    stop = data.draw(st.integers(0, len(a[0])))
+    trained = _epoch_samples(a, epoch=1, stop=stop)
+    state = a[0].state_dict()
+    b = _samplers(costs, new, mode=mode, sub_batches_per_step=new_k)
+    rest = _resume_rest(b, state)
+    both = trained + rest
+    assert len(both) == len(set(both))  # nothing twice in the epoch
+    # Dropped: less than one step of the new layout (or of the old one, if nothing moved).
+    per_step_new = new * new_k * 2
+    assert n - len(both) < max(per_step_new, old * 3 * 2)
+    if stop > 0 and (old, 3) != (new, new_k):
+        assert n - len(both) < per_step_new
+    # The next epoch is a normal one of the new layout.
+    nxt = [list(smp) for smp in b]
+    fresh = _samplers(costs, new, mode=mode, sub_batches_per_step=new_k)
+    for smp in fresh:
+        smp.set_epoch(2)
+    assert nxt == [list(smp) for smp in fresh]
+
+
+@pytest.mark.parametrize("mode", ["local", "global"])
+def test_resume_through_several_world_sizes_in_one_epoch(mode):
+    n = 600
+    costs = np.random.default_rng(7).random(n)
+    a = _samplers(costs, 4, mode=mode)
+    trained = _epoch_samples(a, epoch=0, stop=5)
+    state = a[0].state_dict()
+    b = _samplers(costs, 3, mode=mode, window_steps=2)
+    for smp in b:
+        smp.load_state_dict(state)
+    trained += [i for smp in b for step in itertools.islice(iter(smp), 4) for i in step]
+    state_b = b[0].state_dict()
+    assert state_b["segments"] == [[4, 3, 4, 5]] and state_b["step"] == 4
+    # The saved state resumes exactly on the same layout...
+    (again,) = [_samplers(costs, 3, mode=mode, window_steps=2)[1]]
+    again.load_state_dict(b[1].state_dict())
+    assert list(itertools.islice(iter(again), len(again))) == [
+        b[1].step_indices(t) for t in range(4, len(b[1]))
+    ]
+    # ...and moves on to a third one.
+    c = _samplers(costs, 2, mode=mode, sub_batches_per_step=5)
+    rest = _resume_rest(c, state_b)
+    both = trained + rest
+    assert len(both) == len(set(both))
+    assert n - len(both) < 2 * 5 * 2
+
+
+def test_version_1_states_still_load():
+    costs = np.random.default_rng(3).random(120)
+    (a,) = _samplers(costs, 1)
+    head = list(itertools.islice(iter(a), 3))
+    old = {k: v for k, v in a.state_dict().items() if k != "segments"}
+    old["version"] = 1
+    (b,) = _samplers(costs, 1)
+    b.load_state_dict(old)
+    a.set_epoch(0)
+    assert head + list(b) == list(a)

@@ -15,6 +15,11 @@ sample indices for one step. Two modes, both communication-free and deterministi
 Each epoch has ``len(sampler)`` steps on every rank; the ``n mod (world_size * k * s)``
 samples left over after the last full step are dropped (different each epoch when
 shuffling).
+
+A state saved mid-epoch also loads into a sampler of another world size (or ``k``,
+``W``): the new ranks replay every earlier layout of the epoch (no communication) to
+find the samples already trained, and share the rest of the epoch's permutation, in its
+order, among themselves; the next epoch starts normally.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from hyperrec.bbs.plan import _check_method, plan_global_windows, plan_windows
 
 __all__ = ["BalancedBatchSampler"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 added "segments"; version-1 states still load
 _MODES = ("local", "global")
 
 
@@ -104,19 +109,88 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 f"ranks x {self.sub_batches_per_step} x {self.samples_per_sub_batch} needs "
                 f"{per_step}"
             )
+        self._full_steps = self._steps
         self.epoch = 0
         self._step = 0  # steps of this epoch already yielded
+        # Earlier layouts of the current epoch, (world_size, k, window_steps, steps), when
+        # it was resumed on another shape; empty otherwise.
+        self._segments: list[tuple[int, int, int, int]] = []
+        self._stream_cache: tuple[Any, np.ndarray] | None = None
         self._cache: tuple[int, int, np.ndarray] | None = None  # (epoch, window, plan)
         self._order_cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
-        """Steps per epoch (the same on every rank)."""
+        """Steps of the current epoch (the same on every rank; fewer in an epoch resumed
+        on another world size, which shares only what was left)."""
         return self._steps
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reseeds the permutation); restarts it at step 0."""
         self.epoch = check_int("epoch", epoch, minimum=0)
         self._step = 0
+        self._set_segments([])
+
+    def _set_segments(self, segments: list[tuple[int, int, int, int]]) -> None:
+        self._segments = [tuple(int(v) for v in seg) for seg in segments]
+        self._cache = self._order_cache = None
+        per_step = self.world_size * self.sub_batches_per_step * self.samples_per_sub_batch
+        self._steps = self._epoch_stream().size // per_step if self._segments else self._full_steps
+
+    def _epoch_stream(self) -> np.ndarray:
+        """This epoch's sample order shared by all ranks: the permutation, minus what
+        earlier layouts of the epoch (``_segments``) already trained, in its order."""
+        key = (self.epoch, tuple(self._segments))
+        if self._stream_cache is not None and self._stream_cache[0] == key:
+            return self._stream_cache[1]
+        n = self._costs.size
+        if self.shuffle:
+            stream = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+        else:
+            stream = np.arange(n)
+        for world, k, window, steps in self._segments:
+            stream = stream[~self._consumed(stream, world, k, window, steps)]
+        self._stream_cache = (key, stream)
+        return stream
+
+    def _consumed(
+        self, stream: np.ndarray, world: int, k: int, window: int, steps: int
+    ) -> np.ndarray:
+        """Mask of ``stream`` positions that ``steps`` steps of a ``world``-rank layout
+        trained. Whole windows trained all their sub-batches; the partial one the
+        members of its first steps, from the same plan the ranks followed."""
+        s = self.samples_per_sub_batch
+        total = stream.size // (world * k * s)
+        if steps > total:
+            raise ValueError(f"state['step'] must be <= {total} for that layout, got {steps}")
+        used = total * world * k * s
+        mask = np.zeros(stream.size, dtype=bool)
+        w0, done = divmod(steps, window)
+        w = min(window, total - w0 * window)
+        if self.mode == "local":
+            for r in range(world):
+                pos = np.arange(r, used, world)[: used // world]  # rank r's stream positions
+                sb_costs = self._costs[stream[pos]].reshape(-1, s).sum(axis=1)
+                members = list(range(w0 * window * k))
+                if done:
+                    first = w0 * window * k
+                    plan = plan_windows(
+                        sb_costs[first : first + w * k][None], k, w, method=self.method
+                    )[0]
+                    members += (plan[:done] + first).reshape(-1).tolist()
+                sb = np.asarray(members, dtype=np.int64)
+                mask[pos.reshape(-1, s)[sb].reshape(-1)] = True
+            return mask
+        sb_costs = self._costs[stream[:used]].reshape(-1, s).sum(axis=1)
+        members = list(range(w0 * window * world * k))
+        if done:
+            first = w0 * window * world * k
+            plan = plan_global_windows(
+                sb_costs[first : first + w * world * k][None], world, k, w, method=self.method
+            )[0]
+            members += (plan[:done] + first).reshape(-1).tolist()
+        sb = np.asarray(members, dtype=np.int64)
+        mask[np.arange(used).reshape(-1, s)[sb].reshape(-1)] = True
+        return mask
 
     def __iter__(self) -> Iterator[list[int]]:
         start = self._step
@@ -127,6 +201,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         # The epoch is over: the next iteration is the next epoch.
         self.epoch += 1
         self._step = 0
+        if self._segments:
+            self._set_segments([])
 
     def step_indices(self, step: int) -> list[int]:
         """This rank's sample indices for ``step`` of the current epoch (no state change).
@@ -149,11 +225,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         global mode) and the cost of each of its sub-batches; cached per epoch."""
         if self._order_cache is not None and self._order_cache[0] == self.epoch:
             return self._order_cache[1], self._order_cache[2]
-        n = self._costs.size
-        if self.shuffle:
-            perm = np.random.default_rng([self.seed, self.epoch]).permutation(n)
-        else:
-            perm = np.arange(n)
+        perm = self._epoch_stream()
         used = self._steps * self.world_size * self.sub_batches_per_step
         used *= self.samples_per_sub_batch
         if self.mode == "local":
@@ -211,40 +283,63 @@ class BalancedBatchSampler(Sampler[list[int]]):
             "sub_batches_per_step": self.sub_batches_per_step,
             "window_steps": self.window_steps,
             "num_samples": int(self._costs.size),
+            "segments": [list(seg) for seg in self._segments],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration yields exactly the remaining steps of the epoch.
 
-        The plan depends on the world size, so a state only loads into a sampler of
-        the same shape (start a new epoch to change the world size).
+        With the same world size, ``k`` and ``W`` the resume is exact (the same steps
+        the saving run would have yielded). With another world size, ``k`` or ``W`` the
+        samples the saved run has not trained yet this epoch are shared by the new ranks
+        (in the epoch's order, balanced by the new plan); none is trained twice, and
+        this epoch's leftover is what does not fill a step of the new layout. Nothing is
+        communicated: every rank replays the earlier layouts.
 
         Raises:
             TypeError: ``state`` is not a dict.
-            ValueError: version or shape mismatch, or ``step`` out of range.
+            ValueError: version mismatch; another seed, mode, sub-batch size or dataset
+                size; ``step`` out of range.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") not in (1, _STATE_VERSION):
             raise ValueError(f"state version {state.get('version')!r} != {_STATE_VERSION}")
         mine = self.state_dict()
-        for key in (
-            "seed",
-            "mode",
-            "world_size",
-            "samples_per_sub_batch",
-            "sub_batches_per_step",
-            "window_steps",
-            "num_samples",
-        ):
+        for key in ("seed", "mode", "samples_per_sub_batch", "num_samples"):
             if state.get(key) != mine[key]:
                 raise ValueError(
                     f"state has {key}={state.get(key)!r}, this sampler has {mine[key]!r}"
                 )
+        shape = {}
+        for key in ("world_size", "sub_batches_per_step", "window_steps"):
+            shape[key] = check_int(f"state[{key!r}]", state.get(key), minimum=1)
+        segments = state.get("segments", [])
+        if not isinstance(segments, (list, tuple)) or any(
+            not isinstance(seg, (list, tuple)) or len(seg) != 4 for seg in segments
+        ):
+            raise ValueError("state['segments'] must be a list of [world, k, W, steps]")
+        segments = [
+            tuple(check_int("state['segments']", v, minimum=0) for v in seg) for seg in segments
+        ]
         step = check_int("state['step']", state["step"], minimum=0)
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        same_shape = (
+            shape["world_size"] == self.world_size
+            and shape["sub_batches_per_step"] == self.sub_batches_per_step
+            and shape["window_steps"] == self.window_steps
+        )
+        self.epoch = epoch
+        if not same_shape and step > 0:
+            # What the saved layout trained becomes one more replayed segment.
+            segments = [
+                *segments,
+                (shape["world_size"], shape["sub_batches_per_step"], shape["window_steps"], step),
+            ]
+            step = 0
+        self._set_segments(segments)
         if step > self._steps:
             raise ValueError(f"state['step'] must be <= {self._steps}, got {step}")
-        self.epoch = check_int("state['epoch']", state["epoch"], minimum=0)
         self._step = step
 
 
