@@ -1,4 +1,5 @@
-"""Two real gloo ranks (FSDP2) against one process, for the same global batch."""
+"""Two real gloo ranks (hyperrec fully_shard, and FSDP2) against one process, for the
+same global batch."""
 
 import dataclasses
 
@@ -10,11 +11,13 @@ from hyperrec.integration.checkpoint import checkpoint_dir
 from hyperrec.testing import run_on_ranks
 
 
-def _preset():
+def _preset(sharding="hyperrec"):
     micro = get_preset("micro")
     # W = 1: every global step then holds the same requests on any world size (with
     # W > 1 each rank balances its own window, which regroups requests differently).
-    train = dataclasses.replace(micro.train, steps=8, ckpt_every=4, window_steps=1)
+    train = dataclasses.replace(
+        micro.train, steps=8, ckpt_every=4, window_steps=1, sharding=sharding
+    )
     data = dataclasses.replace(micro.data, eval_requests=512)
     return dataclasses.replace(micro, train=train, data=data)
 
@@ -38,8 +41,9 @@ def _train_then_resume(preset, out_dir):
     }
 
 
-def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path):
-    preset = _preset()
+@pytest.mark.parametrize("sharding", ["hyperrec", "fsdp2"])
+def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path, sharding):
+    preset = _preset(sharding)
     one = _train_then_resume(preset, tmp_path / "one")
     two = run_on_ranks(_train_then_resume, 2, preset, tmp_path / "two", timeout_s=600)
 
@@ -51,7 +55,7 @@ def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path):
     assert r0["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
 
     assert one["resumed"] == one["loss"][4:]
-    assert r0["resumed"] == r0["loss"][4:]  # FSDP2-sharded DCP checkpoint, exact resume
+    assert r0["resumed"] == r0["loss"][4:]  # sharded DCP checkpoint, exact resume
 
     assert r1["final"] is None  # only rank 0 reports
     for key in ("ctr_auc", "cvr_auc", "ctr_ne", "loss"):

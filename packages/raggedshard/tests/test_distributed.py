@@ -304,6 +304,28 @@ def _ops(mesh):
             leaf.placements == pl and torch.equal(full_tensor(leaf.detach()), ref.detach())
             for leaf, ref, pl in zip(leaves, refs, places)
         )
+    # Stock gradient clipping on ragged DTensor parameters: the shard-local norms are
+    # partial norms that DTensor reduces; clipped gradients keep their layout.
+    for foreach in (True, False):
+        for norm_type in (2.0, 1.0, math.inf):
+            leaves = [torch.nn.Parameter(dt(f, p)[0]) for f, p in zip(fulls, places)]
+            refs = [torch.nn.Parameter(f.clone()) for f in fulls]
+            for leaf, ref, o, pl in zip(leaves, refs, others, places):
+                leaf.grad = dt(3 * o, pl)[0]
+                ref.grad = 3 * o
+            got = torch.nn.utils.clip_grad_norm_(leaves, 1.5, norm_type, foreach=foreach)
+            want = torch.nn.utils.clip_grad_norm_(refs, 1.5, norm_type, foreach=foreach)
+            got = got.full_tensor() if isinstance(got, DTensor) else got
+            out[f"clip_{norm_type}_{foreach}_norm"] = torch.allclose(got, want, rtol=1e-5)
+            out[f"clip_{norm_type}_{foreach}_grads"] = all(
+                leaf.grad.placements == pl
+                and torch.allclose(full_tensor(leaf.grad), ref.grad, rtol=1e-5)
+                for leaf, ref, pl in zip(leaves, refs, places)
+            )
+    vn = torch.linalg.vector_norm(params[0], 3.0)
+    out["vector_norm"] = torch.allclose(
+        vn.full_tensor(), torch.linalg.vector_norm(full_tensor(params[0]), 3.0), rtol=1e-5
+    )
     flat = torch.cat([full_tensor(p).reshape(-1) for p in params])
     for norm_type in (2.0, 1.0, math.inf):
         got = total_norm(params, norm_type)

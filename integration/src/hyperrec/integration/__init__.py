@@ -6,8 +6,9 @@
   every sample a pure function of its index) producing jagged :class:`Batch` es.
 - Model: :class:`GEMModel` (embeddings, HSTU-style GDPA/block-attention tower, PMA,
   candidate cross attention, DCN-v2, CTR/CVR heads with ESMM).
-- Training: :class:`Trainer` (BBS batching, FSDP2 under torchrun, DCP checkpoints with
-  exact resume, eval against popularity and ground truth); CLI ``hyperrec-train``.
+- Training: :class:`Trainer` (BBS batching, ``hyperrec.parallel5d.fully_shard`` or FSDP2
+  under torchrun, DCP checkpoints with exact resume, eval against popularity and ground
+  truth); CLI ``hyperrec-train``.
 - Metrics: :func:`auc`, :func:`normalized_entropy`, :func:`calibration`.
 """
 

@@ -31,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from hyperrec.raggedshard import RaggedLoadPlanner, RaggedSavePlanner
+
 __all__ = ["checkpoint_dir", "find_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -75,7 +77,8 @@ def save_checkpoint(
 
     Args:
         path: the checkpoint directory (created).
-        model, optimizer: saved through ``get_state_dict`` (sharded under FSDP2).
+        model, optimizer: saved through ``get_state_dict`` (sharded DTensors: each rank
+            writes its own pieces, ragged ones through the raggedshard planners).
         meta: picklable, identical on every rank; must hold ``"step"``.
         rank_state: picklable state of this rank.
         rank_tensors: this rank's tensors of a shape known before loading.
@@ -102,7 +105,9 @@ def save_checkpoint(
     writer = dcp.FileSystemWriter(str(path), overwrite=True)
     with _quiet_single_process(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        dcp.save(
+            state, storage_writer=writer, planner=RaggedSavePlanner(), no_dist=not _distributed()
+        )
     return path
 
 
@@ -160,7 +165,12 @@ def load_checkpoint(
         key: {"blob": b"", "tensors": dict(rank_tensors or {})},
     }
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.load(
+            state,
+            checkpoint_id=str(path),
+            planner=RaggedLoadPlanner(),
+            no_dist=not _distributed(),
+        )
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

@@ -275,8 +275,15 @@ class TrainConfig:
     per process keeps several ranks (or a busy machine) from oversubscribing the cores."""
     seed: int = 0
     """Seed of parameter initialisation and dropout."""
+    sharding: str = "hyperrec"
+    """Data-parallel sharding on several ranks: "hyperrec" (``hyperrec.parallel5d``'s
+    zero-copy ``fully_shard``) or "fsdp2" (PyTorch's ``fully_shard``), same units."""
 
     def __post_init__(self) -> None:
+        if self.sharding not in ("hyperrec", "fsdp2"):
+            raise ValueError(
+                f"TrainConfig.sharding must be 'hyperrec' or 'fsdp2', got {self.sharding!r}"
+            )
         for name, minimum in (
             ("steps", 1),
             ("global_batch_size", 1),

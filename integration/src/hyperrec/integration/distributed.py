@@ -4,11 +4,10 @@
 ``torchrun`` (reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; NCCL on CUDA, gloo on CPU),
 and inside a process group someone else already created (tests).
 
-:func:`parallelize` is the seam for hyperrec's own sharding: today it applies PyTorch
-FSDP2 (``torch.distributed.fsdp.fully_shard``), one unit per sequence layer plus the
-root, which also shards the embedding tables row-wise. When ``hyperrec.parallel5d``
-lands (ragged sharding, the 5-D mesh, fully sharded 2-D embeddings) only this function
-changes.
+:func:`parallelize` is the one place the model is sharded: ``hyperrec.parallel5d``'s
+zero-copy ``fully_shard`` (default) or PyTorch FSDP2's, with the same units: one per
+sequence layer, the PMA / cross-attention modules, the interaction tower, MLP and heads,
+and the root, which also holds the embedding tables (sharded with everything else).
 """
 
 from __future__ import annotations
@@ -107,10 +106,11 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> Distr
     return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=False)
 
 
-def parallelize(model: nn.Module, ctx: DistributedContext) -> nn.Module:
+def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hyperrec") -> nn.Module:
     """Shard ``model`` for data-parallel training on ``ctx`` (no-op for one rank).
 
-    FSDP2 units: each sequence layer, the PMA and cross-attention modules, the
+    ``sharding`` picks ``hyperrec.parallel5d.fully_shard`` ("hyperrec", default) or
+    PyTorch's ("fsdp2"). Units: each sequence layer, the PMA and cross-attention modules, the
     interaction tower + MLP + heads, and the root (embedding tables, norms). Gradients
     are averaged over ranks by FSDP's reduce-scatter, so the loss given to ``backward``
     must be the rank's share of the *global* mean (see the trainer).
@@ -126,7 +126,13 @@ def parallelize(model: nn.Module, ctx: DistributedContext) -> nn.Module:
     if not ctx.distributed:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    if sharding == "hyperrec":
+        from hyperrec.parallel5d import fully_shard
+    elif sharding == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        raise ValueError(f"sharding must be 'hyperrec' or 'fsdp2', got {sharding!r}")
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
     for layer in model.seq_layers:
@@ -135,6 +141,7 @@ def parallelize(model: nn.Module, ctx: DistributedContext) -> nn.Module:
         sub = getattr(model, name, None)
         if sub is not None:
             fully_shard(sub, mesh=mesh)
-    fully_shard([model.interaction, model.mlp, model.ctr_head, model.cvr_head], mesh=mesh)
+    for sub in (model.interaction, model.mlp, model.ctr_head, model.cvr_head):
+        fully_shard(sub, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

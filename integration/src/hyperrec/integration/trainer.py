@@ -197,12 +197,12 @@ class Trainer:
         self.progress_enabled = progress and self.ctx.is_main
 
         self.data = SyntheticRecsysData(preset.data)
-        # Same seed on every rank: FSDP2 shards parameters that start identical. Built on
+        # Same seed on every rank: sharding splits parameters that start identical. Built on
         # the target device: the big presets' tables would be slow to initialise on a CPU.
         torch.manual_seed(cfg.seed)
         with torch.device(self.ctx.device):
             model = GEMModel(preset.model, preset.data, validate=cfg.validate_inputs)
-        self.model = parallelize(model, self.ctx)
+        self.model = parallelize(model, self.ctx, cfg.sharding)
         # Dropout draws differ per rank (they see different requests anyway).
         torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
         self.optimizer = build_optimizer(self.model, cfg)

@@ -6,6 +6,10 @@ result) and rejects in-place ops, torch 2.11 raises. Elementwise math needs no
 communication when every operand shares one layout, so :func:`enable_local_ops` routes
 those ops to the local shards and keeps the operands' placement. That is what lets a stock
 ``torch.optim`` optimizer (foreach or fused) step parameters exposed as ragged DTensors.
+Whole-tensor p-norms (``torch.linalg.vector_norm`` without ``dim``, ``_foreach_norm``;
+not under autograd) are shard-local norms combined by one all-reduce per mesh axis and
+returned replicated, which is what ``torch.nn.utils.clip_grad_norm_`` needs; a 0-dim
+DTensor operand of any layout (e.g. its clip coefficient) takes part as a scalar.
 
 It installs handlers in DTensor's custom-op-handler table, a private upstream hook, so it
 is opt-in and global to the process; ops with no ragged operand, or whose operands do not
@@ -71,11 +75,32 @@ def _wrap(local: torch.Tensor, ref: DTensor) -> DTensor:
     return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
+def _is_scalar_operand(x: DTensor) -> bool:
+    # A 0-dim DTensor that is not itself ragged (a clip coefficient, a learning rate...):
+    # it takes part as a plain scalar, reduced/broadcast first.
+    return x.dim() == 0 and not _is_ragged(x)
+
+
+def _upstream(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = handler
+
+
+def _to_local(x: object) -> object:
+    if not isinstance(x, DTensor):
+        return x
+    return x.full_tensor() if _is_scalar_operand(x) else x._local_tensor
+
+
 def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     from torch.utils._pytree import tree_flatten, tree_map
 
     leaves, _ = tree_flatten((args, kwargs))
-    dts = [x for x in leaves if isinstance(x, DTensor)]
+    dts = [x for x in leaves if isinstance(x, DTensor) and not _is_scalar_operand(x)]
     plain = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
     foreach = op.name().startswith(("aten::_foreach_", "aten::_fused_"))
     local_ok = any(_is_ragged(d) for d in dts) and (
@@ -86,15 +111,8 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
         )
     )
     if not local_ok:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        handler = handlers.pop(op)
-        try:
-            return op(*args, **kwargs)
-        finally:
-            handlers[op] = handler
-    local_args, local_kwargs = tree_map(
-        lambda x: x._local_tensor if isinstance(x, DTensor) else x, (args, kwargs)
-    )
+        return _upstream(op, args, kwargs)
+    local_args, local_kwargs = tree_map(_to_local, (args, kwargs))
     out = op(*local_args, **local_kwargs)
     if op._schema.is_mutable:
         # In-place: the DTensor operands already see the new local values.
@@ -106,6 +124,60 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
         refs = next(a for a in args if isinstance(a, list | tuple))
         return type(out)(_wrap(o, r) if isinstance(r, DTensor) else o for o, r in zip(out, refs))
     return out
+
+
+def _reduced_norms(tensors: list[DTensor], ord: float, dtype: object) -> list[DTensor]:
+    """Whole-tensor p-norms of ragged DTensors, replicated: local norms, then ONE
+    all-reduce of their p-th powers (of their maxima for inf) per mesh axis."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    local = [torch.linalg.vector_norm(t._local_tensor, ord, dtype=dtype) for t in tensors]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        axis = next(a for a, p in enumerate(t.placements) if isinstance(p, RaggedShard))
+        groups.setdefault((id(t.device_mesh), axis), []).append(i)
+    out: list[DTensor | None] = [None] * len(tensors)
+    for (_, axis), idx in groups.items():
+        mesh = tensors[idx[0]].device_mesh
+        vals = torch.stack([local[i].to(torch.float64) for i in idx])
+        if math.isinf(ord):
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        else:
+            vals = vals.pow(ord)
+            dist.all_reduce(vals, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+            vals = vals.pow(1.0 / ord)
+        for j, i in enumerate(idx):
+            value = vals[j].to(local[i].dtype)
+            spec = DTensorSpec(
+                mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), value.dtype)
+            )
+            out[i] = DTensor(value, spec, requires_grad=False)
+    return out
+
+
+def _norm_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    # Whole-tensor p-norms (p > 0) of ragged DTensors; anything else goes upstream.
+    kw = dict(kwargs)
+    if op is torch.ops.aten._foreach_norm.Scalar:
+        tensors = list(args[0])
+        ord = args[1] if len(args) > 1 else kw.pop("ord", 2)
+        ragged = bool(tensors) and all(isinstance(t, DTensor) and _is_ragged(t) for t in tensors)
+    else:
+        tensors = [args[0]]
+        ord = args[1] if len(args) > 1 else kw.pop("ord", 2)
+        dim = args[2] if len(args) > 2 else kw.pop("dim", None)
+        keepdim = args[3] if len(args) > 3 else kw.pop("keepdim", False)
+        ragged = isinstance(args[0], DTensor) and _is_ragged(args[0]) and dim is None
+        ragged = ragged and not keepdim
+    ord = float(ord)
+    if not ragged or not ord > 0 or any(t.requires_grad for t in tensors):
+        return _upstream(op, args, kwargs)
+    outs = _reduced_norms(tensors, ord, kw.get("dtype"))
+    return outs if op is torch.ops.aten._foreach_norm.Scalar else outs[0]
 
 
 def enable_local_ops() -> None:
@@ -120,4 +192,6 @@ def enable_local_ops() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _local_op_set():
         handlers.setdefault(op, _local_handler)
+    for op in (torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default):
+        handlers.setdefault(op, _norm_handler)
     _INSTALLED = True
