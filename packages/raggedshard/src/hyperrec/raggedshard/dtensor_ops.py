@@ -96,7 +96,15 @@ def _to_local(x: object) -> object:
     return x.full_tensor() if _is_scalar_operand(x) else x._local_tensor
 
 
+def _flat(values: object) -> bool:
+    return not any(isinstance(v, list | tuple | dict) for v in values)
+
+
 def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    # Pointwise ops of a single-tensor optimizer step arrive here by the dozen per
+    # parameter: flat argument lists skip pytree (most of the per-op host cost).
+    if _flat(args) and _flat(kwargs.values()):
+        return _local_flat(op, args, kwargs)
     from torch.utils._pytree import tree_flatten, tree_map
 
     leaves, _ = tree_flatten((args, kwargs))
@@ -123,6 +131,29 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
         # Out-of-place foreach: element j takes the layout of the first list's element j.
         refs = next(a for a in args if isinstance(a, list | tuple))
         return type(out)(_wrap(o, r) if isinstance(r, DTensor) else o for o, r in zip(out, refs))
+    return out
+
+
+def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """:func:`_local_handler` for argument lists without nested containers."""
+    ref = None
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, DTensor):
+            if _is_scalar_operand(x):
+                continue
+            if ref is None:
+                ref = x
+            elif x.placements != ref.placements or x.shape != ref.shape:
+                return _upstream(op, args, kwargs)
+        elif isinstance(x, torch.Tensor) and x.dim() != 0:
+            return _upstream(op, args, kwargs)
+    if ref is None or not _is_ragged(ref):
+        return _upstream(op, args, kwargs)
+    out = op(*[_to_local(a) for a in args], **{k: _to_local(v) for k, v in kwargs.items()})
+    if op._schema.is_mutable:
+        return args[0] if isinstance(args[0], DTensor) else out
+    if isinstance(out, torch.Tensor):
+        return _wrap(out, ref)
     return out
 
 
