@@ -289,11 +289,13 @@ def _ops(mesh):
     # Opt-in hook: a stock torch.optim optimizer steps ragged DTensor parameters locally,
     # exactly as it steps the full tensors in one process.
     enable_local_ops()
-    for kind in ("foreach", "fused"):
+    for kind in ("foreach", "fused", "single"):
+        # "single": the per-tensor loop (flat argument lists, the handler's fast path).
+        flags = {"foreach": False} if kind == "single" else {kind: True}
         leaves = [torch.nn.Parameter(dt(f, p)[0]) for f, p in zip(fulls, places)]
         refs = [torch.nn.Parameter(f.clone()) for f in fulls]
-        opt = torch.optim.AdamW(leaves, lr=0.1, weight_decay=0.01, **{kind: True})
-        ref_opt = torch.optim.AdamW(refs, lr=0.1, weight_decay=0.01, **{kind: True})
+        opt = torch.optim.AdamW(leaves, lr=0.1, weight_decay=0.01, **flags)
+        ref_opt = torch.optim.AdamW(refs, lr=0.1, weight_decay=0.01, **flags)
         for step in range(2):
             for leaf, ref, o, pl in zip(leaves, refs, others, places):
                 leaf.grad = dt(o * (step + 1), pl)[0]
