@@ -62,7 +62,21 @@ class Attention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(b, s, d))
 
 
-class LlamaBlock(nn.Module):
+class Block(nn.Module):
+    """A block whose ``_forward`` is optionally recomputed in backward (``checkpoint``).
+
+    Checkpointing sits inside the block, as torchtitan composes it: the sharding hooks
+    of the block run outside the recomputed region."""
+
+    checkpoint = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint:
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class LlamaBlock(Block):
     def __init__(self, dim: int, ffn: int) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim)
@@ -71,15 +85,6 @@ class LlamaBlock(nn.Module):
         self.w1 = nn.Linear(dim, ffn, bias=False)
         self.w3 = nn.Linear(dim, ffn, bias=False)
         self.w2 = nn.Linear(ffn, dim, bias=False)
-
-    checkpoint = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Inside the block, as torchtitan composes it: the sharding hooks of the block
-        # run outside the recomputed region.
-        if self.checkpoint:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -109,19 +114,12 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-class GEMBlock(nn.Module):
+class GEMBlock(Block):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
-
-    checkpoint = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
@@ -154,13 +152,11 @@ class GEMTower(nn.Module):
         return F.binary_cross_entropy_with_logits(logits.float(), y)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Block):
     """GPT-OSS-like block: attention + ``experts`` stacked expert MLPs with top-1 routing.
 
     The experts live in two 3-D parameters ``(experts, dim, ffn)`` / ``(experts, ffn,
     dim)``: with more ranks than experts, sharding dim 0 (FSDP2's default) pads."""
-
-    checkpoint = False
 
     def __init__(self, dim: int, ffn: int, experts: int) -> None:
         super().__init__()
@@ -170,11 +166,6 @@ class MoEBlock(nn.Module):
         self.router = nn.Linear(dim, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, dim, ffn) * dim**-0.5)
         self.w_out = nn.Parameter(torch.randn(experts, ffn, dim) * ffn**-0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint:
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))

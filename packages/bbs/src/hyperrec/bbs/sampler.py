@@ -163,33 +163,28 @@ class BalancedBatchSampler(Sampler[list[int]]):
         if steps > total:
             raise ValueError(f"state['step'] must be <= {total} for that layout, got {steps}")
         used = total * world * k * s
-        mask = np.zeros(stream.size, dtype=bool)
         w0, done = divmod(steps, window)
         w = min(window, total - w0 * window)
+
+        def trained(positions: np.ndarray, per_step: int, plan) -> np.ndarray:
+            # Stream positions trained by one plan: `positions` are those it covers (in
+            # order), `per_step` its sub-batches a step, `plan` the window planner.
+            sb_costs = self._costs[stream[positions]].reshape(-1, s).sum(axis=1)
+            first = w0 * window * per_step
+            members = np.arange(first)
+            if done:
+                part = plan(sb_costs[first : first + w * per_step][None])[0][:done]
+                members = np.concatenate([members, part.reshape(-1) + first])
+            return positions.reshape(-1, s)[members].reshape(-1)
+
+        mask = np.zeros(stream.size, dtype=bool)
         if self.mode == "local":
+            local = lambda c: plan_windows(c, k, w, method=self.method)  # noqa: E731
             for r in range(world):
-                pos = np.arange(r, used, world)[: used // world]  # rank r's stream positions
-                sb_costs = self._costs[stream[pos]].reshape(-1, s).sum(axis=1)
-                members = list(range(w0 * window * k))
-                if done:
-                    first = w0 * window * k
-                    plan = plan_windows(
-                        sb_costs[first : first + w * k][None], k, w, method=self.method
-                    )[0]
-                    members += (plan[:done] + first).reshape(-1).tolist()
-                sb = np.asarray(members, dtype=np.int64)
-                mask[pos.reshape(-1, s)[sb].reshape(-1)] = True
-            return mask
-        sb_costs = self._costs[stream[:used]].reshape(-1, s).sum(axis=1)
-        members = list(range(w0 * window * world * k))
-        if done:
-            first = w0 * window * world * k
-            plan = plan_global_windows(
-                sb_costs[first : first + w * world * k][None], world, k, w, method=self.method
-            )[0]
-            members += (plan[:done] + first).reshape(-1).tolist()
-        sb = np.asarray(members, dtype=np.int64)
-        mask[np.arange(used).reshape(-1, s)[sb].reshape(-1)] = True
+                mask[trained(np.arange(r, used, world), k, local)] = True
+        else:
+            glob = lambda c: plan_global_windows(c, world, k, w, method=self.method)  # noqa: E731
+            mask[trained(np.arange(used), world * k, glob)] = True
         return mask
 
     def __iter__(self) -> Iterator[list[int]]:

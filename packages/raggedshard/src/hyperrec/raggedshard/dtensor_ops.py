@@ -121,12 +121,16 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
     if not local_ok:
         return _upstream(op, args, kwargs)
     local_args, local_kwargs = tree_map(_to_local, (args, kwargs))
-    out = op(*local_args, **local_kwargs)
+    return _rewrap(op, args, op(*local_args, **local_kwargs), dts[0])
+
+
+def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -> object:
+    """The local result of ``op`` as DTensors laid out like its operands."""
     if op._schema.is_mutable:
         # In-place: the DTensor operands already see the new local values.
         return args[0] if isinstance(args[0], DTensor) else out
     if isinstance(out, torch.Tensor):
-        return _wrap(out, dts[0])
+        return _wrap(out, ref)
     if isinstance(out, list | tuple):
         # Out-of-place foreach: element j takes the layout of the first list's element j.
         refs = next(a for a in args if isinstance(a, list | tuple))
@@ -150,11 +154,7 @@ def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     if ref is None or not _is_ragged(ref):
         return _upstream(op, args, kwargs)
     out = op(*[_to_local(a) for a in args], **{k: _to_local(v) for k, v in kwargs.items()})
-    if op._schema.is_mutable:
-        return args[0] if isinstance(args[0], DTensor) else out
-    if isinstance(out, torch.Tensor):
-        return _wrap(out, ref)
-    return out
+    return _rewrap(op, args, out, ref)
 
 
 def _reduced_norms(tensors: list[DTensor], ord: float, dtype: object) -> list[DTensor]:
