@@ -289,17 +289,24 @@ def _warm(case: Case) -> str:
         return f"{case.name}: {type(e).__name__}: {e}"[:300]
 
 
-def run_case(case: Case, args, flex_compiled) -> dict:
-    from torch.nn.attention.flex_attention import flex_attention
-
+def make_inputs(case: Case, offsets_dtype: torch.dtype = torch.int64):
+    """``(lens, offsets, q, k, v, grad_out)`` of ``case`` on the GPU, bf16, seeded."""
     lens = lengths(case.dist, case.batch, case.max_len)
-    offsets = torch.zeros(case.batch + 1, dtype=torch.int64)
+    offsets = torch.zeros(case.batch + 1, dtype=offsets_dtype)
     offsets[1:] = lens.cumsum(0)
     offsets = offsets.cuda()
     t_total = int(lens.sum())
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, do = (torch.randn(t_total, case.heads, case.head_dim, device="cuda",
                                dtype=torch.bfloat16, generator=g) for _ in range(4))  # fmt: skip
+    return lens, offsets, q, k, v, do
+
+
+def run_case(case: Case, args, flex_compiled) -> dict:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lens, offsets, q, k, v, do = make_inputs(case, torch.int64)
+    t_total = int(lens.sum())
     flops = useful_flops(lens, case.heads, case.head_dim, case.causal)
     info: dict = dict(asdict(case), tokens=t_total,
                       pad_fraction=1 - t_total / (case.batch * case.max_len),

@@ -53,6 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
+import bench_attention  # noqa: E402
 from bench_attention import CASES as BENCH_CASES  # noqa: E402
 from bench_attention import Case, bench_ms, lengths, matmul_ceiling, useful_flops  # noqa: E402
 from bench_attention import _spec as spec_tuple  # noqa: E402
@@ -282,15 +283,7 @@ def build_verdicts(builds: list[dict], cases: list[Case]) -> dict[tuple[str, str
 
 
 def make_inputs(case: Case):
-    lens = lengths(case.dist, case.batch, case.max_len)
-    offsets = torch.zeros(case.batch + 1, dtype=torch.int32)
-    offsets[1:] = lens.cumsum(0)
-    offsets = offsets.cuda()
-    t_total = int(lens.sum())
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v, do = (torch.randn(t_total, case.heads, case.head_dim, device="cuda",
-                               dtype=torch.bfloat16, generator=g) for _ in range(4))  # fmt: skip
-    return lens, offsets, q, k, v, do
+    return bench_attention.make_inputs(case, torch.int32)
 
 
 def check_variant(case, cfg, inputs, ref) -> tuple[dict, tuple]:
