@@ -253,3 +253,25 @@ def test_reference_local_tensor_composes_axes():
     assert torch.equal(got, full[2:6, 0:2])
     got = local_tensor(full, (2, 2), (0, 1), [Replicate(), RaggedShard((0, 1), (5, 7))])
     assert torch.equal(got, full.reshape(-1)[10:24])
+
+
+def test_local_ops_collect_every_upstream_container(monkeypatch):
+    """The ops the optimizers use are found whatever container upstream keeps them in
+    (torch 2.11 holds mul_/add_/copy_ only in a dict, op -> linearity)."""
+    from torch.distributed.tensor._ops import _pointwise_ops
+
+    from hyperrec.raggedshard.dtensor_ops import _local_op_set
+
+    aten = torch.ops.aten
+    ops = _local_op_set()
+    for op in (aten.mul_.Tensor, aten.add_.Tensor, aten.lerp_.Scalar, aten.addcmul_.default,
+               aten.addcdiv_.default, aten.sqrt.default, aten.div_.Tensor):  # fmt: skip
+        assert op in ops, op
+    probe = aten.logaddexp2.default  # stands in for an op only a dict or a set lists
+    for name, container in (("dict", {probe: 0}), ("set", {probe})):
+        for key, value in list(vars(_pointwise_ops).items()):
+            if isinstance(value, list | tuple | set | frozenset | dict) and probe in value:
+                monkeypatch.delattr(_pointwise_ops, key)
+        monkeypatch.setattr(_pointwise_ops, f"_probe_{name}", container, raising=False)
+        assert probe in _local_op_set(), name
+        monkeypatch.delattr(_pointwise_ops, f"_probe_{name}")

@@ -49,8 +49,11 @@ def _local_op_set() -> set:
     from torch.distributed.tensor._ops import _pointwise_ops
 
     ops = set()
+    # Upstream keeps these ops in lists, sets and dicts, and moves them between releases:
+    # torch 2.11 holds mul_/add_/copy_ only in the dict `linear_pointwise_ops` (op ->
+    # linearity), torch 2.13 in lists. Collect from every container kind.
     for value in vars(_pointwise_ops).values():
-        if isinstance(value, list | tuple):
+        if isinstance(value, list | tuple | set | frozenset | dict):
             ops.update(v for v in value if isinstance(v, torch._ops.OpOverload))
     for name in _EXTRA_OPS:
         packet, _, overload = name.partition(".")
