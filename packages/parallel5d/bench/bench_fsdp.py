@@ -153,10 +153,16 @@ class GEMTower(nn.Module):
 
 
 class MoEBlock(Block):
-    """GPT-OSS-like block: attention + ``experts`` stacked expert MLPs with top-1 routing.
+    """GPT-OSS-like block: attention + ``experts`` stacked expert MLPs, one expert per token.
 
     The experts live in two 3-D parameters ``(experts, dim, ffn)`` / ``(experts, ffn,
-    dim)``: with more ranks than experts, sharding dim 0 (FSDP2's default) pads."""
+    dim)``: with more ranks than experts, sharding dim 0 (FSDP2's default) pads.
+    Tokens go to experts round-robin (token ``t`` to expert ``t % experts``), weighted by
+    the router's probability for that expert: the work per step then does not depend on
+    the weights' values. It must not: on the fake process group gathered weights hold
+    whatever the allocator left there, different for each library, and learned top-1
+    routing over such weights sent the tokens to different numbers of experts (a kernel
+    launch per non-empty expert), which made the step times incomparable."""
 
     def __init__(self, dim: int, ffn: int, experts: int) -> None:
         super().__init__()
@@ -170,13 +176,13 @@ class MoEBlock(Block):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x).flatten(0, 1)
-        gate, expert = self.router(h).softmax(-1).max(-1)
+        n_experts = self.w_in.shape[0]
+        probs = self.router(h).softmax(-1)
         out = torch.zeros_like(h)
-        # Every expert runs (possibly on zero tokens) so every parameter gets a gradient.
-        for e in range(self.w_in.shape[0]):
-            idx = (expert == e).nonzero().squeeze(1)
+        for e in range(n_experts):
+            idx = torch.arange(e, h.shape[0], n_experts, device=h.device)
             y = F.silu(h[idx] @ self.w_in[e]) @ self.w_out[e]
-            out = out.index_add(0, idx, y * gate[idx, None])
+            out = out.index_add(0, idx, y * probs[idx, e, None])
         return x + out.view_as(x)
 
 
@@ -402,8 +408,12 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     result["backend_copy_bytes"] = counter.backend_copy_bytes
     result["copy_ops"] = dict(sorted(counter.copy_ops.items()))
 
-    # Memory.
+    # Memory. Cached blocks left from building the full model before sharding (and from
+    # the warm-up) would otherwise dominate the reserved peak: release them so that peak
+    # measures the training steps alone.
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     else:
         result.update(cpu_memory(model, opt, cfg, device, rank, args))
@@ -416,6 +426,12 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         losses.append(train_step(model, opt, batch))
         sync(device)
         times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        stats = torch.cuda.memory_stats()
+        result["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        result["device_mallocs"] = stats.get("num_device_alloc", 0)
     if args.profile:
         # Where the time goes: two more steps under the profiler, table to a text file.
         from torch.profiler import ProfilerActivity, profile
@@ -436,9 +452,6 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     result["step_s"] = statistics.median(times)
     result["step_s_all"] = times
     result["final_loss"] = float(losses[-1])
-    if device.type == "cuda":
-        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     del model, opt
     gc.collect()
     if device.type == "cuda":
