@@ -83,6 +83,8 @@ TARGET_CASES = [n for n in CASE_NAMES if "L8192" not in n]
 # Forward-only flags (on the case's shipped tile shape).
 FLAG_SETS: dict[str, dict] = {
     "default": {},
+    # The shipped sm90 forward entries set TMA; this measures them without it.
+    "no-tma": dict(tma=0, tma_in_kernel=False),
     "fma": dict(softmax_fma=True),
     "lazy": dict(lazy_rescale=True),
     "fma+lazy": dict(softmax_fma=True, lazy_rescale=True),
@@ -369,6 +371,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few variants, two cases")
     parser.add_argument("--variants", default=None, help="comma-separated variant names")
     parser.add_argument("--cases", default=None, help="run cases whose name contains this")
+    parser.add_argument(
+        "--all-cases", action="store_true", help="every bench_attention.py case, not the six"
+    )
     parser.add_argument("--no-combine", action="store_true", help="skip the second phase")
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds (best kept)")
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph timings")
@@ -378,7 +383,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
 
-    cases = [c for c in CASES if c.name in QUICK_CASES] if args.quick else list(CASES)
+    pool = list(BENCH_CASES) if args.all_cases else list(CASES)
+    cases = [c for c in pool if c.name in QUICK_CASES] if args.quick else pool
     if args.cases:
         cases = [c for c in cases if args.cases in c.name]
     names = args.variants.split(",") if args.variants else phase1_variants(args.quick)

@@ -7,8 +7,8 @@ Importing this subpackage does not import Triton; the launchers import it on fir
 * :func:`flops`, :func:`flops_upper_bound`: useful-FLOP counts.
 * :func:`supports`, :func:`hopper_features`: capability probes.
 * :class:`KernelConfig`: a tile configuration (to pin one, e.g. in tests or tuning), with
-  the forward's opt-in variants (``prefetch``, ``softmax_fma``, ``lazy_rescale``, ``tma``
-  with the ``TMA_*`` bits, ``warp_specialize``).
+  the forward's variants (``prefetch``, ``softmax_fma``, ``lazy_rescale``, ``tma`` with
+  the ``TMA_*`` bits, on in the shipped Hopper entries, ``warp_specialize``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ there to extend the table).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "CANDIDATES",
@@ -61,8 +61,8 @@ class KernelConfig:
     dq_atomic: bool = False
     """``dkdv`` only: also accumulate dQ there with atomic fp32 adds (no dQ kernel)."""
 
-    # Forward-only variants (``fwd`` configurations; the other kernels ignore them). All off
-    # by default: the shipped table was measured without them. Each one that cannot apply
+    # Forward-only variants (``fwd`` configurations; the other kernels ignore them). Off by
+    # default; the shipped sm90 forward entries set ``tma``. Each one that cannot apply
     # to a call (see ``_launch.attention_forward``) is dropped silently for that call, so a
     # configuration that sets one is valid everywhere.
     prefetch: bool = False
@@ -112,6 +112,12 @@ def _c(bm: int, bn: int, w: int, s: int, atomic: bool = False) -> KernelConfig:
     return KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, dq_atomic=atomic)
 
 
+def _tma(cfg: KernelConfig) -> KernelConfig:
+    # Q, K/V of mask-free tiles and O through in-kernel descriptors (masked K stays a
+    # pointer load: TMA_K_MASKED measured no better).
+    return replace(cfg, tma=TMA_Q | TMA_KV | TMA_O, tma_in_kernel=True)
+
+
 Key = tuple[str, str, int, bool, bool, str]
 
 
@@ -128,21 +134,26 @@ def config_key(
 
 #: Tuned on an H200 (torch 2.11, triton 3.6) by ``bench/tune_configs.py`` on softmax,
 #: non-causal, bf16 batches with uniform lengths (short: B=1024, max 256; long: B=64, max
-#: 2048; H=8); results in ``bench/results/tune_h200.json``. Keyed by (kernel, arch, padded
-#: head dim, bucket): the same tiles serve every activation and mask (they change the
-#: element-wise work, not the data movement). H100 uses the same entries (same SM). Keys
-#: missing here fall back to :func:`_heuristic`.
+#: 2048; H=8); results in ``bench/results/tune_h200.json``. The forward entries then gained
+#: tensor-descriptor (TMA) loads of Q and of K/V in mask-free tiles and TMA stores of O,
+#: with descriptors built in the kernel, and the D=128 long tile a fourth stage, from
+#: ``bench/sweep_forward.py`` (``bench/results/sweep_forward_h200.json``: +9-10% forward at
+#: max length 1,024-8,192). Keyed by (kernel, arch, padded head dim, bucket): the same tiles
+#: serve every activation and mask (they change the element-wise work, not the data
+#: movement). H100 uses the same entries (same SM). Keys missing here fall back to
+#: :func:`_heuristic`. A TMA flag that cannot apply to a call (no descriptors in this Triton,
+#: head dims not powers of two, misaligned rows) is dropped for that call by the launcher.
 TUNED: dict[tuple[str, str, int, str], KernelConfig] = {
-    ("fwd", "sm90", 64, "short"): _c(128, 32, 4, 3),
+    ("fwd", "sm90", 64, "short"): _tma(_c(128, 32, 4, 3)),
     ("dkdv", "sm90", 64, "short"): _c(32, 64, 4, 3),
     ("dq", "sm90", 64, "short"): _c(64, 32, 4, 3),
-    ("fwd", "sm90", 128, "short"): _c(128, 32, 4, 3),
+    ("fwd", "sm90", 128, "short"): _tma(_c(128, 32, 4, 3)),
     ("dkdv", "sm90", 128, "short"): _c(32, 64, 4, 3),
     ("dq", "sm90", 128, "short"): _c(64, 32, 4, 3),
-    ("fwd", "sm90", 64, "long"): _c(128, 64, 4, 3),
+    ("fwd", "sm90", 64, "long"): _tma(_c(128, 64, 4, 3)),
     ("dkdv", "sm90", 64, "long"): _c(64, 64, 4, 2),
     ("dq", "sm90", 64, "long"): _c(64, 32, 4, 3),
-    ("fwd", "sm90", 128, "long"): _c(128, 64, 8, 3),
+    ("fwd", "sm90", 128, "long"): _tma(_c(128, 64, 8, 4)),
     ("dkdv", "sm90", 128, "long"): _c(64, 64, 4, 2),
     ("dq", "sm90", 128, "long"): _c(128, 64, 8, 3),
 }

@@ -24,12 +24,13 @@ Kernels:
   fp32 buffer with atomics (5 GEMMs per tile; run-to-run bit differences possible).
 * ``_bwd_delta_kernel``: ``delta = rowsum(dO * O)``, the softmax backward's row term.
 
-Forward variants (``KernelConfig`` flags, constexprs here, all off in the shipped table;
-``bench/sweep_forward.py`` measures them): ``PREFETCH`` reads work items from a precomputed
-tile table one item ahead; ``TMA`` (a bitmask) moves Q, K/V of mask-free tiles, K of masked
-tiles and O of in-sequence tiles through tensor descriptors; ``FMA`` folds the softmax scale
-into one fused multiply-add per score; ``LAZY`` skips the accumulator rescale while no row's
-max grew by more than 2**8; ``WARP_SPEC`` asks Triton to warp-specialise the key loops.
+Forward variants (``KernelConfig`` flags, constexprs here; off by default, except TMA in the
+shipped sm90 forward entries; ``bench/sweep_forward.py`` measures them): ``PREFETCH`` reads
+work items from a precomputed tile table one item ahead; ``TMA`` (a bitmask) moves Q, K/V of
+mask-free tiles, K of masked tiles and O of in-sequence tiles through tensor descriptors;
+``FMA`` folds the softmax scale into one fused multiply-add per score; ``LAZY`` skips the
+accumulator rescale while no row's max grew by more than 2**8; ``WARP_SPEC`` asks Triton to
+warp-specialise the key loops.
 
 Scheduling. The three main kernels are *persistent*: the host launches at most as many
 programs as fit on the GPU at once and each program walks the work list with a stride of

@@ -65,7 +65,8 @@ def hopper_features(index: int | None = None) -> dict[str, bool]:
     (``triton.tools.tensor_descriptor``); ``warp_specialize``: sm90 and
     ``tl.range(warp_specialize=...)`` in this Triton (whether a given loop builds is only
     known by building it). The forward uses them only in the variants that ask for them
-    (``KernelConfig.tma`` / ``KernelConfig.warp_specialize``, off in the shipped table).
+    (``KernelConfig.tma``, set in the shipped sm90 forward entries, and
+    ``KernelConfig.warp_specialize``, off).
     """
     if not triton_available() or interpreting() or not torch.cuda.is_available():
         return {"tma": False, "warp_specialize": False}
