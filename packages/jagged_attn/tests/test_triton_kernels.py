@@ -332,6 +332,42 @@ def test_fma_needs_positive_scale():
     _check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_shipped_hopper_forward_configs(head_dim):
+    # The shipped sm90 forward entries read Q and K/V and write O through in-kernel
+    # descriptors; run each (its real tile shape) in the interpreter against the float64
+    # reference: sequences shorter than, equal to and longer than a tile, and empty.
+    from hyperrec.jagged_attn.triton._configs import TMA_KV, TMA_O, TMA_Q, TUNED
+
+    for bucket in ("short", "long"):
+        cfg = TUNED[("fwd", "sm90", head_dim, bucket)]
+        assert cfg.tma == TMA_Q | TMA_KV | TMA_O and cfg.tma_in_kernel, (bucket, cfg)
+        case = Case((cfg.block_m + 3, 0, cfg.block_n, 5), heads=1, head_dim=head_dim,
+                    mask=dict(causal=bucket == "long"))  # fmt: skip
+        _check(case, configs=(cfg, DKDV, DQ), backward=False)
+
+
+def test_tma_dropped_where_descriptors_cannot_read():
+    # Head dims that are not powers of two, heads not packed in their rows, and empty
+    # tensors take the pointer path; packed aligned heads keep the descriptors.
+    from hyperrec.jagged_attn.triton import _launch
+    from hyperrec.jagged_attn.triton._configs import TUNED
+
+    cfg = TUNED[("fwd", "sm90", 128, "long")]
+
+    def tma(t, dims):
+        return _launch._forward_variants(cfg, "softmax", 0.1, (t, t, t, t), dims)["TMA"]
+
+    packed = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    assert tma(packed, (64, 64)) == cfg.tma
+    assert tma(torch.zeros(8, 2, 96, dtype=torch.bfloat16), (96, 96)) == 0
+    # A row stride of its own is fine (heads 0-1 of 3); a head dim sliced out of a wider
+    # one is not (the heads' columns are not adjacent).
+    assert tma(torch.zeros(8, 3, 64, dtype=torch.bfloat16)[:, :2], (64, 64)) == cfg.tma
+    assert tma(torch.zeros(8, 2, 128, dtype=torch.bfloat16)[:, :, :64], (64, 64)) == 0
+    assert tma(torch.zeros(0, 2, 64, dtype=torch.bfloat16), (64, 64)) == 0
+
+
 def test_forward_variants_nan_stays_inside_its_sequence():
     # Descriptors read whole blocks: rows past a sequence's end belong to the next one. A
     # NaN there must not reach this sequence's output (K is replaced by the mask, V is read
