@@ -137,12 +137,13 @@ def config_key(
 #: 2048; H=8); results in ``bench/results/tune_h200.json``. The forward entries then gained
 #: tensor-descriptor (TMA) loads of Q and of K/V in mask-free tiles and TMA stores of O,
 #: with descriptors built in the kernel, and the D=128 long tile a fourth stage, from
-#: ``bench/sweep_forward.py`` (``bench/results/sweep_forward_h200.json``: +9-10% forward at
-#: max length 1,024-8,192). Keyed by (kernel, arch, padded head dim, bucket): the same tiles
-#: serve every activation and mask (they change the element-wise work, not the data
-#: movement). H100 uses the same entries (same SM). Keys missing here fall back to
-#: :func:`_heuristic`. A TMA flag that cannot apply to a call (no descriptors in this Triton,
-#: head dims not powers of two, misaligned rows) is dropped for that call by the launcher.
+#: ``bench/sweep_forward.py`` (``bench/results/sweep_forward_h200.json``; against the same
+#: tiles without descriptors, ``sweep_tma_default_h200.json``: +9-21% forward). Keyed by
+#: (kernel, arch, padded head dim, bucket): the same tiles serve every activation and mask
+#: (they change the element-wise work, not the data movement). H100 uses the same entries
+#: (same SM). Keys missing here fall back to :func:`_heuristic`. A TMA flag that cannot
+#: apply to a call (no descriptors in this Triton, head dims not powers of two, misaligned
+#: rows) is dropped for that call by the launcher.
 TUNED: dict[tuple[str, str, int, str], KernelConfig] = {
     ("fwd", "sm90", 64, "short"): _tma(_c(128, 32, 4, 3)),
     ("dkdv", "sm90", 64, "short"): _c(32, 64, 4, 3),
