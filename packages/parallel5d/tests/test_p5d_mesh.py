@@ -136,8 +136,8 @@ def test_meshspec_degrees_and_errors() -> None:
     assert (s.world_size, s.efsdp, s.sparse_shard) == (16, 4, 4)
     with pytest.raises(ValueError, match="ep must divide fsdp .* got ep=3, fsdp=8"):
         MeshSpec(fsdp=8, ep=3)
-    with pytest.raises(ValueError, match="sparse_replicate must divide the world size 8"):
-        MeshSpec(fsdp=8, sparse_replicate=3)
+    with pytest.raises(ValueError, match="sparse_replicate \\* sparse_dp must divide the world"):
+        MeshSpec(fsdp=8, sparse_replicate=2, sparse_dp=3)
     with pytest.raises(TypeError, match="ep must be an int"):
         MeshSpec(fsdp=8, ep=True)
     with pytest.raises(ValueError, match="axis must be one of"):
@@ -157,17 +157,20 @@ def test_meshspec_degrees_and_errors() -> None:
 
 
 def test_meshspec_groups_brute_force() -> None:
-    s = MeshSpec(replicate=2, fsdp=8, ep=2, sparse_replicate=4)
+    s = MeshSpec(replicate=2, fsdp=8, ep=2, sparse_replicate=2, sparse_dp=2)
+    assert s.sparse_shard == 4
     coords = {}
     for r in range(16):
         rep, f = divmod(r, 8)
         ef, e = divmod(f, 2)
-        sh, sr = divmod(r, 4)
+        sd, rest = divmod(r, 8)
+        sh, sr = divmod(rest, 2)
         coords[r] = {
             "replicate": rep,
             "fsdp": f,
             "efsdp": ef,
             "ep": e,
+            "sparse_dp": sd,
             "sparse_shard": sh,
             "sparse_replicate": sr,
         }
@@ -176,8 +179,9 @@ def test_meshspec_groups_brute_force() -> None:
         "fsdp": ("replicate",),
         "efsdp": ("replicate", "ep"),
         "ep": ("replicate", "efsdp"),
-        "sparse_shard": ("sparse_replicate",),
-        "sparse_replicate": ("sparse_shard",),
+        "sparse_dp": ("sparse_shard", "sparse_replicate"),
+        "sparse_shard": ("sparse_dp", "sparse_replicate"),
+        "sparse_replicate": ("sparse_dp", "sparse_shard"),
     }
     for axis in AXES:
         got = {tuple(g) for g in s.groups(axis).tolist()}

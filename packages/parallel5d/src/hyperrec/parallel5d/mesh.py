@@ -1,5 +1,5 @@
 """The 5-D mesh: dense ``replicate x fsdp`` (experts: ``replicate x efsdp x ep``) and sparse
-``sparse_shard x sparse_replicate``, on a :class:`~hyperrec.parallel5d.topology.Topology`.
+``sparse_dp x sparse_shard x sparse_replicate``, on a network ``Topology``.
 
 Degrees follow torchtitan's ``ParallelDims`` rules: ``replicate * fsdp`` is the world
 size; expert parallelism *borrows* its ranks from the dense FSDP axis (``ep`` divides
@@ -7,7 +7,8 @@ size; expert parallelism *borrows* its ranks from the dense FSDP axis (``ep`` di
 the rest of it, ``efsdp = fsdp / ep``. The sparse (embedding) parameters use their own
 factorisation of the same ranks: shard groups along ``sparse_shard`` and, innermost,
 ``sparse_replicate`` ranks that hold the same rows of a shard group (fully sharded
-among themselves).
+among themselves), optionally repeated ``sparse_dp`` times (TorchRec-style 2-D data
+parallelism across shard groups).
 
 Axes are laid out in slot order (see :mod:`hyperrec.parallel5d.topology`), innermost
 fastest: ``ep`` is a block of consecutive slots, ``fsdp`` a larger block, ``replicate``
@@ -42,7 +43,15 @@ __all__ = [
     "check_axis_tiers",
 ]
 
-AXES: tuple[str, ...] = ("replicate", "fsdp", "ep", "efsdp", "sparse_shard", "sparse_replicate")
+AXES: tuple[str, ...] = (
+    "replicate",
+    "fsdp",
+    "ep",
+    "efsdp",
+    "sparse_dp",
+    "sparse_shard",
+    "sparse_replicate",
+)
 """Named axes of a :class:`ParallelMesh`."""
 
 DEFAULT_AXIS_TIERS: dict[str, Tier] = {
@@ -52,6 +61,7 @@ DEFAULT_AXIS_TIERS: dict[str, Tier] = {
     "efsdp": "rdma",
     "replicate": "cross_zone",
     "sparse_shard": "cross_zone",
+    "sparse_dp": "cross_zone",
 }
 """Slowest tier each axis may cross (GEM's mapping: EP on NVLink, FSDP inside a zone,
 replication across zones; sparse replicas on NVLink)."""
@@ -59,7 +69,7 @@ replication across zones; sparse replicas on NVLink)."""
 _VIEWS: dict[str, tuple[str, ...]] = {
     "dense": ("replicate", "fsdp"),
     "experts": ("replicate", "efsdp", "ep"),
-    "sparse": ("sparse_shard", "sparse_replicate"),
+    "sparse": ("sparse_dp", "sparse_shard", "sparse_replicate"),
 }
 _VIEW_OF = {axis: view for view, axes in _VIEWS.items() for axis in axes}
 
@@ -85,19 +95,23 @@ class MeshSpec:
     sparse_replicate: int = 1
     """Ranks (innermost, consecutive) holding the same shard-group position of the
     embedding tables, fully sharded among themselves."""
+    sparse_dp: int = 1
+    """Outermost sparse axis: independent copies of the whole sharded table set
+    (TorchRec-style 2-D data parallelism across shard groups); 1 = fully sharded over
+    every rank."""
 
     def __post_init__(self) -> None:
-        for name in ("replicate", "fsdp", "ep", "sparse_replicate"):
+        for name in ("replicate", "fsdp", "ep", "sparse_replicate", "sparse_dp"):
             check_int(name, getattr(self, name), minimum=1)
         if self.fsdp % self.ep:
             raise ValueError(
                 f"ep must divide fsdp (expert parallelism borrows its ranks from the dense "
                 f"FSDP axis), got ep={self.ep}, fsdp={self.fsdp}"
             )
-        if self.world_size % self.sparse_replicate:
+        if self.world_size % (self.sparse_replicate * self.sparse_dp):
             raise ValueError(
-                f"sparse_replicate must divide the world size {self.world_size}, "
-                f"got {self.sparse_replicate}"
+                f"sparse_replicate * sparse_dp must divide the world size {self.world_size}, "
+                f"got {self.sparse_replicate} * {self.sparse_dp}"
             )
 
     @property
@@ -112,8 +126,8 @@ class MeshSpec:
 
     @property
     def sparse_shard(self) -> int:
-        """Sparse shard-group size ``world_size // sparse_replicate``."""
-        return self.world_size // self.sparse_replicate
+        """Sparse shard-group size ``world_size // (sparse_replicate * sparse_dp)``."""
+        return self.world_size // (self.sparse_replicate * self.sparse_dp)
 
     def size(self, axis: str) -> int:
         """Size of a named axis (see :data:`AXES`).
@@ -152,6 +166,7 @@ class MeshSpec:
         fsdp: int | None = None,
         ep: int = 1,
         sparse_replicate: int = 1,
+        sparse_dp: int = 1,
         topology: Topology | None = None,
     ) -> MeshSpec:
         """Fill in the missing dense degree.
@@ -179,7 +194,13 @@ class MeshSpec:
                     f"replicate must divide the world size {world_size}, got {replicate}"
                 )
             fsdp = world_size // replicate
-        spec = cls(replicate=replicate, fsdp=fsdp, ep=ep, sparse_replicate=sparse_replicate)
+        spec = cls(
+            replicate=replicate,
+            fsdp=fsdp,
+            ep=ep,
+            sparse_replicate=sparse_replicate,
+            sparse_dp=sparse_dp,
+        )
         if spec.world_size != world_size:
             raise ValueError(
                 f"replicate * fsdp must equal the world size {world_size}, "
@@ -334,7 +355,7 @@ class ParallelMesh:
                 f"the topology has {topology.world_size} ranks ({topology.hosts} hosts x "
                 f"{topology.gpus_per_host} GPUs) but the process group has {world}"
             )
-        unknown = set(degrees) - {"replicate", "fsdp", "ep", "sparse_replicate"}
+        unknown = set(degrees) - {"replicate", "fsdp", "ep", "sparse_replicate", "sparse_dp"}
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         if spec is None:
@@ -415,9 +436,15 @@ class ParallelMesh:
 
     @property
     def sparse(self) -> DeviceMesh:
-        """2-D ``(sparse_shard, sparse_replicate)`` view (this rank's shard group axis and
-        replica axis, for the sparse embedding collection)."""
+        """3-D ``(sparse_dp, sparse_shard, sparse_replicate)`` view."""
         return self.views["sparse"]
+
+    @property
+    def sparse_mesh(self) -> DeviceMesh:
+        """2-D ``(sparse_shard, sparse_replicate)`` mesh of this rank's shard group (for
+        the sparse embedding collection: the all-to-all axis and the fully-sharded
+        replica axis)."""
+        return self.sparse["sparse_shard", "sparse_replicate"]
 
     @property
     def dense_mesh(self) -> DeviceMesh:
@@ -486,8 +513,8 @@ class ParallelMesh:
         s = self.spec
         return (
             f"ParallelMesh(world={s.world_size}, replicate={s.replicate}, fsdp={s.fsdp}, "
-            f"ep={s.ep}, efsdp={s.efsdp}, sparse_shard={s.sparse_shard}, "
-            f"sparse_replicate={s.sparse_replicate})"
+            f"ep={s.ep}, efsdp={s.efsdp}, sparse_dp={s.sparse_dp}, "
+            f"sparse_shard={s.sparse_shard}, sparse_replicate={s.sparse_replicate})"
         )
 
     # ------------------------------------------------------------------ environment
@@ -499,6 +526,7 @@ class ParallelMesh:
         fsdp: int | None = None,
         ep: int = 1,
         sparse_replicate: int = 1,
+        sparse_dp: int = 1,
         topology: Topology | None = None,
         device_type: str | None = None,
         axis_tiers: Mapping[str, str] | None = None,
@@ -533,4 +561,5 @@ class ParallelMesh:
             fsdp=fsdp,
             ep=ep,
             sparse_replicate=sparse_replicate,
+            sparse_dp=sparse_dp,
         )
