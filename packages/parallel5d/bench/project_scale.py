@@ -61,15 +61,21 @@ def main() -> None:
         batch = args.per_gpu_batch * w
         plan = plan_mesh(model, topo, batch, device=device, num_experts=16)
         naive = predict(model, topo, MeshSpec(fsdp=w), batch, device=device)
-        row = {"gpus": w, "zones": topo.zones, "candidates": len(plan.candidates),
-               "naive_flat_fsdp": _row(naive)}
+        row = {
+            "gpus": w,
+            "zones": topo.zones,
+            "candidates": len(plan.candidates),
+            "naive_flat_fsdp": _row(naive),
+        }
         if plan.best is not None:
             best = plan.best
             row["best"] = _row(best)
-            free = predict(model, topo, best.spec, batch, device=device,
-                           options=CostOptions(sm_free=True))
-            no_nvls = predict(model, topo, best.spec, batch, device=device,
-                              options=CostOptions(nvls=False))
+            free = predict(
+                model, topo, best.spec, batch, device=device, options=CostOptions(sm_free=True)
+            )
+            no_nvls = predict(
+                model, topo, best.spec, batch, device=device, options=CostOptions(nvls=False)
+            )
             row["best_sm_free_mfu"] = free.mfu
             row["best_without_nvls_mfu"] = no_nvls.mfu
         rows.append(row)
@@ -90,12 +96,17 @@ def main() -> None:
         "per_gpu_batch": args.per_gpu_batch,
         "topology": Topology(gpus_per_host=8, hosts=HOSTS_PER_ZONE).describe()
         | {"hosts_per_zone": HOSTS_PER_ZONE},
-        "device": {"name": device.name, "peak_tflops": device.peak_tflops,
-                   "matmul_tflops": device.matmul_tflops, "hbm_gbps": device.hbm_gbps,
-                   "launch_us": device.launch_us, "sm_slowdown": device.sm_slowdown,
-                   "sources": dict(device.sources)},
+        "device": {
+            "name": device.name,
+            "peak_tflops": device.peak_tflops,
+            "matmul_tflops": device.matmul_tflops,
+            "hbm_gbps": device.hbm_gbps,
+            "launch_us": device.launch_us,
+            "sm_slowdown": device.sm_slowdown,
+            "sources": dict(device.sources),
+        },
         "options": "FSDP prefetch overlap, SM-based NCCL collectives, NVLS where possible, "
-                   "sparse input distribution pipelined (TrainPipelineSparseDist)",
+        "sparse input distribution pipelined (TrainPipelineSparseDist)",
         "rows": rows,
     }
     path = write_result(out / "projection_gem_scale.json", payload)
@@ -112,16 +123,34 @@ def main() -> None:
     best_scal = [r["best"]["scaling_ratio"] if "best" in r else float("nan") for r in rows]
     ax[0].plot(gpus, best_mfu, "o-", label="plan_mesh best")
     ax[0].plot(gpus, [r["naive_flat_fsdp"]["mfu"] for r in rows], "s--", label="flat FSDP (naive)")
-    ax[0].plot(gpus, [r.get("best_sm_free_mfu", float("nan")) for r in rows], "^:",
-               label="best, SM-free collectives")
-    ax[0].set(xscale="log", xlabel="GPUs", ylabel="MFU (of 989 TFLOP/s)", ylim=(0, None),
-              title="GEM-scale preset: predicted MFU")
+    ax[0].plot(
+        gpus,
+        [r.get("best_sm_free_mfu", float("nan")) for r in rows],
+        "^:",
+        label="best, SM-free collectives",
+    )
+    ax[0].set(
+        xscale="log",
+        xlabel="GPUs",
+        ylabel="MFU (of 989 TFLOP/s)",
+        ylim=(0, None),
+        title="GEM-scale preset: predicted MFU",
+    )
     ax[1].plot(gpus, best_scal, "o-", label="plan_mesh best")
-    ax[1].plot(gpus, [r["naive_flat_fsdp"]["scaling_ratio"] for r in rows], "s--",
-               label="flat FSDP (naive)")
+    ax[1].plot(
+        gpus,
+        [r["naive_flat_fsdp"]["scaling_ratio"] for r in rows],
+        "s--",
+        label="flat FSDP (naive)",
+    )
     ax[1].axhline(0.9, color="grey", lw=0.8)
-    ax[1].set(xscale="log", xlabel="GPUs", ylabel="scaling ratio (compute / step)",
-              ylim=(0, 1.05), title="predicted scaling ratio")
+    ax[1].set(
+        xscale="log",
+        xlabel="GPUs",
+        ylabel="scaling ratio (compute / step)",
+        ylim=(0, 1.05),
+        title="predicted scaling ratio",
+    )
     for a in ax:
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
