@@ -8,20 +8,46 @@
   :class:`Muon` (whole matrices) and :class:`AdamW8bit` (block-quantized states); their
   states are DTensors sharded like the parameters, so DCP saves them on N ranks and
   loads them on M.
+- The 5-D mesh: :class:`Topology` (hosts, zones, link tiers) and :class:`ParallelMesh`
+  (dense ``replicate x fsdp``, experts ``replicate x efsdp x ep``, sparse
+  ``sparse_dp x sparse_shard x sparse_replicate``; each axis asserted on its tier);
+  :class:`RoutedExperts` (expert parallelism); the cost model and ``plan_mesh`` in
+  :mod:`hyperrec.parallel5d.cost`.
 """
 
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy
 from hyperrec.parallel5d._version import __version__
+from hyperrec.parallel5d.experts import GroupedExperts, RoutedExperts, TopKRouter
 from hyperrec.parallel5d.fsdp import FSDPModule, dbuffers, full_state_dict, fully_shard
+from hyperrec.parallel5d.mesh import (
+    AXES,
+    DEFAULT_AXIS_TIERS,
+    MeshSpec,
+    ParallelMesh,
+    axis_placement,
+    check_axis_tiers,
+)
 from hyperrec.parallel5d.optim import AdamW8bit, Muon
+from hyperrec.parallel5d.topology import Link, Topology
 
 __all__ = [
+    "AXES",
+    "DEFAULT_AXIS_TIERS",
     "AdamW8bit",
     "FSDPModule",
     "Granularity",
+    "GroupedExperts",
+    "Link",
+    "MeshSpec",
     "MixedPrecisionPolicy",
     "Muon",
+    "ParallelMesh",
+    "RoutedExperts",
+    "TopKRouter",
+    "Topology",
     "__version__",
+    "axis_placement",
+    "check_axis_tiers",
     "dbuffers",
     "full_state_dict",
     "fully_shard",

@@ -1,0 +1,258 @@
+"""Predicted vs measured step time of ``bench_fsdp.py``'s models (hyperrec fully_shard).
+
+For each model (Llama-like, GEM-like tower), on the process layout it is launched with:
+
+1. per-layer times: each block's forward and backward measured alone on this device
+   (bf16, the block's real input shape), the rest of the model (embeddings, heads) as
+   the full unsharded step minus the blocks, and FLOPs per block (FlopCounterMode);
+2. the measured step: ``bench_fsdp.run_variant`` with hyperrec ``fully_shard`` + flat
+   fused AdamW, median of ``--steps`` steps;
+3. two predictions by the cost model: from the measured per-layer times, and from a
+   roofline (FLOPs at the calibrated matmul rate, ``--calibration`` JSON from
+   ``calibrate_cost.py``; cited H200 figures otherwise). One GPU or the fake backend
+   (``--fake-world-size N``: collectives move no data) predict compute only; under
+   ``torchrun`` with several GPUs the full step with NCCL collectives on the topology
+   from the environment.
+
+    python packages/parallel5d/bench/validate_cost.py --out DIR                 # one GPU
+    python packages/parallel5d/bench/validate_cost.py --fake-world-size 8 --out DIR
+    torchrun --nproc_per_node 2 packages/parallel5d/bench/validate_cost.py --out DIR
+    python packages/parallel5d/bench/validate_cost.py --smoke --out DIR         # CPU, tiny
+
+Writes ``validate_cost_<mode>.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("bench_fsdp", HERE / "bench_fsdp.py")
+bench = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(bench)  # type: ignore[union-attr]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: torch.device, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
+    """Per-block forward/backward seconds and FLOPs, and the whole unsharded step."""
+    model = bench.build(dict(cfg, checkpoint=False), device).to(torch.bfloat16)
+    batch = bench.make_batch(cfg, device, 0, 0)
+    if cfg["kind"] == "gem":
+        batch = (batch[0].to(torch.bfloat16), batch[1])
+    blocks = model.blocks()
+    # The input each block sees: run forward once and capture it.
+    inputs: list[torch.Tensor] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in blocks]
+    model(batch)
+    for h in hooks:
+        h.remove()
+
+    def full_step() -> None:
+        model(batch).backward()
+        model.zero_grad(set_to_none=True)
+
+    full = _time(full_step, device, reps)
+    rows = []
+    for blk, x in zip(blocks, inputs):
+        x = x.clone().requires_grad_(True)
+        fwd = _time(lambda: blk(x), device, reps)  # noqa: B023
+        out = blk(x)
+        g = torch.randn_like(out)
+
+        def fwd_bwd() -> None:
+            blk(x).backward(g)  # noqa: B023
+
+        both = _time(fwd_bwd, device, reps)
+        with FlopCounterMode(display=False) as fc:
+            blk(x)
+        rows.append(
+            {
+                "params": sum(p.numel() for p in blk.parameters()),
+                "fwd_s": fwd,
+                "bwd_s": max(both - fwd, 0.0),
+                "flops": float(fc.get_total_flops()),
+            }
+        )
+        blk.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as fc:
+        model(batch)
+    total_flops = float(fc.get_total_flops())
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"full_s": full, "blocks": rows, "flops": total_flops, "params": n_params}
+
+
+def to_model_config(prof: dict, checkpoint: bool, *, measured: bool):
+    from hyperrec.parallel5d.cost import LayerSpec, ModelConfig
+
+    blocks = prof["blocks"]
+    rest_s = max(prof["full_s"] - sum(b["fwd_s"] + b["bwd_s"] for b in blocks), 0.0)
+    rest_params = prof["params"] - sum(b["params"] for b in blocks)
+    rest_flops = prof["flops"] - sum(b["flops"] for b in blocks)
+    layers = [
+        LayerSpec(
+            name="root",
+            params=rest_params,
+            flops_per_sample=rest_flops,
+            measured_fwd_s=rest_s / 3 if measured else None,
+            measured_bwd_s=2 * rest_s / 3 if measured else None,
+        )
+    ]
+    for i, b in enumerate(blocks):
+        layers.append(
+            LayerSpec(
+                name=f"block{i}",
+                params=b["params"],
+                flops_per_sample=b["flops"],
+                measured_fwd_s=b["fwd_s"] if measured else None,
+                measured_bwd_s=b["bwd_s"] if measured else None,
+            )
+        )
+    return ModelConfig(name="bench", layers=tuple(layers), activation_checkpointing=checkpoint)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", nargs="+", default=["llama", "gem"])
+    ap.add_argument("--fake-world-size", type=int, default=None)
+    ap.add_argument("--calibration", default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-checkpoint", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU (gloo)")
+    args = ap.parse_args()
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.fake_world_size is not None:
+        os.environ.update(RANK="0", WORLD_SIZE=str(args.fake_world_size), LOCAL_RANK="0")
+    elif "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
+        )
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    if args.fake_world_size is not None:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world_size)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyperrec.parallel5d.cost import DeviceSpec, predict
+    from hyperrec.parallel5d.mesh import MeshSpec
+    from hyperrec.parallel5d.topology import Topology
+
+    mesh = init_device_mesh(device.type, (world,))
+    fake = args.fake_world_size is not None
+    if fake or world == 1:
+        gph = min(world, 8)
+        topo = Topology(gpus_per_host=gph, hosts=max(world // gph, 1))
+    else:
+        topo = Topology.from_env()
+    dev = DeviceSpec.from_calibration(args.calibration) if args.calibration else DeviceSpec()
+    if device.type == "cpu":  # rough CPU figures so the smoke run exercises the code path
+        dev = DeviceSpec(
+            name="cpu",
+            peak_tflops=0.1,
+            matmul_tflops=0.05,
+            hbm_gbps=10.0,
+            launch_us=20.0,
+            memory_gb=24.0,
+        )
+    presets = bench.TINY if args.smoke else bench.PRESETS
+    checkpoint = not args.no_checkpoint
+    run_args = SimpleNamespace(warmup=2, steps=args.steps, profile=None)
+    rows = []
+    for name in args.model:
+        cfg = dict(presets[name], checkpoint=checkpoint)
+        prof = profile_layers(cfg, device, args.reps)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
+        spec = MeshSpec(fsdp=world)
+        preds = {}
+        for kind in ("measured_layers", "roofline"):
+            p = predict(
+                to_model_config(prof, checkpoint, measured=kind == "measured_layers"),
+                topo,
+                spec,
+                world,
+                device=dev,
+            )
+            preds[kind] = p.compute_s if (fake or world == 1) else p.step_s
+        m = measured["step_s"]
+        row = {
+            "model": name,
+            "world_size": world,
+            "fake_backend": fake,
+            "activation_checkpointing": checkpoint,
+            "measured_step_ms": m * 1e3,
+            "measured_step_ms_all": [t * 1e3 for t in measured["step_s_all"]],
+            "predicted": "compute only (no data moved)"
+            if (fake or world == 1)
+            else "full step incl. collectives",
+            "per_layer": prof,
+        }
+        for kind, v in preds.items():
+            row[f"predicted_{kind}_ms"] = v * 1e3
+            row[f"error_{kind}_pct"] = 100.0 * (v - m) / m
+        rows.append(row)
+        if rank == 0:
+            print(
+                f"{name}: measured {m * 1e3:.1f} ms, predicted (layers) "
+                f"{preds['measured_layers'] * 1e3:.1f} ms ({row['error_measured_layers_pct']:+.1f}%), "
+                f"(roofline) {preds['roofline'] * 1e3:.1f} ms ({row['error_roofline_pct']:+.1f}%)",
+                flush=True,
+            )
+    if rank == 0:
+        from hyperrec.testing import write_result
+
+        mode = "smoke_cpu" if args.smoke else (f"fake{world}" if fake else f"{world}gpu")
+        write_result(
+            Path(args.out) / f"validate_cost_{mode}.json",
+            {
+                "benchmark": "cost model: predicted vs measured step time",
+                "device_spec": {
+                    "name": dev.name,
+                    "matmul_tflops": dev.matmul_tflops,
+                    "hbm_gbps": dev.hbm_gbps,
+                    "sources": dict(dev.sources),
+                },
+                "topology": topo.describe(),
+                "rows": rows,
+            },
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

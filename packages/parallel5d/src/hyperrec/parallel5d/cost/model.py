@@ -1,0 +1,674 @@
+"""Step-time model: compute per layer, alpha-beta collectives per tier, FSDP overlap.
+
+:func:`predict` prices one training step of a :class:`ModelConfig` on a mesh
+(:class:`~hyperrec.parallel5d.mesh.MeshSpec`) of a
+:class:`~hyperrec.parallel5d.topology.Topology`; :func:`plan_mesh` enumerates the valid
+meshes and returns the fastest that fits in memory.
+
+What a step is made of, per rank (local batch ``b = global_batch / world``):
+
+* **compute** per layer: measured seconds per sample when the layer carries them, else a
+  roofline: matmul FLOPs at the device's (measured) matmul rate + other memory traffic
+  at its copy bandwidth + kernel launches. Backward = 2 x forward, plus one forward when
+  activations are checkpointed (recompute; not counted as useful FLOPs).
+* **FSDP collectives** on a communication stream, FSDP2's prefetch schedule: the
+  all-gather of layer ``i + 1`` is issued when layer ``i``'s forward starts; in backward
+  the all-gather of layer ``i - 1`` is issued when layer ``i``'s backward starts and
+  layer ``i``'s reduce-scatter (+ the all-reduce across ``replicate``, HSDP) when it
+  ends. One network resource: collectives run one at a time, in issue order. Compute
+  waits for its layer's all-gather.
+* **blocking collectives** on the compute stream: the expert all-to-alls (dispatch and
+  combine, forward, backward and recompute); the sparse embedding all-to-all too unless
+  ``CostOptions.sparse_pipelined`` (then it shares the communication stream).
+* **SM contention**: an SM-based collective (NCCL kernels) slows the compute it overlaps
+  by ``DeviceSpec.sm_slowdown`` (calibrated on one GPU); SM-free collectives (copy
+  engines / RDMA offload, ``CostOptions.sm_free``) take nothing from compute.
+* **optimizer**: AdamW over this rank's shard at the copy bandwidth.
+
+Outputs: step time, compute time, exposed communication (step - compute), MFU (model
+FLOPs / step time / peak), local MFU (same over compute time) and scaling ratio (compute
+/ step), so ``mfu = local_mfu * scaling_ratio`` as in Meta's GEM accounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from hyperrec.parallel5d._validate import check_bool, check_choice, check_float, check_int
+from hyperrec.parallel5d.cost.collectives import GroupShape, collective_time
+from hyperrec.parallel5d.mesh import _VIEWS, AXES, DEFAULT_AXIS_TIERS, MeshSpec
+from hyperrec.parallel5d.topology import TIERS, Topology
+
+__all__ = [
+    "CostOptions",
+    "DeviceSpec",
+    "LayerSpec",
+    "ModelConfig",
+    "Plan",
+    "Prediction",
+    "SparseSpec",
+    "plan_mesh",
+    "predict",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One GPU's figures. Defaults: H200 (cited); :meth:`from_calibration` loads measured ones."""
+
+    name: str = "H200"
+    """Device name, for reports."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak, the MFU denominator (H100/H200 SXM datasheet)."""
+    matmul_tflops: float = 780.0
+    """Achievable bf16 GEMM rate for shapes without a measured entry."""
+    hbm_gbps: float = 4200.0
+    """Achievable copy bandwidth (GB/s) for memory-bound work."""
+    launch_us: float = 4.0
+    """Host cost per kernel launch (a floor for tiny kernels)."""
+    memory_gb: float = 141.0
+    """HBM capacity (GB = 1e9 bytes)."""
+    sm_slowdown: float = 0.1
+    """Fractional slowdown of compute while an SM-based collective overlaps it."""
+    matmul_table: tuple[tuple[str, float], ...] = ()
+    """Measured GEMM TFLOP/s per layer name (from ``bench/calibrate_cost.py``)."""
+    sources: tuple[tuple[str, str], ...] = (
+        ("peak_tflops", "cited: NVIDIA H100/H200 SXM dense bf16 989 TFLOP/s"),
+        ("matmul_tflops", "cited: ~780 TFLOP/s bf16 GEMM on H200 (project brief ceiling)"),
+        ("hbm_gbps", "cited: ~4.2 TB/s copy on H200 (project brief ceiling)"),
+        ("launch_us", "assumed: 4 us per kernel"),
+        ("sm_slowdown", "assumed: 10% until calibrated"),
+    )
+    """Where each figure comes from (``"cited: ..."``, ``"measured: ..."``, ``"assumed: ..."``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "matmul_tflops", "hbm_gbps", "memory_gb"):
+            check_float(name, getattr(self, name), minimum=1e-9)
+        check_float("launch_us", self.launch_us, minimum=0.0)
+        check_float("sm_slowdown", self.sm_slowdown, minimum=0.0)
+
+    def matmul_rate(self, layer: str) -> float:
+        """FLOP/s for ``layer``'s GEMMs: its measured entry, else ``matmul_tflops``."""
+        for name, tflops in self.matmul_table:
+            if name == layer:
+                return tflops * 1e12
+        return self.matmul_tflops * 1e12
+
+    @classmethod
+    def from_calibration(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> DeviceSpec:
+        """Load the JSON ``bench/calibrate_cost.py`` writes; missing figures keep defaults.
+
+        Raises:
+            ValueError: the JSON has no ``"device"`` section.
+        """
+        data = path_or_dict
+        if not isinstance(data, dict):
+            with open(data) as f:
+                data = json.load(f)
+        if "device" not in data:
+            raise ValueError("calibration JSON must have a 'device' section")
+        dev = data["device"]
+        base = cls()
+        sources = dict(base.sources)
+        kw: dict[str, Any] = {}
+        for key in (
+            "name",
+            "peak_tflops",
+            "matmul_tflops",
+            "hbm_gbps",
+            "launch_us",
+            "memory_gb",
+            "sm_slowdown",
+        ):
+            if dev.get(key) is not None:
+                kw[key] = dev[key]
+                sources[key] = dev.get("sources", {}).get(key, "measured: calibrate_cost.py")
+        table = tuple((m["layer"], float(m["tflops"])) for m in data.get("matmul", []))
+        return replace(base, **kw, matmul_table=table, sources=tuple(sources.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One FSDP unit of the dense (or expert) part, per sample."""
+
+    name: str
+    """Layer name (also the key of measured GEMM rates)."""
+    params: int
+    """Parameters (elements). For an expert layer: of all its experts together."""
+    flops_per_sample: float
+    """Forward matmul FLOPs per sample (for an expert layer: of the routed tokens)."""
+    hbm_bytes_per_sample: float = 0.0
+    """Forward memory traffic of the non-matmul work per sample (bytes)."""
+    kernels: int = 10
+    """Forward kernel launches."""
+    input_bytes_per_sample: float = 0.0
+    """Bytes of the layer's input (what activation checkpointing keeps)."""
+    saved_bytes_per_sample: float = 0.0
+    """Bytes saved for backward without checkpointing."""
+    kind: Literal["dense", "experts"] = "dense"
+    """``"experts"``: parameters sharded over ``ep`` x ``efsdp``, tokens all-to-all'd."""
+    a2a_bytes_per_sample: float = 0.0
+    """Bytes one all-to-all (dispatch; combine is the same) sends per sample."""
+    measured_fwd_s: float | None = None
+    """Measured forward seconds per sample (overrides the roofline)."""
+    measured_bwd_s: float | None = None
+    """Measured backward seconds per sample (without recompute)."""
+
+    def __post_init__(self) -> None:
+        check_int("params", self.params, minimum=0)
+        for name in (
+            "flops_per_sample",
+            "hbm_bytes_per_sample",
+            "input_bytes_per_sample",
+            "saved_bytes_per_sample",
+            "a2a_bytes_per_sample",
+        ):
+            check_float(name, getattr(self, name), minimum=0.0)
+        check_int("kernels", self.kernels, minimum=0)
+        check_choice("kind", self.kind, ("dense", "experts"))
+        for name in ("measured_fwd_s", "measured_bwd_s"):
+            if getattr(self, name) is not None:
+                check_float(name, getattr(self, name), minimum=0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseSpec:
+    """Embedding tables of one kind, sharded over the sparse axes."""
+
+    name: str
+    """Name, for reports."""
+    rows: int
+    """Rows over all tables of this kind."""
+    dim: int
+    """Embedding width."""
+    lookups_per_sample: float
+    """Ids looked up per sample."""
+    param_bytes: int = 4
+    """Bytes per element of the stored rows (fp32)."""
+    state_bytes_per_row: int = 4
+    """Optimizer bytes per row (row-wise Adagrad: one fp32)."""
+    comm_bytes: int = 2
+    """Bytes per element of looked-up embeddings sent in the all-to-all (bf16)."""
+
+    def __post_init__(self) -> None:
+        check_int("rows", self.rows, minimum=0)
+        check_int("dim", self.dim, minimum=1)
+        check_float("lookups_per_sample", self.lookups_per_sample, minimum=0.0)
+        for name in ("param_bytes", "state_bytes_per_row", "comm_bytes"):
+            check_int(name, getattr(self, name), minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A model as the cost model sees it: FSDP units in forward order, plus tables."""
+
+    name: str
+    """Name, for reports."""
+    layers: tuple[LayerSpec, ...]
+    """Dense and expert layers, forward order."""
+    sparse: tuple[SparseSpec, ...] = ()
+    """Embedding tables."""
+    param_bytes: int = 2
+    """Bytes per gathered parameter (bf16 compute)."""
+    reduce_bytes: int = 4
+    """Bytes per reduced gradient (fp32 reduction)."""
+    state_bytes_per_param: int = 16
+    """Sharded bytes per parameter: fp32 master + fp32 gradient shard + AdamW moments."""
+    optimizer_traffic_per_param: int = 28
+    """HBM bytes AdamW moves per parameter (reads p, g, m, v; writes p, m, v; fp32)."""
+    activation_checkpointing: bool = True
+    """Recompute each layer's forward in backward (keeps only layer inputs)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers or not all(isinstance(x, LayerSpec) for x in self.layers):
+            raise ValueError("layers must be a non-empty tuple of LayerSpec")
+        if not all(isinstance(x, SparseSpec) for x in self.sparse):
+            raise TypeError("sparse must be a tuple of SparseSpec")
+        for name in (
+            "param_bytes",
+            "reduce_bytes",
+            "state_bytes_per_param",
+            "optimizer_traffic_per_param",
+        ):
+            check_int(name, getattr(self, name), minimum=0)
+        check_bool("activation_checkpointing", self.activation_checkpointing)
+
+    @property
+    def model_flops_per_sample(self) -> float:
+        """Useful FLOPs per sample: forward + backward (3 x forward), no recompute."""
+        return 3.0 * sum(x.flops_per_sample for x in self.layers)
+
+    @property
+    def dense_params(self) -> int:
+        return sum(x.params for x in self.layers if x.kind == "dense")
+
+    @property
+    def expert_params(self) -> int:
+        return sum(x.params for x in self.layers if x.kind == "experts")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dense_params": self.dense_params,
+            "expert_params": self.expert_params,
+            "embedding_rows": sum(s.rows for s in self.sparse),
+            "embedding_bytes": sum(s.rows * s.dim * s.param_bytes for s in self.sparse),
+            "model_flops_per_sample": self.model_flops_per_sample,
+            "layers": len(self.layers),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostOptions:
+    """What the modelled system can do."""
+
+    overlap: bool = True
+    """Prefetch all-gathers and overlap reductions (FSDP2 schedule); False: serial."""
+    sm_free: bool = False
+    """Collectives on copy engines / RDMA offload, taking no SMs from compute."""
+    nvls: bool = True
+    """NVLink SHARP all-reduce inside a host where the topology has it."""
+    reshard_after_forward: bool = True
+    """Gather parameters again in backward (FSDP's default)."""
+    memory_fraction: float = 0.9
+    """Share of HBM a plan may use."""
+    sparse_pipelined: bool = True
+    """The embedding input all-to-all and row gather for the next batch run during this
+    step (TorchRec's ``TrainPipelineSparseDist``): on the communication stream instead
+    of blocking the start of forward. False: they block."""
+
+    def __post_init__(self) -> None:
+        for name in ("overlap", "sm_free", "nvls", "reshard_after_forward", "sparse_pipelined"):
+            check_bool(name, getattr(self, name))
+        check_float("memory_fraction", self.memory_fraction, minimum=1e-9)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures of one step (seconds unless named otherwise)."""
+
+    spec: MeshSpec
+    world_size: int
+    local_batch: float
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    blocking_comm_s: float
+    comm_s: float
+    mfu: float
+    local_mfu: float
+    scaling_ratio: float
+    memory_gb: float
+    feasible: bool
+    reason: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Total seconds per collective kind and axis (``"all_gather/fsdp"``, ...)."""
+    algorithms: dict[str, str] = field(default_factory=dict)
+    """Algorithm priced per collective kind and axis."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["spec"] = {a: self.spec.size(a) for a in AXES}
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """:func:`plan_mesh`'s answer: the best feasible mesh and every candidate priced."""
+
+    best: Prediction | None
+    candidates: tuple[Prediction, ...]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_shape(topology: Topology, view_shape: tuple[int, ...], pos: int) -> GroupShape:
+    world = _world_order(topology)
+    arr = world.reshape(view_shape)
+    groups = np.moveaxis(arr, pos, -1).reshape(-1, view_shape[pos])
+    span = topology.span(groups)
+    return GroupShape(
+        size=view_shape[pos],
+        ranks_per_host=int(span.ranks_per_host.min()),
+        ranks_per_zone=int(span.ranks_per_zone.min()),
+        hosts=int(span.hosts.max()),
+        zones=int(span.zones.max()),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _world_order(topology: Topology) -> np.ndarray:
+    return topology.ranks_in_slot_order()
+
+
+def _shapes(spec: MeshSpec, topology: Topology) -> dict[str, GroupShape]:
+    out = {}
+    for view, axes in _VIEWS.items():
+        vs = spec.view_shape(view)
+        for pos, axis in enumerate(axes):
+            out[axis] = _axis_shape(topology, vs, pos)
+    return out
+
+
+@dataclass
+class _LayerCost:
+    fwd: float
+    bwd: float
+    blocking_fwd: float
+    blocking_bwd: float
+    ag: float
+    reduce: float
+
+
+def _one_pass(
+    layers: list[_LayerCost],
+    fwd_scale: list[float],
+    bwd_scale: list[float],
+    *,
+    pre: float,
+    post_comm: float,
+    reshard: bool,
+) -> tuple[float, list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float]]]:
+    """One walk of the schedule: (end of communication and compute, compute intervals of
+    forward and backward, communication intervals)."""
+    n = len(layers)
+    comm_free = 0.0
+    comm_iv: list[tuple[float, float]] = []
+
+    def comm(issue: float, dur: float) -> float:
+        nonlocal comm_free
+        start = max(issue, comm_free)
+        comm_free = start + dur
+        if dur > 0:
+            comm_iv.append((start, comm_free))
+        return comm_free
+
+    fwd_iv: list[tuple[float, float]] = []
+    bwd_iv: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    t = pre
+    ready = [0.0] * n
+    ready[0] = comm(0.0, layers[0].ag)
+    for i, x in enumerate(layers):
+        start = max(t, ready[i])
+        if i + 1 < n:  # prefetch: the next all-gather is issued as this forward starts
+            ready[i + 1] = comm(start, layers[i + 1].ag)
+        fwd_iv.append((start, start + x.fwd * fwd_scale[i]))
+        t = start + x.fwd * fwd_scale[i] + x.blocking_fwd
+    ready = [0.0] * n
+    ready[n - 1] = comm(t, layers[n - 1].ag) if reshard else t
+    for i in reversed(range(n)):
+        x = layers[i]
+        start = max(t, ready[i])
+        if i > 0:
+            ready[i - 1] = comm(start, layers[i - 1].ag) if reshard else start
+        bwd_iv[i] = (start, start + x.bwd * bwd_scale[i])
+        t = start + x.bwd * bwd_scale[i] + x.blocking_bwd
+        comm(t, x.reduce)  # reduce-scatter (+ replicate all-reduce) when backward ends
+    comm(t, post_comm)
+    return max(t, comm_free), fwd_iv, bwd_iv, comm_iv
+
+
+def _simulate(
+    layers: list[_LayerCost],
+    *,
+    pre: float,
+    post_comm: float,
+    tail: float,
+    overlap: bool,
+    reshard: bool,
+    slowdown: float,
+) -> float:
+    """Step seconds of the schedule (module docstring)."""
+    if not overlap:
+        total = pre + tail + post_comm
+        for x in layers:
+            total += x.ag + x.fwd + x.blocking_fwd + x.bwd + x.blocking_bwd + x.reduce
+            total += x.ag if reshard else 0.0
+        return total
+    n = len(layers)
+    fwd_scale, bwd_scale = [1.0] * n, [1.0] * n
+    end, fwd_iv, bwd_iv, comm_iv = _one_pass(
+        layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm, reshard=reshard
+    )
+    if slowdown > 0:
+        # Second walk with each compute interval stretched by the SM slowdown over the
+        # share of it the first walk overlapped with communication.
+        def stretch(iv: tuple[float, float]) -> float:
+            s, e = iv
+            covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in comm_iv)
+            return 1.0 + slowdown * covered / max(e - s, 1e-30)
+
+        fwd_scale = [stretch(iv) for iv in fwd_iv]
+        bwd_scale = [stretch(iv) for iv in bwd_iv]
+        end, *_ = _one_pass(
+            layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm, reshard=reshard
+        )
+    return end + tail
+
+
+# ----------------------------------------------------------------------------- predict
+
+
+def predict(
+    model: ModelConfig,
+    topology: Topology,
+    spec: MeshSpec,
+    global_batch: int,
+    *,
+    device: DeviceSpec | None = None,
+    options: CostOptions | None = None,
+) -> Prediction:
+    """Predict one training step of ``model`` on ``spec`` over ``topology``.
+
+    Args:
+        global_batch: samples per step over all ranks; a multiple of the world size.
+
+    Raises:
+        ValueError: mismatched world sizes or a batch that does not split evenly.
+    """
+    device = device or DeviceSpec()
+    options = options or CostOptions()
+    w = spec.world_size
+    if w != topology.world_size:
+        raise ValueError(f"the mesh has {w} ranks but the topology has {topology.world_size}")
+    global_batch = check_int("global_batch", global_batch, minimum=1)
+    if global_batch % w:
+        raise ValueError(
+            f"global_batch must be a multiple of the world size {w}, got {global_batch}"
+        )
+    b = global_batch / w
+    shapes = _shapes(spec, topology)
+    breakdown: dict[str, float] = {}
+    algos: dict[str, str] = {}
+
+    def coll(kind: str, axis: str, nbytes: float) -> float:
+        t, algo = collective_time(topology, shapes[axis], kind, nbytes, nvls=options.nvls)  # type: ignore[arg-type]
+        key = f"{kind}/{axis}"
+        breakdown[key] = breakdown.get(key, 0.0) + t
+        algos[key] = algo
+        return t
+
+    ac = model.activation_checkpointing
+    costs = []
+    for layer in model.layers:
+        if layer.measured_fwd_s is not None:
+            fwd = layer.measured_fwd_s * b
+        else:
+            fwd = (
+                layer.flops_per_sample * b / device.matmul_rate(layer.name)
+                + layer.hbm_bytes_per_sample * b / (device.hbm_gbps * 1e9)
+                + layer.kernels * device.launch_us * 1e-6
+            )
+        bwd = layer.measured_bwd_s * b if layer.measured_bwd_s is not None else 2.0 * fwd
+        if ac:
+            bwd += fwd
+        if layer.kind == "experts":
+            shard_axis, local_params = "efsdp", layer.params / spec.ep
+            a2a = coll("all_to_all", "ep", layer.a2a_bytes_per_sample * b)
+            blocking_fwd, blocking_bwd = 2 * a2a, (4 if ac else 2) * a2a
+            # coll() counted one; a step runs 2 forward, 2 backward (+ 2 recomputed).
+            breakdown["all_to_all/ep"] += a2a * (1 + 2 + (2 if ac else 0))
+        else:
+            shard_axis, local_params = "fsdp", float(layer.params)
+            blocking_fwd = blocking_bwd = 0.0
+        ag = coll("all_gather", shard_axis, local_params * model.param_bytes)
+        if options.reshard_after_forward:
+            coll("all_gather", shard_axis, local_params * model.param_bytes)
+        reduce = coll("reduce_scatter", shard_axis, local_params * model.reduce_bytes)
+        reduce += coll(
+            "all_reduce",
+            "replicate",
+            local_params / spec.size(shard_axis) * model.reduce_bytes,
+        )
+        costs.append(_LayerCost(fwd, bwd, blocking_fwd, blocking_bwd, ag, reduce))
+
+    # Sparse tables: id/embedding all-to-all over the shard group (blocking, forward and
+    # backward), the fully-sharded gather/scatter of the touched rows over the replica
+    # axis, and the gradient all-reduce across table copies (sparse_dp).
+    pre = post_comm = 0.0
+    sparse_opt = 0.0
+    for s in model.sparse:
+        a2a = coll("all_to_all", "sparse_shard", s.lookups_per_sample * b * s.dim * s.comm_bytes)
+        rows_bytes = s.lookups_per_sample * b * s.dim * s.param_bytes
+        gather = coll("all_gather", "sparse_replicate", rows_bytes * spec.sparse_replicate)
+        pre += a2a + gather
+        post_comm += a2a  # backward all-to-all of the embedding gradients
+        breakdown["all_to_all/sparse_shard"] += a2a
+        post_comm += coll("reduce_scatter", "sparse_replicate", rows_bytes * spec.sparse_replicate)
+        post_comm += coll("all_reduce", "sparse_dp", rows_bytes)
+        sparse_opt += 3 * rows_bytes / (device.hbm_gbps * 1e9)
+
+    local_params = model.dense_params / spec.fsdp + model.expert_params / spec.fsdp
+    tail = local_params * model.optimizer_traffic_per_param / (device.hbm_gbps * 1e9)
+    tail += sparse_opt
+    slowdown = 0.0 if options.sm_free else device.sm_slowdown
+    if options.sparse_pipelined:
+        post_comm, pre = post_comm + pre, 0.0
+    step = _simulate(
+        costs,
+        pre=pre,
+        post_comm=post_comm,
+        tail=tail,
+        overlap=options.overlap,
+        reshard=options.reshard_after_forward,
+        slowdown=slowdown,
+    )
+    # The sparse backward all-to-all blocks the end of backward (its gradients feed the
+    # table update), so it is on the critical path whatever the overlap.
+    compute = sum(x.fwd + x.bwd for x in costs) + tail
+    blocking = sum(x.blocking_fwd + x.blocking_bwd for x in costs) + pre
+    comm_total = sum(breakdown.values())
+
+    # Memory per rank.
+    gathered = max((x.params / (spec.ep if x.kind == "experts" else 1)) for x in model.layers) * (
+        model.param_bytes + model.reduce_bytes
+    )
+    acts = sum(x.input_bytes_per_sample for x in model.layers) * b
+    if ac:
+        acts += max(x.saved_bytes_per_sample for x in model.layers) * b
+    else:
+        acts += sum(x.saved_bytes_per_sample for x in model.layers) * b
+    tables = (
+        sum((s.rows * s.dim * s.param_bytes + s.rows * s.state_bytes_per_row) for s in model.sparse)
+        * spec.sparse_dp
+        / w
+    )
+    touched = 2 * sum(s.lookups_per_sample * b * s.dim * s.param_bytes for s in model.sparse)
+    memory = (
+        local_params * model.state_bytes_per_param + 2 * gathered + acts + tables + touched
+    ) / 1e9
+    budget = device.memory_gb * options.memory_fraction
+    feasible = memory <= budget
+    reason = "" if feasible else f"needs {memory:.1f} GB per GPU, budget {budget:.1f} GB"
+
+    useful = model.model_flops_per_sample * b
+    peak = device.peak_tflops * 1e12
+    return Prediction(
+        spec=spec,
+        world_size=w,
+        local_batch=b,
+        step_s=step,
+        compute_s=compute,
+        exposed_comm_s=step - compute,
+        blocking_comm_s=blocking,
+        comm_s=comm_total,
+        mfu=useful / (step * peak),
+        local_mfu=useful / (compute * peak),
+        scaling_ratio=compute / step,
+        memory_gb=memory,
+        feasible=feasible,
+        reason=reason,
+        breakdown=breakdown,
+        algorithms=algos,
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def plan_mesh(
+    model: ModelConfig,
+    topology: Topology,
+    global_batch: int,
+    *,
+    device: DeviceSpec | None = None,
+    options: CostOptions | None = None,
+    axis_tiers: dict[str, str] | None = None,
+    num_experts: int | None = None,
+) -> Plan:
+    """Enumerate the valid meshes of ``topology`` and return the fastest that fits.
+
+    Candidates: every ``fsdp`` dividing the world size (``replicate`` the rest), ``ep``
+    dividing both ``fsdp`` and the GPUs per host (and ``num_experts`` if given; 1 if the
+    model has no expert layer), ``sparse_replicate`` dividing the GPUs per host, and
+    ``sparse_dp`` dividing the number of zones (copies aligned with zones). A candidate
+    whose axes cross slower tiers than allowed (:data:`DEFAULT_AXIS_TIERS`, overridable
+    with ``axis_tiers``) is not valid; one that does not fit in memory is priced but not
+    chosen. Ties go to the smaller ``ep`` / fewer copies.
+
+    Returns:
+        :class:`Plan` with ``best`` (``None`` if nothing fits) and the valid candidates,
+        fastest first.
+    """
+    options = options or CostOptions()
+    w = topology.world_size
+    tiers = dict(DEFAULT_AXIS_TIERS)
+    tiers.update(axis_tiers or {})
+    has_experts = any(x.kind == "experts" for x in model.layers)
+    gph = topology.gpus_per_host
+    out = []
+    for fsdp in _divisors(w):
+        eps = [e for e in _divisors(math.gcd(fsdp, gph)) if has_experts or e == 1]
+        if num_experts is not None:
+            eps = [e for e in eps if num_experts % e == 0]
+        for ep in eps:
+            for sr in _divisors(math.gcd(gph, w)) if model.sparse else [1]:
+                sdps = (
+                    [d for d in _divisors(topology.zones) if (w // sr) % d == 0]
+                    if model.sparse
+                    else [1]
+                )
+                for sdp in sdps:
+                    spec = MeshSpec(
+                        replicate=w // fsdp, fsdp=fsdp, ep=ep, sparse_replicate=sr, sparse_dp=sdp
+                    )
+                    shapes = _shapes(spec, topology)
+                    if any(TIERS.index(shapes[a].tier) > TIERS.index(tiers[a]) for a in AXES):
+                        continue
+                    out.append(
+                        predict(model, topology, spec, global_batch, device=device, options=options)
+                    )
+    out.sort(key=lambda p: (p.step_s, p.spec.ep, p.spec.sparse_dp))
+    best = next((p for p in out if p.feasible), None)
+    return Plan(best=best, candidates=tuple(out))

@@ -1,0 +1,287 @@
+"""Cost model: collectives against hand-computed alpha-beta cases, the overlap schedule on
+a hand-traced timeline, predict/plan_mesh consistency, and monotonicity (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyperrec.parallel5d.cost import (
+    CostOptions,
+    DeviceSpec,
+    GroupShape,
+    LayerSpec,
+    ModelConfig,
+    SparseSpec,
+    bus_bandwidth,
+    collective_time,
+    gem_scale,
+    plan_mesh,
+    predict,
+)
+from hyperrec.parallel5d.mesh import MeshSpec, axis_placement
+from hyperrec.parallel5d.topology import Link, Topology
+
+US = 1e-6
+BASE = 8.4 * US
+
+
+def test_ring_all_gather_across_two_hosts() -> None:
+    t = Topology(gpus_per_host=4, hosts=2)
+    shape = GroupShape(size=8, ranks_per_host=4, ranks_per_zone=8, hosts=2, zones=1)
+    # 4 ranks per host drive 4 NICs: min(NVLink 370, 4 x 48) = 192 GB/s.
+    assert bus_bandwidth(t, shape) == 192.0
+    got, algo = collective_time(t, shape, "all_gather", 1e9)
+    want = BASE + (6 * 3.4 + 1 * 9.6) * US + 7 / 8 * 1e9 / 192e9
+    assert algo == "ring" and got == pytest.approx(want, rel=1e-12)
+    got, _ = collective_time(t, shape, "reduce_scatter", 1e9)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_all_reduce_ring_tree_nvls() -> None:
+    t = Topology(gpus_per_host=8, hosts=1)
+    shape = GroupShape(size=8, ranks_per_host=8, ranks_per_zone=8)
+    ring = BASE + 14 * 3.4 * US + 2 * 7 / 8 * 1e9 / 370e9
+    tree = BASE + 2 * 7 * 3.4 * US + 2 * 1e9 / (0.9 * 370e9)
+    nvls = BASE + 2 * 3.4 * US + 2 * 7 / 8 * 1e9 / 480e9
+    assert collective_time(t, shape, "all_reduce", 1e9, algorithm="ring")[0] == pytest.approx(ring)
+    assert collective_time(t, shape, "all_reduce", 1e9, algorithm="tree")[0] == pytest.approx(tree)
+    assert collective_time(t, shape, "all_reduce", 1e9)[1] == "nvls"
+    assert collective_time(t, shape, "all_reduce", 1e9)[0] == pytest.approx(nvls)
+    assert collective_time(t, shape, "all_reduce", 1e9, nvls=False)[1] == "ring"
+    # Four GPUs: below NVLS's threshold.
+    small = GroupShape(size=4, ranks_per_host=4, ranks_per_zone=4)
+    assert collective_time(t, small, "all_reduce", 1e9)[1] == "ring"
+    with pytest.raises(ValueError, match="algorithm 'nvls' needs a group inside one host"):
+        collective_time(t, small, "all_reduce", 1e9, algorithm="nvls")
+    # Many hosts, tiny message: the tree's log latency wins.
+    big = Topology(gpus_per_host=8, hosts=512)
+    wide = GroupShape(size=512, ranks_per_host=1, ranks_per_zone=512, hosts=512)
+    assert collective_time(big, wide, "all_reduce", 1024)[1] == "tree"
+    tree_small = BASE + 2 * math.log2(512) * 9.6 * US + 2 * 1024 / (0.9 * 48e9)
+    assert collective_time(big, wide, "all_reduce", 1024)[0] == pytest.approx(tree_small)
+
+
+def test_cross_zone_and_all_to_all() -> None:
+    t = Topology(gpus_per_host=2, hosts=4, hosts_per_zone=2)
+    one_per_zone = GroupShape(size=2, ranks_per_host=1, ranks_per_zone=1, hosts=2, zones=2)
+    assert bus_bandwidth(t, one_per_zone) == pytest.approx(48 / 7)
+    got, _ = collective_time(t, one_per_zone, "all_gather", 7e9)
+    assert got == pytest.approx(BASE + 19.2 * US + 0.5 * 7e9 / (48e9 / 7))
+    # Pairwise all-to-all over 2 hosts x 2 GPUs in one zone, n bytes sent per rank:
+    # 1/4 to the NVLink peer, 2/4 through this GPU's own NIC.
+    shape = GroupShape(size=4, ranks_per_host=2, ranks_per_zone=4, hosts=2, zones=1)
+    n = 1e9
+    got, algo = collective_time(t, shape, "all_to_all", n)
+    want = BASE + (3.4 + 2 * 9.6) * US + max(n / 4 / 370e9, n / 2 / 48e9)
+    assert algo == "pairwise" and got == pytest.approx(want)
+    assert collective_time(t, GroupShape(size=1), "all_reduce", 1e9) == (0.0, "none")
+    with pytest.raises(ValueError, match="nbytes must be >= 0.0"):
+        collective_time(t, shape, "all_gather", -1.0)
+    with pytest.raises(ValueError, match="collective must be one of"):
+        collective_time(t, shape, "broadcast", 1.0)  # type: ignore[arg-type]
+
+
+def test_group_shape_from_placement() -> None:
+    t = Topology(gpus_per_host=8, hosts=4, hosts_per_zone=2)
+    p = axis_placement(MeshSpec(replicate=2, fsdp=16, ep=2), t)
+    s = GroupShape.from_placement(p["replicate"])
+    assert (s.size, s.ranks_per_host, s.hosts, s.zones, s.tier) == (2, 1, 2, 2, "cross_zone")
+    assert GroupShape.from_placement(p["ep"]).tier == "nvlink"
+
+
+def _one_layer(**kw: object) -> ModelConfig:
+    layer = LayerSpec(
+        name="l", params=1_000_000, flops_per_sample=2e9, hbm_bytes_per_sample=1e6, kernels=5
+    )
+    return ModelConfig(name="one", layers=(layer,), **kw)  # type: ignore[arg-type]
+
+
+def test_predict_one_gpu_by_hand() -> None:
+    dev = DeviceSpec(matmul_tflops=500.0, hbm_gbps=2000.0, launch_us=3.0)
+    t = Topology(gpus_per_host=1, hosts=1)
+    p = predict(_one_layer(), t, MeshSpec(), 4, device=dev)
+    fwd = 4 * 2e9 / 500e12 + 4 * 1e6 / 2000e9 + 5 * 3e-6
+    opt = 1_000_000 * 28 / 2000e9
+    compute = fwd + 2 * fwd + fwd + opt  # forward, backward, recompute, AdamW
+    assert p.compute_s == pytest.approx(compute)
+    assert p.step_s == pytest.approx(compute)  # one GPU: nothing to communicate
+    assert p.scaling_ratio == pytest.approx(1.0)
+    assert p.mfu == pytest.approx(3 * 2e9 * 4 / (compute * 989e12))
+    assert p.mfu == pytest.approx(p.local_mfu * p.scaling_ratio)
+    no_ac = predict(_one_layer(activation_checkpointing=False), t, MeshSpec(), 4, device=dev)
+    assert no_ac.compute_s == pytest.approx(3 * fwd + opt)
+    with pytest.raises(ValueError, match="global_batch must be a multiple of the world size 2"):
+        predict(_one_layer(), Topology(gpus_per_host=2, hosts=1), MeshSpec(fsdp=2), 3)
+
+
+def test_overlap_schedule_hand_traced() -> None:
+    # Two layers on 2 GPUs of one host, measured compute, communication slower than
+    # compute so the timeline has waits; SM-free so nothing slows compute.
+    t = Topology(gpus_per_host=2, hosts=1)
+    f0, f1 = 1e-3, 2e-3
+    layers = (
+        LayerSpec(name="a", params=40_000_000, flops_per_sample=1.0, measured_fwd_s=f0),
+        LayerSpec(name="b", params=20_000_000, flops_per_sample=1.0, measured_fwd_s=f1),
+    )
+    model = ModelConfig(
+        name="two", layers=layers, activation_checkpointing=False, optimizer_traffic_per_param=0
+    )
+    spec = MeshSpec(fsdp=2)
+    shape = GroupShape(size=2, ranks_per_host=2, ranks_per_zone=2)
+    ag = [collective_time(t, shape, "all_gather", x.params * 2)[0] for x in layers]
+    rs = [collective_time(t, shape, "reduce_scatter", x.params * 4)[0] for x in layers]
+    p = predict(model, t, spec, 2, options=CostOptions(sm_free=True))
+    # forward: AG0 | F0 while AG1 | F1
+    comm = ag[0]
+    f0_start = comm
+    comm = max(f0_start, comm) + ag[1]
+    f1_start = max(f0_start + f0, comm)
+    fwd_end = f1_start + f1
+    # backward: AG1 again, B1 (AG0 prefetched at its start), RS1, B0, RS0
+    comm = max(fwd_end, comm) + ag[1]
+    b1_start = max(fwd_end, comm)
+    comm = max(b1_start, comm) + ag[0]
+    b0_ready = comm
+    b1_end = b1_start + 2 * f1
+    comm = max(b1_end, comm) + rs[1]
+    b0_start = max(b1_end, b0_ready)
+    b0_end = b0_start + 2 * f0
+    comm = max(b0_end, comm) + rs[0]
+    assert p.step_s == pytest.approx(max(b0_end, comm))
+    assert p.compute_s == pytest.approx(3 * (f0 + f1))
+    serial = predict(model, t, spec, 2, options=CostOptions(overlap=False))
+    assert serial.step_s == pytest.approx(3 * (f0 + f1) + 2 * sum(ag) + sum(rs))
+    assert p.step_s < serial.step_s
+
+
+def test_sm_contention_and_memory() -> None:
+    t = Topology(gpus_per_host=8, hosts=2)
+    model = gem_scale(seq_layers=2, embedding_rows=1000)
+    spec = MeshSpec(replicate=1, fsdp=16, ep=2)
+    sm = predict(model, t, spec, 16 * 32, device=DeviceSpec(sm_slowdown=0.5))
+    free = predict(model, t, spec, 16 * 32, options=CostOptions(sm_free=True))
+    assert free.step_s < sm.step_s
+    assert free.compute_s == pytest.approx(sm.compute_s)
+    tiny = DeviceSpec(memory_gb=1.0)
+    p = predict(model, t, spec, 16 * 32, device=tiny)
+    assert not p.feasible and "budget 0.9 GB" in p.reason
+    assert plan_mesh(model, t, 16 * 32, device=tiny).best is None
+
+
+def test_plan_mesh_picks_fastest_valid() -> None:
+    t = Topology(gpus_per_host=8, hosts=8, hosts_per_zone=4)
+    model = gem_scale(seq_layers=4, embedding_rows=10_000_000)
+    plan = plan_mesh(model, t, 64 * 32)
+    assert plan.best is not None and plan.best.feasible
+    assert plan.best.step_s == min(c.step_s for c in plan.candidates if c.feasible)
+    for c in plan.candidates:
+        place = axis_placement(c.spec, t)
+        assert place["ep"]["tier"] in ("local", "nvlink")
+        assert place["fsdp"]["tier"] in ("local", "nvlink", "rdma")
+    # Flat FSDP over both zones is not a candidate; priced directly it is slower.
+    assert all(c.spec.fsdp <= 32 for c in plan.candidates)
+    naive = predict(model, t, MeshSpec(fsdp=64), 64 * 32)
+    assert naive.step_s > plan.best.step_s
+    # num_experts restricts ep.
+    assert all(c.spec.ep in (1, 2) for c in plan_mesh(model, t, 64 * 32, num_experts=2).candidates)
+
+
+def test_device_spec_from_calibration(tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(
+        json.dumps(
+            {
+                "device": {
+                    "name": "X",
+                    "matmul_tflops": 600.0,
+                    "hbm_gbps": 3000.0,
+                    "sm_slowdown": 0.2,
+                    "sources": {"sm_slowdown": "measured: test"},
+                },
+                "matmul": [{"layer": "seq", "tflops": 650.0}],
+            }
+        )
+    )
+    dev = DeviceSpec.from_calibration(path)
+    assert (dev.name, dev.matmul_tflops, dev.hbm_gbps, dev.sm_slowdown) == ("X", 600.0, 3000.0, 0.2)
+    assert dev.matmul_rate("seq") == 650e12 and dev.matmul_rate("other") == 600e12
+    assert dict(dev.sources)["sm_slowdown"] == "measured: test"
+    assert dict(dev.sources)["peak_tflops"].startswith("cited")
+    with pytest.raises(ValueError, match="must have a 'device' section"):
+        DeviceSpec.from_calibration({"matmul": []})
+
+
+def test_config_bad_input() -> None:
+    with pytest.raises(ValueError, match="params must be >= 0"):
+        LayerSpec(name="x", params=-1, flops_per_sample=1.0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        LayerSpec(name="x", params=1, flops_per_sample=1.0, kind="moe")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layers must be a non-empty tuple"):
+        ModelConfig(name="x", layers=())
+    with pytest.raises(ValueError, match="dim must be >= 1"):
+        SparseSpec(name="t", rows=1, dim=0, lookups_per_sample=1.0)
+    with pytest.raises(TypeError, match="sm_free must be a bool"):
+        CostOptions(sm_free=1)  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(2, 64),
+    gph=st.sampled_from([1, 2, 4, 8]),
+    n1=st.floats(0, 1e10),
+    n2=st.floats(0, 1e10),
+    kind=st.sampled_from(["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]),
+)
+def test_collective_time_monotone(p: int, gph: int, n1: float, n2: float, kind: str) -> None:
+    hosts = max(1, math.ceil(p / gph))
+    t = Topology(gpus_per_host=gph, hosts=hosts, hosts_per_zone=max(1, hosts // 2))
+    g = min(p, gph)
+    shape = GroupShape(
+        size=p, ranks_per_host=g, ranks_per_zone=g, hosts=hosts, zones=t.zones if hosts > 1 else 1
+    )
+    lo, hi = sorted((n1, n2))
+    assert collective_time(t, shape, kind, lo)[0] <= collective_time(t, shape, kind, hi)[0]
+    fast = Topology(
+        gpus_per_host=gph,
+        hosts=hosts,
+        hosts_per_zone=t.zone_hosts,
+        rdma=Link(bandwidth_gbps=96.0, latency_us=9.6),
+    )
+    assert collective_time(fast, shape, kind, hi)[0] <= collective_time(t, shape, kind, hi)[0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    hosts=st.sampled_from([1, 2, 4]),
+    batch=st.sampled_from([1, 4, 16]),
+    lat=st.floats(0.1, 100.0),
+    slow=st.floats(0.0, 1.0),
+)
+def test_predict_sanity(hosts: int, batch: int, lat: float, slow: float) -> None:
+    model = gem_scale(seq_layers=2, embedding_rows=1_000_000)
+    t = Topology(gpus_per_host=8, hosts=hosts)
+    spec = MeshSpec(fsdp=8 * hosts, ep=2, sparse_replicate=2)
+    dev = DeviceSpec(sm_slowdown=slow)
+    base = predict(model, t, spec, batch * 8 * hosts, device=dev)
+    slower = Topology(
+        gpus_per_host=8,
+        hosts=hosts,
+        rdma=Link(bandwidth_gbps=48.0, latency_us=9.6 + lat),
+        nvlink=Link(bandwidth_gbps=370.0, latency_us=3.4 + lat),
+    )
+    worse = predict(model, slower, spec, batch * 8 * hosts, device=dev)
+    assert worse.step_s >= base.step_s * (1 - 1e-12)
+    assert base.step_s >= base.compute_s * (1 - 1e-12)  # exposed communication >= 0
+    assert 0 < base.scaling_ratio <= 1 + 1e-12
+    assert base.mfu == pytest.approx(base.local_mfu * base.scaling_ratio)
+    serial = predict(
+        model, t, spec, batch * 8 * hosts, device=dev, options=CostOptions(overlap=False)
+    )
+    assert base.step_s <= serial.step_s * (1 + 1e-9) + 1e-12
+    bigger = predict(model, t, spec, 2 * batch * 8 * hosts, device=dev)
+    assert bigger.compute_s > base.compute_s and bigger.memory_gb > base.memory_gb
