@@ -62,6 +62,7 @@ def init_rows(
     *,
     seed: int,
     device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows ``[row_lo, row_hi)`` of a table's initial value, independent of the mesh.
 
@@ -70,11 +71,16 @@ def init_rows(
     every world size produces the same global table (for one device type: CPU and CUDA
     generators differ).
 
+    Args:
+        out: write the rows here (``[row_hi - row_lo, table.dim]``) instead of a new
+            tensor; at most one block of float32 is allocated on the side.
+
     Returns:
-        ``[row_hi - row_lo, table.dim]`` in ``table.dtype`` on ``device``.
+        ``[row_hi - row_lo, table.dim]`` in ``table.dtype`` on ``device`` (``out`` if given).
     """
-    device = torch.device(device)
-    out = torch.empty((row_hi - row_lo, table.dim), dtype=table.dtype, device=device)
+    device = torch.device(device) if out is None else out.device
+    if out is None:
+        out = torch.empty((row_hi - row_lo, table.dim), dtype=table.dtype, device=device)
     if row_hi <= row_lo:
         return out
     for b in range(row_lo // _INIT_BLOCK_ROWS, (row_hi - 1) // _INIT_BLOCK_ROWS + 1):
@@ -457,9 +463,7 @@ class ShardedEmbeddingCollection(nn.Module):
         for ti, (name, cfg) in enumerate(self.table_configs.items()):
             p = self.plan.table(name)
             lo, hi = p.row_starts[self.owner_index], p.row_starts[self.owner_index + 1]
-            self._table_view(name, self._storage).copy_(
-                init_rows(cfg, ti, lo, hi, seed=self.seed, device=self.device)
-            )
+            init_rows(cfg, ti, lo, hi, seed=self.seed, out=self._table_view(name, self._storage))
         self.zero_grad_rows()
 
     @torch.no_grad()

@@ -155,9 +155,9 @@ def sparse_traffic(
     """Expected bytes one rank sends per step, per design and tier.
 
     Args:
-        tables: one :class:`TableTraffic` per table (tables of one ``(dim, dtype)`` share
-            collectives; the split-count bytes are counted per table here, an upper
-            bound of ``8 * (group_size + replicas)`` per table).
+        tables: one :class:`TableTraffic` per table, all of one ``(dim, dtype)`` group
+            (one set of collectives: the split counts, ``id_bytes`` per peer and hop, are
+            counted once; call once per group and add the results for several groups).
         group_size: ranks of one shard group (``G``).
         replicas: shard groups (``R``); the job has ``G * R`` ranks.
         sync_interval: TorchRec designs synchronise rows every this many steps.
@@ -174,22 +174,31 @@ def sparse_traffic(
     check_int("id_bytes", id_bytes, minimum=1)
     W = G * R
     out = {s: {"intra_group": 0.0, "inter_group": 0.0} for s in SCHEMES}
+    # split counts: one int per peer and hop, once for the group
+    counts_group = id_bytes * (G - 1)
+    out["hierarchical"]["intra_group"] += counts_group
+    out["hierarchical"]["inter_group"] += id_bytes * (R - 1)
+    out["flat"]["intra_group"] += counts_group
+    out["flat"]["inter_group"] += id_bytes * (W - G)
+    for s in ("torchrec_2d",):
+        out[s]["intra_group"] += counts_group
+    for s in ("torchrec_2d_strided", "fully_sharded_2d_strided"):
+        out[s]["inter_group"] += counts_group
     for i, t in enumerate(tables):
         if not isinstance(t, TableTraffic):
             raise TypeError(f"tables[{i}] must be a TableTraffic, got {type(t).__name__}")
         u, ug = t.uniques(G)
         per_key = id_bytes + 2 * t.row_bytes  # id out, row back, gradient out
         sync_rows = t.num_rows / G * (t.row_bytes + t.state_bytes_per_row)
-        a2a_group = (G - 1) / G * u * per_key + id_bytes * (G - 1) * (G > 1)
+        a2a_group = (G - 1) / G * u * per_key
         # hierarchical
         h = out["hierarchical"]
         h["intra_group"] += a2a_group
-        h["inter_group"] += (R - 1) / R * (ug / G) * per_key + id_bytes * (R - 1) * (R > 1)
+        h["inter_group"] += (R - 1) / R * (ug / G) * per_key
         # flat over the whole job
         f = out["flat"]
-        if W > 1:
-            f["intra_group"] += (G - 1) / W * u * per_key + id_bytes * (G - 1)
-            f["inter_group"] += (W - G) / W * u * per_key + id_bytes * (W - G)
+        f["intra_group"] += (G - 1) / W * u * per_key
+        f["inter_group"] += (W - G) / W * u * per_key
         # TorchRec 2-D: ring all-reduce sends 2 (R-1)/R of the group shard per rank
         allreduce = 2 * (R - 1) / R * sync_rows / sync_interval
         tr = out["torchrec_2d"]
