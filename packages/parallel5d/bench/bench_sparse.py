@@ -80,18 +80,26 @@ def make_batch(cfg: dict, step: int, device) -> dict:
     rows = cfg["rows"]
     hist = zipf_ids(n, rows, cfg["zipf"], gen, device)
     bag_ids = zipf_ids(m, rows, cfg["zipf"], gen, device)
-    dim = cfg["dim"]
-    g_hist = torch.randn(n, dim, generator=gen, device=device) * 1e-3
-    g_bag = torch.randn(cfg["bags"], dim, generator=gen, device=device) * 1e-3
     unique = int(torch.unique(torch.cat([hist, bag_ids])).numel())
     return {
+        "step": step,
         "hist": hist,
         "bag_ids": bag_ids,
         "bag_offsets": bag_offsets,
-        "g_hist": g_hist,
-        "g_bag": g_bag,
         "lookups": n + m,
         "unique": unique,
+    }
+
+
+def upstream_grads(cfg: dict, batch: dict, device) -> dict:
+    """The fixed random output gradients of a batch, drawn just before its step (not
+    kept for all batches: they are as large as the outputs)."""
+    gen = torch.Generator(device=device).manual_seed(5000 + batch["step"])
+    n, dim = batch["hist"].numel(), cfg["dim"]
+    return {
+        **batch,
+        "g_hist": torch.randn(n, dim, generator=gen, device=device) * 1e-3,
+        "g_bag": torch.randn(cfg["bags"], dim, generator=gen, device=device) * 1e-3,
     }
 
 
@@ -203,6 +211,7 @@ def run_case(cfg: dict, dtype: torch.dtype, variants: list[str], device, args) -
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         rec: dict = {"variant": name, "dtype": str(dtype).removeprefix("torch."), **cfg}
+        v = None
         try:
             t0 = time.perf_counter()
             v = build(name, cfg, dtype, device)
@@ -210,7 +219,10 @@ def run_case(cfg: dict, dtype: torch.dtype, variants: list[str], device, args) -
                 torch.cuda.synchronize()
             rec["build_s"] = time.perf_counter() - t0
             times, phases = [], []
-            for i, batch in enumerate(batches):
+            for i, ids in enumerate(batches):
+                batch = upstream_grads(cfg, ids, device)
+                if cuda:
+                    torch.cuda.synchronize()
                 events = (
                     [torch.cuda.Event(enable_timing=True) for _ in range(4)]
                     if cuda
@@ -255,11 +267,12 @@ def run_case(cfg: dict, dtype: torch.dtype, variants: list[str], device, args) -
                 rec["dense_bytes_per_step"] = cfg["rows"] * cfg["dim"] * elem * 9
             if cuda:
                 rec["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            del v
         except torch.OutOfMemoryError as exc:
             rec["error"] = f"out of memory: {str(exc).splitlines()[0]}"
         except RuntimeError as exc:  # e.g. an unsupported dtype in a torch peer
             rec["error"] = str(exc).splitlines()[0]
+        finally:
+            v = batch = None
         print(
             f"{name:34s} {rec['dtype']:8s} rows={cfg['rows']:>11,d} "
             + (

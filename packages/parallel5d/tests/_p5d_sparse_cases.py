@@ -30,12 +30,15 @@ STATES = {
 
 
 def tables(dtype: torch.dtype = torch.float32) -> tuple[TableConfig, ...]:
-    """A GEM-like mix: a big row-wise item table read by two sequence features, a small
+    """A GEM-like mix: a big row-wise item table (hashed row order) read by two sequence
+    features, a small
     category table (table-wise under ``auto``) read by a sequence and a pooled feature,
     a 3-row table sharded row-wise (zero-row shards from 4 ranks up) and a table of
     another width (a second collective group)."""
     return (
-        TableConfig(name="item", num_rows=61, dim=8, dtype=dtype, sharding="row"),
+        TableConfig(
+            name="item", num_rows=61, dim=8, dtype=dtype, sharding="row", row_order="hashed"
+        ),
         TableConfig(name="cat", num_rows=13, dim=8, dtype=dtype),
         TableConfig(name="action", num_rows=3, dim=8, dtype=dtype, sharding="row"),
         TableConfig(name="user", num_rows=29, dim=4, dtype=dtype, sharding="row"),

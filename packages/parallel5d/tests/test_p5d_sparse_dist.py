@@ -27,7 +27,6 @@ from _p5d_sparse_cases import (
     tables,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from hyperrec.parallel5d.sparse import (
     FeatureConfig,
@@ -35,7 +34,7 @@ from hyperrec.parallel5d.sparse import (
     TableConfig,
 )
 from hyperrec.parallel5d.sparse.traffic import TableTraffic, sparse_traffic
-from hyperrec.raggedshard import RaggedLoadPlanner, RaggedSavePlanner, full_tensor
+from hyperrec.raggedshard import RaggedLoadPlanner, RaggedSavePlanner
 from hyperrec.testing import run_on_ranks
 
 TOL = 2e-6
@@ -47,15 +46,9 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return full_tensor(t) if isinstance(t, DTensor) else t.clone()
-
-
 def _full_states(opt, kind) -> dict:
     return {
-        (t, s): _full(opt.state_view(t, s))
-        for t in opt.collection.table_configs
-        for s in STATES[kind]
+        (t, s): opt.full_state(t, s) for t in opt.collection.table_configs for s in STATES[kind]
     }
 
 

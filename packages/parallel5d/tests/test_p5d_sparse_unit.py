@@ -126,6 +126,32 @@ def test_init_is_mesh_independent():
     assert not torch.equal(init_rows(cfg, 3, 0, 10, seed=9), whole[:10])
 
 
+@settings(max_examples=50, deadline=None)
+@given(rows=st.integers(1, 5000))
+def test_hashed_row_order_is_a_permutation(rows):
+    cfg = TableConfig(name="t", num_rows=rows, dim=1, row_order="hashed")
+    a = cfg.hash_multiplier
+    stored = (np.arange(rows, dtype=np.int64) * a) % rows
+    assert np.array_equal(np.sort(stored), np.arange(rows))
+
+
+def test_hashed_row_order_spreads_hot_ids_and_round_trips():
+    cfg = TableConfig(name="t", num_rows=10_000, dim=2, row_order="hashed", sharding="row")
+    coll = ShardedEmbeddingCollection([cfg])
+    plan = plan_sharding([cfg], 8)
+    hot = coll._stored_rows("t", torch.arange(1000)).numpy()  # the 1,000 lowest ids
+    owners = np.searchsorted(np.asarray(plan.tables[0].row_starts), hot, side="right") - 1
+    counts = np.bincount(owners, minlength=8)
+    assert counts.max() <= 1.1 * counts.mean(), counts  # "id" order: all on owner 0
+    full = torch.randn(10_000, 2)
+    coll.load_full_weights({"t": full})
+    assert torch.equal(coll.full_weights()["t"], full)
+    ids = torch.tensor([0, 1, 2, 9_999, 5])
+    assert torch.equal(coll({"t": ids})["t"], full[ids])
+    with pytest.raises(ValueError, match=r"TableConfig.num_rows must be <= 3037000499"):
+        TableConfig(name="t", num_rows=4_000_000_000, dim=1, row_order="hashed")
+
+
 # ------------------------------------------------------------------------- one process
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad", "adam"])
 def test_one_process_matches_reference_training(kind):
@@ -147,7 +173,7 @@ def test_one_process_matches_reference_training(kind):
     for name, w in ref.w.items():
         assert max_err(full[name], w) < 2e-6, name
         for s in STATES[kind]:
-            assert max_err(opt.state_view(name, s), ref_states[name][s]) < 2e-6, (name, s)
+            assert max_err(opt.full_state(name, s), ref_states[name][s]) < 2e-6, (name, s)
 
 
 def test_duplicates_empty_bags_and_empty_features():
@@ -229,9 +255,8 @@ def test_lazy_adam_leaves_untouched_rows_and_states_alone():
     after = coll.full_weights()
     changed = (after["item"] != before["item"]).any(dim=1).nonzero().flatten().tolist()
     assert changed == [3]
-    assert (
-        opt.state_view("item", "exp_avg").abs().sum(dim=1) > 0
-    ).nonzero().flatten().tolist() == [3]
+    exp_avg = opt.full_state("item", "exp_avg")
+    assert (exp_avg.abs().sum(dim=1) > 0).nonzero().flatten().tolist() == [3]
     assert int(opt.state_dict()["state"]["item"]["step"]) == 1
 
 

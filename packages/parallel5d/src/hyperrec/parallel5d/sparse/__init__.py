@@ -20,6 +20,7 @@ from hyperrec.parallel5d.sparse.collection import (
 )
 from hyperrec.parallel5d.sparse.config import (
     POOLINGS,
+    ROW_ORDERS,
     SHARDINGS,
     FeatureConfig,
     Pooling,
@@ -32,6 +33,7 @@ from hyperrec.parallel5d.sparse.plan import ShardingPlan, TablePlacement, plan_s
 __all__ = [
     "POOLINGS",
     "ROUTINGS",
+    "ROW_ORDERS",
     "SHARDINGS",
     "FeatureConfig",
     "LazyAdagrad",

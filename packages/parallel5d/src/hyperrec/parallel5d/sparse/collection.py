@@ -488,19 +488,45 @@ class ShardedEmbeddingCollection(nn.Module):
                 )
             p = self.plan.table(name)
             lo, hi = p.row_starts[self.owner_index], p.row_starts[self.owner_index + 1]
-            self._table_view(name, self._storage).copy_(full[lo:hi])
+            ids = self._id_of_stored(name, torch.arange(lo, hi, device=full.device))
+            self._table_view(name, self._storage).copy_(full.index_select(0, ids))
 
     @torch.no_grad()
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every table gathered whole on every rank (collective; for tests and export of
-        small tables only: it is ``O(T)`` memory)."""
+        """Every table gathered whole on every rank, in id order (collective; for tests
+        and export of small tables only: it is ``O(T)`` memory)."""
+        return {name: self.gather(name, self.weight(name)) for name in self.table_configs}
+
+    @torch.no_grad()
+    def gather(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A row-sharded value of table ``name`` (its weight or an optimizer state) whole
+        on every rank, in id order (collective, ``O(T)`` memory)."""
         from hyperrec.raggedshard import full_tensor
 
-        out = {}
-        for name in self.table_configs:
-            w = self.weight(name)
-            out[name] = full_tensor(w) if isinstance(w, DTensor) else w.clone()
-        return out
+        full = full_tensor(value) if isinstance(value, DTensor) else value.clone()
+        return self.unpermute(name, full)
+
+    def _stored_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Stored row of each id of table ``name`` (the id itself unless hashed)."""
+        cfg = self.table_configs[name]
+        if cfg.row_order == "id":
+            return ids
+        return (ids * cfg.hash_multiplier) % cfg.num_rows
+
+    def _id_of_stored(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`_stored_rows`."""
+        cfg = self.table_configs[name]
+        if cfg.row_order == "id":
+            return rows
+        return (rows * pow(cfg.hash_multiplier, -1, cfg.num_rows)) % cfg.num_rows
+
+    def unpermute(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """A full table (or state) in stored row order -> in id order (a gather; the
+        identity for ``row_order="id"``)."""
+        if self.table_configs[name].row_order == "id":
+            return stored
+        ids = torch.arange(stored.shape[0], device=stored.device)
+        return stored.index_select(0, self._stored_rows(name, ids))
 
     def local_bytes(self) -> int:
         """Bytes of this rank's rows (all tables)."""
@@ -679,7 +705,8 @@ class ShardedEmbeddingCollection(nn.Module):
                 if gi != g:
                     continue
                 ids = parsed[name][0]
-                parts.append(ids.long() + gp.key_offsets[ti])
+                stored = self._stored_rows(cfg.table, ids.long())
+                parts.append(stored + gp.key_offsets[ti])
                 span[name] = (start, start + ids.numel())
                 start += ids.numel()
             keys = (

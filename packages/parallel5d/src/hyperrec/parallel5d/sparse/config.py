@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -13,6 +14,7 @@ from hyperrec.parallel5d.sparse._validate import check_choice, check_float, chec
 __all__ = [
     "DTYPES",
     "POOLINGS",
+    "ROW_ORDERS",
     "SHARDINGS",
     "FeatureConfig",
     "Pooling",
@@ -28,6 +30,14 @@ Sharding = Literal["auto", "row", "table"]
 #: ``"row"``: contiguous row blocks on every rank of the job; ``"table"``: the whole table
 #: on one rank; ``"auto"``: ``"table"`` for tables of at most ``table_wise_max_bytes``.
 SHARDINGS: tuple[str, ...] = ("auto", "row", "table")
+
+#: ``"id"``: row ``i`` of the stored table is id ``i``; ``"hashed"``: id ``i`` is stored at
+#: row ``(a * i) mod num_rows`` for a fixed ``a`` coprime with ``num_rows`` near
+#: ``0.618 num_rows``, so runs of consecutive ids (hot low ids) spread over every owner.
+ROW_ORDERS: tuple[str, ...] = ("id", "hashed")
+
+#: Largest table a ``"hashed"`` order supports (``a * i`` must fit in int64).
+MAX_HASHED_ROWS = 3_037_000_499
 
 #: Table dtypes (the optimizer states are float32 whatever the table dtype).
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +71,10 @@ class TableConfig:
     """``"row"``, ``"table"`` or ``"auto"`` (see :data:`SHARDINGS`)."""
     init_std: float | None = None
     """Rows are initialised ``N(0, init_std**2)``; ``None`` means ``dim ** -0.5``."""
+    row_order: Literal["id", "hashed"] = "id"
+    """How ids map to stored rows (see :data:`ROW_ORDERS`). ``"hashed"`` balances owners
+    when popular ids are clustered (e.g. low); the state dict then holds the rows (and
+    optimizer states) in hashed order, the same for every world size."""
 
     def __post_init__(self) -> None:
         _check_name("TableConfig.name", self.name)
@@ -73,6 +87,24 @@ class TableConfig:
         check_choice("TableConfig.sharding", self.sharding, SHARDINGS)
         if self.init_std is not None:
             check_float("TableConfig.init_std", self.init_std, minimum=0.0)
+        check_choice("TableConfig.row_order", self.row_order, ROW_ORDERS)
+        if self.row_order == "hashed" and self.num_rows > MAX_HASHED_ROWS:
+            raise ValueError(
+                f"TableConfig.num_rows must be <= {MAX_HASHED_ROWS} for row_order='hashed', "
+                f"got {self.num_rows}"
+            )
+
+    @property
+    def hash_multiplier(self) -> int:
+        """``a`` of the ``"hashed"`` order: the integer nearest ``0.618 num_rows`` that is
+        coprime with ``num_rows`` (1 for tables of at most 2 rows)."""
+        n = self.num_rows
+        if n <= 2:
+            return 1
+        a = max(1, round(n * 0.6180339887498949))
+        while math.gcd(a, n) != 1:
+            a += 1
+        return a
 
     @property
     def std(self) -> float:

@@ -180,6 +180,11 @@ class _RowOptimizer(torch.optim.Optimizer):
             self._views[key] = self.collection._dtensor(table, local)
         return self._views[key]
 
+    def full_state(self, table: str, state: str) -> torch.Tensor:
+        """State ``state`` of ``table`` whole on every rank, in id order (collective,
+        ``O(T)`` memory; for tests and export)."""
+        return self.collection.gather(table, self.state_view(table, state))
+
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer states."""
         return sum(t.numel() * t.element_size() for s in self._storages for t in s.values())
