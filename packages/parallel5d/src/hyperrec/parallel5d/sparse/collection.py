@@ -171,9 +171,13 @@ class ShardedEmbeddingCollection(nn.Module):
         mesh: ``None`` (the default process group as one shard group, or a single
             process without one), a 1-D ``DeviceMesh`` (one shard group) or a 2-D
             ``DeviceMesh`` with a replica axis and a shard-group axis.
-        shard_axis: name or index of the shard-group axis of a 2-D mesh (the fast tier,
-            e.g. the GPUs of a host); the other axis holds the replicas. Default: the
-            last axis (``(replicate, shard)``, as HSDP meshes are laid out).
+        shard_axis: name or index of the shard-group axis of a 2-D mesh: the axis whose
+            groups share the fast tier (the GPUs of a host), where the first hop runs
+            and duplicates merge; the other axis holds the replicas of that group.
+            Default: the last axis (``(replicate, shard)``, as HSDP meshes are laid
+            out). With ``ParallelMesh``: ``mesh=pm.sparse_mesh,
+            shard_axis="sparse_replicate"`` (its NVLink axis); its ``sparse_dp`` must be
+            1 (copies of the tables would need a weight sync, not implemented).
         routing: ``"hierarchical"`` (default) or ``"flat"`` (see :data:`ROUTINGS`).
         device: where rows, states and inputs live; default: CUDA's current device for
             a CUDA mesh, else CPU.
