@@ -4,8 +4,9 @@ Variants, same table size, same batches (jagged Zipf histories as a sequence fea
 plus mean-pooled bags over the same table), same seeds:
 
 - ``sparse_rowwise_adagrad``: :class:`ShardedEmbeddingCollection` on a 1-rank mesh +
-  :class:`RowWiseAdagrad` (``validate=False``); ``sparse_rowwise_adagrad_validated``: the
-  same with input validation (its host syncs);
+  :class:`RowWiseAdagrad` (``validate=False``, fused Triton update on CUDA);
+  ``..._torch_update``: the same with the PyTorch update (``backend="torch"``);
+  ``..._validated``: the same with input validation (its host syncs);
 - ``sparse_lazy_adam``: the collection + :class:`LazyAdam` (fp32 tables only: its states
   are 2x the table);
 - ``dense_adamw``: ``nn.Embedding`` weights with dense gradients and fused ``AdamW`` (the
@@ -105,7 +106,7 @@ def upstream_grads(cfg: dict, batch: dict, device) -> dict:
 
 # ---------------------------------------------------------------------------- variants
 class SparseVariant:
-    def __init__(self, cfg, dtype, device, optimizer: str, validate: bool):
+    def __init__(self, cfg, dtype, device, optimizer: str, validate: bool, backend="auto"):
         table = TableConfig(name="item", num_rows=cfg["rows"], dim=cfg["dim"], dtype=dtype)
         feats = [
             FeatureConfig(name="hist", table="item"),
@@ -120,10 +121,10 @@ class SparseVariant:
             [table], feats, mesh=mesh, device=device, validate=validate
         )
         if optimizer == "rowwise_adagrad":
-            self.opt = RowWiseAdagrad(self.coll, lr=0.01)
+            self.opt = RowWiseAdagrad(self.coll, lr=0.01, backend=backend)
             self.state_bytes_per_row = 4
         else:
-            self.opt = LazyAdam(self.coll, lr=1e-3)
+            self.opt = LazyAdam(self.coll, lr=1e-3, backend=backend)
             self.state_bytes_per_row = 8 * cfg["dim"]
 
     def step(self, batch, events):
@@ -178,6 +179,8 @@ class TorchVariant:
 def build(name: str, cfg, dtype, device):
     if name == "sparse_rowwise_adagrad":
         return SparseVariant(cfg, dtype, device, "rowwise_adagrad", validate=False)
+    if name == "sparse_rowwise_adagrad_torch_update":
+        return SparseVariant(cfg, dtype, device, "rowwise_adagrad", validate=False, backend="torch")
     if name == "sparse_rowwise_adagrad_validated":
         return SparseVariant(cfg, dtype, device, "rowwise_adagrad", validate=True)
     if name == "sparse_lazy_adam":
@@ -296,6 +299,7 @@ def run_case(cfg: dict, dtype: torch.dtype, variants: list[str], device, args) -
 
 ALL = [
     "sparse_rowwise_adagrad",
+    "sparse_rowwise_adagrad_torch_update",
     "sparse_rowwise_adagrad_validated",
     "sparse_lazy_adam",
     "torch_sparse_adam",

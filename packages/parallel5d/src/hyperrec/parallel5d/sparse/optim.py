@@ -18,6 +18,10 @@ touched in the step are left as they are: their states neither decay nor count t
 
 States are float32 whatever the table dtype; bf16/fp16 rows are updated in float32 and
 rounded to nearest (FBGEMM can round stochastically; not done here).
+
+``backend="auto"`` runs each update as one fused Triton kernel on CUDA (one program per
+touched row: the row, its gradient and its state are read once and written once) and
+the PyTorch version (the ``*_rows_`` functions below, about ten kernels) elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyperrec.parallel5d.sparse._dispatch import Backend, resolve_backend
 from hyperrec.parallel5d.sparse._validate import check_choice, check_float
 from hyperrec.parallel5d.sparse.collection import ShardedEmbeddingCollection
 
@@ -128,12 +133,15 @@ class _RowOptimizer(torch.optim.Optimizer):
     #: Hyperparameters that must agree inside a collection group to update it in one go.
     _HYPER: tuple[str, ...] = ()
 
-    def __init__(self, collection: ShardedEmbeddingCollection, defaults: dict[str, Any]):
+    def __init__(
+        self, collection: ShardedEmbeddingCollection, defaults: dict[str, Any], backend: str
+    ):
         if not isinstance(collection, ShardedEmbeddingCollection):
             raise TypeError(
                 f"collection must be a ShardedEmbeddingCollection, got {type(collection).__name__}"
             )
         self.collection = collection
+        self.backend = resolve_backend(backend, collection.device)
         groups = [
             {"params": [collection._table_view(name, collection._storage)], "table": name}
             for name in collection.table_configs
@@ -223,6 +231,7 @@ class _RowOptimizer(torch.optim.Optimizer):
                     (rows.numel(), gp.dim), dtype=torch.float32, device=cat_rows.device
                 )
                 grad.index_add_(0, inv, torch.cat([p[1] for p in pending]))
+            rows, grad = rows.contiguous(), grad.contiguous()
             hps = [self._group_of_table(name) for name in gp.tables]
             for name in gp.tables:
                 self._steps[name] += 1
@@ -328,10 +337,11 @@ class RowWiseAdagrad(_RowOptimizer):
         weight_decay: applied to touched rows only (default 0).
         weight_decay_mode: ``"l2"`` (added to the gradient) or ``"decoupled"``.
         initial_accumulator_value: starting ``m`` (default 0).
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (the fused kernel).
 
     Raises:
         TypeError / ValueError: a non-collection, negative or non-finite numbers, an
-            unknown mode.
+            unknown mode or backend, ``"triton"`` without Triton or CUDA.
     """
 
     _STATES = (("momentum", "row"),)
@@ -346,6 +356,7 @@ class RowWiseAdagrad(_RowOptimizer):
         weight_decay: float = 0.0,
         weight_decay_mode: Literal["l2", "decoupled"] = "l2",
         initial_accumulator_value: float = 0.0,
+        backend: Backend = "auto",
     ):
         defaults = {
             "lr": check_float("lr", lr, minimum=0.0),
@@ -358,7 +369,7 @@ class RowWiseAdagrad(_RowOptimizer):
         self._initial = check_float(
             "initial_accumulator_value", initial_accumulator_value, minimum=0.0
         )
-        super().__init__(collection, defaults)
+        super().__init__(collection, defaults, backend)
 
     def _init_states(self) -> None:
         for s in self._storages:
@@ -367,7 +378,10 @@ class RowWiseAdagrad(_RowOptimizer):
     def _update(
         self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
     ) -> None:
-        rowwise_adagrad_rows_(
+        fn = rowwise_adagrad_rows_
+        if self.backend == "triton":
+            from hyperrec.parallel5d.sparse._triton.update import rowwise_adagrad_rows as fn
+        fn(
             self.collection._storage[g],
             self._storages[g]["momentum"],
             rows,
@@ -390,6 +404,10 @@ class LazyAdagrad(_RowOptimizer):
         collection: the :class:`ShardedEmbeddingCollection` to train.
         lr: learning rate (default 0.01). lr_decay: default 0. eps: default 1e-10
             (torch's). initial_accumulator_value: default 0.
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``.
+
+    Raises:
+        TypeError / ValueError: as :class:`RowWiseAdagrad`.
     """
 
     _STATES = (("sum", "element"),)
@@ -403,6 +421,7 @@ class LazyAdagrad(_RowOptimizer):
         lr_decay: float = 0.0,
         eps: float = 1e-10,
         initial_accumulator_value: float = 0.0,
+        backend: Backend = "auto",
     ):
         defaults = {
             "lr": check_float("lr", lr, minimum=0.0),
@@ -412,7 +431,7 @@ class LazyAdagrad(_RowOptimizer):
         self._initial = check_float(
             "initial_accumulator_value", initial_accumulator_value, minimum=0.0
         )
-        super().__init__(collection, defaults)
+        super().__init__(collection, defaults, backend)
 
     def _init_states(self) -> None:
         for s in self._storages:
@@ -421,7 +440,10 @@ class LazyAdagrad(_RowOptimizer):
     def _update(
         self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
     ) -> None:
-        adagrad_rows_(
+        fn = adagrad_rows_
+        if self.backend == "triton":
+            from hyperrec.parallel5d.sparse._triton.update import adagrad_rows as fn
+        fn(
             self.collection._storage[g],
             self._storages[g]["sum"],
             rows,
@@ -444,6 +466,10 @@ class LazyAdam(_RowOptimizer):
         collection: the :class:`ShardedEmbeddingCollection` to train.
         lr: default 1e-3. betas: default (0.9, 0.999). eps: default 1e-8.
         weight_decay: decoupled (AdamW-style) decay of the touched rows; default 0.
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"``.
+
+    Raises:
+        TypeError / ValueError: as :class:`RowWiseAdagrad`; betas outside ``[0, 1)``.
     """
 
     _STATES = (("exp_avg", "element"), ("exp_avg_sq", "element"))
@@ -457,6 +483,7 @@ class LazyAdam(_RowOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        backend: Backend = "auto",
     ):
         if not isinstance(betas, tuple | list) or len(betas) != 2:
             raise TypeError(f"betas must be a pair of floats, got {betas!r}")
@@ -470,12 +497,29 @@ class LazyAdam(_RowOptimizer):
             "eps": check_float("eps", eps, minimum=0.0),
             "weight_decay": check_float("weight_decay", weight_decay, minimum=0.0),
         }
-        super().__init__(collection, defaults)
+        super().__init__(collection, defaults, backend)
 
     def _update(
         self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
     ) -> None:
         st = self._storages[g]
+        if self.backend == "triton":
+            from hyperrec.parallel5d.sparse._triton.update import adam_rows
+
+            b1, b2 = hp["betas"]
+            adam_rows(
+                self.collection._storage[g],
+                st["exp_avg"],
+                st["exp_avg_sq"],
+                rows,
+                grad,
+                beta1=b1,
+                beta2=b2,
+                eps=hp["eps"],
+                decay=1.0 - hp["lr"] * hp["weight_decay"],
+                step_size=hp["lr"] * math.sqrt(1.0 - b2**step) / (1.0 - b1**step),
+            )
+            return
         adam_rows_(
             self.collection._storage[g],
             st["exp_avg"],
