@@ -147,29 +147,27 @@ def test_backend_resolution(monkeypatch):
         resolve_backend("triton", torch.device("cpu"))
 
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from hyperrec.parallel5d.sparse._triton.update import _cast_out  # noqa: E402
+
+
+@triton.jit
+def _store_bf16(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    d = tl.arange(0, BLOCK)
+    m = d < n
+    x = tl.load(x_ptr + d, mask=m)
+    tl.store(y_ptr + d, _cast_out(x, True).to(tl.bfloat16), mask=m)
+
+
 def test_bf16_store_rounds_like_torch():
     """The kernels' bf16 stores round to nearest even, as ``Tensor.to(bfloat16)`` does
     (the interpreter alone would truncate), including signs, extremes and infinities."""
-    import triton
-    import triton.language as tl
-
-    from hyperrec.parallel5d.sparse._triton.update import _cast_out
-
-    @triton.jit
-    def store(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-        d = tl.arange(0, BLOCK)
-        m = d < n
-        x = tl.load(x_ptr + d, mask=m)
-        tl.store(y_ptr + d, _cast_out(x, True).to(tl.bfloat16), mask=m)
-
     g = torch.Generator().manual_seed(0)
     scale = 10.0 ** torch.randint(-30, 30, (2000,), generator=g).float()
-    x = torch.cat(
-        [
-            torch.randn(2000, generator=g) * scale,
-            torch.tensor([float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0, -0.0]),
-        ]
-    ).to(DEVICE)
+    special = torch.tensor([float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0, -0.0])
+    x = torch.cat([torch.randn(2000, generator=g) * scale, special]).to(DEVICE)
     y = torch.empty_like(x, dtype=torch.bfloat16)
-    store[(1,)](x, y, x.numel(), BLOCK=2048 * 2)
+    _store_bf16[(1,)](x, y, x.numel(), BLOCK=4096)
     assert torch.equal(y.float(), x.to(torch.bfloat16).float())
