@@ -205,8 +205,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
     Raises:
         TypeError / ValueError: bad configs, repeated names, a feature naming an
-            unknown table, a mesh of more than two axes or not spanning every rank of
-            the default process group, an unknown ``shard_axis``.
+            unknown table, a mesh of more than two axes, a 2-D mesh not spanning every
+            rank of the default process group, an unknown ``shard_axis``.
     """
 
     def __init__(
@@ -320,6 +320,13 @@ class ShardedEmbeddingCollection(nn.Module):
                 sdim %= 2
             rdim = 1 - sdim
             grid = mesh.mesh.permute(rdim, sdim).contiguous()
+            if grid.numel() != dist.get_world_size():
+                # Every rank builds the flattened mesh (a collective); a 2-D mesh over part
+                # of the job would leave the other ranks out of it.
+                raise ValueError(
+                    f"a 2-D mesh must span every rank of the default process group "
+                    f"({dist.get_world_size()}), got {grid.numel()} ranks"
+                )
             device_type = mesh.device_type
             flat = DeviceMesh(device_type, grid.reshape(-1))
             self._axis_groups = (mesh.get_group(rdim), mesh.get_group(sdim))
@@ -327,13 +334,6 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError(
                 f"mesh must have 1 or 2 axes (replicate, shard), got {mesh.ndim}: pass the "
                 "sparse sub-mesh of a larger mesh"
-            )
-        if flat is not None and grid.numel() != dist.get_world_size():
-            # Every rank builds the flattened mesh (a collective); a mesh over part of
-            # the job would leave the other ranks out of it.
-            raise ValueError(
-                f"mesh must span every rank of the default process group "
-                f"({dist.get_world_size()}), got {grid.numel()} ranks"
             )
         self._grid = grid  # [replicas, group size] global ranks; owner o = grid.flatten()[o]
         self.num_replicas, self.group_size = int(grid.shape[0]), int(grid.shape[1])
