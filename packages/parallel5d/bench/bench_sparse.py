@@ -17,13 +17,13 @@ plus mean-pooled bags over the same table), same seeds:
 A step = forward (lookups, pooling) + backward of ``sum(out * G)`` (a fixed random
 upstream gradient) + optimizer step, timed with CUDA events over several freshly drawn
 batches (median and minimum). Figures: lookups/s, unique rows updated/s, and effective
-GB/s = the *minimal* bytes of a sparse step (read the unique rows, write the outputs,
-read their gradients, read + write the updated rows and their states) / time, against
-the H200 copy ceiling (4.2 TB/s). The same byte count is used for every variant, so the
+GB/s = the *minimal* bytes of a sparse step (read the unique rows, write the outputs:
+one row per history id and per bag, read their gradients, read + write the updated rows
+and their states) / time, against the H200 copy ceiling (4.2 TB/s). The same byte count is used for every variant, so the
 GB/s ratios are the speed ratios; the dense variant also moves the whole table and its
 AdamW states every step (``dense_bytes`` in the JSON).
 
-Run (one H200, torch 2.11; about 4 minutes, ``--quick`` about 1.5)::
+Run (one H200, torch 2.11; at most 4 minutes, ``--quick`` at most 1.5)::
 
     python packages/parallel5d/bench/bench_sparse.py --out packages/parallel5d/bench/results
 
@@ -88,6 +88,7 @@ def make_batch(cfg: dict, step: int, device) -> dict:
         "bag_ids": bag_ids,
         "bag_offsets": bag_offsets,
         "lookups": n + m,
+        "outputs": n + cfg["bags"],
         "unique": unique,
     }
 
@@ -239,12 +240,14 @@ def run_case(cfg: dict, dtype: torch.dtype, variants: list[str], device, args) -
                     phases.append([events[j].elapsed_time(events[j + 1]) for j in range(3)])
             med = statistics.median(times)
             lookups = statistics.mean(b["lookups"] for b in batches[args.warmup :])
+            outputs = statistics.mean(b["outputs"] for b in batches[args.warmup :])
             unique = statistics.mean(b["unique"] for b in batches[args.warmup :])
             row = cfg["dim"] * elem
-            # minimal sparse step: read unique rows, write outputs, read their gradients,
-            # read + write updated rows and states
+            # minimal sparse step: read the unique rows, write the outputs (one row per
+            # history id, one per bag), read their gradients, read + write the updated
+            # rows and their states
             minimal = (
-                unique * row + 2 * lookups * row + unique * (2 * row + 2 * v.state_bytes_per_row)
+                unique * row + 2 * outputs * row + unique * (2 * row + 2 * v.state_bytes_per_row)
             )
             rec.update(
                 {
