@@ -423,7 +423,7 @@ def test_expected_unique_matches_sampling():
 
 
 def test_traffic_model_orders_the_designs():
-    t = [TableTraffic(num_rows=10_000_000, dim=128, ids_per_rank=200_000, zipf_exponent=1.05)]
+    t = [TableTraffic(num_rows=2_000_000, dim=128, ids_per_rank=100_000, zipf_exponent=1.05)]
     traffic = sparse_traffic(t, group_size=8, replicas=16)
     h, f = traffic["hierarchical"], traffic["flat"]
     assert h["inter_group"] < f["inter_group"]  # host-level dedup saves slow-tier bytes
