@@ -454,3 +454,16 @@ def test_public_api_is_exported():
     ):
         assert getattr(p5d, name) is getattr(sp, name)
     assert HP.keys() == STATES.keys()
+
+
+def test_torch_state_dict_helpers_see_the_tables():
+    """``torch.distributed.checkpoint.state_dict`` (the trainer's checkpoint path) reads
+    and writes the tables of a collection inside a model."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+    model = torch.nn.ModuleDict({"sparse": _collection(), "head": torch.nn.Linear(8, 1)})
+    msd, _ = get_state_dict(model, torch.optim.AdamW(model["head"].parameters()))
+    assert "sparse.tables.item.weight" in msd and "head.weight" in msd
+    msd["sparse.tables.user.weight"] = torch.ones(29, 4)
+    set_model_state_dict(model, msd)
+    assert torch.equal(model["sparse"].full_weights()["user"], torch.ones(29, 4))
