@@ -13,6 +13,11 @@
   ``sparse_dp x sparse_shard x sparse_replicate``; each axis asserted on its tier);
   :class:`RoutedExperts` (expert parallelism); the cost model and ``plan_mesh`` in
   :mod:`hyperrec.parallel5d.cost`.
+- Fully sharded sparse parallelism (:mod:`hyperrec.parallel5d.sparse`):
+  :class:`ShardedEmbeddingCollection` keeps every embedding row and its optimizer state
+  on exactly one rank of the job (ids routed inside the shard group, then across
+  replicas); lazy owner-side optimizers :class:`RowWiseAdagrad`, :class:`LazyAdagrad`,
+  :class:`LazyAdam`.
 """
 
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy
@@ -28,6 +33,14 @@ from hyperrec.parallel5d.mesh import (
     check_axis_tiers,
 )
 from hyperrec.parallel5d.optim import AdamW8bit, Muon
+from hyperrec.parallel5d.sparse import (
+    FeatureConfig,
+    LazyAdagrad,
+    LazyAdam,
+    RowWiseAdagrad,
+    ShardedEmbeddingCollection,
+    TableConfig,
+)
 from hyperrec.parallel5d.topology import Link, Topology
 
 __all__ = [
@@ -35,14 +48,20 @@ __all__ = [
     "DEFAULT_AXIS_TIERS",
     "AdamW8bit",
     "FSDPModule",
+    "FeatureConfig",
     "Granularity",
     "GroupedExperts",
+    "LazyAdagrad",
+    "LazyAdam",
     "Link",
     "MeshSpec",
     "MixedPrecisionPolicy",
     "Muon",
     "ParallelMesh",
     "RoutedExperts",
+    "RowWiseAdagrad",
+    "ShardedEmbeddingCollection",
+    "TableConfig",
     "TopKRouter",
     "Topology",
     "__version__",
