@@ -28,6 +28,7 @@ accumulation. Kernels (``kernel=``):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -151,7 +152,7 @@ def mx_mm(
     Raises:
         TypeError: ``a``/``b`` not MX tensors; bad ``bias`` or ``out_dtype``.
         ValueError: wrong axes, mismatched K or block sizes, MX4 with Triton, unknown
-            ``kernel``/``backend``.
+            ``kernel``/``backend``, a NaN or infinite ``alpha``.
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, MXTensor):
@@ -179,5 +180,8 @@ def mx_mm(
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise TypeError(f"alpha must be a float, got {alpha!r}")
+    # alpha is applied in FP32: a value that overflows there is as bad as an infinity.
+    if not (math.isfinite(alpha) and abs(alpha) <= torch.finfo(torch.float32).max):
+        raise ValueError(f"alpha must be finite in float32, got {alpha!r}")
     impl = resolve_backend(backend, a.device)
     return _mm(a, b, out_dtype, bias, alpha, kernel, impl)
