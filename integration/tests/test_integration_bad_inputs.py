@@ -156,6 +156,7 @@ CASES = [
     case(V, "train.validate_inputs", override, PRESET, ["train.validate_inputs=maybe"]),
     case(V, "model.mlp_dims", override, PRESET, ["model.mlp_dims=64,x"]),
     case(V, "ModelConfig.heads", override, PRESET, ["model.heads=7"]),
+    case(V, "assigned twice", override, PRESET, ["model.dim=32", "model.dim=64"]),
 ]
 
 
@@ -223,4 +224,6 @@ def test_fuzz_normalized_entropy(probs, labels):
 def test_fuzz_override(assignments):
     err = rejects_cleanly(override, PRESET, assignments)
     bad = {"model.dim=x", "train.steps=0", "data.nope=1", "x.y=1", "model.dim", "="}
-    assert (err is None) == (not bad.intersection(assignments)), err
+    fields = [a.partition("=")[0] for a in assignments]
+    twice = len(fields) != len(set(fields))
+    assert (err is None) == (not bad.intersection(assignments) and not twice), err

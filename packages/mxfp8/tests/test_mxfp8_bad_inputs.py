@@ -90,6 +90,7 @@ CASES = [
     case(T, "hadamard", mx_quantize, x32, colwise=True, hadamard="16"),
     case(V, "hadamard", mx_quantize, x32, colwise=True, hadamard=32, block_size=16),
     case(T, "hadamard_seed", mx_quantize, x32, colwise=True, hadamard=16, hadamard_seed=1.5),
+    case(V, "hadamard_seed", mx_quantize, x32, colwise=True, hadamard_seed=3),
     case(V, "elem_dtype", mx_quantize, x32, elem_dtype="fp8"),
     case(V, "block_size", mx_quantize, x32, block_size=256),
     case(V, "scale_mode", mx_quantize, x32, scale_mode="round"),

@@ -623,7 +623,8 @@ def override(preset: Preset, assignments: list[str] | tuple[str, ...]) -> Preset
         TypeError: ``preset`` is not a :class:`Preset`, ``assignments`` not a list of
             strings (a single string is refused: it would be read character by
             character), or a value of the wrong type for its field.
-        ValueError: malformed assignment, unknown section or field, or an invalid value.
+        ValueError: malformed assignment, unknown section or field, a field assigned
+            twice, or an invalid value.
     """
     if not isinstance(preset, Preset):
         raise TypeError(f"preset must be a Preset, got {type(preset).__name__}")
@@ -649,6 +650,9 @@ def override(preset: Preset, assignments: list[str] | tuple[str, ...]) -> Preset
                 f"override {item!r}: {type(cfg).__name__} has no field {name!r} "
                 f"(fields: {', '.join(sorted(fields))})"
             )
+        if name in sections[section]:
+            # The earlier value would be dropped without a word.
+            raise ValueError(f"override {item!r}: {section}.{name} is assigned twice")
         sections[section][name] = _parse_value(raw.strip(), fields[name].type, key)
     return dataclasses.replace(
         preset,

@@ -243,7 +243,8 @@ def mx_quantize(
 
     Raises:
         TypeError, ValueError: as :func:`to_mx`, plus a non-2-D ``x``, no copy requested,
-        an unknown ``activation`` or a bad ``hadamard``.
+        an unknown ``activation``, a bad ``hadamard``, or a ``hadamard_seed`` without
+        ``hadamard``.
     """
     check_float_tensor("x", x)
     if x.dim() != 2:
@@ -262,6 +263,8 @@ def mx_quantize(
         raise ValueError("hadamard transforms the column-wise copy; set colwise=True")
     if isinstance(hadamard_seed, bool) or not isinstance(hadamard_seed, int):
         raise TypeError(f"hadamard_seed must be an int, got {hadamard_seed!r}")
+    if hadamard_seed and not hadamard:
+        raise ValueError("hadamard_seed is only used with hadamard > 0 (it would be ignored)")
     m, k = x.shape
     if fmt.packed and ((rowwise and k % 2) or (colwise and m % 2)):
         raise ValueError(f"MX4 needs even sizes along the blocked dims, got {(m, k)}")
