@@ -9,6 +9,7 @@ names the argument as the caller spelled it; every type must also be listed in t
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ VV = torch.randn(6, H, 4)
 OFF = torch.tensor([0, 2, 6])
 K9, V9 = torch.randn(9, H, D), torch.randn(9, H, 4)
 KVO = torch.tensor([0, 4, 9])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype API
+    NESTED = torch.nested.nested_tensor([torch.randn(2, H, D)])
 JA = dict(backend="torch")
 G = dict(backend="torch")
 
@@ -88,7 +92,7 @@ CASES = [
         ja(q=torch.randn(6, 0, D), k=torch.randn(6, 0, D), v=torch.randn(6, 0, 4)),
     ),
     c(V, "k.shape[0]", ja(k=torch.randn(5, H, D), v=torch.randn(5, H, 4))),
-    c(T, "q", ja(q=torch.nested.nested_tensor([torch.randn(2, D)]))),
+    c(T, "q", ja(q=NESTED)),
     # jagged_attention: offsets
     c(T, "offsets", ja(offsets=[0, 2, 6])),
     c(T, "offsets", ja(offsets=OFF.float())),
@@ -295,6 +299,38 @@ def test_fuzz_gdpa_index_and_targets(q_lens, k_lens, index, targets):
         kv_index=None if index is None else torch.tensor(index, dtype=torch.int64),
         num_targets=None if targets is None else torch.tensor(targets, dtype=torch.int64),
         causal=True,
+        backend="torch",
+    )
+    assert (err is None) == good, err
+
+
+@_FUZZ
+@given(
+    lengths=st.lists(st.integers(0, 7), max_size=4),
+    block_size=st.integers(-1, 5),
+    num_global=st.integers(-1, 3),
+    max_seqlen=st.integers(-1, 8),
+    previous_block=st.booleans(),
+)
+def test_fuzz_block_attention(lengths, block_size, num_global, max_seqlen, previous_block):
+    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
+    q = torch.randn(int(offsets[-1]), 1, 4)
+    good = (
+        block_size >= 1
+        and num_global >= 0
+        and max_seqlen >= max(lengths, default=0)
+        and max_seqlen >= 0
+    )
+    err = rejects_cleanly(
+        block_attention,
+        q,
+        q,
+        q,
+        offsets,
+        max_seqlen,
+        block_size=block_size,
+        num_global=num_global,
+        previous_block=previous_block,
         backend="torch",
     )
     assert (err is None) == good, err

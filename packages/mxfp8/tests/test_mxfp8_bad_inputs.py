@@ -284,3 +284,31 @@ def test_fuzz_mx_linear_module(lead, features, dtype, min_tokens):
     assert (err is None) == good, err
     if good:
         assert layer(x).shape == (*lead, 8)
+
+
+@_FUZZ
+@given(
+    m=st.integers(0, 40),
+    k=st.integers(0, 40),
+    rowwise=st.booleans(),
+    colwise=st.booleans(),
+    hadamard=st.sampled_from([0, 16, 32, 8]),
+    block=st.sampled_from([16, 32, 64]),
+    elem=st.sampled_from([torch.float8_e4m3fn, "e2m1"]),
+)
+def test_fuzz_mx_quantize(m, k, rowwise, colwise, hadamard, block, elem):
+    good = (
+        (rowwise or colwise)
+        and hadamard in (0, 16, 32)
+        and (hadamard == 0 or (colwise and block % hadamard == 0))
+        and not (elem == "e2m1" and ((rowwise and k % 2) or (colwise and m % 2)))
+    )
+    x = torch.randn(m, k)
+    kw = dict(
+        rowwise=rowwise, colwise=colwise, hadamard=hadamard, block_size=block, elem_dtype=elem
+    )
+    err = rejects_cleanly(mx_quantize, x, backend="torch", **kw)
+    assert (err is None) == good, err
+    if good:
+        row, col = mx_quantize(x, backend="torch", **kw)
+        assert (row is not None) == rowwise and (col is not None) == colwise

@@ -634,6 +634,8 @@ def plan_layout(
     """
     n = _as_int_array(numels, "numels")
     if isinstance(granularities, int | np.integer) and not isinstance(granularities, bool):
+        if granularities < 1:  # checked even with no tensors to broadcast it to
+            raise ValueError(f"granularities must be >= 1, got {granularities}")
         g = np.full(len(n), int(granularities), dtype=np.int64)
     else:
         g = _as_int_array(granularities, "granularities", len(n))
