@@ -25,6 +25,7 @@ from hyperrec.mxfp8 import (
     mx_linear,
     mx_mm,
     mx_quantize,
+    native_mx_supported,
     plan_conversion,
     to_mx,
 )
@@ -199,6 +200,8 @@ CASES = [
     case(V, "elem_dtype", get_format, torch.int8),
     case(T, "elem_dtype", get_format, None),
     case(V, "t()", MXTensor.t, A3),
+    case(T, "device", native_mx_supported, 3),
+    case(V, "device", native_mx_supported, "gpu"),
 ]
 
 

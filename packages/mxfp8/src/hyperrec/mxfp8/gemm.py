@@ -53,9 +53,25 @@ def _native_mx(device_index: int) -> bool:
     return major >= 10 and hasattr(tl, "dot_scaled")
 
 
-def native_mx_supported(device: torch.device | None = None) -> bool:
+def native_mx_supported(device: torch.device | str | None = None) -> bool:
     """True when ``device`` has MX matrix instructions reachable from Triton
-    (compute capability >= 10.0 and ``tl.dot_scaled``); False on Hopper and on CPU."""
+    (compute capability >= 10.0 and ``tl.dot_scaled``); False on Hopper and on CPU.
+
+    ``device``: a ``torch.device``, a device string such as ``"cuda:1"``, or ``None``
+    (the current CUDA device).
+
+    Raises:
+        TypeError: ``device`` is neither a device, a str nor ``None``.
+        ValueError: ``device`` is a string that names no device.
+    """
+    # Checked first, so a bad argument fails the same way with or without a GPU.
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must name a device, got {device!r}") from None
+    elif device is not None and not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, a str or None, got {type(device)}")
     if not torch.cuda.is_available():
         return False
     if device is None:
