@@ -54,7 +54,7 @@ def test_auc_single_class_is_nan():
         (torch.tensor([0.1, 0.2]), torch.tensor([0.0]), ValueError, "equal length"),
         (torch.tensor([0.1, float("nan")]), torch.tensor([0.0, 1.0]), ValueError, "NaN"),
         (torch.tensor([0.1, 0.2]), torch.tensor([0.0, 2.0]), ValueError, "0 or 1"),
-        ([0.1, 0.2], torch.tensor([0.0, 1.0]), TypeError, "tensors"),
+        ([0.1, 0.2], torch.tensor([0.0, 1.0]), TypeError, "scores must be a tensor"),
     ],
 )
 def test_auc_bad_input(scores, labels, err, match):

@@ -71,10 +71,18 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, **kw) -> nn.Module:
-    """fully_shard every block, then the root (as users do)."""
+    """fully_shard every block, then the root (as users do).
+
+    ``ignored_params`` goes to each call restricted to that module's own parameters
+    (fully_shard rejects parameters a module does not have).
+    """
+    ignored = kw.pop("ignored_params", None)
     for m in getattr(model, "blocks", []):
-        fully_shard(m, mesh=mesh, **kw)
-    return fully_shard(model, mesh=mesh, **kw)
+        own = (
+            None if ignored is None else {p for p in ignored if any(p is q for q in m.parameters())}
+        )
+        fully_shard(m, mesh=mesh, ignored_params=own, **kw)
+    return fully_shard(model, mesh=mesh, ignored_params=ignored, **kw)
 
 
 def local_slice(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -9,8 +9,6 @@ same on gloo (and that parameters of a one-rank mesh have their global shapes).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,15 +24,17 @@ _CUDA = pytest.param(
 
 
 @pytest.fixture(params=["cpu", _CUDA])
-def mesh(request):
+def mesh(request, tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     device = request.param
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(29600 + os.getpid() % 500)
     if device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    # A file store in this test's own directory: no TCP port that a parallel test
+    # process could also pick.
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:
         yield init_device_mesh(device, (1,))
     finally:

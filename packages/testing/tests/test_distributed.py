@@ -46,10 +46,69 @@ def test_run_on_ranks_timeout():
         run_on_ranks(_hang_on_rank_one, 2, timeout_s=8)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5])
-def test_run_on_ranks_bad_world_size(bad):
-    with pytest.raises(ValueError, match="world_size"):
+@pytest.mark.parametrize(("bad", "err"), [(0, ValueError), (-2, ValueError), (1.5, TypeError)])
+def test_run_on_ranks_bad_world_size(bad, err):
+    with pytest.raises(err, match="world_size"):
         run_on_ranks(_sum_of_ranks, bad, 1.0)
+
+
+def _slow_restore(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+class _SlowToUnpickle:
+    """Unpickled in each rank before it joins the group: a deterministic slow start."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_slow_restore, (self.seconds,))
+
+
+def _identity(x):
+    return x
+
+
+def test_slow_start_does_not_count_against_the_deadline():
+    # Each rank needs >= 4 s to start; the deadline for fn itself is 3 s. A busy CI
+    # machine starts ranks this slowly just by importing torch.
+    assert run_on_ranks(_identity, 2, _SlowToUnpickle(4.0), timeout_s=3) == [4.0, 4.0]
+
+
+def _all_reduce_with_rank_one_gone():
+    if dist.get_rank() == 1:
+        time.sleep(120)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def test_collective_on_a_hung_peer_fails_inside_the_rank():
+    # The process group times out (0.8 x the deadline) before the parent's deadline, so
+    # the report is rank 0's traceback at the blocked collective, not a blind timeout.
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_on_ranks(_all_reduce_with_rank_one_gone, 2, timeout_s=10)
+    assert info.value.rank == 0
+    assert "all_reduce" in info.value.traceback
+    assert time.monotonic() - start < 60
+
+
+def test_timeout_environment(monkeypatch):
+    from hyperrec.testing.distributed import default_timeout_s
+
+    monkeypatch.delenv("HYPERREC_TEST_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("HYPERREC_TEST_TIMEOUT_SCALE", raising=False)
+    assert default_timeout_s() == 900.0
+    monkeypatch.setenv("HYPERREC_TEST_TIMEOUT_S", "120")
+    monkeypatch.setenv("HYPERREC_TEST_TIMEOUT_SCALE", "2.5")
+    assert default_timeout_s() == 300.0
+    for bad in ("soon", "-1", "nan", "0"):
+        monkeypatch.setenv("HYPERREC_TEST_TIMEOUT_SCALE", bad)
+        with pytest.raises(ValueError, match="HYPERREC_TEST_TIMEOUT_SCALE"):
+            default_timeout_s()
 
 
 def test_fake_mesh_structure_4096_ranks():

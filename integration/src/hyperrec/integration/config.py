@@ -60,9 +60,13 @@ def _require_float(
 def _require_dims(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, tuple) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+        isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         raise TypeError(
+            f"{type(obj).__name__}.{name} must be a tuple of positive ints, got {value!r}"
+        )
+    if not all(v >= 1 for v in value):
+        raise ValueError(
             f"{type(obj).__name__}.{name} must be a tuple of positive ints, got {value!r}"
         )
 
@@ -74,6 +78,10 @@ class DataConfig:
     Samples are *requests*: one user, that user's jagged history and 1 to
     ``max_candidates`` candidate items with click / conversion labels drawn from a hidden
     ground-truth model. Every sample is a pure function of ``(seed, split, index)``.
+
+    Raises:
+        TypeError: a field of the wrong type (the message names ``DataConfig.<field>``).
+        ValueError: a field out of range or inconsistent with another (named likewise).
     """
 
     num_items: int
@@ -157,7 +165,12 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The GEM-style ranking network (see :class:`hyperrec.integration.model.GEMModel`)."""
+    """The GEM-style ranking network (see :class:`hyperrec.integration.model.GEMModel`).
+
+    Raises:
+        TypeError: a field of the wrong type (the message names ``ModelConfig.<field>``).
+        ValueError: a field out of range or inconsistent with another (named likewise).
+    """
 
     dim: int
     """Width of every embedding and of the sequence tower's tokens."""
@@ -236,6 +249,10 @@ class TrainConfig:
     Batch sizes are *global* (summed over data-parallel ranks) so one config means the
     same optimisation problem on any world size; each rank trains
     ``global_batch_size / (sub_batch_size * world_size)`` sub-batches per step.
+
+    Raises:
+        TypeError: a field of the wrong type (the message names ``TrainConfig.<field>``).
+        ValueError: a field out of range or inconsistent with another (named likewise).
     """
 
     steps: int
@@ -318,8 +335,11 @@ class TrainConfig:
         """Sub-batches each of ``world_size`` ranks trains per step.
 
         Raises:
+            TypeError: ``world_size`` is not an int.
             ValueError: the global batch does not split into whole sub-batches per rank.
         """
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
         per_step = self.global_batch_size // self.sub_batch_size
         if world_size < 1 or per_step % world_size:
             raise ValueError(
@@ -331,7 +351,12 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Preset:
-    """A named, complete run description."""
+    """A named, complete run description.
+
+    Raises:
+        TypeError: ``name``/``description`` not strings, or a section of the wrong type.
+        ValueError: sections that contradict each other.
+    """
 
     name: str
     """Short name (used in the default output directory)."""
@@ -345,6 +370,9 @@ class Preset:
     """One line for ``--help`` and the README."""
 
     def __post_init__(self) -> None:
+        for name in ("name", "description"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Preset.{name} must be a str, got {getattr(self, name)!r}")
         for name, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Preset.{name} must be a {cls.__name__}")
@@ -550,8 +578,11 @@ def get_preset(name: str) -> Preset:
     """The preset called ``name``.
 
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: unknown name (the message lists the known ones).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a preset name (a str), got {type(name).__name__}")
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
@@ -589,8 +620,21 @@ def override(preset: Preset, assignments: list[str] | tuple[str, ...]) -> Preset
     The result is re-validated.
 
     Raises:
-        ValueError: malformed assignment, unknown section or field, or an invalid value.
+        TypeError: ``preset`` is not a :class:`Preset`, ``assignments`` not a list of
+            strings (a single string is refused: it would be read character by
+            character), or a value of the wrong type for its field.
+        ValueError: malformed assignment, unknown section or field, a field assigned
+            twice, or an invalid value.
     """
+    if not isinstance(preset, Preset):
+        raise TypeError(f"preset must be a Preset, got {type(preset).__name__}")
+    if isinstance(assignments, str) or not isinstance(assignments, list | tuple):
+        raise TypeError(
+            f"assignments must be a list of 'section.field=value' strings, got {assignments!r}"
+        )
+    for item in assignments:
+        if not isinstance(item, str):
+            raise TypeError(f"assignments must hold strings, got {type(item).__name__} {item!r}")
     sections: dict[str, dict[str, Any]] = {"data": {}, "model": {}, "train": {}}
     for item in assignments:
         key, sep, raw = item.partition("=")
@@ -606,6 +650,9 @@ def override(preset: Preset, assignments: list[str] | tuple[str, ...]) -> Preset
                 f"override {item!r}: {type(cfg).__name__} has no field {name!r} "
                 f"(fields: {', '.join(sorted(fields))})"
             )
+        if name in sections[section]:
+            # The earlier value would be dropped without a word.
+            raise ValueError(f"override {item!r}: {section}.{name} is assigned twice")
         sections[section][name] = _parse_value(raw.strip(), fields[name].type, key)
     return dataclasses.replace(
         preset,

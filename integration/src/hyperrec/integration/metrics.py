@@ -24,22 +24,41 @@ _EPS = 1e-7
 
 
 def _pair(
-    scores: torch.Tensor, labels: torch.Tensor, name: str
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    name: str,
+    score_name: str = "scores",
+    label_name: str = "labels",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not torch.is_tensor(scores) or not torch.is_tensor(labels):
-        raise TypeError(f"{name}: scores and labels must be tensors")
+    # ``name`` is the public function and ``*_name`` its parameters, so a message names
+    # what the caller typed (not a helper it happens to go through).
+    for arg, t in ((score_name, scores), (label_name, labels)):
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name}: {arg} must be a tensor, got {type(t).__name__}")
+        if t.is_complex():
+            raise TypeError(f"{name}: {arg} must have a real dtype, got {t.dtype}")
     if scores.dim() != 1 or scores.shape != labels.shape:
         raise ValueError(
-            f"{name}: scores and labels must be 1-D of equal length, got "
+            f"{name}: {score_name} and {label_name} must be 1-D of equal length, got "
             f"{tuple(scores.shape)} and {tuple(labels.shape)}"
         )
     s = scores.detach().to("cpu", torch.float64)
     y = labels.detach().to("cpu", torch.float64)
     if not bool(torch.isfinite(s).all()):
-        raise ValueError(f"{name}: scores contain NaN or Inf")
+        raise ValueError(f"{name}: {score_name} contain NaN or Inf")
     if not bool(((y == 0) | (y == 1)).all()):
-        raise ValueError(f"{name}: labels must be 0 or 1")
+        raise ValueError(f"{name}: {label_name} must be 0 or 1")
     return s, y
+
+
+def _log_loss(probs: torch.Tensor, labels: torch.Tensor, name: str) -> float:
+    p, y = _pair(probs, labels, name, "probs")
+    if p.numel() == 0:
+        raise ValueError(f"{name}: probs and labels are empty")
+    if bool(((p < 0) | (p > 1)).any()):
+        raise ValueError(f"{name}: probs must lie in [0, 1]")
+    p = p.clamp(_EPS, 1.0 - _EPS)
+    return float(-(y * p.log() + (1.0 - y) * (-p).log1p()).mean())
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -76,15 +95,10 @@ def log_loss(probs: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean binary cross-entropy of probabilities ``probs`` [n] against ``labels`` [n].
 
     Raises:
-        ValueError: as :func:`auc`, or probabilities outside [0, 1], or empty input.
+        TypeError: non-tensor or complex inputs.
+        ValueError: as :func:`auc`, or ``probs`` outside [0, 1], or empty input.
     """
-    p, y = _pair(probs, labels, "log_loss")
-    if p.numel() == 0:
-        raise ValueError("log_loss: empty input")
-    if bool(((p < 0) | (p > 1)).any()):
-        raise ValueError("log_loss: probabilities must lie in [0, 1]")
-    p = p.clamp(_EPS, 1.0 - _EPS)
-    return float(-(y * p.log() + (1.0 - y) * (-p).log1p()).mean())
+    return _log_loss(probs, labels, "log_loss")
 
 
 def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -97,9 +111,10 @@ def normalized_entropy(probs: torch.Tensor, labels: torch.Tensor) -> float:
         NE, or NaN when every label is equal (the base-rate entropy is 0).
 
     Raises:
-        ValueError: as :func:`log_loss`.
+        TypeError: non-tensor or complex inputs.
+        ValueError: as :func:`log_loss` (messages name ``normalized_entropy``).
     """
-    ll = log_loss(probs, labels)
+    ll = _log_loss(probs, labels, "normalized_entropy")
     rate = float(labels.detach().double().mean())
     if rate <= 0.0 or rate >= 1.0:
         return math.nan
@@ -113,9 +128,10 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
         The ratio, or NaN when there is no positive.
 
     Raises:
+        TypeError: non-tensor or complex inputs.
         ValueError: as :func:`auc`.
     """
-    p, y = _pair(probs, labels, "calibration")
+    p, y = _pair(probs, labels, "calibration", "probs")
     positives = float(y.sum())
     return float(p.sum()) / positives if positives > 0 else math.nan
 
@@ -132,7 +148,22 @@ def task_metrics(
     Returns:
         ``{"ctr_auc", "ctr_ne", "ctr_calibration", "cvr_auc", "cvr_ne", "ctcvr_auc"}``
         (NaN where a population lacks a class).
+
+    Raises:
+        TypeError: non-tensor or complex inputs.
+        ValueError: inputs not 1-D of one length, non-finite predictions, predictions
+            outside [0, 1], labels not in {0, 1}. All checked before any metric.
     """
+    _pair(p_ctr, click, "task_metrics", "p_ctr", "click")
+    _pair(p_cvr, conversion, "task_metrics", "p_cvr", "conversion")
+    if p_ctr.shape != p_cvr.shape:
+        raise ValueError(
+            f"task_metrics: p_ctr and p_cvr must have one length, got {tuple(p_ctr.shape)} "
+            f"and {tuple(p_cvr.shape)}"
+        )
+    for arg, p in (("p_ctr", p_ctr), ("p_cvr", p_cvr)):
+        if bool(((p < 0) | (p > 1)).any()):
+            raise ValueError(f"task_metrics: {arg} must lie in [0, 1]")
     clicked = click.detach().to("cpu") == 1
     cvr_scores, cvr_labels = (
         p_cvr.detach().to("cpu")[clicked],
@@ -154,18 +185,34 @@ class WindowedAUC:
 
     Cheap enough to call every step at test/CPU scale: it keeps at most ``window``
     chunks and recomputes the exact AUC on demand.
+
+    Raises:
+        TypeError: ``window`` is not an int; :meth:`update` with non-tensors.
+        ValueError: ``window < 1``; :meth:`update` with inputs :func:`auc` rejects.
     """
 
     def __init__(self, window: int):
-        if not isinstance(window, int) or window < 1:
+        if isinstance(window, bool) or not isinstance(window, int):
+            raise TypeError(f"window must be an int, got {type(window).__name__} {window!r}")
+        if window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
         self._chunks: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque(
             maxlen=window
         )
 
     def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
-        """Append one chunk ([n] scores and {0, 1} labels; copied to the CPU)."""
-        self._chunks.append((scores.detach().float().cpu(), labels.detach().float().cpu()))
+        """Append one chunk ([n] scores and {0, 1} labels; copied to the CPU).
+
+        Raises:
+            TypeError, ValueError: as :func:`auc`, when the chunk is added (not later,
+                when the window's AUC is computed).
+        """
+        for arg, t in (("scores", scores), ("labels", labels)):
+            if not torch.is_tensor(t):
+                raise TypeError(f"WindowedAUC.update: {arg} must be a tensor, got {type(t)}")
+        chunk = (scores.detach().float().cpu(), labels.detach().float().cpu())
+        _pair(*chunk, "WindowedAUC.update")  # on the CPU copy: no second transfer
+        self._chunks.append(chunk)
 
     def state_dict(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The chunks in the window (for checkpoints)."""

@@ -43,7 +43,14 @@ _SWAP_CANDIDATES = 16  # newest taken x oldest waiting items per swap round (64:
 
 @dataclass(frozen=True, kw_only=True)
 class BudgetConfig:
-    """Parameters of cost-budget batching."""
+    """Parameters of cost-budget batching.
+
+    Raises:
+        TypeError: a field of the wrong type (ints must be ints, numbers real numbers).
+        ValueError: a non-positive or non-finite ``budget``, ``max_wait_steps < 1``,
+            ``lookahead_steps < 1`` (or not finite), ``max_buffer_items < 1``, negative
+            ``swap_rounds``.
+    """
 
     budget: float
     """Cost each step is filled up to, the same on every rank, e.g.
@@ -86,6 +93,8 @@ def budget_from_costs(costs: Any, items_per_step: float) -> float:
             ``k`` of fixed-count batching.
 
     Raises:
+        TypeError: ``costs`` not array-like of real numbers, ``items_per_step`` not a
+            number.
         ValueError: empty or invalid ``costs``, non-positive ``items_per_step``, or a
             zero mean cost.
     """

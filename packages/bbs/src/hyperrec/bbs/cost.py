@@ -31,6 +31,10 @@ class CostModel:
     coefficients to profiled step times, or derive them from FLOPs, e.g. for a
     transformer block of width ``d`` the linear part is about ``24 d^2`` and the
     attention part ``4 d`` per token pair, i.e. ``quadratic / linear = 1 / (6 d)``.
+
+    Raises:
+        TypeError: a coefficient that is not a real number (bools rejected).
+        ValueError: a negative, NaN or infinite coefficient.
     """
 
     linear: float = 1.0
@@ -68,6 +72,7 @@ class CostModel:
         """Cost of one jagged sub-batch given its ``(B+1,)`` offsets.
 
         Raises:
+            TypeError: ``offsets`` not array-like of real numbers.
             ValueError: ``offsets`` empty, not 1-D, not starting at 0 or decreasing.
         """
         off = as_costs("offsets", offsets, ndim=1)
@@ -86,9 +91,14 @@ class CostModel:
 
         ``linear = 24 * d_model**2 * layers`` (QKV, output and a 4x MLP, fwd FLOPs/2)
         and ``quadratic = 4 * d_model * layers`` (scores and values). Units: FLOPs/2.
+
+        Raises:
+            TypeError: ``d_model``/``layers`` not ints, ``per_sample`` not a number.
+            ValueError: ``d_model``/``layers`` < 1, ``per_sample`` negative or not finite.
         """
         d = check_int("d_model", d_model, minimum=1)
         n = check_int("layers", layers, minimum=1)
+        check_float("per_sample", per_sample, nonnegative=True)
         return cls(linear=24.0 * d * d * n, quadratic=4.0 * d * n, constant=per_sample)
 
 
@@ -108,6 +118,12 @@ def resolve_cost_fn(cost: CostModel | CostFn | None, name: str = "cost") -> Cost
 
 
 def _identity_cost(item: Any) -> float:
+    # Items are their own cost: a non-number (a str that float() would parse included)
+    # is a type error of the source, named as the cost it was meant to be.
+    if isinstance(item, bool | str | bytes):
+        raise TypeError(
+            f"cost: with cost=None every item must be a real number, got {type(item).__name__}"
+        )
     return float(item)
 
 

@@ -110,7 +110,12 @@ def global_shuffle_plan(
 
 
 def natural_steps(num_items: int, per_step: int) -> np.ndarray:
-    """``(num_items,)`` natural step of each arrival index (``i // per_step``)."""
+    """``(num_items,)`` natural step of each arrival index (``i // per_step``).
+
+    Raises:
+        TypeError: ``num_items`` or ``per_step`` not an int.
+        ValueError: ``num_items < 0`` or ``per_step < 1``.
+    """
     n = check_int("num_items", num_items, minimum=0)
     p = check_int("per_step", per_step, minimum=1)
     return np.arange(n) // p

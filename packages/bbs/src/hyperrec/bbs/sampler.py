@@ -125,7 +125,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return self._steps
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reseeds the permutation); restarts it at step 0."""
+        """Select the epoch (reseeds the permutation); restarts it at step 0.
+
+        Raises:
+            TypeError: ``epoch`` is not an int.
+            ValueError: ``epoch < 0``.
+        """
         self.epoch = check_int("epoch", epoch, minimum=0)
         self._step = 0
         self._set_segments([])

@@ -23,7 +23,12 @@ _STATE_VERSION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class BBSConfig:
-    """Window shape of Base Batch Shuffling (fixed number of sub-batches per step)."""
+    """Window shape of Base Batch Shuffling (fixed number of sub-batches per step).
+
+    Raises:
+        TypeError: ``sub_batches_per_step``/``window_steps`` not ints.
+        ValueError: either < 1, or an unknown ``method``.
+    """
 
     sub_batches_per_step: int
     """``k``: sub-batches trained per step on each rank (e.g. 8 x 128 samples)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +37,20 @@ def _alloc(t: torch.Tensor, numel: int) -> bool:
         return False
     storage.resize_(nbytes)
     return True
+
+
+def _check_ints(name: str, values: object, *, minimum: int, per_item: bool) -> list[int]:
+    """``values`` as a list of ints ``>= minimum`` (numpy ints accepted; bools and floats,
+    even ``2.0``, rejected: a float here is a bug upstream, never something to truncate)."""
+    if isinstance(values, torch.Tensor | str) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        where = f"{name}[{i}]" if per_item else name
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{where} must hold ints, got {type(v).__name__} {v!r}")
+        if v < minimum:
+            raise ValueError(f"{where} must be >= {minimum}, got {v} in {list(values)}")
+    return [int(v) for v in values]
 
 
 class DBuffer:
@@ -82,9 +97,13 @@ class DBuffer:
         names: one name per tensor for :meth:`state_dict`. Default ``"0"``, ``"1"``, ...
 
     Raises:
-        TypeError: ``shapes`` is not a sequence of shapes; a dtype is not a floating dtype.
-        ValueError: ``granularities``/``names`` of the wrong length, non-positive
-            granularity or alignment, a mesh of more than 2 axes.
+        TypeError: ``shapes`` is not a sequence of shapes of ints; a dtype is not a
+            floating dtype; ``granularities``/``names`` not sequences of ints/strings;
+            ``alignment`` not an int; ``mesh`` not a ``DeviceMesh``; ``device`` not a
+            device.
+        ValueError: a negative dim, ``granularities``/``names`` of the wrong length,
+            non-positive granularity or alignment, duplicate names, an unknown device
+            type, a mesh of more than 2 axes.
     """
 
     def __init__(
@@ -100,8 +119,29 @@ class DBuffer:
         alignment: int = 1,
         names: Sequence[str] | None = None,
     ) -> None:
-        if isinstance(shapes, torch.Tensor) or not isinstance(shapes, Sequence):
+        if isinstance(shapes, torch.Tensor | str) or not isinstance(shapes, Sequence):
             raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
+        for i, s in enumerate(shapes):
+            _check_ints(f"shapes[{i}]", s, minimum=0, per_item=False)
+        if granularities is not None:
+            granularities = _check_ints("granularities", granularities, minimum=1, per_item=True)
+        if names is not None and (isinstance(names, str) or not isinstance(names, Sequence)):
+            raise TypeError(f"names must be a sequence of strings, got {type(names).__name__}")
+        for i, name in enumerate(names or ()):
+            if not isinstance(name, str):
+                raise TypeError(f"names[{i}] must be a str, got {type(name).__name__} {name!r}")
+        if isinstance(alignment, bool) or not isinstance(alignment, int):
+            raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (TypeError, RuntimeError) as e:
+                err = TypeError if not isinstance(device, str | int) else ValueError
+                raise err(
+                    f"device must be a torch.device or a device string, got {device!r}"
+                ) from e
         self.shapes = [torch.Size(s) for s in shapes]
         self.numels = [s.numel() for s in self.shapes]
         n = len(self.shapes)
@@ -115,7 +155,7 @@ class DBuffer:
         ):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
-        granularities = [1] * n if granularities is None else [int(g) for g in granularities]
+        granularities = [1] * n if granularities is None else list(granularities)
         if len(granularities) != n:
             raise ValueError(f"granularities has {len(granularities)} entries for {n} tensors")
         if any(g < 1 for g in granularities):
@@ -188,10 +228,31 @@ class DBuffer:
 
         ``dtype`` and ``device`` default to those of the first tensor. Other keyword
         arguments as for :class:`DBuffer`.
+
+        Raises:
+            TypeError: ``tensors`` is not a non-empty sequence of tensors; the tensors
+                have different dtypes (one DBuffer holds one dtype: build one per
+                dtype), or a ``dtype`` argument differs from theirs (no silent cast); an
+                unknown keyword; as :class:`DBuffer`.
+            ValueError: as :class:`DBuffer`.
         """
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(
+                f"tensors must be a non-empty sequence of tensors, got {type(tensors).__name__}"
+            )
         tensors = list(tensors)
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError("tensors must be a non-empty sequence of tensors")
+        dtypes = sorted({str(t.dtype) for t in tensors})
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"tensors must share one dtype (one DBuffer per dtype), got {', '.join(dtypes)}"
+            )
+        if kwargs.get("dtype", tensors[0].dtype) != tensors[0].dtype:
+            raise TypeError(
+                f"dtype={kwargs['dtype']} differs from the tensors' dtype {tensors[0].dtype}; "
+                "cast the tensors first (a DBuffer never casts its inputs silently)"
+            )
         kwargs.setdefault("dtype", tensors[0].dtype)
         kwargs.setdefault("device", tensors[0].device)
         buf = cls([t.shape for t in tensors], **kwargs)
@@ -202,14 +263,25 @@ class DBuffer:
     def copy_from_full_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Fill this rank's shard from full tensors (identical on every rank); init-time only.
 
+        Every tensor is checked before the first one is copied.
+
         Raises:
+            TypeError: ``tensors`` is not a sequence of tensors, or one's dtype is not
+                the buffer's ``dtype`` (no silent cast).
             ValueError: wrong number of tensors or a shape mismatch.
         """
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+            raise TypeError(f"tensors must be a sequence of tensors, got {type(tensors).__name__}")
         if len(tensors) != len(self.shapes):
             raise ValueError(f"expected {len(self.shapes)} tensors, got {len(tensors)}")
         for i, (t, s) in enumerate(zip(tensors, self.shapes)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}] must be a tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"tensors[{i}] has dtype {t.dtype}, expected {self.dtype}")
             if t.shape != s:
                 raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, expected {tuple(s)}")
+        for i, t in enumerate(tensors):
             lo, hi = self.placements[i].ranges[self.rank]
             self._shard_views[i].copy_(t.detach().reshape(-1)[lo:hi])
 
@@ -233,8 +305,10 @@ class DBuffer:
         """Tensor ``i``'s local piece of any ``(shard_numel,)`` tensor (optimizer states...).
 
         Raises:
+            TypeError: ``flat`` is not a tensor.
             ValueError: ``flat`` is not 1-D of ``shard_numel`` elements.
         """
+        _check_flat(flat, self.shard_numel)
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
         return flat[slice(*self.placements[i].local(self.rank, self.shard_numel))]
@@ -466,7 +540,13 @@ class DBuffer:
 
     @torch.no_grad()
     def scale_grad_(self, factor: float | torch.Tensor) -> None:
-        """``grad_shard *= factor`` in one kernel."""
+        """``grad_shard *= factor`` in one kernel.
+
+        Raises:
+            TypeError: ``factor`` is neither a real number nor a tensor.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real | torch.Tensor):
+            raise TypeError(f"factor must be a float or a tensor, got {type(factor).__name__}")
         self.grad_shard.mul_(factor)
 
     @torch.no_grad()
@@ -474,8 +554,13 @@ class DBuffer:
         """``shard += alpha * other`` in one kernel; ``other`` a same-layout buffer or flat tensor.
 
         Raises:
+            TypeError: ``other`` is neither a DBuffer nor a tensor; ``alpha`` not a number.
             ValueError: ``other`` has another layout or shape.
         """
+        if not isinstance(other, DBuffer | torch.Tensor):
+            raise TypeError(f"other must be a DBuffer or a tensor, got {type(other).__name__}")
+        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+            raise TypeError(f"alpha must be a float, got {type(alpha).__name__} {alpha!r}")
         if isinstance(other, DBuffer):
             if other.layout != self.layout or other.shapes != self.shapes:
                 raise ValueError("other must be a DBuffer with the same shapes and layout")
@@ -501,8 +586,12 @@ class DBuffer:
         One all-gather into a fresh buffer (the live full storage is not touched), then
         one clone per tensor. Collective over the shard axis. For checkpoints that need a
         single file, tests and debugging; training never calls it.
+
+        Raises:
+            TypeError: ``flat`` is not a tensor.
+            ValueError: ``flat`` is not 1-D of ``shard_numel`` elements.
         """
-        flat = self.shard if flat is None else flat
+        flat = self.shard if flat is None else _check_flat(flat, self.shard_numel)
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
         if self.world_size > 1:
@@ -550,25 +639,41 @@ class DBuffer:
         """Copy values into the shard: ragged DTensors with the same layout copy locally;
         other DTensors are redistributed; plain tensors are taken as full values.
 
+        Every entry is checked before the first one is copied.
+
         Raises:
+            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
             KeyError: a name is missing (``strict``) or unknown.
             ValueError: a value has the wrong shape.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         unknown = set(state_dict) - set(self.names)
         if unknown:
-            raise KeyError(f"unexpected keys {sorted(unknown)}")
-        views = self.as_dtensors()
+            raise KeyError(f"unexpected keys {sorted(unknown, key=str)}")
         for i, name in enumerate(self.names):
             if name not in state_dict:
                 if strict:
                     raise KeyError(f"missing key {name!r}")
                 continue
-            src, dst = state_dict[name], views[i]
+            src = state_dict[name]
+            if not isinstance(src, torch.Tensor):
+                raise TypeError(f"state_dict[{name!r}] must be a tensor, got {type(src).__name__}")
             if tuple(src.shape) != tuple(self.shapes[i]):
                 raise ValueError(
-                    f"{name!r} has shape {tuple(src.shape)}, expected {tuple(self.shapes[i])}"
+                    f"state_dict[{name!r}] has shape {tuple(src.shape)}, expected "
+                    f"{tuple(self.shapes[i])}"
                 )
-            _copy_into(dst, src, self.local_range(i), self.shard_view(i))
+        views = self.as_dtensors()
+        for i, name in enumerate(self.names):
+            if name in state_dict:
+                _copy_into(views[i], state_dict[name], self.local_range(i), self.shard_view(i))
+
+
+def _check_flat(flat: object, shard_numel: int) -> torch.Tensor:
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"flat must be a ({shard_numel},) tensor, got {type(flat).__name__}")
+    return flat
 
 
 def _copy_into(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -13,6 +15,9 @@ __all__ = ["clip_grad_norm_", "flat_params", "grad_norm", "zero_grad_"]
 
 
 def _check(buffers: Iterable[DBuffer]) -> list[DBuffer]:
+    # A lone DBuffer (or a str) is a common slip for [buffer]: refuse it by name.
+    if isinstance(buffers, DBuffer | str | bytes) or not isinstance(buffers, Iterable):
+        raise TypeError(f"buffers must be an iterable of DBuffers, got {type(buffers).__name__}")
     buffers = list(buffers)
     if not all(isinstance(b, DBuffer) for b in buffers):
         raise TypeError("buffers must be DBuffer instances")
@@ -30,7 +35,7 @@ def grad_norm(buffers: Iterable[DBuffer]) -> torch.Tensor:
     the shard axis (replicas of an HSDP mesh hold equal gradients and are not summed).
 
     Raises:
-        TypeError: an element is not a DBuffer.
+        TypeError: ``buffers`` is not an iterable of DBuffers.
         ValueError: the buffers live on different meshes.
     """
     buffers = _check(buffers)
@@ -54,10 +59,18 @@ def clip_grad_norm_(
     ``max_norm / (norm + eps)`` clamped to 1), applied as one multiply per buffer.
 
     Raises:
-        ValueError: ``max_norm`` is not positive, or the buffers live on different meshes.
+        TypeError: ``max_norm`` or ``eps`` not a real number; ``buffers`` not an iterable
+            of DBuffers.
+        ValueError: ``max_norm`` is not positive (or NaN), ``eps`` negative or not
+            finite, or the buffers live on different meshes.
     """
+    for name, v in (("max_norm", max_norm), ("eps", eps)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__} {v!r}")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
     buffers = _check(buffers)
     norm = grad_norm(buffers)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
@@ -68,7 +81,12 @@ def clip_grad_norm_(
 
 @torch.no_grad()
 def zero_grad_(buffers: Iterable[DBuffer]) -> None:
-    """Zero every buffer's flat gradient (one memset each)."""
+    """Zero every buffer's flat gradient (one memset each).
+
+    Raises:
+        TypeError: ``buffers`` is not an iterable of DBuffers.
+        ValueError: the buffers live on different meshes.
+    """
     for b in _check(buffers):
         b.zero_grad_()
 
@@ -80,6 +98,10 @@ def flat_params(buffers: Iterable[DBuffer]) -> list[torch.Tensor]:
     every tensor of a buffer with one kernel per step; the per-tensor views see the update
     because they alias the storage. Padding has zero value and zero gradient, so it stays
     zero under the usual optimizers (weight decay included).
+
+    Raises:
+        TypeError: ``buffers`` is not an iterable of DBuffers.
+        ValueError: the buffers live on different meshes.
     """
     out = []
     for b in _check(buffers):

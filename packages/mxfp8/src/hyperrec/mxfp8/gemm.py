@@ -28,6 +28,7 @@ accumulation. Kernels (``kernel=``):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -52,9 +53,25 @@ def _native_mx(device_index: int) -> bool:
     return major >= 10 and hasattr(tl, "dot_scaled")
 
 
-def native_mx_supported(device: torch.device | None = None) -> bool:
+def native_mx_supported(device: torch.device | str | None = None) -> bool:
     """True when ``device`` has MX matrix instructions reachable from Triton
-    (compute capability >= 10.0 and ``tl.dot_scaled``); False on Hopper and on CPU."""
+    (compute capability >= 10.0 and ``tl.dot_scaled``); False on Hopper and on CPU.
+
+    ``device``: a ``torch.device``, a device string such as ``"cuda:1"``, or ``None``
+    (the current CUDA device).
+
+    Raises:
+        TypeError: ``device`` is neither a device, a str nor ``None``.
+        ValueError: ``device`` is a string that names no device.
+    """
+    # Checked first, so a bad argument fails the same way with or without a GPU.
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must name a device, got {device!r}") from None
+    elif device is not None and not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, a str or None, got {type(device)}")
     if not torch.cuda.is_available():
         return False
     if device is None:
@@ -151,7 +168,7 @@ def mx_mm(
     Raises:
         TypeError: ``a``/``b`` not MX tensors; bad ``bias`` or ``out_dtype``.
         ValueError: wrong axes, mismatched K or block sizes, MX4 with Triton, unknown
-            ``kernel``/``backend``.
+            ``kernel``/``backend``, a NaN or infinite ``alpha``.
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, MXTensor):
@@ -179,5 +196,8 @@ def mx_mm(
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise TypeError(f"alpha must be a float, got {alpha!r}")
+    # alpha is applied in FP32: a value that overflows there is as bad as an infinity.
+    if not (math.isfinite(alpha) and abs(alpha) <= torch.finfo(torch.float32).max):
+        raise ValueError(f"alpha must be finite in float32, got {alpha!r}")
     impl = resolve_backend(backend, a.device)
     return _mm(a, b, out_dtype, bias, alpha, kernel, impl)

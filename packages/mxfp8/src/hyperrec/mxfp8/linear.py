@@ -129,6 +129,17 @@ class _MXLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _check_features(x: torch.Tensor, in_features: int) -> None:
+    # Metadata only (no device sync). Without it a narrower input would be zero-padded
+    # to whole MX blocks by the quantizer and silently multiplied as if it were wider.
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"x must have in_features={in_features} features in its last dim, got "
+            f"x.shape={tuple(x.shape)} (last dim "
+            f"{x.shape[-1] if x.dim() else 'missing: x is 0-d'})"
+        )
+
+
 def mx_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -149,23 +160,25 @@ def mx_linear(
         input_activation: producer fused into the cast of ``x`` (see ``mx_quantize``).
 
     Raises:
-        TypeError, ValueError: bad tensors or shapes (as :func:`mx_quantize`), a last
-        dim of ``x`` different from ``weight.shape[1]``.
+        TypeError: ``x``, ``weight`` or ``bias`` not a float32/bfloat16/float16 tensor
+            (``bias``: any floating dtype); ``policy`` not a :class:`PrecisionPolicy`.
+        ValueError: ``weight`` not 2-D, a 0-d ``x`` or a last dim of ``x`` different from
+            ``weight.shape[1]`` (in_features), a ``bias`` of another shape or device, an
+            unknown ``input_activation``.
     """
     policy = PrecisionPolicy() if policy is None else policy
     if not isinstance(policy, PrecisionPolicy):
         raise TypeError(f"policy must be a PrecisionPolicy, got {type(policy).__name__}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError("weight must be a 2-D (out_features, in_features) tensor")
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"x must end in in_features={weight.shape[1]}, got "
-            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-        )
-    if input_activation not in ref.ACTIVATIONS:
-        raise ValueError(f"input_activation must be one of {ref.ACTIVATIONS}")
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be a 2-D (out_features, in_features) tensor, got shape "
+            f"{tuple(weight.shape)}"
+        )
+    _check_features(x, weight.shape[1])
+    if input_activation not in ref.ACTIVATIONS:
+        raise ValueError(f"input_activation must be one of {ref.ACTIVATIONS}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
             raise TypeError("bias must be a floating-point tensor")
@@ -189,6 +202,13 @@ class MXLinear(nn.Linear):
         input_activation: producer fused into the cast of the input: the layer computes
             ``act(x) W^T + b`` (``"none"``, ``"relu"``, ``"relu2"``, ``"silu"``,
             ``"gelu_tanh"``).
+
+    Raises:
+        TypeError: ``in_features``/``out_features`` not ints, ``policy`` not a
+            :class:`PrecisionPolicy`; in ``forward``, an input that is not a tensor.
+        ValueError: negative ``in_features``/``out_features``, an unknown
+            ``input_activation``; in ``forward``, an input whose last dim is not
+            ``in_features`` (or a 0-d input).
     """
 
     def __init__(
@@ -202,6 +222,11 @@ class MXLinear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._configure(policy, input_activation)
 
@@ -225,7 +250,9 @@ class MXLinear(nn.Linear):
         """An ``MXLinear`` sharing ``linear``'s parameters (no copy; hooks not carried).
 
         Raises:
-            TypeError: ``linear`` is not an ``nn.Linear``.
+            TypeError: ``linear`` is not an ``nn.Linear``; ``policy`` is not a
+                :class:`PrecisionPolicy`.
+            ValueError: an unknown ``input_activation``.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -239,6 +266,9 @@ class MXLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _check_features(x, self.in_features)
         rows = x.numel() // max(x.shape[-1], 1)
         use_mx = x.dtype in (torch.float32, torch.bfloat16, torch.float16) and rows >= max(
             self.policy.min_tokens, 1

@@ -29,7 +29,10 @@ class MXMLP(nn.Module):
         device, dtype: parameter placement and dtype.
 
     Raises:
-        ValueError: non-positive sizes or an unknown activation.
+        TypeError: ``dim``/``hidden_dim`` not ints; ``policy`` not a
+            :class:`PrecisionPolicy`; in ``forward``, an input that is not a tensor.
+        ValueError: non-positive sizes or an unknown activation; in ``forward``, an input
+            whose last dim is not ``dim`` (reported as fc1's ``in_features``).
     """
 
     def __init__(
@@ -45,7 +48,9 @@ class MXMLP(nn.Module):
     ) -> None:
         super().__init__()
         for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+            if v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if activation not in ACTIVATIONS or activation == "none":
             raise ValueError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")

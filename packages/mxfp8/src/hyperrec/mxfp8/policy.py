@@ -23,6 +23,13 @@ class PrecisionPolicy:
     32-element blocks), with the first and last linear and layers smaller than
     ``min_features`` kept in the input precision. On Hopper, ``block_size=128`` is the
     fast recipe (see the README's benchmark).
+
+    Raises:
+        TypeError: a field of the wrong type (a non-int size or seed, a non-bool flag,
+            ``keep`` not a tuple of strings, a dtype that is neither a dtype nor a name).
+        ValueError: an unsupported ``block_size``, element format (MX4 is not a training
+            format), ``scale_mode``, ``hadamard``, ``kernel`` or ``backend``; a negative
+            ``min_features``/``min_tokens``/``hadamard_seed``.
     """
 
     block_size: int = 32
@@ -66,7 +73,11 @@ class PrecisionPolicy:
 
         _check_block_size(self.block_size)
         for name in ("elem_dtype", "grad_dtype"):
-            fmt = get_format(getattr(self, name))
+            try:
+                fmt = get_format(getattr(self, name))
+            except (TypeError, ValueError) as e:
+                # get_format speaks of "elem_dtype"; name the field the caller set.
+                raise type(e)(str(e).replace("elem_dtype", name, 1)) from None
             if fmt.packed:
                 raise ValueError(f"{name} must be an FP8 format for training GEMMs, got MX4")
         check_scale_mode(self.scale_mode)
@@ -78,7 +89,9 @@ class PrecisionPolicy:
             raise TypeError(f"keep must be a tuple of strings, got {self.keep!r}")
         for name in ("min_features", "min_tokens", "hadamard_seed"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+            if v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")

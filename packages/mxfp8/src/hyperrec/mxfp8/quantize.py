@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hyperrec.mxfp8 import _cublas
@@ -46,7 +48,9 @@ def _seed_tensor(
                 f"{seed.dtype} {tuple(seed.shape)} on {seed.device}"
             )
         return seed.reshape(1)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
         raise ValueError(f"seed must be a non-negative int or an int64 tensor, got {seed!r}")
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
@@ -155,7 +159,8 @@ def to_mx(
         :class:`MXTensor` with ``.data``, ``.scale`` (uint8 E8M0) and ``.dequantize()``.
 
     Raises:
-        TypeError: ``x`` not a float tensor; bad argument types.
+        TypeError: ``x`` not a float tensor; bad argument types (``axis``, ``seed``,
+            ``block_size``, ``stochastic_rounding``).
         ValueError: bad ``elem_dtype``, ``block_size``, ``scale_mode``, ``axis``,
             ``backend``, an odd MX4 length, or a ``seed`` without stochastic rounding.
     """
@@ -163,7 +168,9 @@ def to_mx(
     fmt = get_format(elem_dtype)
     block_size = _check_block_size(block_size)
     mode = check_scale_mode(scale_mode)
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}")
+    if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis must be an int in [{-x.dim()}, {x.dim()}), got {axis!r}")
     axis %= x.dim()
     if fmt.packed and x.shape[axis] % 2:
@@ -178,7 +185,17 @@ def to_mx(
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]
     q, _ = _quantize(
-        xm.reshape(-1, n), seed_t, fmt, block_size, mode, True, False, "none", 0, 0, impl
+        xm.reshape(math.prod(lead), n),
+        seed_t,
+        fmt,
+        block_size,
+        mode,
+        True,
+        False,
+        "none",
+        0,
+        0,
+        impl,
     )
     data = q.data.reshape(*lead, q.data.shape[-1]).movedim(-1, axis)
     scale = q.scale.reshape(*lead, q.scale.shape[-1]).movedim(-1, axis)
@@ -226,7 +243,8 @@ def mx_quantize(
 
     Raises:
         TypeError, ValueError: as :func:`to_mx`, plus a non-2-D ``x``, no copy requested,
-        an unknown ``activation`` or a bad ``hadamard``.
+        an unknown ``activation``, a bad ``hadamard``, or a ``hadamard_seed`` without
+        ``hadamard``.
     """
     check_float_tensor("x", x)
     if x.dim() != 2:
@@ -245,6 +263,8 @@ def mx_quantize(
         raise ValueError("hadamard transforms the column-wise copy; set colwise=True")
     if isinstance(hadamard_seed, bool) or not isinstance(hadamard_seed, int):
         raise TypeError(f"hadamard_seed must be an int, got {hadamard_seed!r}")
+    if hadamard_seed and not hadamard:
+        raise ValueError("hadamard_seed is only used with hadamard > 0 (it would be ignored)")
     m, k = x.shape
     if fmt.packed and ((rowwise and k % 2) or (colwise and m % 2)):
         raise ValueError(f"MX4 needs even sizes along the blocked dims, got {(m, k)}")

@@ -19,6 +19,11 @@ class MixedPrecisionPolicy:
 
     The sharded (master) parameters keep their original dtype; the optimizer updates
     them. ``torch.distributed.fsdp.MixedPrecisionPolicy`` objects are accepted too.
+
+    Raises:
+        TypeError: a dtype field that is neither ``None`` nor a floating ``torch.dtype``
+            (checked here, not at the first forward), or a non-bool
+            ``cast_forward_inputs``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -31,6 +36,14 @@ class MixedPrecisionPolicy:
     """If set, floating-point forward outputs of the module are cast to it."""
     cast_forward_inputs: bool = True
     """Cast floating-point forward inputs to ``param_dtype``."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+                raise TypeError(f"{name} must be None or a floating torch.dtype, got {dt!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
 
 
 Granularity = int | str | Callable[[str, nn.Parameter], "int | str"] | None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,30 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     if all(hasattr(mp_policy, f) for f in fields):  # torch's FSDP2 policy
         return MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in fields})
     raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def _ignored_ids(module: nn.Module, ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor | str) or not isinstance(ignored_params, Iterable):
+        raise TypeError(
+            f"ignored_params must be a set of parameters, got {type(ignored_params).__name__}"
+        )
+    ignored = list(ignored_params)
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameters, got {type(p).__name__}")
+    # A parameter the module does not have is almost always a mistake (a copy, or a
+    # parameter of another model): ignoring it silently would shard what was meant to stay.
+    own = {id(p) for p in module.parameters()}
+    foreign = [tuple(p.shape) for p in ignored if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"ignored_params holds {len(foreign)} parameter(s) that are not parameters of the "
+            f"module (shapes {foreign}); pass each fully_shard call only the parameter "
+            "objects of the module it shards"
+        )
+    return {id(p) for p in ignored}
 
 
 def fully_shard(
@@ -88,8 +112,12 @@ def fully_shard(
         ``module``, now an instance of :class:`FSDPModule`.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``; bad ``mp_policy`` or ``granularity``.
-        ValueError: ``module`` is already sharded; a bad mesh, granularity or alignment.
+        TypeError: ``module`` is not an ``nn.Module``; ``mesh`` not a ``DeviceMesh``;
+            bad ``mp_policy``, ``granularity``, ``alignment`` or ``reshard_after_forward``
+            types; ``ignored_params`` not an iterable of parameters.
+        ValueError: ``module`` is already sharded; a mesh of more than 2 axes; a bad
+            granularity or alignment; ``ignored_params`` holding a parameter that is not
+            ``module``'s.
         RuntimeError: no mesh and no default process group.
     """
     if not isinstance(module, nn.Module):
@@ -98,16 +126,24 @@ def fully_shard(
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if isinstance(alignment, bool) or not isinstance(alignment, int):
+        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be a positive int, got {alignment}")
+    ignored = _ignored_ids(module, ignored_params)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
-        raise ValueError("mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh.ndim} axes"
+        )
     policy = _as_policy(mp_policy)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
     )
-    ignored = {id(p) for p in (ignored_params or ())}
 
     # Parameters already owned by a nested fully_shard are skipped.
     nested: set[int] = set()
@@ -193,7 +229,12 @@ class FSDPModule:
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """``False``: accumulate unreduced gradients across backward passes (no collective)."""
+        """``False``: accumulate unreduced gradients across backward passes (no collective).
+
+        Raises:
+            TypeError: ``requires_gradient_sync`` or ``recurse`` is not a bool.
+        """
+        _check_bools(requires_gradient_sync=requires_gradient_sync, recurse=recurse)
         for s in self._states(recurse):
             if s.group is not None:
                 s.group.requires_gradient_sync = requires_gradient_sync
@@ -201,7 +242,12 @@ class FSDPModule:
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
-        """Change ``reshard_after_forward`` (see :func:`fully_shard`)."""
+        """Change ``reshard_after_forward`` (see :func:`fully_shard`).
+
+        Raises:
+            TypeError: ``reshard_after_forward`` or ``recurse`` is not a bool.
+        """
+        _check_bools(reshard_after_forward=reshard_after_forward, recurse=recurse)
         for s in self._states(recurse):
             if s.group is not None:
                 s.group.reshard_after_forward = reshard_after_forward
@@ -209,18 +255,33 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """``False``: keep parameters gathered after backward (e.g. between accumulation steps)."""
+        """``False``: keep parameters gathered after backward (e.g. between accumulation steps).
+
+        Raises:
+            TypeError: ``reshard_after_backward`` or ``recurse`` is not a bool.
+        """
+        _check_bools(reshard_after_backward=reshard_after_backward, recurse=recurse)
         for s in self._states(recurse):
             if s.group is not None:
                 s.group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' parameters when this module's forward starts."""
-        self._fsdp_state().forward_prefetch = [_state_of(m) for m in modules]
+        """Gather these modules' parameters when this module's forward starts.
+
+        Raises:
+            TypeError: ``modules`` is not a list of modules.
+            ValueError: a module in ``modules`` is not a ``fully_shard`` module.
+        """
+        self._fsdp_state().forward_prefetch = _states_of(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' parameters when this module's backward starts."""
-        self._fsdp_state().backward_prefetch = [_state_of(m) for m in modules]
+        """Gather these modules' parameters when this module's backward starts.
+
+        Raises:
+            TypeError: ``modules`` is not a list of modules.
+            ValueError: a module in ``modules`` is not a ``fully_shard`` module.
+        """
+        self._fsdp_state().backward_prefetch = _states_of(modules)
 
     @property
     def dbuffers(self) -> list[DBuffer]:
@@ -229,11 +290,30 @@ class FSDPModule:
         return [] if group is None else list(group.buffers)
 
 
-def _state_of(module: nn.Module) -> FSDPState:
-    state = get_state(module)
-    if state is None:
-        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
-    return state
+def _check_bools(**flags: Any) -> None:
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
+def _states_of(modules: Any) -> list[FSDPState]:
+    # Every entry is checked before the prefetch list is replaced.
+    if isinstance(modules, nn.Module | str) or not isinstance(modules, Sequence):
+        raise TypeError(f"modules must be a list of fully_shard modules, got {type(modules)}")
+    states = []
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
+        state = get_state(m)
+        if state is None:
+            raise ValueError(f"modules[{i}] ({type(m).__name__}) is not a fully_shard module")
+        states.append(state)
+    return states
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
 
 
 def dbuffers(module: nn.Module) -> list[DBuffer]:
@@ -241,7 +321,11 @@ def dbuffers(module: nn.Module) -> list[DBuffer]:
 
     Use with :func:`hyperrec.dbuffer.flat_params` for fused single-kernel optimizer
     steps, or :func:`hyperrec.dbuffer.clip_grad_norm_`.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
     """
+    _check_module(module)
     out = []
     for m in module.modules():
         state = get_state(m)
@@ -256,7 +340,17 @@ def full_state_dict(
     """Every parameter's full value in its master dtype, keyed by FQN (one all-gather per
     buffer). Collective: call it on every rank. Parameters left out of ``fully_shard``
     (``ignored_params``) are included as they are; module buffers are not.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; ``device`` is not a device.
+        ValueError: ``device`` names an unknown device type.
     """
+    _check_module(module)
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        err = ValueError if isinstance(device, str) else TypeError
+        raise err(f"device must be a torch.device or a device string, got {device!r}") from e
     out: dict[str, torch.Tensor] = {}
     prefixes = {id(m): n for n, m in module.named_modules()}
     for m in module.modules():

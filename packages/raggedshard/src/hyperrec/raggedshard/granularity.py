@@ -33,12 +33,17 @@ _COUNTED = re.compile(r"^\s*(\d+)\s+(row|rows|element|elements)\s*$")
 
 
 def _shape_tuple(shape: Sequence[int], name: str = "shape") -> tuple[int, ...]:
+    if isinstance(shape, str | bytes):
+        raise TypeError(f"{name} must be a sequence of ints, got {shape!r}")
     try:
         out = tuple(shape)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of ints, got {shape!r}") from None
     for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        # A float size is a bug upstream: never truncate it.
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{name} must hold ints, got {shape!r}")
+        if s < 0:
             raise ValueError(f"{name} must hold non-negative ints, got {shape!r}")
     return out
 

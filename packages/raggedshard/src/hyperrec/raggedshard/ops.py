@@ -77,6 +77,9 @@ def full_tensor(dtensor: DTensor) -> torch.Tensor:
 
     Same as ``dtensor.full_tensor()`` but through :func:`redistribute`, so it also works
     where upstream's own path cannot (e.g. gradients flowing through ``to_local``).
+
+    Raises:
+        TypeError: ``dtensor`` is not a DTensor.
     """
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"dtensor must be a DTensor, got {type(dtensor).__name__}")
@@ -227,14 +230,22 @@ def total_norm(tensors: DTensor | Sequence[DTensor], norm_type: float = 2.0) -> 
         A 0-dim float32 tensor (float64 if any input is float64), the same on every rank.
 
     Raises:
-        TypeError: not DTensors.
-        ValueError: empty input, mixed meshes, a ``Partial`` placement, or ``norm_type <= 0``.
+        TypeError: ``tensors`` not DTensors, ``norm_type`` not a number.
+        ValueError: empty input, mixed meshes, a ``Partial`` placement, or ``norm_type``
+            not ``> 0`` (NaN included).
     """
-    items = [tensors] if isinstance(tensors, DTensor) else list(tensors)
+    if isinstance(tensors, DTensor):
+        items = [tensors]
+    elif isinstance(tensors, Sequence) and not isinstance(tensors, torch.Tensor | str):
+        items = list(tensors)
+    else:
+        raise TypeError(f"tensors must be a DTensor or a sequence of them, got {type(tensors)}")
     if not items:
         raise ValueError("tensors must hold at least one DTensor")
     if not all(isinstance(t, DTensor) for t in items):
         raise TypeError("tensors must be DTensors")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, int | float):
+        raise TypeError(f"norm_type must be a float, got {type(norm_type).__name__}")
     p = float(norm_type)
     if not (p > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")

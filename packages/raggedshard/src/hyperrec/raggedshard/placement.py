@@ -213,7 +213,9 @@ class RaggedShard(Placement):
         """Rows per unit for a tensor of ``shape``.
 
         Raises:
-            ValueError: the rows are not divisible by ``sum(local_units)``.
+            TypeError: ``shape`` is not a sequence of ints.
+            ValueError: the rows are not divisible by ``sum(local_units)``, or a negative
+                size.
         """
         rows = self.num_rows(shape)
         total = sum(self._units)
@@ -238,9 +240,12 @@ class RaggedShard(Placement):
         """Shape of the local tensor of rank ``index`` (its coordinate on the mesh axis).
 
         Raises:
+            TypeError: ``index`` is not an int; ``shape`` is not a sequence of ints.
             ValueError: ``index`` outside ``[0, len(local_units))`` or an impossible split.
         """
         dims = self._shape(shape)
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int, got {type(index).__name__} {index!r}")
         if not 0 <= index < len(self._units):
             raise ValueError(f"index must be in [0, {len(self._units)}), got {index}")
         rows = self._units[index] * self.unit_rows(dims)
@@ -305,6 +310,8 @@ class RaggedShard(Placement):
                 block may be partial and belongs to whichever rank holds it).
 
         Raises:
+            TypeError: ``shape``/``blocks`` not sequences of ints, ``granularity`` not an
+                int or a str.
             ValueError: the blocks do not add up to the tensor (an impossible split, e.g.
                 a whole tensor split over two ranks), or bad inputs.
         """
@@ -334,11 +341,15 @@ class RaggedShard(Placement):
         """The whole tensor on rank ``owner`` of an axis of ``world_size`` (``dims=()``).
 
         Raises:
-            ValueError: ``owner`` outside ``[0, world_size)``.
+            TypeError: ``owner`` or ``world_size`` is not an int.
+            ValueError: ``world_size < 1`` or ``owner`` outside ``[0, world_size)``.
         """
-        if not isinstance(world_size, int) or world_size < 1:
+        for name, v in (("owner", owner), ("world_size", world_size)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+        if world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not isinstance(owner, int) or not 0 <= owner < world_size:
+        if not 0 <= owner < world_size:
             raise ValueError(f"owner must be in [0, {world_size}), got {owner!r}")
         units = [0] * world_size
         units[owner] = 1

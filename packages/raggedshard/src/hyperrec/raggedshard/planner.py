@@ -56,6 +56,11 @@ class Strategy:
 
     Give ``order`` (the shared sequential pass lays the tensors out in that order) or
     ``place`` (a complete layout for one shard size). Both must be deterministic.
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``order``/``place``/``applies`` is not
+            callable.
+        ValueError: neither or both of ``order`` and ``place`` are given.
     """
 
     name: str
@@ -77,6 +82,12 @@ class Strategy:
     layout is never worse than this strategy's own."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        for attr in ("order", "place", "applies"):
+            fn = getattr(self, attr)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{attr} must be callable or None, got {type(fn).__name__}")
         if (self.order is None) == (self.place is None):
             raise ValueError(f"strategy {self.name!r} needs exactly one of order= or place=")
 
@@ -617,12 +628,14 @@ def plan_layout(
         ranges and ``RaggedShard`` placements).
 
     Raises:
-        TypeError: non-integer inputs.
+        TypeError: non-integer inputs; ``strategies`` not a sequence of ``Strategy``.
         ValueError: negative numels, granularities < 1, mismatched lengths,
             ``world_size < 1``, ``alignment < 1``, or an empty ``strategies``.
     """
     n = _as_int_array(numels, "numels")
     if isinstance(granularities, int | np.integer) and not isinstance(granularities, bool):
+        if granularities < 1:  # checked even with no tensors to broadcast it to
+            raise ValueError(f"granularities must be >= 1, got {granularities}")
         g = np.full(len(n), int(granularities), dtype=np.int64)
     else:
         g = _as_int_array(granularities, "granularities", len(n))
@@ -638,8 +651,14 @@ def plan_layout(
             f"granularities must be >= 1, got {int(g.min())} at index {int(g.argmin())}"
         )
     world_size, a = int(world_size), int(alignment)
+    if strategies is not None and (
+        isinstance(strategies, str | Strategy) or not isinstance(strategies, Sequence)
+    ):
+        raise TypeError(f"strategies must be a sequence of Strategy, got {strategies!r}")
     chosen = tuple(STRATEGIES if strategies is None else strategies)
-    if not chosen or not all(isinstance(st, Strategy) for st in chosen):
+    if not all(isinstance(st, Strategy) for st in chosen):
+        raise TypeError(f"strategies must hold Strategy objects, got {chosen!r}")
+    if not chosen:
         raise ValueError("strategies must be a non-empty sequence of Strategy")
     blocks = np.minimum(g, np.maximum(n, 1))
     sizes = -(-n // a) * a

@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from hyperrec.raggedshard import _collectives as coll
 from hyperrec.raggedshard._geometry import contiguous_stride
+from hyperrec.raggedshard.granularity import _shape_tuple
 from hyperrec.raggedshard.placement import RaggedShard
 
 __all__ = ["check_placements", "distribute_tensor", "from_local", "redistribute"]
@@ -42,6 +43,11 @@ def _normalize(placements: Sequence[Placement], ndim: int, name: str) -> tuple[P
             p = Shard(p.dim + ndim)
         out.append(p)
     return tuple(out)
+
+
+def _check_mesh(device_mesh: object) -> None:
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
 
 
 def _ragged_axis(placements: Sequence[Placement]) -> int | None:
@@ -84,29 +90,40 @@ def check_placements(
         placements: one placement per mesh axis.
         shape: the global tensor shape.
         mesh: if given, the placement count and each ``RaggedShard``'s unit count are
-            checked against it, and the split of ``shape`` is checked.
+            checked against it. The split of ``shape`` into each ``RaggedShard``'s units
+            is checked with or without a mesh.
 
     Raises:
-        TypeError: not a sequence of ``Placement``.
-        ValueError: a broken composition rule (module docstring), a count mismatch, or a
+        TypeError: ``placements`` not a sequence of ``Placement``, ``shape`` not a
+            sequence of ints, ``mesh`` not a ``DeviceMesh``.
+        ValueError: a broken composition rule (module docstring), a ``Shard(d)`` with
+            ``d`` outside the tensor's dims, a negative size, a count mismatch, or a
             ``RaggedShard`` that cannot split ``shape``.
     """
-    shape = tuple(shape)
+    shape = _shape_tuple(shape)
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     out = _normalize(placements, len(shape), "placements")
+    for i, p in enumerate(out):
+        if type(p) is Shard and not 0 <= p.dim < len(shape):
+            raise ValueError(
+                f"placements[{i}] = {p} shards a dim the tensor of shape {shape} does not have"
+            )
     err = _composition_error(out, shape)
     if err:
         raise ValueError(err)
+    for p in out:
+        if isinstance(p, RaggedShard):
+            p.unit_rows(shape)  # the split needs no mesh: sum(local_units) must divide the rows
     if mesh is not None:
         if len(out) != mesh.ndim:
             raise ValueError(f"placements has {len(out)} entries for a {mesh.ndim}-axis mesh")
         for i, p in enumerate(out):
-            if isinstance(p, RaggedShard):
-                if len(p.local_units) != mesh.size(i):
-                    raise ValueError(
-                        f"{p!r} has {len(p.local_units)} units but mesh axis {i} has "
-                        f"{mesh.size(i)} ranks"
-                    )
-                p.unit_rows(shape)
+            if isinstance(p, RaggedShard) and len(p.local_units) != mesh.size(i):
+                raise ValueError(
+                    f"{p!r} has {len(p.local_units)} units but mesh axis {i} has "
+                    f"{mesh.size(i)} ranks"
+                )
     return out
 
 
@@ -149,12 +166,19 @@ def from_local(
         stride: the global stride; defaults to contiguous.
 
     Raises:
-        TypeError: ``local_tensor`` is not a plain tensor.
-        ValueError: placements break the rules, or the local shape is not this rank's.
+        TypeError: ``local_tensor`` is not a plain tensor, ``device_mesh`` not a
+            ``DeviceMesh``, ``shape``/``stride`` not sequences of ints, bad placements.
+        ValueError: placements break the rules, the local shape is not this rank's, or
+            ``stride`` has another length than ``shape``.
     """
     if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
         raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor)}")
-    shape = tuple(int(s) for s in shape)
+    _check_mesh(device_mesh)
+    shape = _shape_tuple(shape)
+    if stride is not None:
+        stride = _shape_tuple(stride, "stride")
+        if len(stride) != len(shape):
+            raise ValueError(f"stride {stride} must have one entry per dim of shape {shape}")
     out = check_placements(placements, shape, device_mesh)
     expected = _local_shape(shape, device_mesh, out)
     if tuple(local_tensor.shape) != expected:
@@ -162,7 +186,7 @@ def from_local(
             f"local_tensor has shape {tuple(local_tensor.shape)} but rank "
             f"{device_mesh.get_coordinate()} of {out} on a global {shape} holds {expected}"
         )
-    stride = contiguous_stride(shape) if stride is None else tuple(int(s) for s in stride)
+    stride = contiguous_stride(shape) if stride is None else stride
     return DTensor.from_local(
         local_tensor, device_mesh, out, shape=torch.Size(shape), stride=stride
     )
@@ -182,10 +206,13 @@ def distribute_tensor(
     rows (a local slice). Not differentiable (neither is upstream's for sharding).
 
     Raises:
+        TypeError: ``tensor`` is not a plain tensor, ``device_mesh`` not a
+            ``DeviceMesh``, bad placements.
         ValueError: placements break the rules or cannot split ``tensor``.
     """
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor):
         raise TypeError(f"tensor must be a plain torch.Tensor, got {type(tensor)}")
+    _check_mesh(device_mesh)
     out = check_placements(placements, tensor.shape, device_mesh)
     ragged = _ragged_axis(out)
     if ragged is None:

@@ -5,6 +5,7 @@
 - Comparators: :func:`rel_error`, :func:`snr_db`, :func:`max_abs_error`,
   :func:`assert_close_to_reference` (the 2x-the-reference-error rule), :func:`poison_like`.
 - Benchmarks: :func:`machine_info`, :func:`write_result` (JSON with machine and versions).
+- :mod:`hyperrec.testing.bad_inputs`: table-driven bad-input catalogues and fuzzing helpers.
 """
 
 from hyperrec.testing._version import __version__

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,19 @@ def machine_info() -> dict[str, Any]:
 
 
 def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
-    """Write ``{"machine": machine_info(), **payload}`` as indented JSON; returns the path."""
+    """Write ``{"machine": machine_info(), **payload}`` as indented JSON; returns the path.
+
+    Raises:
+        TypeError: ``path`` is not a path, or ``payload`` is not a mapping.
+        ValueError: ``payload`` has a ``"machine"`` key (it would silently replace the
+            recorded machine).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"payload must be a mapping, got {type(payload).__name__}")
+    if "machine" in payload:
+        raise ValueError("payload must not have a 'machine' key: write_result records it")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str) + "\n")

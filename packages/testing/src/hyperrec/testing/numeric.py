@@ -15,16 +15,30 @@ __all__ = [
 ]
 
 
-def _pair(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair(
+    actual: torch.Tensor, expected: torch.Tensor, names: tuple[str, str] = ("actual", "expected")
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
-        raise TypeError("actual and expected must be tensors")
+        raise TypeError(f"{names[0]} and {names[1]} must be tensors")
+    for name, t in zip(names, (actual, expected)):
+        if t.is_complex():
+            # .double() would drop the imaginary part with only a warning.
+            raise TypeError(f"{name} must be real, got {t.dtype}; compare .real/.imag")
     if actual.shape != expected.shape:
-        raise ValueError(f"shape mismatch: actual {tuple(actual.shape)} vs {tuple(expected.shape)}")
+        raise ValueError(
+            f"shape mismatch: {names[0]} {tuple(actual.shape)} vs {names[1]} "
+            f"{tuple(expected.shape)}"
+        )
     return actual.detach().double().cpu(), expected.detach().double().cpu()
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| in float64 (0 for empty tensors; NaN if either has NaN)."""
+    """max |actual - expected| in float64 (0 for empty tensors; NaN if either has NaN).
+
+    Raises:
+        TypeError: non-tensor or complex inputs.
+        ValueError: shapes differ.
+    """
     a, e = _pair(actual, expected)
     if a.numel() == 0:
         return 0.0
@@ -32,7 +46,12 @@ def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected||_2 / ||expected||_2 in float64; the absolute norm if expected is 0."""
+    """||actual - expected||_2 / ||expected||_2 in float64; the absolute norm if expected is 0.
+
+    Raises:
+        TypeError: non-tensor or complex inputs.
+        ValueError: shapes differ.
+    """
     a, e = _pair(actual, expected)
     num = float(torch.linalg.vector_norm(a - e))
     den = float(torch.linalg.vector_norm(e))
@@ -44,6 +63,10 @@ def snr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
     ``inf`` when the tensors are equal; ``-inf`` when ``expected`` is all zeros but
     ``actual`` is not.
+
+    Raises:
+        TypeError: non-tensor or complex inputs.
+        ValueError: shapes differ.
     """
     a, e = _pair(actual, expected)
     noise = float(((a - e) ** 2).sum())
@@ -72,9 +95,20 @@ def assert_close_to_reference(
 
     Raises:
         AssertionError: with both errors in the message.
+        TypeError: non-tensor or complex inputs; ``factor``/``atol`` not numbers,
+            ``name`` not a str.
+        ValueError: shapes differ; ``factor``/``atol`` negative or not finite (a
+            negative factor or atol would make the rule fail or pass meaninglessly).
     """
-    a, e = _pair(actual, exact)
-    r, _ = _pair(reference, exact)
+    for arg, v in (("factor", factor), ("atol", atol)):
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise TypeError(f"{arg} must be a float, got {type(v).__name__} {v!r}")
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{arg} must be finite and >= 0, got {v!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    a, e = _pair(actual, exact, ("actual", "exact"))
+    r, _ = _pair(reference, exact, ("reference", "exact"))
     bad_a, bad_e = ~torch.isfinite(a), ~torch.isfinite(e)
     if not torch.equal(bad_a, bad_e) or not torch.equal(
         a[bad_a].nan_to_num(0.0, 1.0, -1.0), e[bad_e].nan_to_num(0.0, 1.0, -1.0)
@@ -95,7 +129,12 @@ def poison_like(t: torch.Tensor) -> torch.Tensor:
 
     NaN for floating dtypes, the dtype's max for integers, True for bool. Use it as a
     pre-filled output to check that every element is written.
+
+    Raises:
+        TypeError: ``t`` is not a tensor.
     """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a tensor, got {type(t).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex:
         return torch.full_like(t, float("nan"))
     if t.dtype == torch.bool:

@@ -3,6 +3,7 @@ optimizer-state tensors sharded the way their parameter is."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -13,11 +14,30 @@ from hyperrec.raggedshard import RaggedShard
 
 __all__ = [
     "block_placements",
+    "check_hyper",
     "element_ranges",
     "local_flat",
     "local_range",
     "state_tensor",
 ]
+
+
+def check_hyper(
+    name: str, value: object, *, low: float, high: float = math.inf, closed_high: bool = False
+) -> float:
+    """A finite hyper-parameter in ``[low, high)`` (``[low, high]`` with ``closed_high``).
+
+    Raises:
+        TypeError: not a real number (bools rejected).
+        ValueError: NaN, infinite or out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    in_range = low <= value <= high if closed_high else low <= value < high
+    if not (math.isfinite(value) and in_range):
+        bracket = "]" if closed_high else ")"
+        raise ValueError(f"{name} must be finite and in [{low}, {high}{bracket}, got {value!r}")
+    return float(value)
 
 
 def _ragged_axis(p: torch.Tensor) -> tuple[int, RaggedShard] | None:

@@ -10,6 +10,7 @@ import torch
 from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
 from hyperrec.parallel5d.optim._local import (
     block_placements,
+    check_hyper,
     element_ranges,
     local_flat,
     state_tensor,
@@ -86,9 +87,12 @@ class AdamW8bit(ShardedStateOptimizer):
             saved with the state and checked on load). Default 2048.
 
     Raises:
-        ValueError: bad hyper-parameters, or a parameter whose piece on some rank starts
-            inside a block (shard with ``fully_shard(..., granularity=block_size)``).
-        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``.
+        ValueError: bad hyper-parameter values (``lr``/``eps`` not positive, ``betas``
+            not a pair in [0, 1), negative ``weight_decay``, NaN/inf, ``block_size < 1``),
+            or a parameter whose piece on some rank starts inside a block (shard with
+            ``fully_shard(..., granularity=block_size)``).
+        TypeError: hyper-parameters of the wrong type; a DTensor parameter sharded other
+            than by ``RaggedShard``/``Replicate``.
     """
 
     _FIXED_GROUP_KEYS = ("block_size",)
@@ -103,12 +107,17 @@ class AdamW8bit(ShardedStateOptimizer):
         weight_decay: float = 1e-2,
         block_size: int = 2048,
     ) -> None:
-        if not lr > 0:
+        if check_hyper("lr", lr, low=0.0) == 0:
             raise ValueError(f"lr must be positive, got {lr}")
-        if not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if not eps > 0:
+        if isinstance(betas, str) or not isinstance(betas, tuple | list):
+            raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, b in enumerate(betas):
+            check_hyper(f"betas[{i}]", b, low=0.0, high=1.0)
+        if check_hyper("eps", eps, low=0.0) == 0:
             raise ValueError(f"eps must be positive, got {eps}")
+        check_hyper("weight_decay", weight_decay, low=0.0)
         _check_block_size(block_size)
         self.block_size = block_size
         defaults = dict(
@@ -186,6 +195,8 @@ class AdamW8bit(ShardedStateOptimizer):
 
 
 def _check_block_size(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     return block_size

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 
 from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
-from hyperrec.parallel5d.optim._local import element_ranges, local_flat, local_range, state_tensor
+from hyperrec.parallel5d.optim._local import (
+    check_hyper,
+    element_ranges,
+    local_flat,
+    local_range,
+    state_tensor,
+)
 
 __all__ = ["Muon", "newton_schulz"]
 
@@ -74,9 +80,13 @@ class Muon(ShardedStateOptimizer):
             Default ``torch.float32``.
 
     Raises:
-        ValueError: bad hyper-parameters, a parameter with fewer than 2 dims, or a
-            matrix split across ranks (shard with ``granularity="matrix"``).
-        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``.
+        ValueError: bad hyper-parameter values (``lr <= 0``, ``momentum`` outside
+            [0, 1), negative ``weight_decay``, NaN/inf, ``ns_steps < 1``), a parameter
+            with fewer than 2 dims, or a matrix split across ranks (shard with
+            ``granularity="matrix"``).
+        TypeError: hyper-parameters of the wrong type (``ns_dtype`` must be a floating
+            dtype, ``nesterov`` a bool); a DTensor parameter sharded other than by
+            ``RaggedShard``/``Replicate``.
     """
 
     def __init__(
@@ -90,14 +100,18 @@ class Muon(ShardedStateOptimizer):
         weight_decay: float = 0.0,
         ns_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if not lr > 0:
+        if check_hyper("lr", lr, low=0.0) == 0:
             raise ValueError(f"lr must be positive, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not isinstance(ns_steps, int) or ns_steps < 1:
+        check_hyper("momentum", momentum, low=0.0, high=1.0)
+        check_hyper("weight_decay", weight_decay, low=0.0)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+            raise TypeError(f"ns_steps must be an int, got {type(ns_steps).__name__} {ns_steps!r}")
+        if ns_steps < 1:
             raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+            raise TypeError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
