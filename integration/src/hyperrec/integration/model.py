@@ -863,28 +863,49 @@ class MemoryEstimate:
         return self.weights_grads_optimizer + self.optimizer_temporaries + self.activations
 
 
-def activation_bytes_per_token(model: ModelConfig, *, dropout_masks: bool | None = None) -> int:
-    """Bytes saved for backward per history token under bf16 autocast (hyperrec path).
+def activation_bytes_per_token(
+    model: ModelConfig, *, element_bytes: int = 2, fused_embeddings: bool = False
+) -> int:
+    """Bytes saved for backward per history token (hyperrec path, fused attention).
 
-    Per sequence layer ``34 * dim``: the fp32 residual (4d, saved by the norm), the bf16
-    cast of the norm output (2d, saved by the projection), the ``4d`` projection output
-    (8d, saved by SiLU) and the SiLU output (8d: q, k, v for the attention, u for the
-    gate), the attention output (2d), its fp32 cast for the norm (4d), the fp32 normed
-    output (4d, saved by the gate's multiply) and the bf16 cast of the gated value (2d,
-    saved by the output projection); plus ``dim`` bytes of dropout mask when dropout is on.
-    Above the layers: the final norm's input (4d), the two bf16 casts feeding the PMA and
-    cross-attention K/V projections (2 x 2d) and their K/V outputs (2 x 4d); below them
-    the token stage (the embedding sum's bf16 cast (2e) and the norm's fp32 input (4d)
-    with a projection, else the fp32 sum (4e)). Attention is fused (no ``L^2`` buffers);
-    integer index tensors (~50 bytes per token) are left out.
+    ``element_bytes`` is the activations' size: 2 under bf16 autocast on CUDA (the
+    trainer's default), 4 without autocast. The residual stream and LayerNorms stay fp32
+    either way (CUDA autocast runs norms in fp32). With ``s = element_bytes`` and ``d``,
+    ``e`` the model and table widths, each sequence layer saves: the fp32 residual (4d,
+    for the norm), the projection's input (s*d: a bf16 cast, or the fp32 norm output),
+    the ``4d``-wide projection output (4s*d, for SiLU) and the SiLU output (4s*d: q, k, v
+    for the attention, u for the gate), the attention output (s*d; under autocast the
+    norm then saves its fp32 cast, 4d more; without autocast the two are one tensor), the
+    fp32 normed output (4d, for the gate's product) and the gated value (s*d, for the
+    output projection); plus ``d`` bytes of dropout mask with dropout (CUDA's fused
+    dropout keeps a bool mask; the CPU kernel keeps a float one). Above the layers:
+    the final norm's input (4d) and the PMA and cross-attention K/V projections' input (a
+    cast each under autocast, else one shared tensor) and outputs (2s*d each). Below them:
+    the token stage (the embedding sum, or its cast for the projection, and the norm's
+    4d input). Plus 8 bytes per norm (mean, rstd) and 32 for the lookup indices (72 with
+    ``fused_embeddings``: the bag offsets, per-sample weights and bag map too). Attention
+    is assumed fused (no ``L^2`` buffers), as the jagged_attn kernels are.
+
+    Raises:
+        ValueError: ``element_bytes`` not 2 or 4.
     """
-    d, e = model.dim, model.table_dim
-    if dropout_masks is None:
-        dropout_masks = model.dropout > 0
-    per_layer = 34 * d + (d if dropout_masks else 0)
-    tokens = 2 * e + 4 * d if e != d else 4 * e
-    top = 4 * d + (2 * 2 * d + 2 * 4 * d if model.pma_queries else 2 * d + 4 * d)
-    return model.seq_layers * per_layer + top + tokens
+    if element_bytes not in (2, 4):
+        raise ValueError(f"element_bytes must be 2 or 4, got {element_bytes!r}")
+    s, d, e = element_bytes, model.dim, model.table_dim
+    cast = s < 4
+    per_layer = 4 * d + s * d + 8 * s * d + (s * d if cast else 0) + 4 * d + 4 * d + s * d
+    if model.dropout > 0:
+        per_layer += d
+    kv_users = 2 if model.pma_queries else 1
+    kv_input = kv_users * s * d if cast else 4 * d
+    top = 4 * d + kv_input + kv_users * 2 * s * d
+    if e != d:
+        tokens = (s * e if cast else 4 * e) + 4 * d
+    else:
+        tokens = 4 * e
+    norms = 2 * model.seq_layers + 2
+    indices = 72 if fused_embeddings else 32
+    return model.seq_layers * per_layer + top + tokens + 8 * norms + indices
 
 
 def estimate_memory(
@@ -910,7 +931,9 @@ def estimate_memory(
     lengths = SyntheticRecsysData(preset.data).history_lengths(TRAIN, ids)
     mean_len = float(lengths.mean())
     tokens = mean_len * preset.train.global_batch_size / world_size
-    per_token = activation_bytes_per_token(preset.model)
+    per_token = activation_bytes_per_token(
+        preset.model, element_bytes=2, fused_embeddings=preset.train.fused_embeddings
+    )
     # The optimizer groups: embeddings, matrices, vectors; foreach scratch is per group.
     largest_group = max(emb, params - emb)
     temporaries = 4 * largest_group // world_size if preset.train.optimizer_impl == "foreach" else 0

@@ -183,14 +183,17 @@ def hstu_attention(
     scale: float,
     output_scale: float,
     recompute: bool = True,
-    chunk_elements: int = SCORE_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """HSTU attention ``o_i = output_scale * sum_{j <= i} act(scale <q_i, k_j>) v_j``.
 
     Plain PyTorch on padded ``(B, H, L_max, D)`` tensors, in query chunks of at most
-    ``chunk_elements`` score elements; with ``recompute`` each chunk's scores are
-    recomputed in backward instead of saved (see the module doc).
+    ``chunk_elements`` score elements (default :data:`SCORE_CHUNK_ELEMENTS`); with
+    ``recompute`` each chunk's scores are recomputed in backward instead of saved (see
+    the module doc).
     """
+    if chunk_elements is None:
+        chunk_elements = SCORE_CHUNK_ELEMENTS
     if activation not in _ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     qp, kp, vp = layout.pad(q), layout.pad(k), layout.pad(v)

@@ -59,9 +59,17 @@ from hyperrec.integration.model import GEMModel, esmm_loss
 from hyperrec.integration.pipeline import TrainStream, default_cost_model
 from hyperrec.integration.progress import ProgressBar
 
-__all__ = ["RunResult", "StepRecord", "Trainer", "build_optimizer", "lr_factor"]
+__all__ = [
+    "RunResult",
+    "StepRecord",
+    "Trainer",
+    "backward_and_update",
+    "build_optimizer",
+    "lr_factor",
+]
 
 _EVAL_CHUNK = 1024  # requests per eval forward
+_EVAL_PADDED_TOKENS = 1 << 21  # ... and at most this many requests x history cap
 _EMA_BETA = 0.95
 _HISTORY_KEYS = (
     "step",
@@ -143,6 +151,28 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     progress = min(max((step - cfg.warmup_steps) / span, 0.0), 1.0)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def backward_and_update(
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float,
+) -> torch.Tensor:
+    """``loss.backward()``, global gradient-norm clipping (0: measure only), the optimizer
+    step and ``zero_grad``. Returns the pre-clipping gradient norm as a device scalar: no
+    value is read on the host (the steady-state step must not synchronise)."""
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def _fused_adamw_ok(params: list[torch.nn.Parameter]) -> bool:
@@ -369,17 +399,7 @@ class Trainer:
             sums = torch.stack([ctr_sum.detach().double(), ctcvr_sum.detach().double()])
             rank_costs = [local]
             loss = (ctr_sum + ctcvr_sum) / float(n_local)
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
+        grad_norm = backward_and_update(loss, self.model, self.optimizer, cfg.grad_clip)
         readout = torch.cat([sums, grad_norm.detach().double().reshape(1)])
         preds = torch.sigmoid(ctr_logit.detach().float())
         end = None
@@ -493,7 +513,10 @@ class Trainer:
         pop_ctr, pop_cvr = PopularityBaseline.rates(counts, self.popularity.prior_strength)
         local = np.arange(rank, total, world)
         # Every rank runs the same number of forwards (FSDP all-gathers are collective).
-        n_chunks = max(1, math.ceil(math.ceil(total / world) / _EVAL_CHUNK))
+        # Padded (naive) attention at long caps needs smaller forwards: bound the chunk by
+        # requests and by padded tokens.
+        chunk = max(1, min(_EVAL_CHUNK, _EVAL_PADDED_TOKENS // self.preset.data.max_seqlen))
+        n_chunks = max(1, math.ceil(math.ceil(total / world) / chunk))
         parts: dict[str, list[torch.Tensor]] = {}
         was_training = self.model.training
         self.model.eval()
