@@ -331,7 +331,7 @@ class TrainConfig:
     128-block Hopper recipe, chosen by a ``PrecisionPolicy``); "bf16": ``nn.Linear``."""
     optimizer_impl: str = "foreach"
     """AdamW kernels: "foreach" (PyTorch's default) or "fused" (one kernel per parameter
-    group on CUDA, no full-size temporaries; falls back to foreach for ragged DTensors)."""
+    group, no full-size temporaries)."""
     data_workers: int = 0
     """Worker processes that build batches ahead of the step (0: in the training loop).
     On CUDA batches are pinned and copied on a side stream in either case."""

@@ -175,26 +175,15 @@ def backward_and_update(
     return grad_norm
 
 
-def _fused_adamw_ok(params: list[torch.nn.Parameter]) -> bool:
-    """PyTorch's fused AdamW runs on CUDA tensors and FSDP2's DTensors; ragged DTensors
-    (``hyperrec.parallel5d``) only support the per-op paths, so they keep foreach."""
-    for p in params:
-        if p.device.type != "cuda":
-            return False
-        placements = getattr(p, "placements", ())
-        if any("Ragged" in type(pl).__name__ for pl in placements):
-            return False
-    return True
-
-
 def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with groups for embeddings, decayed matrices and undecayed vectors.
 
     Call it after :func:`~hyperrec.integration.distributed.parallelize` (sharding
     replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"``.
-    ``cfg.optimizer_impl="fused"`` uses PyTorch's fused kernels where the parameters allow
-    it (see :func:`_fused_adamw_ok`), foreach otherwise. ``cfg.embedding_optimizer`` is the
-    seam for sparse, row-wise table updates (only ``"dense"`` exists in this release).
+    ``cfg.optimizer_impl="fused"`` uses PyTorch's fused AdamW (one kernel per group, no
+    full-size temporaries; it also runs on ``hyperrec.parallel5d``'s ragged DTensors,
+    where it equals foreach). ``cfg.embedding_optimizer`` is the seam for sparse, row-wise
+    table updates (only ``"dense"`` exists in this release).
     """
     embedding = {id(p) for p in model.embedding_parameters()}
     emb, decay, no_decay = [], [], []
@@ -210,9 +199,8 @@ def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
         {"params": decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": 0.0},
     ]
-    params = emb + decay + no_decay
-    fused = cfg.optimizer_impl == "fused" and _fused_adamw_ok(params)
-    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8, fused=fused or None)
+    fused = True if cfg.optimizer_impl == "fused" else None
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8, fused=fused)
 
 
 def _default_out_dir(preset: Preset) -> Path:
