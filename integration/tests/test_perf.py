@@ -185,3 +185,17 @@ def test_fused_adamw_equals_foreach(micro, micro_data):
     # few elements with tiny gradients differ by ~1% of one learning-rate step).
     for name, p in params["foreach"].items():
         torch.testing.assert_close(p, params["fused"][name], rtol=1e-4, atol=5e-5, msg=name)
+
+
+def test_both_table_layouts_start_from_the_same_values(micro):
+    preset = _preset(micro)
+    torch.manual_seed(3)
+    sep = GEMModel(preset.model, preset.data)
+    torch.manual_seed(3)
+    fused = GEMModel(preset.model, preset.data, fused_embeddings=True)
+    want = fuse_tables_state_dict(sep.state_dict())
+    got = fused.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    std = preset.model.table_dim**-0.5
+    assert abs(float(sep.item_embedding.weight.detach().std()) - std) < 0.1 * std

@@ -582,12 +582,15 @@ class GEMModel(nn.Module):
         if fused_embeddings:
             self.tables = EmbeddingTables(_table_rows(model, data), e)
         else:
-            self.item_embedding = nn.Embedding(data.num_items, e)
-            self.category_embedding = nn.Embedding(data.num_topics, e)
-            self.action_embedding = nn.Embedding(len(ACTIONS), e)
-            self.time_embedding = nn.Embedding(model.time_buckets, e)
-            self.user_embedding = nn.Embedding(model.user_hash_size, e)
-            self.tag_embedding = nn.EmbeddingBag(data.num_topics, e, mode="mean")
+            # Uninitialised here (no RNG drawn): reset_parameters fills every table in
+            # TABLES order, exactly as it fills the fused weight's row ranges, so both
+            # layouts start from the same values for the same seed.
+            rows = _table_rows(model, data)
+            for name in TABLES[:-1]:
+                setattr(self, name, nn.Embedding(rows[name], e, _weight=torch.empty(rows[name], e)))
+            self.tag_embedding = nn.EmbeddingBag(
+                rows["tag_embedding"], e, mode="mean", _weight=torch.empty(rows["tag_embedding"], e)
+            )
         self.token_proj = nn.Linear(e, d) if e != d else None
         self.candidate_proj = nn.Linear(e, d) if e != d else None
         self.dense_proj = nn.Linear(len(DENSE_FEATURES), d)
@@ -650,10 +653,16 @@ class GEMModel(nn.Module):
         )
 
     def reset_parameters(self) -> None:
-        """Small-normal embeddings (std 1/sqrt(table width)); PyTorch defaults elsewhere."""
+        """Small-normal embeddings (std 1/sqrt(table width)), table by table in
+        :data:`TABLES` order for either layout; PyTorch defaults elsewhere."""
         std = self.config.table_dim**-0.5
-        for p in self.embedding_parameters():
-            nn.init.normal_(p, std=std)
+        if self.fused_embeddings:
+            tables = self.tables.weight.detach().split(list(self.tables.rows.values()))
+        else:
+            tables = [getattr(self, name).weight.detach() for name in TABLES]
+        with torch.no_grad():
+            for table in tables:
+                nn.init.normal_(table, std=std)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The embedding tables' weights (for a separate optimizer group)."""
