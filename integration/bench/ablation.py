@@ -45,7 +45,6 @@ import dataclasses
 import datetime as dt
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,9 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+from _common import jsonable, single_rank_group  # noqa: E402
+
 RESULTS = _HERE.parent / "results"
 
 
@@ -97,25 +99,13 @@ ROWS = (
 MODES = {
     # warm-up steps (compilation, caches), timed steps, held-out requests, time budget (s)
     "full": {"warmup": 3, "timed": 6, "eval": 1024, "budget": 530.0, "row_timeout": 170.0},
-    "quick": {"warmup": 2, "timed": 3, "eval": 512, "budget": 230.0, "row_timeout": 120.0},
+    "quick": {"warmup": 2, "timed": 3, "eval": 512, "budget": 235.0, "row_timeout": 150.0},
     "smoke": {"warmup": 1, "timed": 2, "eval": 128, "budget": 55.0, "row_timeout": 40.0},
 }
 QUICK_ROWS = ("naive", "+ jagged kernels", "all")
 
 
 # -- one row (runs in its own process on the GPU) --------------------------------------------
-def _single_rank_group(device: str) -> None:
-    """A process group of one rank (file store), so that the sharding rows shard."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="ablation-store-"), "store"), 1)
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo", store=store, rank=0, world_size=1
-    )
-
-
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one configuration and measure it. ``spec``: preset, overrides, warmup, timed,
     device. Returns the row's measurements (raises on failure)."""
@@ -133,7 +123,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         ),
     )
     with tempfile.TemporaryDirectory() as tmp:
-        _single_rank_group(device)
+        single_rank_group(device)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -231,16 +221,19 @@ def _mode_settings(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, 
     return mode, settings, device, preset
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the ablation; returns the result document (also written to ``args.out``)."""
     from hyperrec.testing.bench import machine_info
 
     mode, settings, device, preset_name = _mode_settings(args)
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit("the ablation needs a CUDA GPU (use --smoke on a CPU)")
+    if device == "cuda" and not _cuda_available():
+        raise SystemExit("the ablation needs a CUDA GPU (use --smoke on a CPU)")
     t_start = time.perf_counter()
     common = [f"data.eval_requests={settings['eval']}", *args.set]
     if args.smoke:
@@ -360,7 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.date.today().isoformat()
     path = out_dir / f"ablation_{preset_name}_{mode}_{stamp}.json"
-    path.write_text(json.dumps(_jsonable(doc), indent=1) + "\n")
+    path.write_text(json.dumps(jsonable(doc), indent=1) + "\n")
     path.with_suffix(".md").write_text(markdown(doc) + "\n")
     print(markdown(doc))
     print(f"wrote {path} and {path.with_suffix('.md')} in {doc['total_wall_s']:.0f} s")
@@ -371,16 +364,6 @@ def _sub_batch(preset_name: str) -> int:
     from hyperrec.integration import get_preset
 
     return get_preset(preset_name).train.sub_batch_size
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
 
 
 def _fmt(x: Any, spec: str) -> str:

@@ -199,3 +199,24 @@ def test_both_table_layouts_start_from_the_same_values(micro):
     assert all(torch.equal(want[k], got[k]) for k in want)
     std = preset.model.table_dim**-0.5
     assert abs(float(sep.item_embedding.weight.detach().std()) - std) < 0.1 * std
+
+
+def test_resume_is_exact_with_data_workers_reading_ahead(micro, tmp_path):
+    from hyperrec.integration import Trainer
+
+    train = dataclasses.replace(
+        micro.train, steps=8, ckpt_every=4, window_steps=3, data_workers=1, prefetch_batches=2
+    )
+    preset = dataclasses.replace(micro, train=train)
+    full, first, second = [], [], []
+    Trainer(preset, out_dir=tmp_path / "a", progress=False, on_step=full.append).fit(plot=False)
+    b = Trainer(preset, out_dir=tmp_path / "b", progress=False, on_step=first.append)
+    b.fit(stop_after=6, plot=False)
+    b.close()
+    c = Trainer(preset, resume=tmp_path / "b", progress=False, on_step=second.append)
+    c.fit(plot=False)
+    c.close()
+    assert [r.step for r in second] == [5, 6, 7, 8]
+    assert [r.loss for r in second] == [r.loss for r in full[4:]]
+    for x, y in zip(second, full[4:]):
+        assert torch.equal(x.sample_ids, y.sample_ids)

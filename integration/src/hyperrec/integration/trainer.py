@@ -60,6 +60,7 @@ from hyperrec.integration.pipeline import TrainStream, default_cost_model
 from hyperrec.integration.progress import ProgressBar
 
 __all__ = [
+    "PendingStep",
     "RunResult",
     "StepRecord",
     "Trainer",
@@ -122,8 +123,9 @@ class RunResult:
 
 
 @dataclass
-class _Pending:
-    """A step whose device work is queued and whose metrics are not read yet."""
+class PendingStep:
+    """A step whose device work is queued and whose metrics are not read yet
+    (:meth:`Trainer.launch_step` -> :meth:`Trainer.finish_step`)."""
 
     step: int
     loaded: LoadedStep
@@ -332,18 +334,18 @@ class Trainer:
         """Run one optimizer step; returns its metrics (identical on every rank).
 
         Synchronous: it waits for the step to finish. :meth:`fit` instead overlaps each
-        step's bookkeeping with the next step's device work (see :meth:`_launch`).
+        step's bookkeeping with the next step's device work (see :meth:`launch_step`).
         """
-        return self._finish(self._launch())
+        return self.finish_step(self.launch_step())
 
-    def _launch(self) -> _Pending:
+    def launch_step(self) -> PendingStep:
         """Enqueue one step's device work and return without waiting for it.
 
         Nothing here reads a device value: the batch arrives through the loader (built and
         validated ahead, copied on a side stream), sizes come from shapes and the CPU
         copy of the batch, and the values the host needs (loss sums, gradient norm,
         predictions) are copied into pinned host buffers behind an event that
-        :meth:`_finish` waits on later, once the next step is queued.
+        :meth:`finish_step` waits on later, once the next step is queued.
         """
         cfg = self.preset.train
         t0 = time.perf_counter()
@@ -400,7 +402,7 @@ class Trainer:
         self.step = step
         # Host-side bookkeeping from the CPU copy of the batch: no device reads.
         self.popularity.update(host.candidate_items, host.click, host.conversion)
-        pending = _Pending(
+        pending = PendingStep(
             step=step,
             loaded=loaded,
             flops=flops,
@@ -424,13 +426,16 @@ class Trainer:
             self._last_auc = self.auc_window.compute()
         return self._last_auc
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Forget the previous step's end time: the next step is timed from its own start
         (evaluation or checkpointing ran in between)."""
         self._last_end = None
 
-    def _finish(self, p: _Pending) -> dict[str, float]:
-        """Wait for step ``p`` and turn its host buffers into metrics."""
+    def finish_step(self, p: PendingStep) -> dict[str, float]:
+        """Wait for step ``p`` (from :meth:`launch_step`) and return its metrics.
+
+        Call it once per launched step, in launch order; launching the next step first
+        keeps the device busy while the host waits."""
         cfg = self.preset.train
         if isinstance(p.end, torch.cuda.Event):
             p.end.synchronize()
@@ -650,23 +655,23 @@ class Trainer:
         # Pipelined: step n + 1 is queued before step n's metrics are read, so the device
         # never waits for the host's bookkeeping. Evaluation, checkpoints and the end of
         # the run wait for the queued step first.
-        pending: _Pending | None = None
+        pending: PendingStep | None = None
         while self.step < last:
-            launched = self._launch()
+            launched = self.launch_step()
             if pending is not None:
-                self._log_step(self._finish(pending), bar)
+                self._log_step(self.finish_step(pending), bar)
             pending = launched
             step = launched.step
             evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
             checkpoint = cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps)
             if evaluate or checkpoint or step == last:
-                self._log_step(self._finish(pending), bar)
+                self._log_step(self.finish_step(pending), bar)
                 pending = None
                 if evaluate:
                     self._eval_and_log(bar)
                 if checkpoint:
                     self.save()
-                self._drain()
+                self.drain()
         bar.close()
         interrupted = self.step < cfg.steps
         if not interrupted and (not self.evals or self.evals[-1]["step"] != self.step):
