@@ -1,7 +1,8 @@
 """hyperrec.integration: a GEM-style ranking model trained end to end on the hyperrec stack.
 
 - Configs: :class:`Preset` = :class:`DataConfig` + :class:`ModelConfig` +
-  :class:`TrainConfig`; presets ``micro``, ``tiny``, ``small``, ``h200`` (:func:`get_preset`).
+  :class:`TrainConfig`; presets ``micro``, ``tiny``, ``small``, ``h200``, ``gem``
+  (:func:`get_preset`).
 - Data: :class:`SyntheticRecsysData` (power-law histories, Zipf ids, hidden ground truth,
   every sample a pure function of its index) producing jagged :class:`Batch` es.
 - Model: :class:`GEMModel` (embeddings, HSTU-style GDPA/block-attention tower, PMA,
@@ -9,7 +10,11 @@
 - Training: :class:`Trainer` (BBS batching, ``hyperrec.parallel5d.fully_shard`` or FSDP2
   under torchrun, DCP checkpoints with exact resume, eval against popularity and ground
   truth); CLI ``hyperrec-train``.
-- Metrics: :func:`auc`, :func:`normalized_entropy`, :func:`calibration`.
+- Metrics: :func:`auc`, :func:`normalized_entropy`, :func:`calibration`; MFU from
+  :func:`model_flops` (analytic FLOPs of a step's jagged lengths).
+- Speed: ``TrainConfig.impl="naive"`` (the padded-PyTorch baseline), fused table lookup,
+  compiled small-op regions, MXFP8 MLPs, a :class:`StepLoader` that builds, validates,
+  pins and copies batches off the critical path.
 """
 
 from hyperrec.integration._version import __version__
@@ -25,6 +30,8 @@ from hyperrec.integration.config import (
 )
 from hyperrec.integration.data import EVAL, TRAIN, Batch, SyntheticRecsysData
 from hyperrec.integration.distributed import init_distributed, parallelize
+from hyperrec.integration.flops import FlopCount, model_flops, peak_tflops
+from hyperrec.integration.loader import StepLoader
 from hyperrec.integration.metrics import auc, calibration, log_loss, normalized_entropy
 from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory
 from hyperrec.integration.pipeline import TrainStream
@@ -32,6 +39,7 @@ from hyperrec.integration.trainer import RunResult, StepRecord, Trainer
 
 __all__ = [
     "EVAL",
+    "FlopCount",
     "PRESETS",
     "TRAIN",
     "Batch",
@@ -42,6 +50,7 @@ __all__ = [
     "Preset",
     "RunResult",
     "StepRecord",
+    "StepLoader",
     "SyntheticRecsysData",
     "TrainConfig",
     "TrainStream",
@@ -54,7 +63,9 @@ __all__ = [
     "get_preset",
     "init_distributed",
     "log_loss",
+    "model_flops",
     "normalized_entropy",
     "override",
     "parallelize",
+    "peak_tflops",
 ]

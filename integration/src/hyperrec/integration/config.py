@@ -12,7 +12,11 @@ Presets (:data:`PRESETS`):
 - ``micro``: the test suite's size; a few seconds per run on one CPU core.
 - ``tiny``: the default CPU run (``nox -s train``), about a minute on two cores.
 - ``small``: a single-GPU or many-core smoke run with realistic proportions.
-- ``h200``: sized to fill one 141 GB H200 (see :func:`hyperrec.integration.model.estimate_memory`).
+- ``h200``: sized to fill one 141 GB H200 with a small dense part (2.7 B parameters, 99% of
+  them embeddings; see :func:`hyperrec.integration.model.estimate_memory`).
+- ``gem``: a production-shaped dense part on one H200: width 1024, 8 heads of 128, 12
+  sequence layers, histories up to 8,192 events, a 4,096-wide interaction MLP, every
+  speed switch of :class:`TrainConfig` on.
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "softmax")
+IMPLS = ("hyperrec", "naive")
+COMPILE_MODES = ("off", "inductor", "aot_eager")
+MLP_PRECISIONS = ("bf16", "mxfp8")
+OPTIMIZER_IMPLS = ("foreach", "fused")
+ACTIVATION_CHECKPOINTING = ("off", "autoac")
+ATTENTION_PRECISIONS = ("bf16", "fp8")
+EMBEDDING_OPTIMIZERS = ("dense", "sparse")
+
+NOT_AVAILABLE: dict[tuple[str, str], str] = {
+    ("activation_checkpointing", "autoac"): "hyperrec-autoac's per-region budgets",
+    ("attention_precision", "fp8"): "FP8 attention kernels in hyperrec-jagged-attn",
+    ("embedding_optimizer", "sparse"): "sharded tables with fused row-wise updates "
+    "(hyperrec-parallel5d's sparse sharding)",
+}
+"""Config values that exist so that runs and ablations can name them, but whose
+implementation has not been integrated yet: choosing one raises a ``ValueError``."""
 
 
 def _require_int(obj: Any, name: str, *, minimum: int) -> None:
@@ -173,7 +193,7 @@ class ModelConfig:
     """
 
     dim: int
-    """Width of every embedding and of the sequence tower's tokens."""
+    """Width of the sequence tower's tokens and of the attention outputs."""
     heads: int
     """Attention heads; must divide ``dim``."""
     seq_layers: int
@@ -202,10 +222,16 @@ class ModelConfig:
     """Hidden widths of each task head (CTR and CVR)."""
     dropout: float = 0.0
     """Dropout in the sequence tower and MLPs (its RNG state is checkpointed)."""
+    embedding_dim: int = 0
+    """Width of the embedding tables; 0 means ``dim``. When it differs from ``dim``, one
+    linear projects the summed history-token embeddings and one the candidates' (item +
+    category) query to ``dim``; the pooled sparse features enter the interaction tower at
+    this width. Production rankers keep tables narrow (64-256) under a wide dense part."""
 
     def __post_init__(self) -> None:
         for name, minimum in (
             ("dim", 1),
+            ("embedding_dim", 0),
             ("heads", 1),
             ("seq_layers", 0),
             ("block_attention_layers", 0),
@@ -240,6 +266,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """``dim // heads``."""
         return self.dim // self.heads
+
+    @property
+    def table_dim(self) -> int:
+        """Width of the embedding tables: ``embedding_dim`` or, when 0, ``dim``."""
+        return self.embedding_dim or self.dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +316,9 @@ class TrainConfig:
     amp: str = "auto"
     """Autocast dtype: "auto" (bf16 on CUDA, off on CPU), "bf16" or "off"."""
     validate_inputs: bool = True
-    """Check every batch (offsets, id ranges, NaN) before the forward; costs host syncs."""
+    """Check every batch (offsets, id ranges, NaN, the history cap) once where it is built,
+    on the CPU before the copy to the device; the model itself never validates (its
+    attention calls pass ``validate=False``), so the device step needs no host sync."""
     cpu_threads: int = 0
     """Intra-op threads per process when training on the CPU (0: PyTorch's default). Small
     models run many tiny ops whose threading overhead exceeds the gain, and one thread
@@ -294,12 +327,66 @@ class TrainConfig:
     """Seed of parameter initialisation and dropout."""
     sharding: str = "hyperrec"
     """Data-parallel sharding on several ranks: "hyperrec" (``hyperrec.parallel5d``'s
-    zero-copy ``fully_shard``) or "fsdp2" (PyTorch's ``fully_shard``), same units."""
+    zero-copy ``fully_shard``) or "fsdp2" (PyTorch's ``fully_shard``), same units. Applied
+    whenever a process group exists, also with one rank (the single-GPU ablation)."""
+
+    # -- the compute path and its speed switches (README: "Performance") ---------------
+    impl: str = "hyperrec"
+    """Attention implementation: "hyperrec" (``hyperrec.jagged_attn`` on unpadded jagged
+    tokens) or "naive" (the same math as a user without hyperrec writes it: padded
+    ``scaled_dot_product_attention`` with masks, the HSTU SiLU attention in plain PyTorch
+    on padded tensors). The naive path is the baseline of every speed claim."""
+    fused_embeddings: bool = False
+    """Keep every embedding table in one concatenated weight and look up all sparse
+    features of a step with one ``embedding_bag`` (the history tokens' four ids summed
+    inside it). Same function as separate tables; a different parameter layout."""
+    compile: str = "off"
+    """``torch.compile`` the small-op regions (LayerNorms, SiLU, gating, the DCN):
+    "off", "inductor" or "aot_eager" (graph capture without code generation; tests)."""
+    mlp_precision: str = "bf16"
+    """"mxfp8": the interaction MLP's large linears become ``hyperrec.mxfp8.MXLinear`` (the
+    128-block Hopper recipe, chosen by a ``PrecisionPolicy``); "bf16": ``nn.Linear``."""
+    optimizer_impl: str = "foreach"
+    """AdamW kernels: "foreach" (PyTorch's default) or "fused" (one kernel per parameter
+    group, no full-size temporaries)."""
+    data_workers: int = 0
+    """Worker processes that build batches ahead of the step (0: in the training loop).
+    On CUDA batches are pinned and copied on a side stream in either case."""
+    prefetch_batches: int = 2
+    """Batches each data worker keeps ready (with ``data_workers > 0``)."""
+    activation_checkpointing: str = "off"
+    """"off" or "autoac" (per-region budgets; not available yet)."""
+    attention_precision: str = "bf16"
+    """"bf16" or "fp8" (FP8 attention kernels; not available yet)."""
+    embedding_optimizer: str = "dense"
+    """"dense" (AdamW on dense table gradients) or "sparse" (row-wise updates fused into
+    the lookup's backward on sharded tables; not available yet)."""
 
     def __post_init__(self) -> None:
         if self.sharding not in ("hyperrec", "fsdp2"):
             raise ValueError(
                 f"TrainConfig.sharding must be 'hyperrec' or 'fsdp2', got {self.sharding!r}"
+            )
+        for name, choices in (
+            ("impl", IMPLS),
+            ("compile", COMPILE_MODES),
+            ("mlp_precision", MLP_PRECISIONS),
+            ("optimizer_impl", OPTIMIZER_IMPLS),
+            ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
+            ("attention_precision", ATTENTION_PRECISIONS),
+            ("embedding_optimizer", EMBEDDING_OPTIMIZERS),
+        ):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"TrainConfig.{name} must be one of {choices}, got {value!r}")
+            if (name, value) in NOT_AVAILABLE:
+                raise ValueError(
+                    f"TrainConfig.{name}={value!r} is not available yet: it needs "
+                    f"{NOT_AVAILABLE[name, value]}, which this release does not integrate"
+                )
+        if not isinstance(self.fused_embeddings, bool):
+            raise TypeError(
+                f"TrainConfig.fused_embeddings must be a bool, got {self.fused_embeddings!r}"
             )
         for name, minimum in (
             ("steps", 1),
@@ -313,6 +400,8 @@ class TrainConfig:
             ("auc_window", 1),
             ("cpu_threads", 0),
             ("seed", 0),
+            ("data_workers", 0),
+            ("prefetch_batches", 1),
         ):
             _require_int(self, name, minimum=minimum)
         if self.global_batch_size % self.sub_batch_size:
@@ -565,11 +654,75 @@ def h200() -> Preset:
     )
 
 
+def gem() -> Preset:
+    """A production-shaped ranker on one H200, every available speed switch on.
+
+    Dense part as a GEM-style ranker's per GPU: width 1024, 8 heads of 128, 12 HSTU
+    layers (the lowest 4 block attention), power-law histories of mean ~800 and up to
+    8,192 events, 16 PMA queries, candidate cross attention, 3 low-rank DCN layers over a
+    4,096-wide feature vector and a 4,096-wide MLP. Tables are 256 wide (2.7 B parameters)
+    under the 1024-wide tower. See ``estimate_memory`` for the fit on 141 GB.
+    """
+    return Preset(
+        name="gem",
+        description="GEM-scale dense part on one H200: d=1024, 12 layers, 8k histories",
+        data=DataConfig(
+            num_items=8_388_608,
+            num_topics=4096,
+            num_users=50_000_000,
+            max_seqlen=8192,
+            min_seqlen=32,
+            seqlen_scale=512.0,
+            seqlen_alpha=1.5,
+            max_candidates=32,
+            max_user_tags=16,
+            latent_dim=64,
+            eval_requests=16384,
+        ),
+        model=ModelConfig(
+            dim=1024,
+            heads=8,
+            seq_layers=12,
+            block_attention_layers=4,
+            attn_block_size=128,
+            pma_queries=16,
+            time_buckets=32,
+            user_hash_size=2_097_152,
+            embedding_dim=256,
+            cross_layers=3,
+            cross_rank=512,
+            mlp_dims=(4096, 4096, 1024),
+            head_dims=(256,),
+            dropout=0.0,
+        ),
+        train=TrainConfig(
+            steps=20000,
+            global_batch_size=128,
+            sub_batch_size=16,
+            window_steps=8,
+            lr=1e-3,
+            embedding_lr=5e-3,
+            warmup_steps=500,
+            eval_every=2000,
+            ckpt_every=2000,
+            log_every=20,
+            auc_window=50,
+            impl="hyperrec",
+            fused_embeddings=True,
+            compile="inductor",
+            mlp_precision="mxfp8",
+            optimizer_impl="fused",
+            data_workers=8,
+        ),
+    )
+
+
 PRESETS: dict[str, typing.Callable[[], Preset]] = {
     "micro": micro,
     "tiny": tiny,
     "small": small,
     "h200": h200,
+    "gem": gem,
 }
 """Preset name -> a function building it (configs as code)."""
 

@@ -107,7 +107,7 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> Distr
 
 
 def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hyperrec") -> nn.Module:
-    """Shard ``model`` for data-parallel training on ``ctx`` (no-op for one rank).
+    """Shard ``model`` for data-parallel training on ``ctx`` (a no-op without a process group).
 
     ``sharding`` picks ``hyperrec.parallel5d.fully_shard`` ("hyperrec", default) or
     PyTorch's ("fsdp2"). Units: each sequence layer, the PMA and cross-attention modules, the
@@ -123,7 +123,9 @@ def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hype
     Returns:
         The same module object, sharded in place (parameters become DTensors).
     """
-    if not ctx.distributed:
+    if not ctx.distributed and not (dist.is_available() and dist.is_initialized()):
+        # No process group: nothing to shard over. With a group of one rank the model is
+        # still wrapped, so a single-GPU run measures what the sharding path costs.
         return model
     from torch.distributed.device_mesh import init_device_mesh
 

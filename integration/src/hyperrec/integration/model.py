@@ -26,38 +26,141 @@ clicked impressions alone (a biased population); instead ``P(click & conversion)
 P(click) * P(conversion | click)`` is fitted against conversions over *all*
 impressions, next to the CTR loss. See :func:`esmm_loss`.
 
-The attention ops are :mod:`hyperrec.jagged_attn`'s: no padding in the model itself.
+The attention ops are :mod:`hyperrec.jagged_attn`'s: no padding in the model itself
+(``impl="hyperrec"``). ``impl="naive"`` computes the same function with padded PyTorch
+attention (:mod:`hyperrec.integration.naive`): the baseline of every speed claim.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperrec.integration.config import DataConfig, ModelConfig, Preset
+from hyperrec.integration import naive
+from hyperrec.integration.config import (
+    COMPILE_MODES,
+    IMPLS,
+    MLP_PRECISIONS,
+    DataConfig,
+    ModelConfig,
+    Preset,
+)
 from hyperrec.integration.data import ACTIONS, DENSE_FEATURES, Batch
+from hyperrec.integration.naive import JaggedLayout
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
 
 __all__ = [
+    "TABLES",
     "CandidateAttention",
     "CrossNetwork",
+    "EmbeddingTables",
     "GEMModel",
     "MemoryEstimate",
     "PMAPooling",
     "SequenceBlock",
     "TaskHead",
+    "activation_bytes_per_token",
     "esmm_loss",
     "estimate_memory",
+    "fuse_tables_state_dict",
+    "mlp_policy",
+    "split_tables_state_dict",
 ]
+
+TABLES = (
+    "item_embedding",
+    "category_embedding",
+    "action_embedding",
+    "time_embedding",
+    "user_embedding",
+    "tag_embedding",
+)
+"""The model's embedding tables, in the row order of the fused :class:`EmbeddingTables`."""
+
+
+# -- compiled small-op regions ------------------------------------------------------------
+# Each region is a pure function of tensors (parameters passed in), so the compiled graph
+# does not depend on module identity and composes with FSDP's parameter swapping: a region
+# is always called inside the forward of the module that owns its parameters.
+_COMPILED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
+
+
+def _region(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    """``fn`` itself (mode "off") or its ``torch.compile``d form (dynamic shapes: the
+    token and candidate counts change every step; one graph serves them all)."""
+    if mode == "off":
+        return fn
+    key = (fn, mode)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=mode, dynamic=True)
+    return _COMPILED[key]
+
+
+def _tokens_region(
+    e: torch.Tensor,
+    proj_w: torch.Tensor | None,
+    proj_b: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    if proj_w is not None:
+        e = F.linear(e, proj_w, proj_b)
+    return F.layer_norm(e, (e.shape[-1],), norm_w, norm_b, eps)
+
+
+def _project_region(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    return F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), w, b))
+
+
+def _gate_region(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    norm_w: torch.Tensor,
+    norm_b: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    p: float,
+    training: bool,
+) -> torch.Tensor:
+    gated = F.layer_norm(a, (a.shape[-1],), norm_w, norm_b, eps) * u
+    return x + F.linear(F.dropout(gated, p, training), w, b)
+
+
+def _cross_region(x0: torch.Tensor, layers: list[list[torch.Tensor]]) -> torch.Tensor:
+    x = x0
+    for params in layers:
+        if len(params) == 2:
+            y = F.linear(x, params[0], params[1])
+        else:
+            y = F.linear(F.linear(x, params[0]), params[1], params[2])
+        x = x0 * y + x
+    return x
 
 
 def _jagged(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[N, dim] -> [N, heads, dim // heads] (the jagged_attn layout)."""
     return x.view(x.shape[0], heads, x.shape[1] // heads)
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
 class SequenceBlock(nn.Module):
@@ -68,6 +171,11 @@ class SequenceBlock(nn.Module):
     HSTU's ``1/N`` normalisation, where ``N`` is the configured history cap (a constant,
     so a request's output never depends on the rest of its batch). Block layers
     (``block_size > 0``) use causal softmax attention inside fixed blocks: O(L) cost.
+
+    ``impl="hyperrec"`` runs the attention with :mod:`hyperrec.jagged_attn` on the jagged
+    tokens; ``impl="naive"`` pads around the attention (:mod:`hyperrec.integration.naive`).
+    ``compile`` compiles the two small-op regions around the attention (norm + projection
+    + SiLU; norm + gate + output projection + residual).
     """
 
     def __init__(
@@ -80,23 +188,51 @@ class SequenceBlock(nn.Module):
         activation: str = "silu",
         dropout: float = 0.0,
         validate: bool = True,
+        impl: str = "hyperrec",
+        compile: str = "off",
     ):
         super().__init__()
+        _check_choice("impl", impl, IMPLS)
+        _check_choice("compile", compile, COMPILE_MODES)
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
+        self.impl, self.compile_mode = impl, compile
         self.norm = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, 4 * dim)
         self.attn_norm = nn.LayerNorm(dim)
         self.out = nn.Linear(dim, dim)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """x: [T, dim]; offsets: int64 [B + 1]; max_seqlen: longest sequence. Returns [T, dim]."""
-        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(self.dim, dim=-1)
-        q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        offsets: torch.Tensor,
+        max_seqlen: int,
+        layout: JaggedLayout | None,
+    ) -> torch.Tensor:
         scale = 1.0 / math.sqrt(self.dim // self.heads)
+        if self.impl == "naive":
+            if layout is None:
+                layout = JaggedLayout.from_offsets(offsets, max_seqlen, q.shape[0])
+            if self.block_size:
+                return naive.block_attention(
+                    q, k, v, layout, block_size=self.block_size, scale=scale
+                )
+            if self.activation == "softmax":
+                return naive.softmax_self_attention(q, k, v, layout, scale=scale)
+            return naive.hstu_attention(
+                q,
+                k,
+                v,
+                layout,
+                activation=self.activation,
+                scale=scale,
+                output_scale=1.0 / self.max_seqlen,
+            )
         if self.block_size:
-            a = block_attention(
+            return block_attention(
                 q,
                 k,
                 v,
@@ -107,27 +243,44 @@ class SequenceBlock(nn.Module):
                 scale=scale,
                 validate=self.validate,
             )
-        elif self.activation == "softmax":
-            a = jagged_attention(
+        if self.activation == "softmax":
+            return jagged_attention(
                 q, k, v, offsets, max_seqlen, causal=True, scale=scale, validate=self.validate
             )
-        else:
-            a = gdpa(
-                q,
-                k,
-                v,
-                offsets,
-                offsets,
-                max_seqlen,
-                max_seqlen,
-                activation=self.activation,
-                scale=scale,
-                causal=True,
-                output_scale=1.0 / self.max_seqlen,
-                validate=self.validate,
-            )
-        a = a.reshape(x.shape[0], self.dim)
-        return x + self.out(self.dropout(self.attn_norm(a) * u))
+        return gdpa(
+            q,
+            k,
+            v,
+            offsets,
+            offsets,
+            max_seqlen,
+            max_seqlen,
+            activation=self.activation,
+            scale=scale,
+            causal=True,
+            output_scale=1.0 / self.max_seqlen,
+            validate=self.validate,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_seqlen: int,
+        layout: JaggedLayout | None = None,
+    ) -> torch.Tensor:
+        """x: [T, dim]; offsets: int64 [B + 1]; max_seqlen: longest sequence (host int);
+        layout: the padded layout of ``offsets`` (naive path; built when None).
+        Returns [T, dim]."""
+        project = _region(_project_region, self.compile_mode)
+        h = project(x, self.norm.weight, self.norm.bias, self.norm.eps, self.uvqk.weight,
+                    self.uvqk.bias)  # fmt: skip
+        u, v, q, k = h.split(self.dim, dim=-1)
+        q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
+        a = self._attention(q, k, v, offsets, max_seqlen, layout).reshape(x.shape[0], self.dim)
+        gate = _region(_gate_region, self.compile_mode)
+        return gate(x, a, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps,
+                    self.out.weight, self.out.bias, self.dropout.p, self.training)  # fmt: skip
 
 
 class PMAPooling(nn.Module):
@@ -138,21 +291,42 @@ class PMAPooling(nn.Module):
     is zero).
     """
 
-    def __init__(self, dim: int, heads: int, queries: int, *, validate: bool = True):
+    def __init__(
+        self, dim: int, heads: int, queries: int, *, validate: bool = True, impl: str = "hyperrec"
+    ):
         super().__init__()
+        _check_choice("impl", impl, IMPLS)
         self.dim, self.heads, self.num_queries, self.validate = dim, heads, queries, validate
+        self.impl = impl
         self.queries = nn.Parameter(torch.randn(queries, dim) * dim**-0.5)
         self.kv = nn.Linear(dim, 2 * dim)
         self.out = nn.Linear(queries * dim, dim)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """x: [T, dim]; offsets: int64 [B + 1]. Returns [B, dim]."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        max_seqlen: int,
+        layout: JaggedLayout | None = None,
+    ) -> torch.Tensor:
+        """x: [T, dim]; offsets: int64 [B + 1]; layout: as in :class:`SequenceBlock`.
+        Returns [B, dim]."""
         b = offsets.shape[0] - 1
         p = self.num_queries
         k, v = self.kv(x).split(self.dim, dim=-1)
         # Under autocast the projection yields bf16 keys while the learned queries stay in
         # the parameter dtype: attention needs one dtype.
-        q = self.queries.to(k.dtype).unsqueeze(0).expand(b, p, self.dim).reshape(b * p, self.dim)
+        queries = self.queries.to(k.dtype)
+        scale = 1.0 / math.sqrt(self.dim // self.heads)
+        if self.impl == "naive":
+            if layout is None:
+                layout = JaggedLayout.from_offsets(offsets, max_seqlen, x.shape[0])
+            o = naive.pma_attention(
+                queries, _jagged(k, self.heads), _jagged(v, self.heads), layout,
+                heads=self.heads, scale=scale,
+            )  # fmt: skip
+            return self.out(o.reshape(b, p * self.dim))
+        q = queries.unsqueeze(0).expand(b, p, self.dim).reshape(b * p, self.dim)
         q_offsets = torch.arange(b + 1, device=x.device, dtype=offsets.dtype) * p
         o = jagged_attention(
             _jagged(q, self.heads),
@@ -162,6 +336,7 @@ class PMAPooling(nn.Module):
             p,
             kv_offsets=offsets,
             max_seqlen_kv=max_seqlen,
+            scale=scale,
             validate=self.validate,
         )
         return self.out(o.reshape(b, p * self.dim))
@@ -171,12 +346,14 @@ class CandidateAttention(nn.Module):
     """Target attention: each candidate attends to its request's history (softmax).
 
     Each candidate is a query sequence of length 1 and ``owner[c]`` maps it to its
-    request's kv sequence, so no history is copied per candidate.
+    request's kv sequence, so no history is copied per candidate (hyperrec path). The
+    naive path pads the candidates of each request and runs one SDPA call per batch.
     """
 
-    def __init__(self, dim: int, heads: int, *, validate: bool = True):
+    def __init__(self, dim: int, heads: int, *, validate: bool = True, impl: str = "hyperrec"):
         super().__init__()
-        self.dim, self.heads, self.validate = dim, heads, validate
+        _check_choice("impl", impl, IMPLS)
+        self.dim, self.heads, self.validate, self.impl = dim, heads, validate, impl
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.out = nn.Linear(dim, dim)
@@ -188,14 +365,26 @@ class CandidateAttention(nn.Module):
         history: torch.Tensor,
         offsets: torch.Tensor,
         max_seqlen: int,
+        layouts: tuple[JaggedLayout, JaggedLayout] | None = None,
     ) -> torch.Tensor:
         """candidates: [C, dim]; owner: int64 [C] request of each candidate; history: [T, dim];
-        offsets: int64 [B + 1]. Returns [C, dim]."""
+        offsets: int64 [B + 1]; layouts: (candidates, history) padded layouts, required by
+        the naive path. Returns [C, dim]."""
         c = candidates.shape[0]
         k, v = self.kv(history).split(self.dim, dim=-1)
+        q = _jagged(self.q(candidates), self.heads)
+        scale = 1.0 / math.sqrt(self.dim // self.heads)
+        if self.impl == "naive":
+            if layouts is None:
+                raise ValueError("the naive path needs layouts=(candidates, history)")
+            o = naive.candidate_attention(
+                q, layouts[0], _jagged(k, self.heads), _jagged(v, self.heads), layouts[1],
+                scale=scale,
+            )  # fmt: skip
+            return self.out(o.reshape(c, self.dim))
         q_offsets = torch.arange(c + 1, device=candidates.device, dtype=offsets.dtype)
         o = gdpa(
-            _jagged(self.q(candidates), self.heads),
+            q,
             _jagged(k, self.heads),
             _jagged(v, self.heads),
             q_offsets,
@@ -203,7 +392,7 @@ class CandidateAttention(nn.Module):
             1,
             max_seqlen,
             activation="softmax",
-            scale=1.0 / math.sqrt(self.dim // self.heads),
+            scale=scale,
             kv_index=owner,
             validate=self.validate,
         )
@@ -214,11 +403,13 @@ class CrossNetwork(nn.Module):
     """DCN-v2 cross layers: ``x_{l+1} = x_0 * (W_l x_l + b_l) + x_l`` on ``[N, width]``.
 
     With ``rank > 0`` each ``W_l`` is the low-rank product ``U_l V_l`` (DCN-Mix without
-    experts), which keeps wide inputs affordable.
+    experts), which keeps wide inputs affordable. ``compile`` compiles the whole stack.
     """
 
-    def __init__(self, width: int, layers: int, rank: int = 0):
+    def __init__(self, width: int, layers: int, rank: int = 0, *, compile: str = "off"):
         super().__init__()
+        _check_choice("compile", compile, COMPILE_MODES)
+        self.compile_mode = compile
         self.layers = nn.ModuleList(
             nn.Linear(width, width)
             if rank == 0 or rank >= width
@@ -228,10 +419,8 @@ class CrossNetwork(nn.Module):
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         """x0: [N, width]. Returns [N, width]."""
-        x = x0
-        for layer in self.layers:
-            x = x0 * layer(x) + x
-        return x
+        params = [[p for p in layer.parameters()] for layer in self.layers]
+        return _region(_cross_region, self.compile_mode)(x0, params)
 
 
 def _mlp(widths: list[int], dropout: float) -> nn.Sequential:
@@ -255,6 +444,87 @@ class TaskHead(nn.Module):
         return (self.mlp(h) @ self.weight.to(h.dtype)).float() + self.bias
 
 
+def _table_rows(model: ModelConfig, data: DataConfig) -> dict[str, int]:
+    return {
+        "item_embedding": data.num_items,
+        "category_embedding": data.num_topics,
+        "action_embedding": len(ACTIONS),
+        "time_embedding": model.time_buckets,
+        "user_embedding": model.user_hash_size,
+        "tag_embedding": data.num_topics,
+    }
+
+
+class EmbeddingTables(nn.Module):
+    """Every table of :data:`TABLES` in one ``[sum of rows, dim]`` weight.
+
+    :meth:`lookup` serves all sparse features of a batch with one
+    ``F.embedding_bag`` call: each history token is a bag of its four ids (item,
+    category, action, age bucket) summed inside the kernel, each candidate item,
+    candidate category and user a bag of one, and each request's user tags a bag whose
+    per-sample weights ``1 / n`` make it a mean. One gather forward, one scatter backward
+    instead of six lookups and three sums.
+
+    Args:
+        rows: rows per table, in :data:`TABLES` order.
+        dim: width of every table.
+    """
+
+    def __init__(self, rows: dict[str, int], dim: int):
+        super().__init__()
+        if tuple(rows) != TABLES:
+            raise ValueError(f"rows must list the tables {TABLES} in that order")
+        self.rows = dict(rows)
+        starts, total = {}, 0
+        for name, n in rows.items():
+            starts[name] = total
+            total += n
+        self.starts = starts
+        self.weight = nn.Parameter(torch.empty(total, dim))
+
+    def lookup(
+        self, batch: Batch, age_bucket: torch.Tensor, user_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(history tokens [T, dim] (sum of 4 tables), candidate items [C, dim], candidate
+        categories [C, dim], users [B, dim], mean of user tags [B, dim])."""
+        o = self.starts
+        t, c, b = batch.num_history_events, batch.num_candidates, batch.num_requests
+        dev = batch.history_items.device
+        tokens = torch.stack(
+            [
+                batch.history_items + o["item_embedding"],
+                batch.history_categories + o["category_embedding"],
+                batch.history_actions + o["action_embedding"],
+                age_bucket + o["time_embedding"],
+            ],
+            dim=1,
+        ).reshape(-1)
+        ids = torch.cat(
+            [
+                tokens,
+                batch.candidate_items + o["item_embedding"],
+                batch.candidate_categories + o["category_embedding"],
+                user_rows + o["user_embedding"],
+                batch.tags + o["tag_embedding"],
+            ]
+        )
+        singles = 2 * c + b
+        bags = torch.cat(
+            [
+                torch.arange(t, device=dev) * 4,
+                4 * t + torch.arange(singles, device=dev),
+                (4 * t + singles) + batch.tag_offsets[:-1],
+            ]
+        )
+        n_tags = batch.tag_offsets.diff()
+        tag_weight = torch.repeat_interleave(
+            1.0 / n_tags.to(self.weight.dtype), n_tags, output_size=batch.tags.shape[0]
+        )
+        weights = torch.cat([self.weight.new_ones(4 * t + singles), tag_weight])
+        out = F.embedding_bag(ids, self.weight, bags, mode="sum", per_sample_weights=weights)
+        return out.split([t, c, c, b, b])
+
+
 class GEMModel(nn.Module):
     """A GEM-style CTR/CVR ranking model over a :class:`~hyperrec.integration.data.Batch`.
 
@@ -262,28 +532,67 @@ class GEMModel(nn.Module):
         model: the network's sizes.
         data: vocabularies (items, topics/categories) and the history cap.
         validate: let the attention ops check offsets and maxima (host syncs on GPU).
+            The trainer validates each batch once on the CPU instead and passes False.
+        impl: "hyperrec" (:mod:`hyperrec.jagged_attn` on jagged tokens) or "naive"
+            (padded PyTorch attention, :mod:`hyperrec.integration.naive`). Same
+            parameters, same function.
+        fused_embeddings: all tables in one :class:`EmbeddingTables` weight with one
+            lookup per batch (a different ``state_dict`` layout: see
+            :func:`fuse_tables_state_dict`), else one ``nn.Embedding`` per table.
+        compile: "off", "inductor" or "aot_eager": ``torch.compile`` the small-op regions
+            (token norm/projection, each layer's norm + projection + SiLU and norm + gate
+            + output projection, the DCN stack).
+        mlp_precision: "bf16" or "mxfp8" (the interaction MLP's linears of at least
+            4,096 features become ``hyperrec.mxfp8.MXLinear`` with 128-element blocks).
 
     ``forward(batch)`` returns ``(ctr_logit, cvr_logit)``, float32 ``[C]`` each (one per
     candidate, in ``batch.candidate_items`` order).
+
+    Raises:
+        TypeError: configs of the wrong type.
+        ValueError: an unknown ``impl``, ``compile`` or ``mlp_precision``.
     """
 
-    def __init__(self, model: ModelConfig, data: DataConfig, *, validate: bool = True):
+    def __init__(
+        self,
+        model: ModelConfig,
+        data: DataConfig,
+        *,
+        validate: bool = True,
+        impl: str = "hyperrec",
+        fused_embeddings: bool = False,
+        compile: str = "off",
+        mlp_precision: str = "bf16",
+    ):
         super().__init__()
         if not isinstance(model, ModelConfig) or not isinstance(data, DataConfig):
             raise TypeError(
                 "GEMModel expects (model: ModelConfig, data: DataConfig), got "
                 f"({type(model).__name__}, {type(data).__name__})"
             )
+        _check_choice("impl", impl, IMPLS)
+        _check_choice("compile", compile, COMPILE_MODES)
+        _check_choice("mlp_precision", mlp_precision, MLP_PRECISIONS)
         self.config, self.data_config = model, data
-        d = model.dim
+        self.impl, self.fused_embeddings, self.compile_mode = impl, fused_embeddings, compile
+        self.mlp_precision = mlp_precision
+        d, e = model.dim, model.table_dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
-        self.item_embedding = nn.Embedding(data.num_items, d)
-        self.category_embedding = nn.Embedding(data.num_topics, d)
-        self.action_embedding = nn.Embedding(len(ACTIONS), d)
-        self.time_embedding = nn.Embedding(model.time_buckets, d)
-        self.user_embedding = nn.Embedding(model.user_hash_size, d)
-        self.tag_embedding = nn.EmbeddingBag(data.num_topics, d, mode="mean")
+        if fused_embeddings:
+            self.tables = EmbeddingTables(_table_rows(model, data), e)
+        else:
+            # Uninitialised here (no RNG drawn): reset_parameters fills every table in
+            # TABLES order, exactly as it fills the fused weight's row ranges, so both
+            # layouts start from the same values for the same seed.
+            rows = _table_rows(model, data)
+            for name in TABLES[:-1]:
+                setattr(self, name, nn.Embedding(rows[name], e, _weight=torch.empty(rows[name], e)))
+            self.tag_embedding = nn.EmbeddingBag(
+                rows["tag_embedding"], e, mode="mean", _weight=torch.empty(rows["tag_embedding"], e)
+            )
+        self.token_proj = nn.Linear(e, d) if e != d else None
+        self.candidate_proj = nn.Linear(e, d) if e != d else None
         self.dense_proj = nn.Linear(len(DENSE_FEATURES), d)
         self.token_norm = nn.LayerNorm(d)
         self.seq_layers = nn.ModuleList(
@@ -295,36 +604,71 @@ class GEMModel(nn.Module):
                 activation=model.activation,
                 dropout=model.dropout,
                 validate=validate,
+                impl=impl,
+                compile=compile,
             )
             for i in range(model.seq_layers)
         )
         self.seq_norm = nn.LayerNorm(d)
         self.pma = (
-            PMAPooling(d, model.heads, model.pma_queries, validate=validate)
+            PMAPooling(d, model.heads, model.pma_queries, validate=validate, impl=impl)
             if model.pma_queries
             else None
         )
-        self.cross_attention = CandidateAttention(d, model.heads, validate=validate)
-        num_features = 7 if self.pma is not None else 6
-        width = num_features * d
+        self.cross_attention = CandidateAttention(d, model.heads, validate=validate, impl=impl)
+        width = self.interaction_width(model)
         self.feature_norm = nn.LayerNorm(width)
-        self.interaction = CrossNetwork(width, model.cross_layers, model.cross_rank)
+        self.interaction = CrossNetwork(
+            width, model.cross_layers, model.cross_rank, compile=compile
+        )
         self.mlp = _mlp([width, *model.mlp_dims], model.dropout)
         top = model.mlp_dims[-1]
         self.ctr_head = TaskHead(top, model.head_dims)
         self.cvr_head = TaskHead(top, model.head_dims)
         self.reset_parameters()
+        if mlp_precision == "mxfp8":
+            from hyperrec.mxfp8 import convert
+
+            convert(self.mlp, mlp_policy())
+
+    @staticmethod
+    def interaction_width(model: ModelConfig) -> int:
+        """Width of the per-candidate feature vector: candidate item and category, user
+        and tags at the table width; cross-attention output, dense features and PMA at
+        ``dim``."""
+        return 4 * model.table_dim + (3 if model.pma_queries else 2) * model.dim
+
+    @classmethod
+    def from_preset(cls, preset: Preset, *, validate: bool = True) -> GEMModel:
+        """The model of ``preset`` with its ``TrainConfig``'s compute-path switches."""
+        t = preset.train
+        return cls(
+            preset.model,
+            preset.data,
+            validate=validate,
+            impl=t.impl,
+            fused_embeddings=t.fused_embeddings,
+            compile=t.compile,
+            mlp_precision=t.mlp_precision,
+        )
 
     def reset_parameters(self) -> None:
-        """Small-normal embeddings (std 1/sqrt(dim)); PyTorch defaults elsewhere."""
-        std = self.config.dim**-0.5
-        for m in self.modules():
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-                nn.init.normal_(m.weight, std=std)
+        """Small-normal embeddings (std 1/sqrt(table width)), table by table in
+        :data:`TABLES` order for either layout; PyTorch defaults elsewhere."""
+        std = self.config.table_dim**-0.5
+        if self.fused_embeddings:
+            tables = self.tables.weight.detach().split(list(self.tables.rows.values()))
+        else:
+            tables = [getattr(self, name).weight.detach() for name in TABLES]
+        with torch.no_grad():
+            for table in tables:
+                nn.init.normal_(table, std=std)
 
     def embedding_parameters(self) -> list[nn.Parameter]:
         """The embedding tables' weights (for a separate optimizer group)."""
-        return [m.weight for m in self.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+        if self.fused_embeddings:
+            return [self.tables.weight]
+        return [getattr(self, name).weight for name in TABLES]
 
     def check_batch(self, batch: Batch) -> None:
         """:meth:`Batch.validate` against this model's vocabularies, plus the history cap.
@@ -342,8 +686,36 @@ class GEMModel(nn.Module):
                 f"DataConfig.max_seqlen = {self.data_config.max_seqlen}"
             )
 
+    def _lookups(
+        self, batch: Batch, h_owner: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        # History tokens: what, which category, how the user reacted, how long ago.
+        age_minutes = (batch.request_time[h_owner] - batch.history_time).float() / 60.0
+        bucket = torch.log2(1.0 + age_minutes.clamp_min(0.0)).floor().long()
+        bucket = bucket.clamp(0, self.config.time_buckets - 1)
+        user_rows = batch.user_ids % self.config.user_hash_size
+        if self.fused_embeddings:
+            return self.tables.lookup(batch, bucket, user_rows)
+        tokens = (
+            self.item_embedding(batch.history_items)
+            + self.category_embedding(batch.history_categories)
+            + self.action_embedding(batch.history_actions)
+            + self.time_embedding(bucket)
+        )
+        return (
+            tokens,
+            self.item_embedding(batch.candidate_items),
+            self.category_embedding(batch.candidate_categories),
+            self.user_embedding(user_rows),
+            self.tag_embedding(batch.tags, batch.tag_offsets[:-1]),
+        )
+
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each."""
+        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each.
+
+        Reads no device values (no host synchronisation): every size comes from tensor
+        shapes and ``batch.max_history_len``.
+        """
         b, c, t = batch.num_requests, batch.num_candidates, batch.num_history_events
         if b == 0:
             raise ValueError("batch is empty: it must hold at least one request")
@@ -352,36 +724,91 @@ class GEMModel(nn.Module):
         rows = torch.arange(b, device=dev)
         h_owner = torch.repeat_interleave(rows, h_off.diff(), output_size=t)
         c_owner = torch.repeat_interleave(rows, batch.candidate_offsets.diff(), output_size=c)
+        tokens, cand, cand_cat, user, tags = self._lookups(batch, h_owner)
 
-        # History tokens: what, which category, how the user reacted, how long ago.
-        age_minutes = (batch.request_time[h_owner] - batch.history_time).float() / 60.0
-        bucket = torch.log2(1.0 + age_minutes.clamp_min(0.0)).floor().long()
-        bucket = bucket.clamp(0, self.config.time_buckets - 1)
-        x = (
-            self.item_embedding(batch.history_items)
-            + self.category_embedding(batch.history_categories)
-            + self.action_embedding(batch.history_actions)
-            + self.time_embedding(bucket)
+        history = candidates = None
+        if self.impl == "naive":
+            pos = torch.arange(t, device=dev) - h_off[:-1][h_owner]
+            history = JaggedLayout(b, max_len, h_owner, pos, h_off.diff())
+            c_pos = torch.arange(c, device=dev) - batch.candidate_offsets[:-1][c_owner]
+            candidates = JaggedLayout(
+                b, self.data_config.max_candidates, c_owner, c_pos,
+                batch.candidate_offsets.diff(),
+            )  # fmt: skip
+        proj = self.token_proj
+        x = _region(_tokens_region, self.compile_mode)(
+            tokens,
+            None if proj is None else proj.weight,
+            None if proj is None else proj.bias,
+            self.token_norm.weight,
+            self.token_norm.bias,
+            self.token_norm.eps,
         )
-        x = self.token_norm(x)
         for layer in self.seq_layers:
-            x = layer(x, h_off, max_len)
+            x = layer(x, h_off, max_len, history)
         x = self.seq_norm(x)
 
-        cand = self.item_embedding(batch.candidate_items)
-        cand_cat = self.category_embedding(batch.candidate_categories)
-        user = self.user_embedding(batch.user_ids % self.config.user_hash_size)
-        tags = self.tag_embedding(batch.tags, batch.tag_offsets[:-1])
+        query = cand + cand_cat
+        if self.candidate_proj is not None:
+            query = self.candidate_proj(query)
         dense = self.dense_proj(batch.dense)
-        target = self.cross_attention(cand + cand_cat, c_owner, x, h_off, max_len)
+        layouts = None if candidates is None or history is None else (candidates, history)
+        target = self.cross_attention(query, c_owner, x, h_off, max_len, layouts)
         request = [user, tags, dense]
         if self.pma is not None:
-            request.append(self.pma(x, h_off, max_len))
+            request.append(self.pma(x, h_off, max_len, history))
         features = torch.cat([cand, cand_cat, target, *(f[c_owner] for f in request)], dim=-1)
 
         h = self.interaction(self.feature_norm(features))
         h = self.mlp(h)
         return self.ctr_head(h), self.cvr_head(h)
+
+
+def mlp_policy() -> Any:
+    """The ``hyperrec.mxfp8.PrecisionPolicy`` of ``mlp_precision="mxfp8"``.
+
+    The fast Hopper recipe (one power-of-two scale per 128 elements along K, cuBLAS
+    block-scaled FP8 GEMMs); every linear of the interaction MLP is eligible, and the
+    policy's default ``min_features=4096`` keeps the narrower ones in bf16 (the casts cost
+    more than FP8 saves there, per the mxfp8 benchmark).
+    """
+    from hyperrec.mxfp8 import PrecisionPolicy
+
+    return PrecisionPolicy(block_size=128, keep_first=False, keep_last=False)
+
+
+def fuse_tables_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``state_dict`` of separate tables -> the fused layout (``tables.weight``).
+
+    The six ``<table>.weight`` entries of :data:`TABLES` are concatenated in that order;
+    every other entry is kept. Loads into a ``GEMModel(..., fused_embeddings=True)``.
+
+    Raises:
+        KeyError: a table is missing.
+    """
+    out = {k: v for k, v in state.items() if k.split(".")[0] not in TABLES}
+    out["tables.weight"] = torch.cat([state[f"{name}.weight"] for name in TABLES])
+    return out
+
+
+def split_tables_state_dict(
+    state: dict[str, torch.Tensor], model: ModelConfig, data: DataConfig
+) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_tables_state_dict` (needs the configs for the row counts).
+
+    Raises:
+        KeyError: no ``tables.weight``. ValueError: its row count does not match.
+    """
+    rows = _table_rows(model, data)
+    weight = state["tables.weight"]
+    if weight.shape[0] != sum(rows.values()):
+        raise ValueError(
+            f"tables.weight has {weight.shape[0]} rows, the configs need {sum(rows.values())}"
+        )
+    out = {k: v for k, v in state.items() if k != "tables.weight"}
+    for name, part in zip(TABLES, weight.split(list(rows.values()))):
+        out[f"{name}.weight"] = part
+    return out
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -430,44 +857,102 @@ class MemoryEstimate:
     """Expected history tokens per step and rank."""
     weights_grads_optimizer: int
     """fp32 parameters + gradients + AdamW's two moments: 16 bytes per parameter."""
+    optimizer_temporaries: int
+    """Peak scratch of the optimizer step: PyTorch's foreach AdamW materialises one
+    full-size fp32 temporary per group (``sqrt(v)``), 4 bytes per parameter of the
+    largest group; the fused kernel needs none."""
     activations: int
     """Estimated saved activations of one step (see :func:`estimate_memory`)."""
+    activation_bytes_per_token: int
+    """The per-history-token term of ``activations``."""
 
     @property
     def total(self) -> int:
-        """Sum of the two terms (bytes)."""
-        return self.weights_grads_optimizer + self.activations
+        """Sum of the terms (bytes)."""
+        return self.weights_grads_optimizer + self.optimizer_temporaries + self.activations
+
+
+def activation_bytes_per_token(
+    model: ModelConfig, *, element_bytes: int = 2, fused_embeddings: bool = False
+) -> int:
+    """Bytes saved for backward per history token (hyperrec path, fused attention).
+
+    ``element_bytes`` is the activations' size: 2 under bf16 autocast on CUDA (the
+    trainer's default), 4 without autocast. The residual stream and LayerNorms stay fp32
+    either way (CUDA autocast runs norms in fp32). With ``s = element_bytes`` and ``d``,
+    ``e`` the model and table widths, each sequence layer saves: the fp32 residual (4d,
+    for the norm), the projection's input (s*d: a bf16 cast, or the fp32 norm output),
+    the ``4d``-wide projection output (4s*d, for SiLU) and the SiLU output (4s*d: q, k, v
+    for the attention, u for the gate), the attention output (s*d; under autocast the
+    norm then saves its fp32 cast, 4d more; without autocast the two are one tensor), the
+    fp32 normed output (4d, for the gate's product) and the gated value (s*d, for the
+    output projection); plus ``d`` bytes of dropout mask with dropout (CUDA's fused
+    dropout keeps a bool mask; the CPU kernel keeps a float one). Above the layers:
+    the final norm's input (4d) and the PMA and cross-attention K/V projections' input (a
+    cast each under autocast, else one shared tensor) and outputs (2s*d each). Below them:
+    the token stage (the embedding sum, or its cast for the projection, and the norm's
+    4d input). Plus 8 bytes per norm (mean, rstd) and 32 for the lookup indices (72 with
+    ``fused_embeddings``: the bag offsets, per-sample weights and bag map too). Attention
+    is assumed fused (no ``L^2`` buffers), as the jagged_attn kernels are.
+
+    Raises:
+        ValueError: ``element_bytes`` not 2 or 4.
+    """
+    if element_bytes not in (2, 4):
+        raise ValueError(f"element_bytes must be 2 or 4, got {element_bytes!r}")
+    s, d, e = element_bytes, model.dim, model.table_dim
+    cast = s < 4
+    per_layer = 4 * d + s * d + 8 * s * d + (s * d if cast else 0) + 4 * d + 4 * d + s * d
+    if model.dropout > 0:
+        per_layer += d
+    kv_users = 2 if model.pma_queries else 1
+    kv_input = kv_users * s * d if cast else 4 * d
+    top = 4 * d + kv_input + kv_users * 2 * s * d
+    if e != d:
+        tokens = (s * e if cast else 4 * e) + 4 * d
+    else:
+        tokens = 4 * e
+    norms = 2 * model.seq_layers + 2
+    indices = 72 if fused_embeddings else 32
+    return model.seq_layers * per_layer + top + tokens + 8 * norms + indices
 
 
 def estimate_memory(
-    preset: Preset, *, world_size: int = 1, activation_bytes: int = 2
+    preset: Preset, *, world_size: int = 1, sample_requests: int = 65536
 ) -> MemoryEstimate:
     """Estimate the training memory of ``preset`` per rank, without allocating it.
 
     The parameter count is exact (the model is built on the meta device). Activations
-    are estimated per history token as ``(6 + 14 * seq_layers) * dim`` saved values of
-    ``activation_bytes`` each (bf16 autocast by default): the summed token embedding,
-    per layer the norm, the ``4 * dim`` projection and its SiLU, the attention output,
-    its norm, the gate and the residual, plus the K/V projections of PMA and cross
-    attention. Attention itself is assumed fused (no ``L^2`` buffers), as the
-    jagged_attn kernels are; the candidate-side tower is small and ignored.
-    The state is not sharded (single device); divide by ``world_size`` for FSDP.
+    are :func:`activation_bytes_per_token` times the expected history tokens of a step
+    (the mean of the data's length law over ``sample_requests`` requests, times the
+    per-rank batch); the candidate-side tower (a few thousand rows) is ignored. Covers
+    the hyperrec path; the naive path adds its padded copies. The state is not sharded
+    (one device); weights, gradients and optimizer state divide by ``world_size`` under
+    FSDP.
     """
     from hyperrec.integration.data import TRAIN, SyntheticRecsysData
 
     with torch.device("meta"):
-        model = GEMModel(preset.model, preset.data)
+        model = GEMModel(preset.model, preset.data, fused_embeddings=preset.train.fused_embeddings)
     params = sum(p.numel() for p in model.parameters())
     emb = sum(p.numel() for p in model.embedding_parameters())
-    lengths = SyntheticRecsysData(preset.data).history_lengths(TRAIN, torch.arange(65536).numpy())
+    ids = torch.arange(sample_requests).numpy()
+    lengths = SyntheticRecsysData(preset.data).history_lengths(TRAIN, ids)
     mean_len = float(lengths.mean())
     tokens = mean_len * preset.train.global_batch_size / world_size
-    per_token = (6 + 14 * preset.model.seq_layers) * preset.model.dim * activation_bytes
+    per_token = activation_bytes_per_token(
+        preset.model, element_bytes=2, fused_embeddings=preset.train.fused_embeddings
+    )
+    # The optimizer groups: embeddings, matrices, vectors; foreach scratch is per group.
+    largest_group = max(emb, params - emb)
+    temporaries = 4 * largest_group // world_size if preset.train.optimizer_impl == "foreach" else 0
     return MemoryEstimate(
         parameters=params,
         embedding_parameters=emb,
         mean_history_len=mean_len,
         tokens_per_step=tokens,
         weights_grads_optimizer=16 * params // world_size,
+        optimizer_temporaries=temporaries,
         activations=int(tokens * per_token),
+        activation_bytes_per_token=per_token,
     )

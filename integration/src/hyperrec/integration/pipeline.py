@@ -27,7 +27,14 @@ import numpy as np
 from hyperrec.bbs import BalancedShuffler, CostModel
 from hyperrec.integration.data import TRAIN, Batch, SyntheticRecsysData
 
-__all__ = ["StepBatch", "SubBatch", "SubBatchReader", "TrainStream", "default_cost_model"]
+__all__ = [
+    "StepBatch",
+    "StepPlan",
+    "SubBatch",
+    "SubBatchReader",
+    "TrainStream",
+    "default_cost_model",
+]
 
 
 def default_cost_model(dim: int) -> CostModel:
@@ -79,6 +86,20 @@ class SubBatchReader:
         j = self.rank + n * self.world_size
         requests = np.arange(j * self.sub_batch_size, (j + 1) * self.sub_batch_size)
         return SubBatch(j, requests, self.data.history_lengths(TRAIN, requests))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which requests one step of this rank trains on (cheap: no batch built yet)."""
+
+    requests: np.ndarray
+    """int64 [B]: the request indices, sub-batch by sub-batch."""
+    sub_batches: tuple[int, ...]
+    """Global sub-batch indices the step is made of."""
+    cost: float
+    """The step's cost under the pipeline's cost model."""
+    arrival_cost: float
+    """Cost of the step arrival order (no BBS) would have built."""
 
 
 @dataclass(frozen=True)
@@ -145,16 +166,27 @@ class TrainStream:
     def _sub_batch_cost(self, sub_batch: SubBatch) -> float:
         return self.cost(sub_batch.lengths)
 
-    def next(self) -> StepBatch:
-        """The next step's batch on this rank."""
+    def next_plan(self) -> StepPlan:
+        """The next step's requests on this rank, without building the batch (BBS only;
+        a background loader builds batches from plans, see :mod:`.loader`)."""
         if self._it is None:
             self._it = iter(self.shuffler)
         chosen = next(self._it)
-        return StepBatch(
-            batch=self.data.batch(TRAIN, np.concatenate([sb.requests for sb in chosen])),
+        return StepPlan(
+            requests=np.concatenate([sb.requests for sb in chosen]),
             sub_batches=tuple(sb.index for sb in chosen),
             cost=float(self.shuffler.last_step_cost),
             arrival_cost=float(self.shuffler.last_step_arrival_cost),
+        )
+
+    def next(self) -> StepBatch:
+        """The next step's batch on this rank."""
+        plan = self.next_plan()
+        return StepBatch(
+            batch=self.data.batch(TRAIN, plan.requests),
+            sub_batches=plan.sub_batches,
+            cost=plan.cost,
+            arrival_cost=plan.arrival_cost,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -31,7 +31,8 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
 
     Panels: training loss (per step) with held-out loss; training CTR AUC (window over
     recent steps) with held-out CTR/CVR AUC and the popularity and ground-truth AUCs as
-    reference lines; samples per second.
+    reference lines; samples per second; model FLOPs utilisation (MFU against the
+    device's datasheet peak; on a CPU, which has none, the model TFLOP/s instead).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -50,7 +51,7 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
         raise ValueError("metrics['history']['step'] is empty: nothing to plot")
     evals = metrics.get("eval") or []
     baselines = metrics.get("baselines") or {}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     title = f"{metrics.get('preset', '?')} preset, {metrics.get('world_size', 1)} rank(s)"
     fig.suptitle(title)
 
@@ -96,6 +97,22 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("requests / s (all ranks)")
     ax.set_title("throughput")
+
+    ax = axes[3]
+    xs, ys = _finite(steps, hist.get("mfu", []))
+    if ys:
+        ax.plot(xs, [100.0 * y for y in ys], lw=1.0, label="MFU per step")
+        ax.set_ylabel("% of peak (dense BF16 datasheet)")
+        peak = (metrics.get("mfu") or {}).get("peak_tflops")
+        ax.set_title(f"model FLOPs utilisation (peak {peak} TFLOP/s)")
+    else:
+        xs, ys = _finite(steps, hist.get("tflops_per_gpu", []))
+        ax.plot(xs, ys, lw=1.0, label="model TFLOP/s per device")
+        ax.set_ylabel("model TFLOP/s per device")
+        ax.set_title("model FLOP rate (no peak known for this device)")
+    if ys:
+        ax.legend(fontsize="small")
+    ax.set_xlabel("step")
 
     fig.tight_layout()
     out = Path(path)

@@ -1,4 +1,4 @@
-"""A small progress bar on stderr: step, loss, AUC, samples/s and ETA.
+"""A small progress bar on stderr: step, loss, AUC, samples/s, MFU and ETA.
 
 On a terminal it redraws one line in place; otherwise (CI logs, pipes) it prints a
 complete line at most every ``log_interval_s`` seconds so logs stay short.
@@ -64,9 +64,13 @@ class ProgressBar:
         loss: float = math.nan,
         auc: float = math.nan,
         samples_per_s: float = math.nan,
+        mfu: float = math.nan,
         force: bool = False,
     ) -> None:
-        """Report that ``step`` steps are done (1-based), with the latest metrics."""
+        """Report that ``step`` steps are done (1-based), with the latest metrics.
+
+        ``mfu`` (a fraction of the device's peak) is shown when finite; a CPU run has no
+        peak and shows none."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -87,7 +91,9 @@ class ProgressBar:
         bar = "#" * filled + "-" * (self.width - filled)
         line = (
             f"[{bar}] {step}/{self.total} {frac:4.0%} | loss {loss:.4f} | auc {auc:.4f} | "
-            f"{samples_per_s:,.0f} samples/s | ETA {format_duration(eta)}"
+            f"{samples_per_s:,.0f} samples/s | "
+            + (f"MFU {mfu:.1%} | " if math.isfinite(mfu) else "")
+            + f"ETA {format_duration(eta)}"
         )
         if self._tty:
             pad = " " * max(0, self._last_len - len(line))

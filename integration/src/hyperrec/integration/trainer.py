@@ -46,14 +46,31 @@ from hyperrec.integration.checkpoint import (
 from hyperrec.integration.config import Preset, TrainConfig
 from hyperrec.integration.data import EVAL, SyntheticRecsysData
 from hyperrec.integration.distributed import DistributedContext, init_distributed, parallelize
+from hyperrec.integration.flops import (
+    FlopCount,
+    StepShape,
+    measure_matmul_tflops,
+    model_flops,
+    peak_tflops,
+)
+from hyperrec.integration.loader import LoadedStep, StepLoader, validate_batch
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
 from hyperrec.integration.model import GEMModel, esmm_loss
 from hyperrec.integration.pipeline import TrainStream, default_cost_model
 from hyperrec.integration.progress import ProgressBar
 
-__all__ = ["RunResult", "StepRecord", "Trainer", "build_optimizer", "lr_factor"]
+__all__ = [
+    "PendingStep",
+    "RunResult",
+    "StepRecord",
+    "Trainer",
+    "backward_and_update",
+    "build_optimizer",
+    "lr_factor",
+]
 
 _EVAL_CHUNK = 1024  # requests per eval forward
+_EVAL_PADDED_TOKENS = 1 << 21  # ... and at most this many requests x history cap
 _EMA_BETA = 0.95
 _HISTORY_KEYS = (
     "step",
@@ -67,6 +84,9 @@ _HISTORY_KEYS = (
     "step_time_s",
     "cost_max_over_mean",
     "arrival_cost_max_over_mean",
+    "step_tflop",
+    "tflops_per_gpu",
+    "mfu",
 )
 
 
@@ -102,6 +122,30 @@ class RunResult:
     """True when ``stop_after`` ended the run before ``TrainConfig.steps``."""
 
 
+@dataclass
+class PendingStep:
+    """A step whose device work is queued and whose metrics are not read yet
+    (:meth:`Trainer.launch_step` -> :meth:`Trainer.finish_step`)."""
+
+    step: int
+    loaded: LoadedStep
+    flops: FlopCount
+    readout: torch.Tensor  # float64 [(n,) ctr sum, ctcvr sum, grad norm], host (pinned)
+    preds: torch.Tensor  # float32 [C] P(click), host
+    rank_costs: torch.Tensor | list[list[float]]  # per rank: cost, arrival cost, FLOPs
+    n_local: int
+    start: Any  # CUDA event, or host time
+    end: Any  # CUDA event, or host time
+    previous_end: Any  # the previous step's end event when steps ran back to back
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of device tensor ``t`` into pinned host memory."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Learning-rate multiplier at 1-based ``step``: linear warm-up, cosine to 0.1."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
@@ -111,11 +155,37 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def backward_and_update(
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float,
+) -> torch.Tensor:
+    """``loss.backward()``, global gradient-norm clipping (0: measure only), the optimizer
+    step and ``zero_grad``. Returns the pre-clipping gradient norm as a device scalar: no
+    value is read on the host (the steady-state step must not synchronise)."""
+    loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with groups for embeddings, decayed matrices and undecayed vectors.
 
     Call it after :func:`~hyperrec.integration.distributed.parallelize` (sharding
     replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"``.
+    ``cfg.optimizer_impl="fused"`` uses PyTorch's fused AdamW (one kernel per group, no
+    full-size temporaries; it also runs on ``hyperrec.parallel5d``'s ragged DTensors,
+    where it equals foreach). ``cfg.embedding_optimizer`` is the seam for sparse, row-wise
+    table updates (only ``"dense"`` exists in this release).
     """
     embedding = {id(p) for p in model.embedding_parameters()}
     emb, decay, no_decay = [], [], []
@@ -131,7 +201,8 @@ def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
         {"params": decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8)
+    fused = True if cfg.optimizer_impl == "fused" else None
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8, fused=fused)
 
 
 def _default_out_dir(preset: Preset) -> Path:
@@ -200,8 +271,10 @@ class Trainer:
         # Same seed on every rank: sharding splits parameters that start identical. Built on
         # the target device: the big presets' tables would be slow to initialise on a CPU.
         torch.manual_seed(cfg.seed)
+        # The attention ops run without per-call validation (it would synchronise the
+        # host every call): batches are validated once, on the CPU, by the loader.
         with torch.device(self.ctx.device):
-            model = GEMModel(preset.model, preset.data, validate=cfg.validate_inputs)
+            model = GEMModel.from_preset(preset, validate=False)
         self.model = parallelize(model, self.ctx, cfg.sharding)
         # Dropout draws differ per rank (they see different requests anyway).
         torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
@@ -215,6 +288,16 @@ class Trainer:
             world_size=self.ctx.world_size,
             cost=default_cost_model(preset.model.dim),
         )
+        self.loader = StepLoader(
+            self.stream,
+            self.ctx.device,
+            workers=cfg.data_workers,
+            prefetch=cfg.prefetch_batches,
+            validate=cfg.validate_inputs,
+        )
+        # MFU denominators: the datasheet peak of this device and the GEMM rate measured here.
+        self.peak_tflops, self.peak_source = peak_tflops(self.ctx.device)
+        self.matmul_tflops = measure_matmul_tflops(self.ctx.device)
         self.popularity = PopularityBaseline(preset.data.num_items)
         self.auc_window = WindowedAUC(cfg.auc_window)
         self.step = 0
@@ -223,7 +306,11 @@ class Trainer:
         self.rank_costs: list[list[list[float]]] = []
         """Per step, per rank: [BBS step cost, arrival-order step cost]."""
         self.train_time_s = 0.0
+        self.flops_total = 0.0
+        """Model FLOPs (all ranks) of the steps this process trained."""
         self._ema = 0.0
+        self._last_end: Any = None  # when (event or host time) the previous step ended
+        self._last_auc = math.nan
         self.last_checkpoint: Path | None = None
         if ckpt is not None:
             self.load(ckpt)
@@ -244,79 +331,161 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """Run one optimizer step; returns its metrics (identical on every rank)."""
+        """Run one optimizer step; returns its metrics (identical on every rank).
+
+        Synchronous: it waits for the step to finish. :meth:`fit` instead overlaps each
+        step's bookkeeping with the next step's device work (see :meth:`launch_step`).
+        """
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> PendingStep:
+        """Enqueue one step's device work and return without waiting for it.
+
+        Nothing here reads a device value: the batch arrives through the loader (built and
+        validated ahead, copied on a side stream), sizes come from shapes and the CPU
+        copy of the batch, and the values the host needs (loss sums, gradient norm,
+        predictions) are copied into pinned host buffers behind an event that
+        :meth:`finish_step` waits on later, once the next step is queued.
+        """
         cfg = self.preset.train
-        start = time.perf_counter()
-        item = self.stream.next()
-        batch = item.batch.to(self.ctx.device, non_blocking=True)
-        if cfg.validate_inputs:
-            self.model.check_batch(batch)
+        t0 = time.perf_counter()
+        dev = self.ctx.device
+        cuda = dev.type == "cuda"
+        loaded = self.loader.next()
+        batch, host = loaded.batch, loaded.host
         step = self.step + 1
         for group in self.optimizer.param_groups:
             group["lr"] = group["base_lr"] * lr_factor(step, cfg)
+        shape = StepShape.from_batch(host)
+        flops = model_flops(
+            self.preset.model, self.preset.data, shape.history_lengths, shape.candidate_counts
+        )
+        start = torch.cuda.Event(enable_timing=True) if cuda else None
+        if start is not None:
+            start.record()
 
         with self._autocast():
             ctr_logit, cvr_logit = self.model(batch)
         ctr_sum, ctcvr_sum = esmm_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
-        dev = self.ctx.device
-        sums = torch.stack(
-            [
-                torch.tensor(float(batch.num_candidates), device=dev, dtype=torch.float64),
-                ctr_sum.detach().double(),
-                ctcvr_sum.detach().double(),
-            ]
-        )
-        costs = torch.tensor([item.cost, item.arrival_cost], device=dev, dtype=torch.float64)
+        n_local = host.num_candidates
+        local = [loaded.plan.cost, loaded.plan.arrival_cost, flops.total_training]
         if self.ctx.distributed:
+            sums = torch.stack(
+                [
+                    torch.full((), float(n_local), device=dev, dtype=torch.float64),
+                    ctr_sum.detach().double(),
+                    ctcvr_sum.detach().double(),
+                ]
+            )
             dist.all_reduce(sums)
+            mine = torch.tensor(local, dtype=torch.float64)
+            costs = (mine.pin_memory() if cuda else mine).to(dev, non_blocking=True)
             gathered = [torch.empty_like(costs) for _ in range(self.ctx.world_size)]
             dist.all_gather(gathered, costs)
-            costs = torch.stack(gathered)
-        impressions = sums[0]
-        # Each rank's share of the global mean; FSDP's reduce-scatter averages over ranks.
-        loss = (ctr_sum + ctcvr_sum) * (self.ctx.world_size / impressions.float())
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            rank_costs: torch.Tensor | list[list[float]] = torch.stack(gathered)
+            # Each rank's share of the global mean; FSDP's reduce-scatter averages over ranks.
+            loss = (ctr_sum + ctcvr_sum) * (self.ctx.world_size / sums[0].float())
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-        n, ctr_total, ctcvr_total = sums.tolist()
-        rank_costs = costs.reshape(-1, 2).tolist()  # [rank][balanced, arrival order]
-        self.rank_costs.append(rank_costs)
-        balanced, arrival = ([row[i] for row in rank_costs] for i in (0, 1))
+            sums = torch.stack([ctr_sum.detach().double(), ctcvr_sum.detach().double()])
+            rank_costs = [local]
+            loss = (ctr_sum + ctcvr_sum) / float(n_local)
+        grad_norm = backward_and_update(loss, self.model, self.optimizer, cfg.grad_clip)
+        readout = torch.cat([sums, grad_norm.detach().double().reshape(1)])
+        preds = torch.sigmoid(ctr_logit.detach().float())
+        end = None
+        if cuda:
+            readout, preds = _to_host(readout), _to_host(preds)
+            if isinstance(rank_costs, torch.Tensor):
+                rank_costs = _to_host(rank_costs)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
         self.step = step
-        self.popularity.update(batch.candidate_items, batch.click, batch.conversion)
-        self.auc_window.update(torch.sigmoid(ctr_logit.detach()), batch.click)
-        elapsed = time.perf_counter() - start
+        # Host-side bookkeeping from the CPU copy of the batch: no device reads.
+        self.popularity.update(host.candidate_items, host.click, host.conversion)
+        pending = PendingStep(
+            step=step,
+            loaded=loaded,
+            flops=flops,
+            readout=readout,
+            preds=preds,
+            rank_costs=rank_costs,
+            n_local=n_local,
+            start=start if cuda else t0,
+            end=end,
+            previous_end=self._last_end,
+        )
+        # Start building/copying the next batch now, behind this step's device work.
+        self.loader.prefetch()
+        self._last_end = end if cuda else None
+        if not cuda:
+            pending.end = time.perf_counter()
+        return pending
+
+    def _auc(self, recompute: bool) -> float:
+        if recompute:
+            self._last_auc = self.auc_window.compute()
+        return self._last_auc
+
+    def drain(self) -> None:
+        """Forget the previous step's end time: the next step is timed from its own start
+        (evaluation or checkpointing ran in between)."""
+        self._last_end = None
+
+    def finish_step(self, p: PendingStep) -> dict[str, float]:
+        """Wait for step ``p`` (from :meth:`launch_step`) and return its metrics.
+
+        Call it once per launched step, in launch order; launching the next step first
+        keeps the device busy while the host waits."""
+        cfg = self.preset.train
+        if isinstance(p.end, torch.cuda.Event):
+            p.end.synchronize()
+            since = p.previous_end if p.previous_end is not None else p.start
+            elapsed = since.elapsed_time(p.end) / 1e3
+        else:
+            elapsed = float(p.end) - float(p.start)
+        values = p.readout.tolist()
+        if self.ctx.distributed:
+            n, ctr_total, ctcvr_total, grad_norm = values
+            rank_costs = p.rank_costs.reshape(-1, 3).tolist()  # type: ignore[union-attr]
+        else:
+            ctr_total, ctcvr_total, grad_norm = values
+            n = float(p.n_local)
+            rank_costs = p.rank_costs  # type: ignore[assignment]
+        self.rank_costs.append([row[:2] for row in rank_costs])
+        balanced, arrival = ([row[i] for row in rank_costs] for i in (0, 1))
+        step_flops = float(sum(row[2] for row in rank_costs))
         self.train_time_s += elapsed
+        self.flops_total += step_flops
+        host = p.loaded.host
+        self.auc_window.update(p.preds, host.click)
         loss_value = (ctr_total + ctcvr_total) / n
         self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+        log = p.step % cfg.log_every == 0 or p.step == cfg.steps
+        tflops = step_flops / elapsed / self.ctx.world_size / 1e12 if elapsed > 0 else math.nan
         metrics = {
-            "step": step,
+            "step": p.step,
             "loss": loss_value,
-            "loss_ema": self._ema / (1.0 - _EMA_BETA**step),
+            "loss_ema": self._ema / (1.0 - _EMA_BETA**p.step),
             "ctr_loss": ctr_total / n,
-            "ctr_auc": self.auc_window.compute(),
+            # The exact windowed AUC costs host time: recomputed only on recorded steps.
+            "ctr_auc": self._auc(log),
             "lr": self.optimizer.param_groups[1]["lr"],
             "grad_norm": float(grad_norm),
-            "samples_per_s": cfg.global_batch_size / elapsed,
+            "samples_per_s": cfg.global_batch_size / elapsed if elapsed > 0 else math.nan,
             "step_time_s": elapsed,
             "cost_max_over_mean": max(balanced) / (sum(balanced) / len(balanced)),
             "arrival_cost_max_over_mean": max(arrival) / (sum(arrival) / len(arrival)),
+            "step_tflop": step_flops / 1e12,
+            "tflops_per_gpu": tflops,
+            "mfu": tflops / self.peak_tflops if self.peak_tflops else math.nan,
         }
         if self.on_step is not None:
             self.on_step(
                 StepRecord(
-                    step=step,
+                    step=p.step,
                     loss=loss_value,
-                    sample_ids=item.batch.sample_ids.clone(),
-                    sub_batches=item.sub_batches,
+                    sample_ids=host.sample_ids.clone(),
+                    sub_batches=p.loaded.plan.sub_batches,
                 )
             )
         return metrics
@@ -337,7 +506,10 @@ class Trainer:
         pop_ctr, pop_cvr = PopularityBaseline.rates(counts, self.popularity.prior_strength)
         local = np.arange(rank, total, world)
         # Every rank runs the same number of forwards (FSDP all-gathers are collective).
-        n_chunks = max(1, math.ceil(math.ceil(total / world) / _EVAL_CHUNK))
+        # Padded (naive) attention at long caps needs smaller forwards: bound the chunk by
+        # requests and by padded tokens.
+        chunk = max(1, min(_EVAL_CHUNK, _EVAL_PADDED_TOKENS // self.preset.data.max_seqlen))
+        n_chunks = max(1, math.ceil(math.ceil(total / world) / chunk))
         parts: dict[str, list[torch.Tensor]] = {}
         was_training = self.model.training
         self.model.eval()
@@ -345,6 +517,8 @@ class Trainer:
             for piece in np.array_split(local, n_chunks):
                 ids = piece if piece.size else np.zeros(1, dtype=np.int64)
                 batch, (true_ctr, true_cvr) = self.data.batch_and_truth(EVAL, ids)
+                if self.preset.train.validate_inputs:
+                    validate_batch(batch, self.preset.data)
                 with self._autocast():
                     ctr_logit, cvr_logit = self.model(batch.to(self.ctx.device))
                 if not piece.size:
@@ -405,10 +579,11 @@ class Trainer:
                 "evals": self.evals,
                 "rank_costs": self.rank_costs,
                 "train_time_s": self.train_time_s,
+                "flops_total": self.flops_total,
                 "ema": self._ema,
             },
             rank_state={
-                "stream": self.stream.state_dict(),
+                "stream": self.loader.state_dict(),
                 "rng": rng,
                 "auc_window": self.auc_window.state_dict(),
             },
@@ -447,8 +622,10 @@ class Trainer:
         self.evals = meta["evals"]
         self.rank_costs = meta["rank_costs"]
         self.train_time_s = meta["train_time_s"]
+        self.flops_total = meta.get("flops_total", 0.0)
         self._ema = meta["ema"]
         self.stream.load_state_dict(state["stream"])
+        self.loader.reset()
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
@@ -475,23 +652,44 @@ class Trainer:
         bar = ProgressBar(cfg.steps, enabled=self.progress_enabled)
         if self.step and self.ctx.is_main:
             bar.write(f"resumed at step {self.step} from {self.last_checkpoint}")
+        # Pipelined: step n + 1 is queued before step n's metrics are read, so the device
+        # never waits for the host's bookkeeping. Evaluation, checkpoints and the end of
+        # the run wait for the queued step first.
+        pending: PendingStep | None = None
         while self.step < last:
-            m = self.train_step()
-            if m["step"] % cfg.log_every == 0 or m["step"] == cfg.steps:
-                for key in _HISTORY_KEYS:
-                    self.history[key].append(m[key])
-            bar.update(
-                m["step"], loss=m["loss_ema"], auc=m["ctr_auc"], samples_per_s=m["samples_per_s"]
-            )
-            if cfg.eval_every and m["step"] % cfg.eval_every == 0 and m["step"] != cfg.steps:
-                self._eval_and_log(bar)
-            if cfg.ckpt_every and (m["step"] % cfg.ckpt_every == 0 or m["step"] == cfg.steps):
-                self.save()
+            launched = self.launch_step()
+            if pending is not None:
+                self._log_step(self.finish_step(pending), bar)
+            pending = launched
+            step = launched.step
+            evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+            checkpoint = cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps)
+            if evaluate or checkpoint or step == last:
+                self._log_step(self.finish_step(pending), bar)
+                pending = None
+                if evaluate:
+                    self._eval_and_log(bar)
+                if checkpoint:
+                    self.save()
+                self.drain()
         bar.close()
         interrupted = self.step < cfg.steps
         if not interrupted and (not self.evals or self.evals[-1]["step"] != self.step):
             self._eval_and_log(bar)
         return self._report(interrupted=interrupted, plot=plot)
+
+    def _log_step(self, m: dict[str, float], bar: ProgressBar) -> None:
+        cfg = self.preset.train
+        if m["step"] % cfg.log_every == 0 or m["step"] == cfg.steps:
+            for key in _HISTORY_KEYS:
+                self.history[key].append(m[key])
+        bar.update(
+            m["step"],
+            loss=m["loss_ema"],
+            auc=m["ctr_auc"],
+            samples_per_s=m["samples_per_s"],
+            mfu=m["mfu"] if self.peak_tflops else math.nan,
+        )
 
     def _eval_and_log(self, bar: ProgressBar) -> None:
         record = self.evaluate()
@@ -523,6 +721,7 @@ class Trainer:
             # This process only (a resumed run counts from its restart), set-up to report.
             "wall_time_s": time.perf_counter() - self._created,
             "mean_samples_per_s": requests / self.train_time_s if self.train_time_s else None,
+            "mfu": self._mfu_summary(),
             "peak_memory_gb": torch.cuda.max_memory_allocated(self.ctx.device) / 1e9
             if self.ctx.device.type == "cuda"
             else None,
@@ -551,6 +750,29 @@ class Trainer:
             self.out_dir, metrics, metrics_path, plot_path, self.last_checkpoint, interrupted
         )
 
+    def _mfu_summary(self) -> dict[str, Any]:
+        """Model FLOPs utilisation of the run (see :mod:`hyperrec.integration.flops`)."""
+        per_gpu = (
+            self.flops_total / self.train_time_s / self.ctx.world_size / 1e12
+            if self.train_time_s
+            else None
+        )
+        return {
+            "model_tflop_total": self.flops_total / 1e12,
+            "tflops_per_gpu": per_gpu,
+            "peak_tflops": self.peak_tflops,
+            "peak_source": f"datasheet dense BF16 ({self.peak_source})"
+            if self.peak_source
+            else "n/a (CPU or unlisted device)",
+            "mfu": per_gpu / self.peak_tflops if per_gpu and self.peak_tflops else None,
+            "measured_matmul_tflops": self.matmul_tflops,
+            "fraction_of_measured_matmul": per_gpu / self.matmul_tflops
+            if per_gpu and self.matmul_tflops
+            else None,
+            "counting": "matmul FLOPs on unpadded tokens, attention over allowed pairs, "
+            "training = 3x forward, recomputation and padding not counted",
+        }
+
     def _bbs_summary(self) -> dict[str, Any]:
         """Step-cost balance with BBS and in arrival order, over every step so far.
 
@@ -577,7 +799,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        """Release the process group if this trainer created it."""
+        """Stop the data workers; release the process group if this trainer created it."""
+        self.loader.close()
         self.ctx.close()
 
 

@@ -1,0 +1,282 @@
+"""Profile steady-state training steps of one configuration; write a compact JSON summary.
+
+    python integration/bench/profile_step.py --out integration/results             # gem, one GPU
+    python integration/bench/profile_step.py --out DIR --set train.impl=naive      # any overrides
+    python integration/bench/profile_step.py --out DIR --trace                     # + Chrome trace
+    python integration/bench/profile_step.py --out /tmp/p --smoke                  # CPU, tiny
+
+After ``--warmup`` steps (compilation, allocator, caches) the next ``--steps`` steps run
+exactly as :meth:`Trainer.fit` runs them (step n + 1 queued before step n's metrics are
+read) under ``torch.profiler`` with CUDA's sync debug mode set to "warn". The summary:
+
+- GPU time: the profiled window (first to last device activity), the busy time (union of
+  kernel and copy intervals) and the idle fraction;
+- device time by category (attention, GEMM, embedding, optimizer, elementwise,
+  mxfp8_quantize, copies, NCCL, other; the rules are :data:`CATEGORIES`, regexes on kernel
+  names) and the top kernels;
+- host synchronisation: implicit syncs flagged by the sync debug mode (``.item()``, D2H
+  copies to pageable memory, ...), and the CUDA runtime's blocking calls seen by the
+  profiler (stream/device/event synchronize, blocking memcpy). The trainer waits on one
+  event per step on purpose: step n's metrics, read while step n + 1 is queued;
+- each profiled step's time, model TFLOP/s and MFU.
+
+Writes ``profile_<preset>_<tag>_<date>.json`` (and the trace with ``--trace``) into ``--out``.
+Takes about a minute on one H200 for the gem preset (model build, warm-up, profiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+from _common import jsonable, single_rank_group  # noqa: E402
+
+RESULTS = _HERE.parent / "results"
+
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("nccl", r"nccl"),
+    # jagged_attn's Triton kernels, PyTorch's SDPA kernels (flash, memory-efficient, cuDNN)
+    ("attention", r"_fwd_kernel|_bwd_delta_kernel|_bwd_dkdv_kernel|_bwd_dq_kernel|flash|fmha|"
+     r"attention|attn|sdpa|_efficient_"),
+    ("mxfp8_quantize", r"mx_quantize|quantize_2d"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|wgmma|cublas|sm90_|sm80_|scaled_mm|_mm_|matmul|"
+     r"aten::mm|aten::addmm|aten::bmm|aten::baddbmm|splitk"),
+    ("optimizer", r"adam|multi_tensor|foreach_|_foreach"),
+    ("embedding", r"embedding|EmbeddingBag|index_select|indexSelect|indexing_backward|"
+     r"partials_per_segment|partial_segment|grad_weight|sum_and_scatter|radix|sort"),
+    ("copies", r"memcpy|memset|copy_|direct_copy|catarray|cat_|aten::copy|aten::to|"
+     r"aten::_to_copy|aten::cat"),
+    ("elementwise", r"elementwise|vectorized|reduce|norm|softmax|triton_|silu|gelu|where|"
+     r"unrolled|aten::"),
+)  # fmt: skip
+"""(category, regex) in priority order; a kernel gets the first match, else "other"."""
+
+_BLOCKING = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",  # the synchronous variant (the async one is cudaMemcpyAsync)
+)
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or op ``name`` (see :data:`CATEGORIES`)."""
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return category
+    return "other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    device = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else []
+    blocking: dict[str, int] = {name: 0 for name in _BLOCKING}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name in blocking:
+            blocking[e.name] += 1
+    out: dict[str, Any] = {"runtime_blocking_calls": blocking}
+    if device:
+        intervals = [(e.time_range.start, e.time_range.end) for e in device]
+        window = max(b for _, b in intervals) - min(a for a, _ in intervals)
+        busy = _union_us(intervals)
+        by_kernel: dict[str, float] = {}
+        for e in device:
+            by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+        out["gpu"] = {
+            "window_ms": window / 1e3,
+            "busy_ms": busy / 1e3,
+            "busy_fraction": busy / window if window else None,
+            "idle_fraction": 1.0 - busy / window if window else None,
+            "kernel_launches": len(device),
+        }
+    else:
+        # CPU run: the ops' own (self) CPU time stands in for kernel time.
+        by_kernel = {}
+        for avg in prof.key_averages():
+            by_kernel[avg.key] = by_kernel.get(avg.key, 0.0) + avg.self_cpu_time_total
+        out["gpu"] = None
+    total = sum(by_kernel.values()) or 1.0
+    categories: dict[str, float] = {}
+    for name, us in by_kernel.items():
+        categories[categorize(name)] = categories.get(categorize(name), 0.0) + us
+    out["time_by_category"] = {
+        k: {"ms": v / 1e3, "fraction": v / total}
+        for k, v in sorted(categories.items(), key=lambda kv: -kv[1])
+    }
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+    out["top_kernels"] = [
+        {"name": n[:160], "category": categorize(n), "ms": us / 1e3, "fraction": us / total}
+        for n, us in top
+    ]
+    out["time_basis"] = "device kernel time" if device else "CPU self time of ops"
+    return out
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the profile; returns the summary (also written into ``args.out``)."""
+    import torch
+
+    from hyperrec.integration import Trainer, get_preset, override
+    from hyperrec.testing.bench import machine_info
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("profiling needs a CUDA GPU (use --smoke on a CPU)")
+    name = args.preset or ("tiny" if args.smoke else "gem")
+    overrides = [f"train.steps={args.warmup + args.steps + 1}", "train.eval_every=0",
+                 "train.ckpt_every=0", "train.warmup_steps=1", *args.set]  # fmt: skip
+    if args.smoke:
+        overrides += ["train.data_workers=1"]
+    preset = override(get_preset(name), overrides)
+    device = "cuda" if cuda else "cpu"
+    if not args.no_group:
+        single_rank_group(device)
+    t0 = time.perf_counter()
+    trainer = Trainer(preset, out_dir=Path(args.out) / "profile-run", device=device, progress=False)
+    build_s = time.perf_counter() - t0
+
+    def run(n: int, metrics: list[dict[str, float]]) -> None:
+        pending = None
+        for _ in range(n):
+            launched = trainer.launch_step()
+            if pending is not None:
+                metrics.append(trainer.finish_step(pending))
+            pending = launched
+        if pending is not None:
+            metrics.append(trainer.finish_step(pending))
+        trainer.drain()
+
+    warm: list[dict[str, float]] = []
+    t1 = time.perf_counter()
+    run(args.warmup, warm)
+    warmup_s = time.perf_counter() - t1
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    profiled: list[dict[str, float]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                run(args.steps, profiled)
+                if cuda:
+                    torch.cuda.synchronize()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    summary = _summarize(prof, cuda)
+    summary["implicit_host_syncs"] = {"count": len(syncs), "messages": sorted(set(syncs))[:10]}
+    trainer.close()
+
+    stamp = dt.date.today().isoformat()
+    tag = args.tag or ("custom" if args.set else "default")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = None
+    if args.trace:
+        trace = out_dir / f"trace_{name}_{tag}_{stamp}.json"
+        prof.export_chrome_trace(str(trace))
+    doc = {
+        "benchmark": "integration profile_step",
+        "machine": machine_info(),
+        "preset": name,
+        "overrides": list(args.set),
+        "config": preset.to_dict(),
+        "warmup_steps": args.warmup,
+        "profiled_steps": args.steps,
+        "build_s": build_s,
+        "warmup_s": warmup_s,
+        "steps": [
+            {
+                k: m[k]
+                for k in (
+                    "step",
+                    "step_time_s",
+                    "samples_per_s",
+                    "step_tflop",
+                    "tflops_per_gpu",
+                    "mfu",
+                )
+            }
+            for m in profiled
+        ],  # fmt: skip
+        **summary,
+        "trace": trace.name if trace else None,
+        "notes": "cudaEventSynchronize once per step is the trainer's lagged metrics readout "
+        "(it waits for step n while step n + 1 is queued); any other blocking call or "
+        "implicit sync is a stall of the steady-state step.",
+    }
+    path = out_dir / f"profile_{name}_{tag}_{stamp}.json"
+    path.write_text(json.dumps(jsonable(doc), indent=1) + "\n")
+    _print(doc, path)
+    return doc
+
+
+def _print(doc: dict[str, Any], path: Path) -> None:
+    gpu = doc.get("gpu")
+    if gpu:
+        print(f"GPU busy {gpu['busy_fraction']:.1%} of {gpu['window_ms']:.1f} ms "
+              f"({gpu['kernel_launches']} kernels)")  # fmt: skip
+    print(f"implicit host syncs: {doc['implicit_host_syncs']['count']}; "
+          f"runtime blocking calls: {doc['runtime_blocking_calls']}")  # fmt: skip
+    print(f"time by category ({doc['time_basis']}):")
+    for k, v in doc["time_by_category"].items():
+        print(f"  {k:<15} {v['ms']:10.2f} ms  {v['fraction']:6.1%}")
+    for s in doc["steps"]:
+        mfu = s["mfu"]
+        print(f"  step {s['step']}: {s['step_time_s'] * 1e3:.1f} ms, "
+              f"MFU {'n/a' if mfu is None or mfu != mfu else f'{mfu:.1%}'}")  # fmt: skip
+    print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", default=str(RESULTS), help=f"result directory (default {RESULTS})")
+    p.add_argument("--preset", help="default: gem (smoke: tiny)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.add_argument("--warmup", type=int, default=4, help="steps before profiling (default 4)")
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    p.add_argument("--tag", help="name part of the output file (default: default/custom)")
+    p.add_argument("--trace", action="store_true", help="also write the Chrome trace")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny preset")
+    p.add_argument(
+        "--no-group", action="store_true", help="no single-rank process group (no sharding wrapper)"
+    )
+    return p  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    profile(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

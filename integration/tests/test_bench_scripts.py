@@ -1,0 +1,96 @@
+"""The benchmark scripts' bookkeeping (the GPU measurements themselves are not tests)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import ablation  # noqa: E402
+import profile_step  # noqa: E402
+
+
+def test_ablation_orchestration(tmp_path, monkeypatch):
+    """Rows build on each other, unavailable techniques are recorded and skipped, the
+    naive row halves the batch until it fits, speedups are against naive at one batch."""
+    calls = []
+
+    def measured(rps, mfu, memory):
+        return {
+            "status": "ok",
+            "requests_per_s": rps,
+            "mfu": mfu,
+            "tflops_per_gpu": 989.4 * mfu,
+            "peak_memory_gb": memory,
+            "heldout_ctr_auc": 0.6,
+            "step_cost_cv": 0.1,
+        }
+
+    def fake_launch(spec, timeout, in_process):
+        calls.append(spec)
+        sizes = [o for o in spec["overrides"] if "global_batch_size" in o]
+        batch = int(sizes[0].split("=")[1]) if sizes else 128  # the gem preset's own
+        if spec["overrides"][-1] == "train.optimizer_impl=foreach":  # the naive row
+            if batch > 32:
+                return {"status": "oom", "error": "CUDA out of memory"}
+            return measured(100.0, 0.05, 120.0)
+        return measured(100.0 + 50 * len(calls), 0.3, 60.0)
+
+    monkeypatch.setattr(ablation, "_launch", fake_launch)
+    monkeypatch.setattr(ablation, "_cuda_available", lambda: True)
+    args = ablation.build_parser().parse_args(["--out", str(tmp_path)])
+    doc = ablation.run(args)
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert doc["global_batch_size"] == 32 and rows["naive"]["oom_at_batch"] == [128, 64]
+    assert rows["naive"]["speedup_vs_naive"] == 1.0
+    assert (
+        rows["+ jagged kernels"]["speedup_vs_naive"]
+        == rows["+ jagged kernels"]["requests_per_s"] / 100.0
+    )
+    for name in ("+ autoac", "+ FP8 attention", "+ sharded embeddings"):
+        assert rows[name]["status"] == "not available"
+        assert "not available yet" in rows[name]["error"]
+    # "all" carries every earlier available override, none of the unavailable ones.
+    all_overrides = rows["all"]["overrides"]
+    assert "train.sharding=hyperrec" in all_overrides and "train.compile=inductor" in all_overrides
+    unavailable = ("activation_checkpointing", "attention_precision", "embedding_optimizer")
+    assert not any(o.split("=")[0].endswith(unavailable) for o in all_overrides)
+    assert rows["all @ preset batch"]["speedup_vs_naive"] is None
+    assert "train.global_batch_size=32" not in calls[-1]["overrides"]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files[0].startswith("ablation_gem_full_") and files[0].endswith(".json")
+    on_disk = json.loads((tmp_path / files[0]).read_text())
+    assert [r["name"] for r in on_disk["rows"]] == [r["name"] for r in doc["rows"]]
+    table = (tmp_path / files[1]).read_text()
+    assert table.count("\n| ") == len(doc["rows"]) + 1 and "| + autoac | not available |" in table
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("_fwd_kernel", "attention"),
+        ("_bwd_dkdv_kernel", "attention"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_TNT", "gemm"),
+        ("_mx_quantize_2d_kernel", "mxfp8_quantize"),
+        ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer"),
+        ("void at::native::multi_tensor_apply_kernel<...>", "optimizer"),
+        ("void at::native::compute_grad_weight<float, long>", "embedding"),
+        ("Memcpy HtoD (Pinned -> Device)", "copies"),
+        ("ncclDevKernel_AllGather_RING_LL", "nccl"),
+        ("triton_poi_fused_add_mul_0", "elementwise"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise"),
+        ("something_else", "other"),
+    ],
+)
+def test_profile_categories(name, category):
+    assert profile_step.categorize(name) == category
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert profile_step._union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert profile_step._union_us([]) == 0
