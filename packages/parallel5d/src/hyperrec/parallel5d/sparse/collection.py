@@ -353,7 +353,11 @@ class ShardedEmbeddingCollection(nn.Module):
                 if device_type == "cuda"
                 else torch.device("cpu")
             )
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # tensors always carry an index: "cuda" would never compare equal to them
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     def _build_stages(self) -> None:
         R, G, W = self.num_replicas, self.group_size, self.world_size
