@@ -14,18 +14,9 @@
 
 from hyperrec.autoac import reference
 from hyperrec.autoac._version import __version__
-from hyperrec.autoac.apply import (
-    AutoAC,
-    StepMeasurement,
-    apply,
-    apply_plan,
-    compile_mechanism,
-    measure_step,
-    remove,
-)
 from hyperrec.autoac.formats import SAVE_FORMATS, SaveFormat
-from hyperrec.autoac.plan import Plan, PlanConfig, RegionPlan, plan
-from hyperrec.autoac.profile import (
+from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan
+from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
     RegionProfile,
@@ -34,6 +25,15 @@ from hyperrec.autoac.profile import (
     profile,
 )
 from hyperrec.autoac.regions import Span, resolve_regions
+from hyperrec.autoac.runtime import (
+    AutoAC,
+    StepMeasurement,
+    apply,
+    apply_plan,
+    compile_mechanism,
+    measure_step,
+    remove,
+)
 from hyperrec.autoac.tracker import MemoryTracker
 
 __all__ = [

@@ -17,6 +17,7 @@ Safety rules, applied here whatever a plan says:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -95,29 +96,36 @@ def _policy(func: Any, args: tuple, kwargs: dict, decision: str | None) -> Check
     return CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _sac_contexts(
+    saves: tuple[tuple[tuple[str, int], str], ...],
+    on_op: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any]:
+    decisions = dict(saves)
+    fwd, rc = _Counter(), _Counter()
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        # torch < 2.12 also asks the policy during recomputation; answer the same.
+        counter = rc if getattr(ctx, "is_recompute", False) else fwd
+        key = counter.key(func)
+        if on_op is not None and counter is fwd:
+            on_op(func)
+        return _policy(func, args, kwargs, decisions.get(key))
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def sac_context_fn(
     decisions: RegionDecisions, on_op: Callable[[Any], None] | None = None
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``checkpoint``: torch's selective checkpointing, our policy.
 
-    ``on_op(func)`` is called for every op the policy sees in the forward (the profiler
-    uses it to number ops).
+    It is a ``functools.partial`` over the decisions as a tuple of constants: Dynamo
+    guards on them, so two regions with the same code but different decisions get
+    different compiled graphs (and regions with equal decisions share one).
+    ``on_op(func)`` is called for every op the policy sees in the forward (the
+    profiler uses it to number ops).
     """
-
-    def context_fn() -> tuple[Any, Any]:
-        fwd, rc = _Counter(), _Counter()
-
-        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            # torch < 2.12 also asks the policy during recomputation; answer the same.
-            counter = rc if getattr(ctx, "is_recompute", False) else fwd
-            key = counter.key(func)
-            if on_op is not None and counter is fwd:
-                on_op(func)
-            return _policy(func, args, kwargs, decisions.saves.get(key))
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
+    return functools.partial(_sac_contexts, tuple(sorted(decisions.saves.items())), on_op)
 
 
 def _detach(x: Any) -> Any:

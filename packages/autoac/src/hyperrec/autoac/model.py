@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyperrec.autoac.formats import can_pack, packed_nbytes
-from hyperrec.autoac.profile import Profile, SavedOp
+from hyperrec.autoac.profiler import Profile, SavedOp
 
 __all__ = [
     "Assignment",
@@ -77,7 +77,8 @@ class Group:
 
 @dataclass
 class RegionModes:
-    """Per region: allowed modes, the time each mode always adds, the held position."""
+    """Per region: allowed modes, the time each mode always adds, the held position
+    (a position of the trace: the last one before the region's recomputation)."""
 
     name: str
     fixed_s: dict[str, float]
@@ -300,7 +301,7 @@ def compress(prob: Problem) -> Problem:
         RegionModes(
             r.name,
             dict(r.fixed_s),
-            int(np.searchsorted(starts, r.held_pos, side="right") - 1),
+            r.held_pos,
             r.input_bytes,
             list(r.groups),
         )
@@ -348,7 +349,7 @@ def time_of(prob: Problem, a: Assignment) -> float:
 
 def held_of(prob: Problem, a: Assignment, r: int) -> int:
     """Bytes region ``r`` holds beyond its inputs just before its recomputation."""
-    h = prob.regions[r].held_pos
+    h = prob.held_segment(r)
     tot = 0
     for g in prob.regions[r].groups:
         for s, e, d in chosen(prob, a, g).intervals:

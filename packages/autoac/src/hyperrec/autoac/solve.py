@@ -271,7 +271,7 @@ def solve_exact(
             gmin_v[(g, m)] = np.min(np.stack([v for _, v, _ in lst]), axis=0)
             gmin_t[(g, m)] = min(t for t, _, _ in lst)
     reg_min_v, reg_min_t = [], []
-    for r, reg in enumerate(prob.regions):
+    for reg in prob.regions:
         vs, ts = [], []
         for m, f in reg.fixed_s.items():
             v = np.zeros(n, dtype=np.int64)
@@ -423,8 +423,8 @@ def lagrangian_bound(prob: Problem, *, iters: int = 200, upper: float | None = N
             cost += np.bincount(iv_row_a, weights=contrib, minlength=len(rows))
         total = 0.0
         pick_rows: list[int] = []
-        for r, reg in enumerate(prob.regions):
-            best_m, best_v, best_rows = None, math.inf, []
+        for reg in prob.regions:
+            best_v, best_rows = math.inf, []
             for m, f in reg.fixed_s.items():
                 v, rs = f, []
                 for g in reg.groups:
@@ -433,7 +433,7 @@ def lagrangian_bound(prob: Problem, *, iters: int = 200, upper: float | None = N
                     v += cost[k]
                     rs.append(k)
                 if v < best_v:
-                    best_m, best_v, best_rows = m, v, rs
+                    best_v, best_rows = v, rs
             total += best_v
             pick_rows += best_rows
         if has_cap:

@@ -7,7 +7,7 @@ needs: for each op output of a region, when it is allocated in the forward, when
 lets go of it, when the recomputation allocates it again, when the backward first reads
 it and frees it, and whether autograd needs it (alive after the recomputation ends).
 Every plan is this trace with some lifetimes stretched (keep), shrunk to a packed copy
-(quantize) or dropped (no checkpoint), which is how :mod:`hyperrec.autoac.plan`
+(quantize) or dropped (no checkpoint), which is how :mod:`hyperrec.autoac.planner`
 predicts its peak at every position of the step.
 """
 
@@ -299,7 +299,7 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
                 n = tracker.ordinals[j]  # type: ignore[attr-defined]
                 last.sac_ordinal = n
                 tracker.ordinals[j] = n + 1  # type: ignore[attr-defined]
-                if last.collective and (last.writes or not last.new):
+                if last.collective and _mutates(func, last):
                     tracker.inplace_collective.add(j)  # type: ignore[attr-defined]
 
         inner = sac_context_fn(RegionDecisions(mode="sac"), on_op=on_op)
@@ -313,6 +313,13 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
         )
 
     return runner
+
+
+def _mutates(func: Any, rec: Any) -> bool:
+    """An in-place collective (``c10d.allreduce_``, ``_c10d_functional.all_reduce_``):
+    replaying the region would skip its write, so the region cannot be checkpointed."""
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", str(func))
+    return bool(rec.writes) or name.endswith("_")
 
 
 def _decision_runner(decisions: dict[int, RegionDecisions]) -> Callable[..., Any]:
@@ -482,7 +489,7 @@ def _build_regions(
             fmts = tuple(
                 f
                 for f in config.formats
-                if not (o.random or o.collective)
+                if not (o.random or o.collective or mutated)
                 and any(
                     lv.nbytes >= max(config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, f)
                     for lv in lives

@@ -1,6 +1,6 @@
 """Choose, for every op output of every region, keep / pack / recompute under a budget.
 
-:func:`plan` turns a :class:`~hyperrec.autoac.profile.Profile` into a :class:`Plan`
+:func:`plan` turns a :class:`~hyperrec.autoac.profiler.Profile` into a :class:`Plan`
 whose predicted **peak** (the largest live bytes at any position of the step: forward,
 every recomputation, every backward position) stays within ``budget``, with the least
 added time. See :mod:`hyperrec.autoac.model` for the memory model and
@@ -32,7 +32,7 @@ from hyperrec.autoac.model import (
     profile_of,
     time_of,
 )
-from hyperrec.autoac.profile import Profile
+from hyperrec.autoac.profiler import Profile
 from hyperrec.autoac.solve import lagrangian_bound, solve_exact, solve_greedy
 
 __all__ = ["Plan", "PlanConfig", "RegionPlan", "plan"]
@@ -291,8 +291,8 @@ def _bytes(name: str, value: Any, floor: int, what: str) -> int:
     v = float(value)
     if not math.isfinite(v) or v < floor:
         raise ValueError(
-            f"{name} must be a finite number of bytes >= {floor} ({floor / 2**30:.4f} GiB, {what}), "
-            f"got {value!r}"
+            f"{name} must be a finite number of bytes >= {floor} "
+            f"({floor / 2**30:.4f} GiB, {what}), got {value!r}"
         )
     return int(v)
 
@@ -320,7 +320,7 @@ def plan(
     """The fastest plan whose predicted peak is within ``budget``.
 
     Args:
-        profile: from :func:`hyperrec.autoac.profile`.
+        profile: from :func:`hyperrec.autoac.profiler`.
         budget: peak memory of the step in bytes (on CUDA: as
             ``torch.cuda.max_memory_allocated`` counts it; on the CPU: live tensor
             storages, see :class:`~hyperrec.autoac.tracker.MemoryTracker`).

@@ -22,7 +22,6 @@ Packed saves are eager-only: under compilation those regions run eagerly
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -37,8 +36,8 @@ from hyperrec.autoac import _exec
 from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import RegionDecisions, run_region
 from hyperrec.autoac._validate import check_bool, check_choice
-from hyperrec.autoac.plan import Plan, PlanConfig, plan, restrict
-from hyperrec.autoac.profile import (
+from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
+from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
     _device_of,
@@ -75,7 +74,12 @@ def compile_mechanism() -> CompileMechanism:
 
 def _ckpt(fn: Callable, ctx: Callable, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(
-        fn, *args, use_reentrant=False, context_fn=ctx, preserve_rng_state=True, **kwargs
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=ctx,
+        preserve_rng_state=_exec._RNG_GUARD,
+        **kwargs,
     )
 
 
@@ -128,27 +132,35 @@ class _Runner:
             return torch.compile(
                 functools.partial(_ckpt, fn, self.ctx[name]), **self.compile_kwargs
             )
-        compiled = torch.compile(fn, **self.compile_kwargs)
         frac = self.fractions.get(name, 0.0)
+        region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
+        if region_budget is not None:
+            # torch >= 2.13: a per-region annotation read by the partitioner.
+            return torch.compile(
+                _with_region_budget(region_budget, frac, fn), **self.compile_kwargs
+            )
+        # Older torch: the global knob, read when the region's graph is compiled.
+        import torch._functorch.config as fconfig
+
+        compiled = torch.compile(fn, **self.compile_kwargs)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with _memory_budget(frac):
+            with fconfig.patch(activation_memory_budget=frac):
                 return compiled(*args, **kwargs)
 
         return run
 
 
-@contextlib.contextmanager
-def _memory_budget(frac: float):
-    region = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
-    if region is not None:
-        with region(frac):
-            yield
-        return
-    import torch._functorch.config as fconfig
+def _with_region_budget(ctx: Callable, frac: float, fn: Callable) -> Callable:
+    # Dynamo traces float values it reads as symbols; the annotation needs a constant,
+    # which ``float`` of a constant string is.
+    text = repr(float(frac))
 
-    with fconfig.patch(activation_memory_budget=frac):
-        yield
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ctx(float(text)):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 @torch.compiler.disable
@@ -187,7 +199,7 @@ def measure_step(
     """Run one forward + backward of ``model`` as it is now and measure its peak.
 
     Args:
-        model, step_fn: as for :func:`hyperrec.autoac.profile`.
+        model, step_fn: as for :func:`hyperrec.autoac.profiler`.
         track: count live tensor storages with a tracker (default: on the CPU only;
             it adds Python work per op, so leave it off when timing on a GPU).
         seed: seed torch's generators first (restored afterwards); ``None``: do not.
@@ -249,8 +261,8 @@ class AutoAC:
 
     Attributes:
         model: the model.
-        plan: the :class:`~hyperrec.autoac.plan.Plan` in force.
-        profile: the :class:`~hyperrec.autoac.profile.Profile` it came from (``None``
+        plan: the :class:`~hyperrec.autoac.planner.Plan` in force.
+        profile: the :class:`~hyperrec.autoac.profiler.Profile` it came from (``None``
             for a loaded plan).
         verification: after ``apply(verify=True)``: predicted vs measured peak and the
             measured gradient error of the plan on the profiled step.
@@ -333,7 +345,7 @@ def apply_plan(
 
     Args:
         model: the model the plan was made for (same region names).
-        plan_: a :class:`~hyperrec.autoac.plan.Plan` (from :func:`plan` or
+        plan_: a :class:`~hyperrec.autoac.planner.Plan` (from :func:`plan` or
             :meth:`Plan.from_dict`).
         compile: compile each region with ``torch.compile`` (``compile_kwargs`` passed
             on); see :func:`compile_mechanism`.
