@@ -75,7 +75,7 @@ def test_tracker_random_and_collective_flags():
 @pytest.mark.parametrize("fmt", SAVE_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_round_trip_matches_mxfp8_reference(fmt, dtype):
-    x = torch.randn(48, 256).to(dtype)
+    x = torch.randn(48, 384).to(dtype)
     p = pack_storage(x, fmt)
     assert p.nbytes == packed_nbytes(x.numel(), fmt)
     got = unpack_view(p, x.shape, x.stride(), x.storage_offset())
@@ -85,8 +85,9 @@ def test_pack_round_trip_matches_mxfp8_reference(fmt, dtype):
         "fp8_e5m2": (torch.float8_e5m2, 128),
         "mx4": ("e2m1", 32),
     }[fmt]
-    q = to_mx(x.reshape(-1), elem_dtype=elem, block_size=block, backend="torch")
-    want = mxref.dequantize(q.data, q.scale, q.fmt, block, 0, x.numel(), dtype).reshape(x.shape)
+    # Blocks of consecutive elements of the storage: the reference on the flat run.
+    q = to_mx(x.reshape(1, -1), elem_dtype=elem, block_size=block, backend="torch")
+    want = mxref.dequantize(q.data, q.scale, q.fmt, block, 1, x.numel(), dtype).reshape(x.shape)
     assert got.dtype == dtype
     assert torch.equal(got, want)
     floor = {"mxfp8": 30, "fp8_e4m3": 30, "fp8_e5m2": 24, "mx4": 15}[fmt]
@@ -108,10 +109,11 @@ def test_views_rebuilt_from_one_packed_storage():
 
 def test_pack_rejects_what_it_cannot_hold():
     assert not can_pack(torch.int64, 64, "mxfp8")
-    assert not can_pack(torch.float32, 63, "mx4")
-    assert can_pack(torch.float32, 63, "mxfp8")
+    assert not can_pack(torch.float32, 48, "mx4")  # not a whole number of 32-blocks
+    assert can_pack(torch.float32, 96, "mxfp8")
+    assert not can_pack(torch.float32, 96, "fp8_e4m3")  # 128-blocks
     with pytest.raises(ValueError, match="mx4"):
-        pack_storage(torch.randn(63), "mx4")
+        pack_storage(torch.randn(48), "mx4")
     with pytest.raises(ValueError, match="fmt"):
         pack_storage(torch.randn(64), "fp16")
     with pytest.raises(ValueError, match="fmt"):

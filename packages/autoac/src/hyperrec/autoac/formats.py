@@ -5,7 +5,9 @@ elements and quantized in blocks of consecutive elements along it, so every view
 that storage (``q``, ``k`` and ``v`` cut from one projection, a transpose, ...) is
 rebuilt from one packed copy with its own size, stride and offset. For a contiguous
 tensor whose last dim is a multiple of the block size these are exactly the row blocks
-of the last dim.
+of the last dim. A storage is packable when its element count is a multiple of the
+block size; it is quantized as a ``(rows, width)`` matrix (``width`` a multiple of the
+block, up to 8192), which keeps the quantizer's launch grid small for any size.
 
 | format | elements | block, scale | bytes per element |
 |---|---|---|---|
@@ -63,10 +65,18 @@ def packed_nbytes(numel: int, fmt: str) -> int:
 
 
 def can_pack(dtype: torch.dtype, numel: int, fmt: str) -> bool:
-    """Whether a storage of ``numel`` elements of ``dtype`` can be packed in ``fmt``."""
+    """Whether a storage of ``numel`` elements of ``dtype`` can be packed in ``fmt``: a
+    float dtype and a whole number of blocks."""
     if dtype not in PACKABLE_DTYPES or numel <= 0:
         return False
-    return not (fmt == "mx4" and numel % 2)
+    return numel % _SPEC[fmt][1] == 0
+
+
+def _width(numel: int, block: int) -> int:
+    w = 8192
+    while w > block and numel % w:
+        w //= 2
+    return w
 
 
 class PackedStorage:
@@ -94,7 +104,7 @@ class PackedStorage:
 
     def dequantize(self) -> torch.Tensor:
         """The flat storage contents back in :attr:`dtype`, shape ``(numel,)``."""
-        return self.mx.dequantize(self.dtype)
+        return self.mx.dequantize(self.dtype).reshape(-1)
 
 
 def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
@@ -109,7 +119,7 @@ def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
 
     Raises:
         ValueError: unknown ``fmt``, or a storage that ``fmt`` cannot hold (see
-            :func:`can_pack`).
+            :func:`can_pack`: not a float dtype, or not a whole number of blocks).
     """
     from hyperrec.mxfp8 import to_mx
 
@@ -123,9 +133,10 @@ def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
             f"{nbytes} bytes"
         )
     elem, block = _SPEC[fmt]
+    w = _width(numel, block)
     with torch.no_grad():
-        flat = t.detach().as_strided((numel,), (1,), 0)
-        mx = to_mx(flat, elem_dtype=elem, block_size=block)
+        rows = t.detach().as_strided((numel // w, w), (w, 1), 0)
+        mx = to_mx(rows, elem_dtype=elem, block_size=block)
     return PackedStorage(mx, numel, t.dtype, fmt)
 
 

@@ -396,7 +396,7 @@ def plan(
     if result.proven_optimal:
         lb = t
     elif config.bound_iters:
-        lb = min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t)
+        lb = float(min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t))
     live = profile_of(raw, a) + offset
     no_ac = _no_ac(prob)
     full_t = time_of(prob, floor_a)

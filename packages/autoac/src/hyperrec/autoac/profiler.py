@@ -54,7 +54,7 @@ class ProfileConfig:
     ``"fp8_e5m2"``, ``"mx4"``). Each is measured per tensor class (the producing op)
     and allowed only where the gradient error stays within ``max_grad_error``."""
 
-    max_grad_error: float = 0.05
+    max_grad_error: float = 0.03
     """Bound on the relative L2 error of all parameter gradients,
     ``||g_packed - g|| / ||g||`` over the concatenation of every ``.grad``, that packing
     one tensor class may cause on the profiled step."""

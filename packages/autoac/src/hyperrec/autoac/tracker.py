@@ -189,7 +189,9 @@ class MemoryTracker(TorchDispatchMode):
         self.region = -1
         self._live: dict[int, int] = {}  # storage _cdata -> sid
         self._finalizers: list[weakref.finalize] = []
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection inside a locked section can free a storage,
+        # whose finalizer takes the lock again on the same thread.
+        self._lock = threading.RLock()
         self._cuda_events: list[tuple[int, Any, Any]] = []
         self._active = True
         self._resident = 0
