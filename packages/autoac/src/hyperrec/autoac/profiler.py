@@ -159,7 +159,9 @@ class RegionProfile:
         ops: the ops a plan decides for (allocating, replayed or saveable).
         fixed_recompute_s: recompute time a checkpoint of this region always pays
             (in-place and view ops, random ops, ops whose output is mutated later).
-        input_bytes: bytes of its tensor inputs (held by a checkpoint until its backward).
+        input_bytes: bytes of the tensor inputs the step created (activations held by a
+            checkpoint until its backward; parameters and other resident inputs are not
+            counted).
         fwd_start, rc_start, rc_end: positions where its forward and its recomputation
             begin and where the backward resumes after the recomputation.
         modes: ``("sac", "none")``, or ``("none",)`` for a region that cannot be
@@ -282,9 +284,14 @@ class _PhaseContext:
 def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., Any]:
     def runner(state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
         j = state.index
-        tracker.region_inputs[j] = [  # type: ignore[attr-defined]
-            t.untyped_storage().nbytes() for t in _regions.flat_tensors((args, kwargs))
-        ]
+        # Inputs the step created (activations); resident ones (parameters, a shared
+        # mask) are held anyway.
+        seen: dict[int, int] = {}
+        for t in _regions.flat_tensors((args, kwargs)):
+            sid = tracker._live.get(t.untyped_storage()._cdata)
+            if sid is not None and tracker.storages[sid].alloc >= 0:
+                seen[sid] = tracker.storages[sid].nbytes
+        tracker.region_inputs[j] = list(seen.values())  # type: ignore[attr-defined]
         if j in plain or not torch.is_grad_enabled():
             prev = tracker.region
             tracker.region = j
@@ -595,12 +602,12 @@ def _pack_costs(
                 del y
             meas.append((n, statistics.median(ts_p), statistics.median(ts_u)))
             # Workspace beyond the inputs and outputs of each call, per element.
-            tr = MemoryTracker()
+            tr = MemoryTracker(device=device)
             with tr:
                 p = pack_storage(x, fmt)
             tr.finish()
             ws[0] = max(0.0, (tr.peak_bytes() - x.nbytes - p.nbytes) / n)
-            tr = MemoryTracker()
+            tr = MemoryTracker(device=device)
             with tr:
                 y = p.dequantize()
             tr.finish()
@@ -688,7 +695,7 @@ def _profile(
         alloc_peak = None
         for _ in range(config.steps):
             set_grads(model, None)
-            tracker = MemoryTracker(record_ops=True, time_ops=True)
+            tracker = MemoryTracker(record_ops=True, time_ops=True, device=device)
             tracker.rc_exit = {}  # type: ignore[attr-defined]
             tracker.ordinals = defaultdict(int)  # type: ignore[attr-defined]
             tracker.inplace_collective = set()  # type: ignore[attr-defined]

@@ -221,7 +221,7 @@ def measure_step(
     saved = grads_of(model)
     set_grads(model, None)
     fork = [device] if device.type == "cuda" else []
-    tracker = MemoryTracker() if track else None
+    tracker = MemoryTracker(device=device) if track else None
     try:
         with torch.random.fork_rng(devices=fork):
             if seed is not None:

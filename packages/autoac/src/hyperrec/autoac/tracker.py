@@ -53,8 +53,13 @@ def _plain_tensors(tree: Any) -> list[torch.Tensor]:
     return out
 
 
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+def _storage_of(t: torch.Tensor, device: torch.device | None = None) -> torch.UntypedStorage | None:
     if t.device.type == "meta":
+        return None
+    if device is not None and (
+        t.device.type != device.type
+        or (device.index is not None and t.device.index != device.index)
+    ):
         return None
     try:
         st = t.untyped_storage()
@@ -174,12 +179,21 @@ class MemoryTracker(TorchDispatchMode):
         record_ops: keep an :class:`OpRecord` per op (the profiler needs them; a plain
             peak measurement does not).
         time_ops: time each op (wall clock on the CPU; CUDA events on CUDA tensors).
+        device: count only storages on this device (``None``: every device). A GPU
+            budget should not count the host tensors a step touches.
 
     Use as a context manager around one step, then call :meth:`finish` once.
     """
 
-    def __init__(self, *, record_ops: bool = False, time_ops: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        record_ops: bool = False,
+        time_ops: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
+        self.device = None if device is None else torch.device(device)
         self.record_ops = record_ops
         self.time_ops = time_ops
         self.storages: list[StorageRecord] = []
@@ -258,7 +272,7 @@ class MemoryTracker(TorchDispatchMode):
         in_sids: list[int] = []
         op_index = len(self.ops)
         for t in ins:
-            st = _storage_of(t)
+            st = _storage_of(t, self.device)
             if st is None:
                 continue
             in_keys.add(st._cdata)
@@ -289,7 +303,7 @@ class MemoryTracker(TorchDispatchMode):
         new: list[int] = []
         outputs = []
         for t in _plain_tensors(out):
-            st = _storage_of(t)
+            st = _storage_of(t, self.device)
             if st is None:
                 continue
             key = st._cdata
@@ -311,14 +325,14 @@ class MemoryTracker(TorchDispatchMode):
                 for a, v in zip(schema.arguments, args):
                     if a.alias_info is not None and a.alias_info.is_write:
                         for t in _plain_tensors(v):
-                            st = _storage_of(t)
+                            st = _storage_of(t, self.device)
                             if st is not None and st._cdata in self._live:
                                 writes.append(self._live[st._cdata])
                 for name, v in kwargs.items():
                     a = next((x for x in schema.arguments if x.name == name), None)
                     if a is not None and a.alias_info is not None and a.alias_info.is_write:
                         for t in _plain_tensors(v):
-                            st = _storage_of(t)
+                            st = _storage_of(t, self.device)
                             if st is not None and st._cdata in self._live:
                                 writes.append(self._live[st._cdata])
             rec = OpRecord(
