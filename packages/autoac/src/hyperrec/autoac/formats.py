@@ -23,6 +23,7 @@ on the CPU); dequantization is ``MXTensor.dequantize``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Literal
 
@@ -103,8 +104,30 @@ class PackedStorage:
         return self.mx.data.untyped_storage().nbytes() + self.mx.scale.untyped_storage().nbytes()
 
     def dequantize(self) -> torch.Tensor:
-        """The flat storage contents back in :attr:`dtype`, shape ``(numel,)``."""
-        return self.mx.dequantize(self.dtype).reshape(-1)
+        """The flat storage contents back in :attr:`dtype`, shape ``(numel,)``.
+
+        FP8 formats: two passes in :attr:`dtype` (widen the elements, multiply by the
+        block scale as a power of two), bit-identical to ``MXTensor.dequantize`` (which
+        works in FP32 through four passes): both round the exact product once.
+        ``hyperrec.mxfp8`` has no dequantize kernel; this is autoac's stand-in. MX4 uses
+        ``MXTensor.dequantize``.
+        """
+        if self.fmt == "mx4":
+            return self.mx.dequantize(self.dtype).reshape(-1)
+        return _dequantize_fp8(self.mx.data, self.mx.scale, self.mx.block_size, self.dtype)
+
+
+def _dequantize_fp8(
+    data: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    rows, width = data.shape
+    # BF16 and FP32 hold every E8M0 scale and every FP8 value exactly, so the product
+    # rounds once, as in FP32; FP16's exponent range is too narrow: FP32 then a cast.
+    work = torch.float32 if dtype == torch.float16 else dtype
+    s = torch.exp2(scale.to(torch.float32) - 127.0)
+    s = torch.where(scale == 255, torch.full_like(s, float("nan")), s).to(work)
+    out = data.to(work).view(rows, width // block, block) * s.unsqueeze(-1)
+    return out.view(-1).to(dtype)
 
 
 def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
@@ -137,6 +160,10 @@ def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
     with torch.no_grad():
         rows = t.detach().as_strided((numel // w, w), (w, 1), 0)
         mx = to_mx(rows, elem_dtype=elem, block_size=block)
+    if mx.scale_fp32 is not None:
+        # The GEMM-side FP32 copy of the scales (written on Hopper's 128-block path) is
+        # not needed to unpack: do not hold it.
+        mx = dataclasses.replace(mx, scale_fp32=None)
     return PackedStorage(mx, numel, t.dtype, fmt)
 
 
