@@ -233,17 +233,18 @@ def op_sac(model: nn.Module) -> Callable[[], None]:
     """torchtitan-style op list: keep SDPA and every other linear matmul."""
 
     def context_fn():
-        count = {"mm": 0}
+        # Separate counts for the forward and (older torch) the recomputation, which
+        # asks the policy again and must get the same answers.
+        count = {False: 0, True: 0}
 
         def policy(ctx, func, *args, **kwargs):
             if func in _ATTN:
                 return CheckpointPolicy.MUST_SAVE
             if func in _MATMULS:
-                if getattr(ctx, "is_recompute", False):
-                    return CheckpointPolicy.PREFER_RECOMPUTE
-                count["mm"] += 1
-                keep = count["mm"] % 2 == 1
-                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+                rc = bool(getattr(ctx, "is_recompute", False))
+                count[rc] += 1
+                if count[rc] % 2 == 1:
+                    return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)

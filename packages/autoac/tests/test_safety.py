@@ -196,3 +196,21 @@ def test_collectives_never_recomputed():
             assert o["modes"] == [("sac", "none"), ("sac", "none")]
             assert o["plan_modes"] == ["sac", "sac"]
             assert o["collective_ops"].count("_c10d_functional.all_reduce.default") == 2
+
+
+def test_policy_answers_the_same_when_asked_during_recomputation():
+    """Older torch versions ask the policy again while recomputing and pop a saved entry
+    for every SAVE answer: the answers must repeat the forward's, op by op."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    saves = ((("aten.mm.default", 1), "keep"), (("aten.mm.default", 3), "keep"))
+    fwd_mode, _ = _exec._sac_contexts(saves)
+    policy = fwd_mode.policy_fn
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    seq = [mm, add, mm, mm, add, mm, mm]
+    x = torch.ones(2, 2)
+    fwd = [policy(SelectiveCheckpointContext(is_recompute=False), f, x, x) for f in seq]
+    rc = [policy(SelectiveCheckpointContext(is_recompute=True), f, x, x) for f in seq]
+    assert fwd == rc
+    kept = [i for i, p in enumerate(fwd) if p is _exec.CheckpointPolicy.MUST_SAVE]
+    assert kept == [2, 5]  # the 2nd and 4th mm

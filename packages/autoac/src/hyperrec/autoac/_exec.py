@@ -104,7 +104,7 @@ def _sac_contexts(
     fwd, rc = _Counter(), _Counter()
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        # torch < 2.12 also asks the policy during recomputation; answer the same.
+        # Older torch versions also ask the policy during recomputation; answer the same.
         counter = rc if getattr(ctx, "is_recompute", False) else fwd
         key = counter.key(func)
         if on_op is not None and counter is fwd:
@@ -252,8 +252,9 @@ class _StorageMarker(TorchDispatchMode):
 
 def _run_none_packed(decisions: RegionDecisions, fn: Callable, args: tuple, kwargs: dict) -> Any:
     marks: dict[int, tuple[weakref.ref, str]] = {}
-    packed: dict[int, weakref.ref] = {}
-    flat: dict[int, weakref.ref] = {}
+    # storage key -> (the storage, its packed copy), both weak: a key may be reused by a
+    # new storage once the old one is freed, so the storage itself is compared.
+    packed: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
     def pack(t: torch.Tensor) -> Any:
         st = t.untyped_storage()
@@ -265,23 +266,18 @@ def _run_none_packed(decisions: RegionDecisions, fn: Callable, args: tuple, kwar
         numel = st.nbytes() // t.element_size()
         if st.nbytes() < max(decisions.min_pack_bytes, 1) or not can_pack(t.dtype, numel, fmt):
             return t
-        ref = packed.get(key)
-        p = ref() if ref is not None else None
+        entry = packed.get(key)
+        p = entry[1]() if entry is not None and entry[0]() is st else None
         if p is None:
             p = pack_storage(t, fmt)
-            packed[key] = weakref.ref(p)
+            packed[key] = (weakref.ref(st), weakref.ref(p))
         return _PackedView(p, t.size(), t.stride(), t.storage_offset())
 
     def unpack(x: Any) -> Any:
         if not isinstance(x, _PackedView):
             return x
-        pid = id(x.packed)
-        ref = flat.get(pid)
-        full = ref() if ref is not None else None
-        if full is None:
-            with torch.no_grad():
-                full = x.packed.dequantize()
-            flat[pid] = weakref.ref(full)
+        with torch.no_grad():
+            full = x.packed.dequantize_shared()
         return full.as_strided(x.size, x.stride, x.offset)
 
     with saved_tensors_hooks(pack, unpack), _StorageMarker(decisions, marks):

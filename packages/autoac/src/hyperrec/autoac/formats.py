@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Literal
 
 import torch
@@ -90,13 +91,23 @@ class PackedStorage:
         fmt: the :data:`SaveFormat`.
     """
 
-    __slots__ = ("__weakref__", "dtype", "fmt", "mx", "numel")
+    __slots__ = ("__weakref__", "_flat", "dtype", "fmt", "mx", "numel")
 
     def __init__(self, mx, numel: int, dtype: torch.dtype, fmt: str) -> None:
         self.mx = mx
         self.numel = numel
         self.dtype = dtype
         self.fmt = fmt
+        self._flat: weakref.ref | None = None
+
+    def dequantize_shared(self) -> torch.Tensor:
+        """:meth:`dequantize`, reusing the result while it is alive (several views of
+        one storage are unpacked once)."""
+        full = self._flat() if self._flat is not None else None
+        if full is None:
+            full = self.dequantize()
+            self._flat = weakref.ref(full)
+        return full
 
     @property
     def nbytes(self) -> int:
