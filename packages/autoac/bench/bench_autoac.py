@@ -428,8 +428,20 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         min_pack_bytes=4096 if args.smoke else 1 << 20,
         max_grad_error=args.max_grad_error,
     )
-    prof = autoac.profile(case.model, case.step_fn(0), regions=list(case.model.layers), config=pcfg)
+    try:
+        prof = autoac.profile(
+            case.model, case.step_fn(0), regions=list(case.model.layers), config=pcfg
+        )
+    except Exception as exc:  # keep the torch points even if profiling fails
+        log(traceback.format_exc())
+        prof = None
+        info_err = f"{type(exc).__name__}: {exc}"[:500]
     profile_s = time.monotonic() - t0
+    if prof is None:
+        for f in (0.5, 1.0, 0.0):
+            name = "compiled_no_ac" if f == 1.0 else f"torch_budget@{f:g}"
+            point(name, lambda f=f: torch_budget(case.model, f, backend), need_s=75.0, fraction=f)
+        return {"points": rows, "autoac": {"error": info_err}}
     free = autoac.plan(prof, budget=1e18)
     info = {
         "profile_s": round(profile_s, 2),
@@ -564,25 +576,35 @@ def main() -> None:
         left = deadline_all - time.monotonic()
         deadline = time.monotonic() + left / (len(models) - i) * 0.92
         log(f"[{name}] {sizes[name]}")
-        case = Case(name, sizes[name], device, dtype, pool=3)
-        out["models"][name] = run_case(case, args, deadline, log)
+        case = None
+        try:
+            case = Case(name, sizes[name], device, dtype, pool=3)
+            out["models"][name] = run_case(case, args, deadline, log)
+        except Exception as exc:  # record it; the other model still runs
+            log(traceback.format_exc())
+            out["models"][name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
         del case
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    out["wall_s"] = round(time.monotonic() - t_start, 1)
+        out["wall_s"] = round(time.monotonic() - t_start, 1)
+        dest = _write(args, out)  # after every model: a later failure keeps this one
+    log(f"wrote {dest} in {out['wall_s']} s")
+
+
+def _write(args: argparse.Namespace, out: dict) -> Path:
     path = Path(args.out)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     tag = "smoke" if args.smoke else ("h200_quick" if args.quick else "h200")
     try:
         from hyperrec.testing import write_result
 
-        dest = write_result(path / f"{tag}_{stamp}.json", out)
+        return write_result(path / f"{tag}_{stamp}.json", out)
     except ImportError:  # hyperrec-testing absent: write without the machine block
         path.mkdir(parents=True, exist_ok=True)
         dest = path / f"{tag}_{stamp}.json"
         dest.write_text(json.dumps(out, indent=2, default=str) + "\n")
-    log(f"wrote {dest} in {out['wall_s']} s")
+        return dest
 
 
 if __name__ == "__main__":

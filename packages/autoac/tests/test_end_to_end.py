@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 from autoac_cases import attn_tower, mlp_tower, step_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyperrec import autoac
 from hyperrec.autoac.profiler import grad_error
@@ -289,3 +291,33 @@ def test_span_region():
     m = _measure(model, step, p)
     assert all(torch.equal(a, b) for a, b in zip(ref.grads, m.grads))
     assert math.isfinite(p.added_s)
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    dim=st.sampled_from([16, 32, 48]),
+    rows=st.integers(1, 128),
+    frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_predicted_peak_matches_measured_sweep(n, dim, rows, frac, seed):
+    model = mlp_tower(n=n, dim=dim, p=0.2, seed=seed)
+    step = step_for(torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)))
+    ref = autoac.measure_step(model, step, keep_grads=True)
+    prof = autoac.profile(model, step, config=FLOPS)
+    b = _budgets(prof, (frac,))[0]
+    p = autoac.plan(prof, budget=b)
+    m = _measure(model, step, p)
+    assert p.predicted_peak <= b
+    assert abs(m.peak_bytes / p.predicted_peak - 1) <= 0.10
+    assert all(torch.equal(a, c) for a, c in zip(ref.grads, m.grads))
+
+
+def test_empty_batch():
+    model = mlp_tower(n=2)
+    step = step_for(torch.randn(0, 32))
+    prof = autoac.profile(model, step, config=FLOPS)
+    p = autoac.plan(prof, budget=autoac.plan(prof, budget=1e15).floor)
+    m = _measure(model, step, p)
+    assert m.peak_bytes == p.predicted_peak

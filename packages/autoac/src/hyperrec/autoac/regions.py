@@ -100,7 +100,7 @@ def installed_regions(model: nn.Module) -> list[nn.Module]:
 def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
     best, best_n = None, 0
     for m in model.modules():
-        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > 1:
+        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 1:
             n = sum(p.numel() for p in m.parameters())
             if n > best_n:
                 best, best_n = m, n
