@@ -535,6 +535,13 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         budget_point(0.25)
         budget_point(0.75)
         autoac_compiled_point(0.5)
+    for r in rows:  # ratios against the eager baselines of the same run
+        if "time_ms_median" in r:
+            r["speedup_vs_full_ac"] = full["time_ms_median"] / r["time_ms_median"]
+            r["slowdown_vs_no_ac"] = r["time_ms_median"] / noac["time_ms_median"]
+            r["peak_vs_budget"] = (
+                r["peak_bytes"] / r["budget_used"] if r.get("budget_used") else None
+            )
     return {"points": rows, "autoac": info, "plans": plans}
 
 

@@ -48,9 +48,16 @@ SAC_IGNORED_OPS = getattr(
 _RNG_GUARD = True
 
 
+_NAMES: dict[Any, str] = {}
+
+
 def op_name(func: Any) -> str:
-    """Stable name of an op overload, e.g. ``"aten.mm.default"``."""
-    return str(func)
+    """Stable name of an op overload, e.g. ``"aten.mm.default"`` (cached: the policy
+    asks for every op of every checkpointed region)."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
 
 
 @dataclass(frozen=True)

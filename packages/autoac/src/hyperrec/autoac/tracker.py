@@ -73,26 +73,32 @@ def is_collective(func: Any) -> bool:
     return getattr(func, "namespace", None) in COLLECTIVE_NAMESPACES
 
 
+_SEEDED: dict[Any, int | None] = {}  # op -> index of its dropout_p argument (-1: none)
+
+
 def is_random(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
     """True for ops that draw from a random generator.
 
     Ops tagged ``nondeterministic_seeded`` draw random numbers, except attention ops
     called with ``dropout_p == 0`` (every SDPA overload carries the tag).
     """
-    tags = getattr(func, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
+    idx = _SEEDED.get(func, -2)
+    if idx == -2:
+        idx = None
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            schema = getattr(func, "_schema", None)
+            names = [a.name for a in schema.arguments] if schema is not None else []
+            idx = names.index("dropout_p") if "dropout_p" in names else -1
+        _SEEDED[func] = idx
+    if idx is None:
         return False
-    schema = getattr(func, "_schema", None)
-    if schema is not None:
-        names = [a.name for a in schema.arguments]
-        if "dropout_p" in names:
-            i = names.index("dropout_p")
-            p = (kwargs or {}).get("dropout_p", args[i] if i < len(args) else 0.0)
-            try:
-                return float(p) != 0.0
-            except (TypeError, ValueError):
-                return True
-    return True
+    if idx < 0:
+        return True
+    p = (kwargs or {}).get("dropout_p", args[idx] if idx < len(args) else 0.0)
+    try:
+        return float(p) != 0.0
+    except (TypeError, ValueError):
+        return True
 
 
 def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
