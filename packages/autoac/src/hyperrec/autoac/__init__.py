@@ -1,0 +1,64 @@
+"""hyperrec.autoac: automatic activation checkpointing under a peak-memory budget.
+
+- :func:`profile`: one instrumented step: per region, per op output, bytes, recompute
+  cost, lifetime, whether autograd needs it; the step's memory timeline and peak.
+- :func:`plan`: per op output keep / keep packed (MXFP8, FP8, MX4) / recompute, per
+  region checkpointed or not, minimising added time subject to the **peak** at every
+  position of the step; one global budget split across regions by marginal return,
+  per-region budgets, exact (branch and bound) or greedy with a certified gap.
+- :func:`apply` (profile + plan + apply in one call) / :func:`apply_plan`: eager
+  selective checkpointing and saved-tensor packing, or per-region ``torch.compile``.
+- Safe by construction: random ops replay with the same numbers; collectives are never
+  replayed; packed formats only where the measured gradient error is within a bound.
+"""
+
+from hyperrec.autoac import reference
+from hyperrec.autoac._version import __version__
+from hyperrec.autoac.formats import SAVE_FORMATS, SaveFormat
+from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan
+from hyperrec.autoac.profiler import (
+    Profile,
+    ProfileConfig,
+    RegionProfile,
+    SavedOp,
+    StorageLife,
+    profile,
+)
+from hyperrec.autoac.regions import Span, resolve_regions
+from hyperrec.autoac.runtime import (
+    AutoAC,
+    StepMeasurement,
+    apply,
+    apply_plan,
+    compile_mechanism,
+    measure_step,
+    remove,
+)
+from hyperrec.autoac.tracker import MemoryTracker
+
+__all__ = [
+    "SAVE_FORMATS",
+    "AutoAC",
+    "MemoryTracker",
+    "Plan",
+    "PlanConfig",
+    "Profile",
+    "ProfileConfig",
+    "RegionPlan",
+    "RegionProfile",
+    "SaveFormat",
+    "SavedOp",
+    "Span",
+    "StepMeasurement",
+    "StorageLife",
+    "__version__",
+    "apply",
+    "apply_plan",
+    "compile_mechanism",
+    "measure_step",
+    "plan",
+    "profile",
+    "reference",
+    "remove",
+    "resolve_regions",
+]

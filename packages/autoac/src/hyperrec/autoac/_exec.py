@@ -1,0 +1,322 @@
+"""How one call of a region runs under a decision set (eager and traced).
+
+Decisions are keyed by ``(op name, occurrence)``: the k-th call of an op overload in
+the region's forward, counting the ops a selective-checkpoint policy sees (everything
+but ``SAC_IGNORED_OPS``). Keys survive changes of tensor sizes (jagged batches) and,
+under ``torch.compile``, the insertion or removal of other ops.
+
+Safety rules, applied here whatever a plan says:
+
+* collectives (c10d ops) are always saved, never replayed;
+* ops that draw random numbers are always recomputed, and checkpoints always restore
+  the RNG state before recomputation (``preserve_rng_state=True``): every random op of
+  the region is replayed in order from the same generator state, so dropout masks are
+  the same as in the forward. Saving *one* random op would shift the generator for the
+  ones after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from hyperrec.autoac.formats import SAVE_FORMATS, PackedStorage, can_pack, pack_storage
+from hyperrec.autoac.tracker import is_collective, is_random
+
+__all__ = ["RegionDecisions", "run_region"]
+
+SAC_IGNORED_OPS = getattr(
+    torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default}
+)
+
+# The RNG guard (see module docstring). Only tests switch it off, to show what it
+# protects against.
+_RNG_GUARD = True
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    """Stable name of an op overload, e.g. ``"aten.mm.default"`` (cached: the policy
+    asks for every op of every checkpointed region)."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+@dataclass(frozen=True)
+class RegionDecisions:
+    """What one region does with each op output.
+
+    Attributes:
+        mode: ``"sac"`` (checkpoint with a selective policy) or ``"none"`` (no
+            checkpoint; saved tensors may be packed).
+        saves: ``(op name, occurrence) -> decision`` for ops that are not at the mode's
+            default: ``"keep"`` or a :data:`~hyperrec.autoac.formats.SaveFormat`. The
+            default is ``"recompute"`` under ``"sac"`` and ``"keep"`` under ``"none"``.
+        min_pack_bytes: storages smaller than this are kept, never packed.
+    """
+
+    mode: str
+    saves: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    min_pack_bytes: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any decision packs a saved tensor."""
+        return any(d in SAVE_FORMATS for d in self.saves.values())
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n: dict[Any, int] = defaultdict(int)
+
+    def key(self, func: Any) -> tuple[str, int]:
+        k = self.n[func]
+        self.n[func] = k + 1
+        return (op_name(func), k)
+
+
+def _policy(func: Any, args: tuple, kwargs: dict, decision: str | None) -> CheckpointPolicy:
+    if is_collective(func):
+        return CheckpointPolicy.MUST_SAVE
+    if _RNG_GUARD and is_random(func, args, kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    if decision is not None and decision != "recompute":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _sac_contexts(
+    saves: tuple[tuple[tuple[str, int], str], ...],
+    on_op: Callable[[Any], None] | None = None,
+) -> tuple[Any, Any]:
+    decisions = dict(saves)
+    fwd, rc = _Counter(), _Counter()
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        # Older torch versions also ask the policy during recomputation; answer the same.
+        counter = rc if getattr(ctx, "is_recompute", False) else fwd
+        key = counter.key(func)
+        if on_op is not None and counter is fwd:
+            on_op(func)
+        return _policy(func, args, kwargs, decisions.get(key))
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def sac_context_fn(
+    decisions: RegionDecisions, on_op: Callable[[Any], None] | None = None
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``checkpoint``: torch's selective checkpointing, our policy.
+
+    It is a ``functools.partial`` over the decisions as a tuple of constants: Dynamo
+    guards on them, so two regions with the same code but different decisions get
+    different compiled graphs (and regions with equal decisions share one).
+    ``on_op(func)`` is called for every op the policy sees in the forward (the
+    profiler uses it to number ops).
+    """
+    return functools.partial(_sac_contexts, tuple(sorted(decisions.saves.items())), on_op)
+
+
+def _detach(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+@dataclass
+class _PackedView:
+    packed: PackedStorage
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _pack_output(x: Any, fmt: str, min_bytes: int) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    st = x.untyped_storage()
+    numel = st.nbytes() // max(x.element_size(), 1)
+    if st.nbytes() < max(min_bytes, 1) or not can_pack(x.dtype, numel, fmt):
+        return _detach(x)
+    return _PackedView(pack_storage(x, fmt), x.size(), x.stride(), x.storage_offset())
+
+
+def _unpack_output(x: Any) -> Any:
+    if isinstance(x, _PackedView):
+        return x.packed.dequantize().as_strided(x.size, x.stride, x.offset)
+    return x
+
+
+_RECOMPUTE = object()
+
+
+class _PackingMode(TorchDispatchMode):
+    """Forward half of selective checkpointing with packed saves."""
+
+    def __init__(self, decisions: RegionDecisions, storage: dict) -> None:
+        super().__init__()
+        self.decisions = decisions
+        self.storage = storage
+        self.counter = _Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SAC_IGNORED_OPS:
+            return out
+        key = self.counter.key(func)
+        decision = self.decisions.saves.get(key)
+        if _policy(func, args, kwargs, decision) is CheckpointPolicy.MUST_SAVE:
+            if decision in SAVE_FORMATS and not is_collective(func):
+                with torch.no_grad():
+                    entry = tree_map(
+                        lambda x: _pack_output(x, decision, self.decisions.min_pack_bytes), out
+                    )
+            else:
+                entry = tree_map(_detach, out)
+            self.storage[key] = entry
+        else:
+            self.storage[key] = _RECOMPUTE
+        return out
+
+
+class _UnpackingMode(TorchDispatchMode):
+    """Recompute half: replays ops, returning saved (dequantized) outputs instead."""
+
+    def __init__(self, storage: dict) -> None:
+        super().__init__()
+        self.storage = storage
+        self.counter = _Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        key = self.counter.key(func)
+        entry = self.storage.pop(key, None)
+        if entry is None:
+            raise RuntimeError(
+                f"autoac: {key[0]} call {key[1]} was not seen in the forward of this region; "
+                "the region must run the same ops in its forward and its recomputation"
+            )
+        if entry is _RECOMPUTE:
+            return func(*args, **kwargs)
+        with torch.no_grad():
+            return tree_map(_unpack_output, entry)
+
+
+def packing_context_fn(decisions: RegionDecisions) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for ``checkpoint`` that keeps some outputs packed (eager only)."""
+
+    def context_fn() -> tuple[Any, Any]:
+        storage: dict = {}
+        return _PackingMode(decisions, storage), _UnpackingMode(storage)
+
+    return context_fn
+
+
+class _StorageMarker(TorchDispatchMode):
+    """Remember which storages the ops to pack created (for saved-tensor hooks)."""
+
+    def __init__(self, decisions: RegionDecisions, marks: dict) -> None:
+        super().__init__()
+        self.decisions = decisions
+        self.marks = marks
+        self.counter = _Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SAC_IGNORED_OPS:
+            return out
+        decision = self.decisions.saves.get(self.counter.key(func))
+        if decision in SAVE_FORMATS:
+            for x in tree_leaves(out):
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    self.marks[st._cdata] = (weakref.ref(st), decision)
+        return out
+
+
+def _run_none_packed(decisions: RegionDecisions, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    marks: dict[int, tuple[weakref.ref, str]] = {}
+    # storage key -> (the storage, its packed copy), both weak: a key may be reused by a
+    # new storage once the old one is freed, so the storage itself is compared.
+    packed: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+    def pack(t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        key = st._cdata
+        mark = marks.get(key)
+        if mark is None or mark[0]() is not st:
+            return t
+        fmt = mark[1]
+        numel = st.nbytes() // t.element_size()
+        if st.nbytes() < max(decisions.min_pack_bytes, 1) or not can_pack(t.dtype, numel, fmt):
+            return t
+        entry = packed.get(key)
+        p = entry[1]() if entry is not None and entry[0]() is st else None
+        if p is None:
+            p = pack_storage(t, fmt)
+            packed[key] = (weakref.ref(st), weakref.ref(p))
+        return _PackedView(p, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(x: Any) -> Any:
+        if not isinstance(x, _PackedView):
+            return x
+        with torch.no_grad():
+            full = x.packed.dequantize_shared()
+        return full.as_strided(x.size, x.stride, x.offset)
+
+    with saved_tensors_hooks(pack, unpack), _StorageMarker(decisions, marks):
+        return fn(*args, **kwargs)
+
+
+def run_region(
+    decisions: RegionDecisions,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    *,
+    traced: bool = False,
+) -> Any:
+    """Run one call of a region under ``decisions``.
+
+    Args:
+        decisions: the region's decisions.
+        fn: the region's original forward.
+        traced: running under ``torch.compile``: only keep/recompute decisions (torch's
+            selective-checkpoint contexts, which the compiler understands).
+    """
+    if decisions.mode == "none":
+        if decisions.quantized and torch.is_grad_enabled() and not traced:
+            return _run_none_packed(decisions, fn, args, kwargs)
+        return fn(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    if decisions.quantized and not traced:
+        ctx = packing_context_fn(decisions)
+    else:
+        ctx = sac_context_fn(decisions)
+    return checkpoint(
+        fn, *args, use_reentrant=False, context_fn=ctx, preserve_rng_state=_RNG_GUARD, **kwargs
+    )

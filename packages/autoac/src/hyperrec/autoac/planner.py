@@ -1,0 +1,457 @@
+"""Choose, for every op output of every region, keep / pack / recompute under a budget.
+
+:func:`plan` turns a :class:`~hyperrec.autoac.profiler.Profile` into a :class:`Plan`
+whose predicted **peak** (the largest live bytes at any position of the step: forward,
+every recomputation, every backward position) stays within ``budget``, with the least
+added time. See :mod:`hyperrec.autoac.model` for the memory model and
+:mod:`hyperrec.autoac.solve` for the solvers and their guarantees.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from hyperrec.autoac._exec import RegionDecisions
+from hyperrec.autoac._validate import check_bool, check_choice, check_int
+from hyperrec.autoac.formats import SAVE_FORMATS
+from hyperrec.autoac.model import (
+    Assignment,
+    Problem,
+    build_problem,
+    chosen,
+    compress,
+    held_of,
+    min_memory,
+    peak_of,
+    profile_of,
+    time_of,
+)
+from hyperrec.autoac.profiler import Profile
+from hyperrec.autoac.solve import lagrangian_bound, solve_exact, solve_greedy
+
+__all__ = ["Plan", "PlanConfig", "RegionPlan", "plan"]
+
+Solver = Literal["auto", "exact", "greedy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """How :func:`plan` searches."""
+
+    solver: Solver = "auto"
+    """``"exact"`` (branch and bound; proved optimal if it ends within ``node_limit``),
+    ``"greedy"`` (marginal return, with a Lagrangian lower bound), or ``"auto"``: exact
+    when there are at most ``exact_max_groups`` decisions, else greedy."""
+
+    formats: tuple[str, ...] | None = None
+    """Packed formats the plan may use (a subset of those the profile allowed);
+    ``None``: all the profile allowed; ``()``: keep / recompute only."""
+
+    allow_none: bool = True
+    """Allow leaving a region un-checkpointed (its saved tensors kept or packed)."""
+
+    exact_max_groups: int = 24
+    """``"auto"`` uses the exact solver up to this many decisions."""
+
+    node_limit: int = 200_000
+    """Search nodes of the exact solver before it returns its best plan unproven."""
+
+    bound_iters: int = 100
+    """Subgradient iterations of the lower bound (0: skip the bound)."""
+
+    def __post_init__(self) -> None:
+        check_choice("solver", self.solver, ("auto", "exact", "greedy"))
+        if self.formats is not None:
+            if not isinstance(self.formats, tuple):
+                raise TypeError(
+                    f"formats must be a tuple or None, got {type(self.formats).__name__}"
+                )
+            for f in self.formats:
+                check_choice("formats entry", f, SAVE_FORMATS)
+        check_bool("allow_none", self.allow_none)
+        check_int("exact_max_groups", self.exact_max_groups, minimum=0)
+        check_int("node_limit", self.node_limit, minimum=1)
+        check_int("bound_iters", self.bound_iters, minimum=0)
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """The plan of one region.
+
+    Attributes:
+        name: region name.
+        mode: ``"sac"`` or ``"none"``.
+        saves: ``(op name, occurrence) -> "keep" | format`` for ops off the mode's
+            default (``"sac"``: recompute; ``"none"``: keep).
+        held_bytes: predicted bytes the region holds between its forward and its
+            backward (inputs included).
+        added_s: predicted seconds the region adds (recomputation, packing).
+        recompute_s: seconds a full checkpoint of the region would add.
+        input_bytes: bytes of its inputs (what a full checkpoint holds).
+        noac_held_bytes: bytes it would hold un-checkpointed with nothing packed.
+    """
+
+    name: str
+    mode: str
+    saves: dict[tuple[str, int], str]
+    held_bytes: int
+    added_s: float
+    recompute_s: float
+    input_bytes: int = 0
+    noac_held_bytes: int = 0
+
+    @property
+    def saved_fraction(self) -> float:
+        """Held bytes beyond the inputs as a fraction of the un-checkpointed region's
+        (the scale of torch's ``activation_memory_budget``), in [0, 1]."""
+        den = self.noac_held_bytes - self.input_bytes
+        if den <= 0:
+            return 1.0
+        return min(max((self.held_bytes - self.input_bytes) / den, 0.0), 1.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What autoac does in every region, and what it predicts.
+
+    Attributes:
+        regions: per region.
+        budget: the peak budget asked for (bytes), or ``None``.
+        region_budgets: per-region held-bytes budgets asked for.
+        predicted_peak: predicted peak of the step (bytes; on CUDA at the allocator's
+            level, see :attr:`Profile.device_offset`).
+        added_s: predicted seconds added to the step (vs. no checkpointing).
+        lower_bound_s: a proven lower bound on the least added time any plan within the
+            budgets can have (``-inf`` if not computed).
+        proven_optimal: the exact solver proved this plan optimal (for the model).
+        solver: the solver that produced it.
+        floor: peak of full recompute, the least any plan predicts.
+        no_ac_peak: predicted peak with no region checkpointed and nothing packed.
+        full_recompute_s: added seconds of full recompute.
+        min_pack_bytes: smallest storage that is packed.
+        device: device of the profiled step.
+        live: predicted live bytes at every position of the profiled trace (int64;
+            device offset included), ``None`` after :meth:`from_dict`.
+    """
+
+    regions: tuple[RegionPlan, ...]
+    budget: int | None
+    region_budgets: dict[str, int]
+    predicted_peak: int
+    added_s: float
+    lower_bound_s: float
+    proven_optimal: bool
+    solver: str
+    floor: int
+    no_ac_peak: int
+    full_recompute_s: float
+    min_pack_bytes: int
+    device: str
+    live: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def gap_s(self) -> float:
+        """``added_s - lower_bound_s``: how far from optimal the plan can be, at most."""
+        return max(self.added_s - self.lower_bound_s, 0.0)
+
+    @property
+    def packed(self) -> bool:
+        """Whether any saved tensor is packed."""
+        return any(d in SAVE_FORMATS for r in self.regions for d in r.saves.values())
+
+    def decisions(self) -> dict[str, RegionDecisions]:
+        """Per region name, the decisions :func:`hyperrec.autoac.apply_plan` runs."""
+        return {
+            r.name: RegionDecisions(
+                mode=r.mode, saves=dict(r.saves), min_pack_bytes=self.min_pack_bytes
+            )
+            for r in self.regions
+        }
+
+    def summary(self) -> str:
+        """A human-readable table of the plan."""
+        gib = 2.0**30
+        lines = [
+            f"autoac plan ({self.solver}{', optimal' if self.proven_optimal else ''}): "
+            f"peak {self.predicted_peak / gib:.3f} GiB"
+            + (f" of budget {self.budget / gib:.3f} GiB" if self.budget is not None else "")
+            + f"; floor {self.floor / gib:.3f}, no AC {self.no_ac_peak / gib:.3f} GiB; "
+            f"+{self.added_s * 1e3:.3f} ms (full recompute +{self.full_recompute_s * 1e3:.3f} ms"
+            + (
+                f", lower bound {self.lower_bound_s * 1e3:.3f} ms"
+                if math.isfinite(self.lower_bound_s)
+                else ""
+            )
+            + ")",
+            f"{'region':<24} {'mode':<5} {'kept':>5} {'packed':>6} {'held MiB':>9} {'+ms':>8}",
+        ]
+        for r in self.regions:
+            kept = sum(1 for d in r.saves.values() if d == "keep")
+            packed = sum(1 for d in r.saves.values() if d in SAVE_FORMATS)
+            lines.append(
+                f"{r.name:<24} {r.mode:<5} {kept:>5} {packed:>6} "
+                f"{r.held_bytes / 2**20:>9.2f} {r.added_s * 1e3:>8.3f}"
+            )
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form (round-trips through :meth:`from_dict`)."""
+        return {
+            "version": 1,
+            "regions": [
+                {
+                    "name": r.name,
+                    "mode": r.mode,
+                    "saves": [[k[0], k[1], d] for k, d in sorted(r.saves.items())],
+                    "held_bytes": r.held_bytes,
+                    "added_s": r.added_s,
+                    "recompute_s": r.recompute_s,
+                    "input_bytes": r.input_bytes,
+                    "noac_held_bytes": r.noac_held_bytes,
+                }
+                for r in self.regions
+            ],
+            "budget": self.budget,
+            "region_budgets": dict(self.region_budgets),
+            "predicted_peak": self.predicted_peak,
+            "added_s": self.added_s,
+            "lower_bound_s": self.lower_bound_s if math.isfinite(self.lower_bound_s) else None,
+            "proven_optimal": self.proven_optimal,
+            "solver": self.solver,
+            "floor": self.floor,
+            "no_ac_peak": self.no_ac_peak,
+            "full_recompute_s": self.full_recompute_s,
+            "min_pack_bytes": self.min_pack_bytes,
+            "device": self.device,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """Rebuild a plan saved with :meth:`to_dict`.
+
+        Raises:
+            TypeError: ``d`` is not a mapping.
+            ValueError: missing fields, an unknown version, mode or decision.
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"d must be a mapping, got {type(d).__name__}")
+        if d.get("version") != 1:
+            raise ValueError(f"d must be a version-1 plan, got version {d.get('version')!r}")
+        try:
+            regions = []
+            for r in d["regions"]:
+                check_choice("mode", r["mode"], ("sac", "none"))
+                saves = {}
+                for op, occ, dec in r["saves"]:
+                    check_choice("decision", dec, ("keep", *SAVE_FORMATS))
+                    saves[(str(op), int(occ))] = dec
+                regions.append(
+                    RegionPlan(
+                        str(r["name"]),
+                        r["mode"],
+                        saves,
+                        int(r["held_bytes"]),
+                        float(r["added_s"]),
+                        float(r["recompute_s"]),
+                        int(r.get("input_bytes", 0)),
+                        int(r.get("noac_held_bytes", 0)),
+                    )
+                )
+            lb = d["lower_bound_s"]
+            return cls(
+                regions=tuple(regions),
+                budget=None if d["budget"] is None else int(d["budget"]),
+                region_budgets={str(k): int(v) for k, v in d["region_budgets"].items()},
+                predicted_peak=int(d["predicted_peak"]),
+                added_s=float(d["added_s"]),
+                lower_bound_s=-math.inf if lb is None else float(lb),
+                proven_optimal=bool(d["proven_optimal"]),
+                solver=str(d["solver"]),
+                floor=int(d["floor"]),
+                no_ac_peak=int(d["no_ac_peak"]),
+                full_recompute_s=float(d["full_recompute_s"]),
+                min_pack_bytes=int(d["min_pack_bytes"]),
+                device=str(d["device"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"d is missing the plan field {exc.args[0]!r}") from None
+
+
+# --------------------------------------------------------------------------- planning
+def _bytes(name: str, value: Any, floor: int, what: str) -> int:
+    """A budget in bytes, or a ValueError that names the smallest feasible one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of bytes, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < floor:
+        raise ValueError(
+            f"{name} must be a finite number of bytes >= {floor} "
+            f"({floor / 2**30:.4f} GiB, {what}), got {value!r}"
+        )
+    return int(v)
+
+
+def _no_ac(prob: Problem) -> Assignment:
+    modes = tuple("none" if "none" in r.fixed_s else "sac" for r in prob.regions)
+    picks = []
+    for g in prob.groups:
+        opts = g.choices[modes[g.region]]
+        picks.append(
+            next(i for i, c in enumerate(opts) if c.kind in ("keep", "drop"))
+            if modes[g.region] == "none"
+            else 0
+        )
+    return Assignment(modes, tuple(picks))
+
+
+def plan(
+    profile: Profile,
+    *,
+    budget: float | None = None,
+    region_budgets: Mapping[str, float] | None = None,
+    config: PlanConfig | None = None,
+) -> Plan:
+    """The fastest plan whose predicted peak is within ``budget``.
+
+    Args:
+        profile: from :func:`hyperrec.autoac.profiler`.
+        budget: peak memory of the step in bytes (on CUDA: as
+            ``torch.cuda.max_memory_allocated`` counts it; on the CPU: live tensor
+            storages, see :class:`~hyperrec.autoac.tracker.MemoryTracker`).
+        region_budgets: ``region name -> bytes`` the region may hold between its forward
+            and its backward (its inputs included): GEM-style per-region budgets. Both
+            may be given.
+        config: :class:`PlanConfig`.
+
+    Returns:
+        :class:`Plan`.
+
+    Raises:
+        TypeError: a budget that is not a number; bad ``config``/``profile`` types.
+        ValueError: neither budget given; a budget that is negative, NaN, infinite or
+            below the floor of full recompute (the message names the smallest feasible
+            budget); an unknown region name.
+    """
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
+    config = PlanConfig() if config is None else config
+    if not isinstance(config, PlanConfig):
+        raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
+    if budget is None and not region_budgets:
+        raise ValueError("budget or region_budgets must be given, got neither")
+    formats = profile.config.formats if config.formats is None else config.formats
+    raw = build_problem(profile, formats=tuple(formats), allow_none=config.allow_none)
+    prob = compress(raw)
+    offset = profile.device_offset
+    floor_a = min_memory(prob)
+    floor = peak_of(prob, floor_a) + offset
+    cap = None
+    if budget is not None:
+        cap = _bytes(
+            "budget", budget, floor, "the peak of full recompute, the least this step can use"
+        )
+    caps: dict[int, int] = {}
+    rb_out: dict[str, int] = {}
+    if region_budgets:
+        if not isinstance(region_budgets, Mapping):
+            raise TypeError(
+                f"region_budgets must be a mapping of region name to bytes, got "
+                f"{type(region_budgets).__name__}"
+            )
+        names = {r.name: i for i, r in enumerate(prob.regions)}
+        for name, b in region_budgets.items():
+            if name not in names:
+                raise ValueError(
+                    f"region_budgets has an unknown region {name!r}; regions: {sorted(names)}"
+                )
+            r = names[name]
+            floor_r = prob.regions[r].input_bytes + held_of(prob, floor_a, r)
+            v = _bytes(
+                f"region_budgets[{name!r}]", b, floor_r, "its inputs, held by a full checkpoint"
+            )
+            caps[r] = v - prob.regions[r].input_bytes
+            rb_out[name] = v
+    prob.cap = None if cap is None else cap - offset
+    prob.region_caps = caps
+    raw.cap, raw.region_caps = prob.cap, caps
+
+    g = solve_greedy(prob)
+    result = g
+    solver = "greedy"
+    use_exact = config.solver == "exact" or (
+        config.solver == "auto" and len(prob.groups) <= config.exact_max_groups
+    )
+    if use_exact:
+        result = solve_exact(prob, node_limit=config.node_limit, incumbent=g.assignment)
+        solver = "exact"
+    a = result.assignment
+    t = time_of(prob, a)
+    lb = -math.inf
+    if result.proven_optimal:
+        lb = t
+    elif config.bound_iters:
+        lb = float(min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t))
+    live = profile_of(raw, a) + offset
+    no_ac = _no_ac(prob)
+    full_t = time_of(prob, floor_a)
+    region_plans = []
+    for r, reg in enumerate(prob.regions):
+        mode = a.modes[r]
+        saves: dict[tuple[str, int], str] = {}
+        added = reg.fixed_s[mode]
+        for gi in reg.groups:
+            c = chosen(prob, a, gi)
+            added += c.time_s
+            if c.kind in ("recompute", "drop") or (mode == "none" and c.kind == "keep"):
+                continue
+            saves[prob.groups[gi].op.key] = c.kind
+        rp = profile.regions[r]
+        region_plans.append(
+            RegionPlan(
+                name=reg.name,
+                mode=mode,
+                saves=saves,
+                held_bytes=reg.input_bytes + held_of(prob, a, r),
+                added_s=added,
+                recompute_s=rp.full_recompute_s,
+                input_bytes=reg.input_bytes,
+                noac_held_bytes=reg.input_bytes + held_of(prob, no_ac, r),
+            )
+        )
+    return Plan(
+        regions=tuple(region_plans),
+        budget=cap,
+        region_budgets=rb_out,
+        predicted_peak=int(live.max(initial=0)),
+        added_s=t,
+        lower_bound_s=lb,
+        proven_optimal=result.proven_optimal,
+        solver=solver,
+        floor=floor,
+        no_ac_peak=peak_of(prob, no_ac) + offset,
+        full_recompute_s=full_t,
+        min_pack_bytes=profile.config.min_pack_bytes,
+        device=profile.device,
+        live=live,
+    )
+
+
+def restrict(profile: Profile, exclude: set[tuple[str, str]]) -> Profile:
+    """``profile`` with the ``(op class, format)`` pairs in ``exclude`` disallowed."""
+    regions = tuple(
+        replace(
+            r,
+            ops=tuple(
+                replace(o, formats=tuple(f for f in o.formats if (o.op_class, f) not in exclude))
+                for o in r.ops
+            ),
+        )
+        for r in profile.regions
+    )
+    return replace(profile, regions=regions)

@@ -1,0 +1,823 @@
+"""Profile a training step: per region, per op output, bytes, cost, lifetime; the peak.
+
+The profiled step runs with **every region fully checkpointed** (the least memory any
+plan can use, so profiling fits wherever training fits) under a
+:class:`~hyperrec.autoac.tracker.MemoryTracker`. That one trace holds everything a plan
+needs: for each op output of a region, when it is allocated in the forward, when Python
+lets go of it, when the recomputation allocates it again, when the backward first reads
+it and frees it, and whether autograd needs it (alive after the recomputation ends).
+Every plan is this trace with some lifetimes stretched (keep), shrunk to a packed copy
+(quantize) or dropped (no checkpoint), which is how :mod:`hyperrec.autoac.planner`
+predicts its peak at every position of the step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyperrec.autoac import regions as _regions
+from hyperrec.autoac._exec import RegionDecisions, op_name, run_region, sac_context_fn
+from hyperrec.autoac._validate import check_choice, check_float, check_int
+from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
+from hyperrec.autoac.tracker import MemoryTracker
+
+__all__ = ["Profile", "ProfileConfig", "RegionProfile", "SavedOp", "StorageLife", "profile"]
+
+CostSource = Literal["time", "flops"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """How :func:`profile` measures a step."""
+
+    steps: int = 2
+    """Profiled steps (>= 1). Op times are the median over the steps after the first
+    (the first warms caches and allocators) when there are two or more."""
+
+    cost: CostSource = "time"
+    """Recompute cost of an op: ``"time"`` (measured: CUDA events on the GPU, wall
+    clock on the CPU) or ``"flops"`` (``torch.utils.flop_counter`` FLOPs and bytes over
+    a matmul / copy rate measured on the device: the same on every rank)."""
+
+    formats: tuple[str, ...] = ()
+    """Packed formats to consider for saved tensors (``"mxfp8"``, ``"fp8_e4m3"``,
+    ``"fp8_e5m2"``, ``"mx4"``). Each is measured per tensor class (the producing op)
+    and allowed only where the gradient error stays within ``max_grad_error``."""
+
+    max_grad_error: float = 0.03
+    """Bound on the relative L2 error of all parameter gradients,
+    ``||g_packed - g|| / ||g||`` over the concatenation of every ``.grad``, that packing
+    one tensor class may cause on the profiled step."""
+
+    min_pack_bytes: int = 1 << 16
+    """Storages smaller than this are never packed (scales and launches dominate)."""
+
+    seed: int = 0
+    """Seed of torch's generators for every profiled step (dropout masks agree across
+    steps; the caller's RNG state is restored afterwards)."""
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps, minimum=1)
+        check_choice("cost", self.cost, ("time", "flops"))
+        if not isinstance(self.formats, tuple):
+            raise TypeError(f"formats must be a tuple, got {type(self.formats).__name__}")
+        for f in self.formats:
+            check_choice("formats entry", f, SAVE_FORMATS)
+        check_float("max_grad_error", self.max_grad_error, minimum=0.0)
+        check_int("min_pack_bytes", self.min_pack_bytes, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+
+
+@dataclass(frozen=True)
+class StorageLife:
+    """Lifetime of one storage an op created, as positions of the profiled trace.
+
+    Positions index the trace's events (allocations and frees); a storage counts at
+    positions ``[alloc, free)``. ``None`` means the event did not happen.
+
+    Attributes:
+        nbytes, dtype, numel: size of the storage.
+        fwd_alloc: allocation in the region's forward.
+        fwd_free: when Python released the forward copy (nothing else holds it).
+        rc_alloc: allocation of its copy in the recomputation.
+        rc_free: release of that copy in the backward.
+        bwd_use: first backward op that read the recomputed copy.
+        needed: autograd holds it for the backward (alive when recomputation ended).
+    """
+
+    nbytes: int
+    dtype: torch.dtype
+    numel: int
+    fwd_alloc: int
+    fwd_free: int
+    rc_alloc: int | None
+    rc_free: int | None
+    bwd_use: int | None
+    needed: bool
+
+
+@dataclass(frozen=True)
+class SavedOp:
+    """One op call in a region's forward whose outputs a plan can keep, pack or recompute.
+
+    Attributes:
+        ordinal: position among the ops a selective-checkpoint policy sees.
+        key: ``(op name, occurrence)``, the key of plan decisions.
+        op: op name (``"aten.mm.default"``).
+        op_class: the tensor class used for packing errors: the op packet
+            (``"aten.mm"``).
+        nbytes: bytes of the storages it allocated.
+        storages: their :class:`StorageLife`.
+        time_s: recompute cost the planner uses (see :attr:`ProfileConfig.cost`).
+        measured_s: measured time of the op.
+        flops: FLOPs from ``torch.utils.flop_counter`` (0 where it has no formula).
+        random: draws random numbers (always recomputed under checkpointing).
+        collective: a c10d op (always kept under checkpointing).
+        mutated: a later op of the region writes into its output (never kept).
+        recomputed: replayed by the recomputation (ops after the last tensor autograd
+            needs are not: early stop).
+        needed: autograd needs one of its storages in the backward.
+        formats: packed formats allowed for it (dtype, size and class error).
+        shapes: output shapes of its storages.
+    """
+
+    ordinal: int
+    key: tuple[str, int]
+    op: str
+    op_class: str
+    nbytes: int
+    storages: tuple[StorageLife, ...]
+    time_s: float
+    measured_s: float
+    flops: float
+    random: bool
+    collective: bool
+    mutated: bool
+    recomputed: bool
+    needed: bool
+    formats: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RegionProfile:
+    """One region of the profiled step.
+
+    Attributes:
+        name: module name in the model (``"<root>"`` for the model itself).
+        index: position in the forward.
+        ops: the ops a plan decides for (allocating, replayed or saveable).
+        fixed_recompute_s: recompute time a checkpoint of this region always pays
+            (in-place and view ops, random ops, ops whose output is mutated later).
+        input_bytes: bytes of the tensor inputs the step created (activations held by a
+            checkpoint until its backward; parameters and other resident inputs are not
+            counted).
+        fwd_start, rc_start, rc_end: positions where its forward and its recomputation
+            begin and where the backward resumes after the recomputation.
+        modes: ``("sac", "none")``, or ``("none",)`` for a region that cannot be
+            replayed (it runs an in-place collective) and is left as is.
+        forward_s: measured time of its forward ops.
+    """
+
+    name: str
+    index: int
+    ops: tuple[SavedOp, ...]
+    fixed_recompute_s: float
+    input_bytes: int
+    fwd_start: int
+    rc_start: int | None
+    rc_end: int | None
+    modes: tuple[str, ...]
+    forward_s: float
+
+    @property
+    def full_recompute_s(self) -> float:
+        """Recompute time of a full checkpoint of the region."""
+        return self.fixed_recompute_s + sum(o.time_s for o in self.ops if o.recomputed)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The profiled step (see :func:`profile`).
+
+    Attributes:
+        regions: per region, in forward order.
+        live: live bytes after every event of the fully checkpointed step (int64).
+        phase: per position, 0 forward, 1 recomputation, 2 backward.
+        resident_bytes: storages that existed before the step and were used by it.
+        tracked_peak: ``live.max()``.
+        device: ``"cpu"`` or ``"cuda:N"``.
+        allocator_peak: CUDA ``max_memory_allocated`` of the profiled step (``None`` on
+            the CPU).
+        device_offset: ``allocator_peak - tracked_peak`` on CUDA (workspaces, other
+            tensors on the device, allocator rounding), 0 on the CPU; added to every
+            predicted peak.
+        step_s: time of one fully checkpointed step as profiled (instrumented).
+        pack_errors: ``(op class, format) -> measured relative gradient error``.
+        pack_costs: ``format -> (seconds per element, seconds per call)`` to pack and
+            unpack, and ``(workspace bytes per element)``.
+        config: the :class:`ProfileConfig` used.
+    """
+
+    regions: tuple[RegionProfile, ...]
+    live: np.ndarray
+    phase: np.ndarray
+    resident_bytes: int
+    tracked_peak: int
+    device: str
+    allocator_peak: int | None
+    device_offset: int
+    step_s: float
+    pack_errors: dict[tuple[str, str], float]
+    pack_costs: dict[str, dict[str, float]]
+    config: ProfileConfig = field(repr=False)
+
+    def saved_tensors(self) -> list[dict[str, Any]]:
+        """One row per op output of every region (what the profiler saw)."""
+        rows = []
+        for r in self.regions:
+            for o in r.ops:
+                rows.append(
+                    {
+                        "region": r.name,
+                        "ordinal": o.ordinal,
+                        "op": o.op,
+                        "bytes": o.nbytes,
+                        "time_s": o.time_s,
+                        "flops": o.flops,
+                        "needed": o.needed,
+                        "recomputed": o.recomputed,
+                        "random": o.random,
+                        "collective": o.collective,
+                        "formats": list(o.formats),
+                        "lifetime": [
+                            (s.fwd_alloc, s.fwd_free, s.rc_alloc, s.rc_free) for s in o.storages
+                        ],
+                    }
+                )
+        return rows
+
+    def timeline(self) -> dict[str, list]:
+        """The fully checkpointed step's memory timeline: positions, live bytes, phase."""
+        return {
+            "position": list(range(len(self.live))),
+            "live_bytes": self.live.tolist(),
+            "phase": self.phase.tolist(),
+        }
+
+
+# --------------------------------------------------------------------------- recording
+class _PhaseContext:
+    """Enter ``inner`` with the tracker switched to a region (and phase)."""
+
+    def __init__(self, tracker: MemoryTracker, phase: str | None, region: int, inner: Any):
+        self.tracker, self.phase, self.region, self.inner = tracker, phase, region, inner
+        self.marks: dict[int, int] = {}
+
+    def __enter__(self) -> Any:
+        t = self.tracker
+        self.prev = (t.phase, t.region)
+        if self.phase is not None:
+            t.phase = self.phase
+        t.region = self.region
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.tracker.phase, self.tracker.region = self.prev
+            if self.phase == "rc":
+                self.tracker.rc_exit[self.region] = len(self.tracker.ops)  # type: ignore[attr-defined]
+
+
+def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., Any]:
+    def runner(state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        j = state.index
+        # Inputs the step created (activations); resident ones (parameters, a shared
+        # mask) are held anyway.
+        seen: dict[int, int] = {}
+        for t in _regions.flat_tensors((args, kwargs)):
+            sid = tracker._live.get(t.untyped_storage()._cdata)
+            if sid is not None and tracker.storages[sid].alloc >= 0:
+                seen[sid] = tracker.storages[sid].nbytes
+        tracker.region_inputs[j] = list(seen.values())  # type: ignore[attr-defined]
+        if j in plain or not torch.is_grad_enabled():
+            prev = tracker.region
+            tracker.region = j
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.region = prev
+
+        def on_op(func: Any) -> None:
+            last = tracker.ops[-1] if tracker.ops else None
+            if last is not None and last.func is func and last.region == j:
+                n = tracker.ordinals[j]  # type: ignore[attr-defined]
+                last.sac_ordinal = n
+                tracker.ordinals[j] = n + 1  # type: ignore[attr-defined]
+                if last.collective and _mutates(func, last):
+                    tracker.inplace_collective.add(j)  # type: ignore[attr-defined]
+
+        inner = sac_context_fn(RegionDecisions(mode="sac"), on_op=on_op)
+
+        def context_fn() -> tuple[Any, Any]:
+            fwd, rc = inner()
+            return _PhaseContext(tracker, None, j, fwd), _PhaseContext(tracker, "rc", j, rc)
+
+        return checkpoint(
+            fn, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True, **kwargs
+        )
+
+    return runner
+
+
+def _mutates(func: Any, rec: Any) -> bool:
+    """An in-place collective (``c10d.allreduce_``, ``_c10d_functional.all_reduce_``):
+    replaying the region would skip its write, so the region cannot be checkpointed."""
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", str(func))
+    return bool(rec.writes) or name.endswith("_")
+
+
+def _decision_runner(decisions: dict[int, RegionDecisions]) -> Callable[..., Any]:
+    def runner(state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        d = decisions.get(state.index)
+        if d is None:
+            return fn(*args, **kwargs)
+        return run_region(d, fn, args, kwargs)
+
+    return runner
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _seed_all(seed: int, device: torch.device) -> None:
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
+def _run_step(model: nn.Module, step_fn: Callable, tracker: MemoryTracker | None) -> float:
+    """One forward (``step_fn``) + backward; returns the wall time."""
+    t0 = time.perf_counter()
+    if tracker is not None:
+        with tracker:
+            loss = step_fn(model)
+            _check_loss(loss)
+            tracker.phase = "bwd"
+            loss.backward()
+    else:
+        loss = step_fn(model)
+        _check_loss(loss)
+        loss.backward()
+    dev = loss.device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        raise TypeError(
+            "step_fn must return a one-element loss tensor that requires grad, got "
+            f"{type(loss).__name__}"
+            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+
+
+def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
+    """Current ``.grad`` of every parameter (in ``model.parameters()`` order)."""
+    return [p.grad for p in model.parameters()]
+
+
+def set_grads(model: nn.Module, grads: list[torch.Tensor | None] | None) -> None:
+    """Set every parameter's ``.grad`` (``None``: clear them)."""
+    for i, p in enumerate(model.parameters()):
+        p.grad = None if grads is None else grads[i]
+
+
+def grad_error(ref: list[torch.Tensor | None], got: list[torch.Tensor | None]) -> float:
+    """``||got - ref|| / ||ref||`` over all gradients (missing ones count as zero)."""
+    num = den = 0.0
+    for r, g in zip(ref, got):
+        if r is None and g is None:
+            continue
+        r64 = torch.zeros(()) if r is None else r.detach().double()
+        g64 = torch.zeros(()) if g is None else g.detach().double()
+        num += float((g64 - r64).square().sum())
+        den += float(r64.square().sum())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return (num / den) ** 0.5
+
+
+# --------------------------------------------------------------------------- building
+def _build_regions(
+    tracker: MemoryTracker,
+    names: list[str],
+    times: dict[int, float],
+    config: ProfileConfig,
+    plain: set[int],
+    rates: tuple[float, float] | None,
+) -> tuple[RegionProfile, ...]:
+    end = len(tracker.deltas)
+    st = tracker.storages
+    out = []
+    for j, name in enumerate(names):
+        fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
+        rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
+        inputs = sum(tracker.region_inputs.get(j, []))  # type: ignore[attr-defined]
+        fwd_start = fwd[0].position if fwd else 0
+        forward_s = sum(times.get(o.index, o.time_s) for o in fwd)
+        if j in plain or not rc:
+            out.append(
+                RegionProfile(name, j, (), 0.0, inputs, fwd_start, None, None, ("none",), forward_s)
+            )
+            continue
+        # Match the k-th call of each op in the recomputation to the forward's.
+        by_key: dict[tuple[str, int], Any] = {}
+        occ: Counter = Counter()
+        for o in fwd:
+            if o.sac_ordinal is None:
+                continue
+            by_key[(op_name(o.func), occ[o.func])] = o
+            occ[o.func] += 1
+        rc_of: dict[int, Any] = {}
+        occ = Counter()
+        for o in rc:
+            if o.func not in {f.func for f in by_key.values()}:
+                continue
+            k = (op_name(o.func), occ[o.func])
+            occ[o.func] += 1
+            if k in by_key:
+                rc_of[by_key[k].index] = o
+        rc_start = rc[0].position
+        exit_op = tracker.rc_exit.get(j, len(tracker.ops))  # type: ignore[attr-defined]
+        rc_end = tracker.ops[exit_op].position if exit_op < len(tracker.ops) else end
+        stop = max(
+            (by_key_o.sac_ordinal for by_key_o in by_key.values() if by_key_o.index in rc_of),
+            default=-1,
+        )
+        written: dict[int, int] = {}
+        for o in fwd:
+            for s in o.writes:
+                written[s] = max(written.get(s, -1), o.index)
+        ops: list[SavedOp] = []
+        fixed = 0.0
+        for key, o in by_key.items():
+            t_meas = times.get(o.index, o.time_s)
+            if rates is not None:
+                flops_rate, byte_rate = rates
+                moved = sum(st[s].nbytes for s in o.inputs) + sum(st[s].nbytes for s in o.new)
+                cost = max(o.flops / flops_rate, moved / byte_rate)
+            else:
+                cost = t_meas
+            replayed = o.index in rc_of
+            if not o.new:
+                if replayed:
+                    fixed += cost
+                continue
+            r = rc_of.get(o.index)
+            lives = []
+            for i, s in enumerate(o.new):
+                fs = st[s]
+                rs = st[r.new[i]] if r is not None and i < len(r.new) else None
+                needed = rs is not None and (rs.free is None or rs.free >= rc_end)
+                bwd_use = rs.first_use.get("bwd") if rs is not None else None
+                shape, dtype, _, _ = o.outputs[i]
+                lives.append(
+                    StorageLife(
+                        nbytes=fs.nbytes,
+                        dtype=dtype,
+                        numel=fs.nbytes // max(torch.empty((), dtype=dtype).element_size(), 1),
+                        fwd_alloc=fs.alloc,
+                        fwd_free=end if fs.free is None else fs.free,
+                        rc_alloc=None if rs is None else rs.alloc,
+                        rc_free=None if rs is None else (end if rs.free is None else rs.free),
+                        bwd_use=bwd_use,
+                        needed=needed,
+                    )
+                )
+            mutated = any(written.get(s, -1) > o.index for s in o.new)
+            fmts = tuple(
+                f
+                for f in config.formats
+                if not (o.random or o.collective or mutated)
+                and any(
+                    lv.nbytes >= max(config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, f)
+                    for lv in lives
+                )
+            )
+            saved = SavedOp(
+                ordinal=o.sac_ordinal,
+                key=key,
+                op=op_name(o.func),
+                op_class=str(getattr(o.func, "overloadpacket", o.func)),
+                nbytes=sum(lv.nbytes for lv in lives),
+                storages=tuple(lives),
+                time_s=cost,
+                measured_s=t_meas,
+                flops=o.flops,
+                random=o.random,
+                collective=o.collective,
+                mutated=mutated,
+                recomputed=replayed,
+                needed=any(lv.needed for lv in lives),
+                formats=fmts,
+                shapes=tuple(tuple(x[0]) for x in o.outputs),
+            )
+            if o.sac_ordinal is not None and o.sac_ordinal <= stop or saved.needed:
+                ops.append(saved)
+        ops.sort(key=lambda s: s.ordinal)
+        out.append(
+            RegionProfile(
+                name=name,
+                index=j,
+                ops=tuple(ops),
+                fixed_recompute_s=fixed,
+                input_bytes=inputs,
+                fwd_start=fwd_start,
+                rc_start=rc_start,
+                rc_end=rc_end,
+                modes=("sac", "none"),
+                forward_s=forward_s,
+            )
+        )
+    return tuple(out)
+
+
+def _phases(tracker: MemoryTracker) -> np.ndarray:
+    n = max(len(tracker.deltas), 1)
+    phase = np.zeros(n, dtype=np.int8)
+    code = {"fwd": 0, "other": 0, "rc": 1, "bwd": 2}
+    ops = tracker.ops
+    for a, b in zip(ops, ops[1:] + [None]):
+        stop = n if b is None else b.position
+        phase[a.position : stop] = code.get(a.phase, 0)
+    return phase
+
+
+def _measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOP/s of a square matmul, bytes/s of a copy) on ``device`` in ``dtype``."""
+    n = 2048 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    x = torch.empty(1 << (24 if device.type == "cuda" else 20), device=device, dtype=dtype)
+    y = torch.empty_like(x)
+
+    def clock(fn: Callable[[], Any]) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return max(best, 1e-9)
+
+    return 2 * n**3 / clock(lambda: a @ a), 2 * x.nbytes / clock(lambda: y.copy_(x))
+
+
+def _pack_costs(
+    formats: tuple[str, ...], device: torch.device, dtype: torch.dtype
+) -> dict[str, dict[str, float]]:
+    """Per format: time to pack + unpack a storage (linear in elements) and workspace."""
+    sizes = (1 << 16, 1 << 22) if device.type == "cuda" else (1 << 12, 1 << 16)
+    out: dict[str, dict[str, float]] = {}
+    for fmt in formats:
+        meas = []
+        ws = [0.0, 0.0]
+        for n in sizes:
+            x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
+            ts_p, ts_u = [], []
+            for _ in range(3):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                p = pack_storage(x, fmt)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                y = p.dequantize()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                ts_p.append(t1 - t0)
+                ts_u.append(time.perf_counter() - t1)
+                del y
+            meas.append((n, statistics.median(ts_p), statistics.median(ts_u)))
+            # Workspace beyond the inputs and outputs of each call, per element.
+            tr = MemoryTracker(device=device)
+            with tr:
+                p = pack_storage(x, fmt)
+            tr.finish()
+            ws[0] = max(0.0, (tr.peak_bytes() - x.nbytes - p.nbytes) / n)
+            tr = MemoryTracker(device=device)
+            with tr:
+                y = p.dequantize()
+            tr.finish()
+            ws[1] = max(0.0, (tr.peak_bytes() - p.nbytes - y.nbytes) / n)
+        (n0, p0, u0), (n1, p1, u1) = meas
+        pb = max((p1 - p0) / (n1 - n0), 0.0)
+        ub = max((u1 - u0) / (n1 - n0), 0.0)
+        out[fmt] = {
+            "pack_per_elem_s": pb,
+            "pack_call_s": max(p0 - pb * n0, 0.0),
+            "unpack_per_elem_s": ub,
+            "unpack_call_s": max(u0 - ub * n0, 0.0),
+            "pack_ws_per_elem": ws[0],
+            "unpack_ws_per_elem": ws[1],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- public
+def profile(
+    model: nn.Module,
+    step_fn: Callable[[nn.Module], torch.Tensor],
+    *,
+    regions: Any = None,
+    config: ProfileConfig | None = None,
+) -> Profile:
+    """Profile one training step of ``model`` with every region checkpointed.
+
+    Args:
+        model: the model (train mode as you train it; it is not changed).
+        step_fn: ``step_fn(model) -> loss``: runs the forward and returns a
+            one-element loss; autoac calls ``loss.backward()``. Use the largest batch
+            you will train with: the plan is made for these sizes.
+        regions: see :func:`hyperrec.autoac.regions.resolve_regions` (default: the
+            blocks of the largest ``ModuleList``). Each region must run once per step.
+        config: :class:`ProfileConfig`.
+
+    Returns:
+        :class:`Profile`.
+
+    Raises:
+        TypeError: ``model`` not a module, ``step_fn`` not callable or not returning a
+            loss that requires grad, bad ``regions``/``config`` types.
+        ValueError: bad ``regions``; a region that ran more than once in the step.
+
+    Parameter gradients and the RNG state are restored afterwards; buffers that the
+    forward updates (e.g. batch-norm statistics) advance once per profiled step.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    config = ProfileConfig() if config is None else config
+    if not isinstance(config, ProfileConfig):
+        raise TypeError(f"config must be a ProfileConfig, got {type(config).__name__}")
+    mods, names = _regions.resolve_regions(model, regions)
+    had = {id(m) for m in _regions.installed_regions(model)}
+    states = _regions.install(mods, names)
+    prev_runners = [s.runner for s in states]
+    device = _device_of(model)
+    saved_grads = grads_of(model)
+    fork_devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=fork_devices):
+            return _profile(model, step_fn, states, names, config, device)
+    finally:
+        for s, r in zip(states, prev_runners):
+            s.runner = r
+        _regions.uninstall([m for m in mods if id(m) not in had])
+        set_grads(model, saved_grads)
+
+
+def _profile(
+    model: nn.Module,
+    step_fn: Callable,
+    states: list,
+    names: list[str],
+    config: ProfileConfig,
+    device: torch.device,
+) -> Profile:
+    plain: set[int] = set()
+    for _attempt in range(2):
+        traces: list[MemoryTracker] = []
+        walls: list[float] = []
+        alloc_peak = None
+        for _ in range(config.steps):
+            set_grads(model, None)
+            tracker = MemoryTracker(record_ops=True, time_ops=True, device=device)
+            tracker.rc_exit = {}  # type: ignore[attr-defined]
+            tracker.ordinals = defaultdict(int)  # type: ignore[attr-defined]
+            tracker.inplace_collective = set()  # type: ignore[attr-defined]
+            tracker.region_inputs = {}  # type: ignore[attr-defined]
+            runner = _recording_runner(tracker, plain)
+            for s in states:
+                s.runner = runner
+                s.calls = 0
+            _seed_all(config.seed, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            walls.append(_run_step(model, step_fn, tracker))
+            tracker.finish()
+            if device.type == "cuda":
+                alloc_peak = int(torch.cuda.max_memory_allocated(device))
+            for s in states:
+                if s.calls > 1:
+                    raise ValueError(
+                        f"regions must run once per step; {s.name} ran {s.calls} times "
+                        "(make each call its own region)"
+                    )
+            traces.append(tracker)
+        new_plain = set(traces[-1].inplace_collective) - plain  # type: ignore[attr-defined]
+        if not new_plain:
+            break
+        plain |= new_plain  # replay without checkpointing the regions that cannot be
+    last = traces[-1]
+    ref_grads = [None if g is None else g.detach().clone() for g in grads_of(model)]
+    # Median op times over the steps after the first (same op sequence required).
+    times: dict[int, float] = {}
+    use = traces[1:] if len(traces) > 1 else traces
+    if all(len(t.ops) == len(last.ops) for t in use):
+        for i in range(len(last.ops)):
+            times[i] = statistics.median(t.ops[i].time_s for t in use)
+    rates = None
+    if config.cost == "flops":
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        rates = _measure_rates(device, dtype)
+    regions_p = _build_regions(last, names, times, config, plain, rates)
+    live = last.live_bytes()
+    tracked = int(live.max()) if len(live) else last.resident_bytes
+    offset = 0 if alloc_peak is None else alloc_peak - tracked
+    pack_errors: dict[tuple[str, str], float] = {}
+    pack_costs: dict[str, dict[str, float]] = {}
+    if config.formats:
+        dtypes = Counter(
+            lv.dtype for r in regions_p for o in r.ops for lv in o.storages if o.formats
+        )
+        dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
+        pack_costs = _pack_costs(config.formats, device, dtype)
+        pack_errors = _class_errors(model, step_fn, states, regions_p, config, device, ref_grads)
+        regions_p = _restrict_formats(regions_p, pack_errors, config.max_grad_error)
+    set_grads(model, None)
+    return Profile(
+        regions=regions_p,
+        live=live,
+        phase=_phases(last),
+        resident_bytes=last.resident_bytes,
+        tracked_peak=tracked,
+        device=str(device),
+        allocator_peak=alloc_peak,
+        device_offset=offset,
+        step_s=statistics.median(walls),
+        pack_errors=pack_errors,
+        pack_costs=pack_costs,
+        config=config,
+    )
+
+
+def _class_errors(
+    model: nn.Module,
+    step_fn: Callable,
+    states: list,
+    regions_p: tuple[RegionProfile, ...],
+    config: ProfileConfig,
+    device: torch.device,
+    ref_grads: list,
+) -> dict[tuple[str, str], float]:
+    """Gradient error of packing every candidate of one op class in one format."""
+    errors: dict[tuple[str, str], float] = {}
+    classes = sorted({o.op_class for r in regions_p for o in r.ops if o.formats})
+    for cls in classes:
+        for fmt in config.formats:
+            decisions: dict[int, RegionDecisions] = {}
+            any_op = False
+            for r in regions_p:
+                if "sac" not in r.modes:
+                    continue
+                saves = {o.key: fmt for o in r.ops if o.op_class == cls and fmt in o.formats}
+                any_op = any_op or bool(saves)
+                decisions[r.index] = RegionDecisions(
+                    mode="sac", saves=saves, min_pack_bytes=config.min_pack_bytes
+                )
+            if not any_op:
+                continue
+            runner = _decision_runner(decisions)
+            for s in states:
+                s.runner = runner
+            set_grads(model, None)
+            _seed_all(config.seed, device)
+            _run_step(model, step_fn, None)
+            errors[(cls, fmt)] = grad_error(ref_grads, grads_of(model))
+    set_grads(model, None)
+    return errors
+
+
+def _restrict_formats(
+    regions_p: tuple[RegionProfile, ...], errors: dict[tuple[str, str], float], bound: float
+) -> tuple[RegionProfile, ...]:
+    from dataclasses import replace
+
+    out = []
+    for r in regions_p:
+        ops = tuple(
+            replace(
+                o,
+                formats=tuple(
+                    f for f in o.formats if errors.get((o.op_class, f), float("inf")) <= bound
+                ),
+            )
+            for o in r.ops
+        )
+        out.append(replace(r, ops=ops))
+    return tuple(out)

@@ -1,0 +1,532 @@
+"""Put a plan in force on a model (eager or compiled), measure a step, take it off.
+
+Eager: each region's ``forward`` runs under ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False, context_fn=...)`` with torch's selective-checkpoint contexts and
+autoac's policy, or (regions with packed saves) with autoac's packing contexts; an
+un-checkpointed region with packed saves runs under ``saved_tensors_hooks``.
+
+Compiled: :func:`compile_mechanism` says how the installed torch takes per-region
+plans under ``torch.compile``:
+
+* ``"sac"``: Dynamo traces ``checkpoint`` with a selective policy and the partitioner
+  obeys its ``MUST_SAVE`` / ``MUST_RECOMPUTE`` marks: the plan applies op by op in each
+  compiled region (every supported torch, 2.11 to 2.14).
+* ``"memory_budget"``: the fallback when it does not: each region is compiled with
+  the functorch ``activation_memory_budget`` set to the fraction of its saved bytes
+  the plan keeps (``torch.autograd.graph.region_activation_memory_budget`` where it
+  exists).
+
+Packed saves are eager-only: under compilation those regions run eagerly
+(``torch.compiler.disable``), which breaks the graph around them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyperrec.autoac import _exec
+from hyperrec.autoac import regions as _regions
+from hyperrec.autoac._exec import RegionDecisions, run_region
+from hyperrec.autoac._validate import check_bool, check_choice
+from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
+from hyperrec.autoac.profiler import (
+    Profile,
+    ProfileConfig,
+    _device_of,
+    _seed_all,
+    grad_error,
+    grads_of,
+    profile,
+    set_grads,
+)
+from hyperrec.autoac.tracker import MemoryTracker
+
+__all__ = [
+    "AutoAC",
+    "StepMeasurement",
+    "apply",
+    "apply_plan",
+    "compile_mechanism",
+    "measure_step",
+    "remove",
+]
+
+CompileMechanism = Literal["sac", "memory_budget"]
+
+
+def compile_mechanism() -> CompileMechanism:
+    """How this torch applies per-region plans under ``torch.compile`` (feature test)."""
+    try:
+        from torch._higher_order_ops.wrap import tag_activation_checkpoint  # noqa: F401
+        from torch.utils.checkpoint import CheckpointPolicy  # noqa: F401
+    except ImportError:  # pragma: no cover - present in every supported torch
+        return "memory_budget"
+    return "sac"
+
+
+def _ckpt(fn: Callable, ctx: Callable, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=ctx,
+        preserve_rng_state=_exec._RNG_GUARD,
+        **kwargs,
+    )
+
+
+class _Runner:
+    """Runs each region of an applied plan (a picklable-free plain object)."""
+
+    def __init__(
+        self,
+        decisions: dict[str, RegionDecisions],
+        compiled: bool,
+        mechanism: CompileMechanism,
+        fractions: dict[str, float],
+        compile_kwargs: dict[str, Any],
+    ) -> None:
+        self.decisions = decisions
+        self.compiled = compiled
+        self.mechanism = mechanism
+        self.fractions = fractions
+        self.compile_kwargs = compile_kwargs
+        # Context functions are made once, outside any trace: Dynamo accepts them as
+        # constants.
+        self.ctx = {n: _exec.sac_context_fn(d) for n, d in decisions.items() if d.mode == "sac"}
+        self._compiled: dict[str, Callable] = {}
+
+    def eager(self, state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        d = self.decisions.get(state.name)
+        if d is None:
+            return fn(*args, **kwargs)
+        if d.mode == "sac" and not d.quantized and torch.is_grad_enabled():
+            return _ckpt(fn, self.ctx[state.name], *args, **kwargs)
+        return _eager_region(d, fn, args, kwargs)
+
+    def __call__(self, state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if not self.compiled:
+            return self.eager(state, fn, args, kwargs)
+        d = self.decisions.get(state.name)
+        if d is not None and d.quantized:
+            return _eager_region(d, fn, args, kwargs)
+        c = self._compiled.get(state.name)
+        if c is None:
+            c = self._build(state.name, fn)
+            self._compiled[state.name] = c
+        return c(*args, **kwargs)
+
+    def _build(self, name: str, fn: Callable) -> Callable:
+        d = self.decisions.get(name)
+        if d is None or d.mode == "none":
+            return torch.compile(fn, **self.compile_kwargs)
+        if self.mechanism == "sac":
+            return torch.compile(
+                functools.partial(_ckpt, fn, self.ctx[name]), **self.compile_kwargs
+            )
+        frac = self.fractions.get(name, 0.0)
+        region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
+        if region_budget is not None:
+            # torch >= 2.13: a per-region annotation read by the partitioner.
+            return torch.compile(
+                _with_region_budget(region_budget, frac, fn), **self.compile_kwargs
+            )
+        # Older torch: the global knob, read when the region's graph is compiled.
+        import torch._functorch.config as fconfig
+
+        compiled = torch.compile(fn, **self.compile_kwargs)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with fconfig.patch(activation_memory_budget=frac):
+                return compiled(*args, **kwargs)
+
+        return run
+
+
+def _with_region_budget(ctx: Callable, frac: float, fn: Callable) -> Callable:
+    # Dynamo traces float values it reads as symbols; the annotation needs a constant,
+    # which ``float`` of a constant string is.
+    text = repr(float(frac))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ctx(float(text)):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+@torch.compiler.disable
+def _eager_region(d: RegionDecisions, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    return run_region(d, fn, args, kwargs)
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured training step.
+
+    Attributes:
+        peak_bytes: the step's peak: ``torch.cuda.max_memory_allocated`` on CUDA,
+            the tracker's live-storage peak on the CPU.
+        tracked_peak: live tensor storages' peak (``None`` when not tracked).
+        allocator_peak: CUDA allocator peak (``None`` on the CPU).
+        time_s: wall time of the step (with the tracker's overhead when tracked).
+        grads: the parameter gradients of the step (``keep_grads=True``) or ``None``.
+    """
+
+    peak_bytes: int
+    tracked_peak: int | None
+    allocator_peak: int | None
+    time_s: float
+    grads: list[torch.Tensor | None] | None = None
+
+
+def measure_step(
+    model: nn.Module,
+    step_fn: Callable[[nn.Module], torch.Tensor],
+    *,
+    track: bool | None = None,
+    seed: int | None = 0,
+    keep_grads: bool = False,
+) -> StepMeasurement:
+    """Run one forward + backward of ``model`` as it is now and measure its peak.
+
+    Args:
+        model, step_fn: as for :func:`hyperrec.autoac.profiler`.
+        track: count live tensor storages with a tracker (default: on the CPU only;
+            it adds Python work per op, so leave it off when timing on a GPU).
+        seed: seed torch's generators first (restored afterwards); ``None``: do not.
+        keep_grads: return the gradients. Parameter gradients are restored either way.
+
+    Returns:
+        :class:`StepMeasurement`.
+
+    Raises:
+        TypeError: bad argument types; ``step_fn`` not returning a loss with grad.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    device = _device_of(model)
+    track = device.type != "cuda" if track is None else check_bool("track", track)
+    check_bool("keep_grads", keep_grads)
+    saved = grads_of(model)
+    set_grads(model, None)
+    fork = [device] if device.type == "cuda" else []
+    tracker = MemoryTracker(device=device) if track else None
+    try:
+        with torch.random.fork_rng(devices=fork):
+            if seed is not None:
+                _seed_all(seed, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            if tracker is not None:
+                with tracker:
+                    loss = step_fn(model)
+                    loss.backward()
+                tracker.finish()
+            else:
+                loss = step_fn(model)
+                loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+        alloc = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        tracked = tracker.peak_bytes() if tracker is not None else None
+        grads = grads_of(model) if keep_grads else None
+    finally:
+        set_grads(model, saved)
+    peak = alloc if alloc is not None else tracked
+    return StepMeasurement(
+        peak_bytes=int(peak if peak is not None else 0),
+        tracked_peak=tracked,
+        allocator_peak=alloc,
+        time_s=dt,
+        grads=grads,
+    )
+
+
+class AutoAC:
+    """A plan in force on a model (returned by :func:`apply` / :func:`apply_plan`).
+
+    Attributes:
+        model: the model.
+        plan: the :class:`~hyperrec.autoac.planner.Plan` in force.
+        profile: the :class:`~hyperrec.autoac.profiler.Profile` it came from (``None``
+            for a loaded plan).
+        verification: after ``apply(verify=True)``: predicted vs measured peak and the
+            measured gradient error of the plan on the profiled step.
+        compiled: regions run compiled.
+        mechanism: how compiled regions take the plan (see :func:`compile_mechanism`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan_: Plan,
+        *,
+        profile_: Profile | None = None,
+        compiled: bool = False,
+        compile_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.profile = profile_
+        self.compiled = compiled
+        self.mechanism: CompileMechanism = compile_mechanism()
+        self.compile_kwargs = dict(compile_kwargs or {})
+        self.verification: dict[str, Any] | None = None
+        self._modules: list[nn.Module] = []
+        self.plan = plan_
+        self._install(plan_)
+
+    def _install(self, plan_: Plan) -> None:
+        names = [r.name for r in plan_.regions]
+        mods, names = _regions.resolve_regions(self.model, names)
+        if len(mods) != len(plan_.regions):
+            raise ValueError(
+                f"plan regions {[r.name for r in plan_.regions]} do not each name one module "
+                "of model"
+            )
+        states = _regions.install(mods, names)
+        fractions = {r.name: r.saved_fraction for r in plan_.regions}
+        runner = _Runner(
+            plan_.decisions(), self.compiled, self.mechanism, fractions, self.compile_kwargs
+        )
+        for s in states:
+            s.runner = runner
+        self._modules = mods
+        self.plan = plan_
+
+    def set_plan(self, plan_: Plan) -> None:
+        """Replace the plan in force (same regions or others of the same model)."""
+        if not isinstance(plan_, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
+        _regions.uninstall(self._modules)
+        self._install(plan_)
+
+    def remove(self) -> None:
+        """Restore every region's original ``forward``."""
+        _regions.uninstall(self._modules)
+        self._modules = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"plan": plan.to_dict()}`` (plain Python values; DCP-friendly)."""
+        return {"plan": self.plan.to_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the saved plan in force.
+
+        Raises:
+            ValueError: not a state from :meth:`state_dict`, or regions the model lacks.
+        """
+        if not isinstance(state, Mapping) or "plan" not in state:
+            raise ValueError("state must be a mapping with a 'plan' entry from AutoAC.state_dict()")
+        self.set_plan(Plan.from_dict(state["plan"]))
+
+
+def apply_plan(
+    model: nn.Module,
+    plan_: Plan,
+    *,
+    compile: bool = False,
+    compile_kwargs: Mapping[str, Any] | None = None,
+) -> AutoAC:
+    """Put ``plan_`` in force on ``model`` (wraps its regions; no other change).
+
+    Args:
+        model: the model the plan was made for (same region names).
+        plan_: a :class:`~hyperrec.autoac.planner.Plan` (from :func:`plan` or
+            :meth:`Plan.from_dict`).
+        compile: compile each region with ``torch.compile`` (``compile_kwargs`` passed
+            on); see :func:`compile_mechanism`.
+
+    Raises:
+        TypeError: bad argument types.
+        ValueError: a region of the plan is not a module of ``model``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(plan_, Plan):
+        raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
+    check_bool("compile", compile)
+    return AutoAC(model, plan_, compiled=compile, compile_kwargs=compile_kwargs)
+
+
+def remove(model: nn.Module) -> None:
+    """Take every autoac region of ``model`` back to its original ``forward``."""
+    _regions.uninstall(_regions.installed_regions(model))
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    ts = [t for t in _regions.flat_tensors(out) if t.is_floating_point() and t.requires_grad]
+    if not ts:
+        raise TypeError("the model output has no floating tensor that requires grad; pass loss_fn")
+    return sum(t.float().square().mean() for t in ts)
+
+
+def apply(
+    model: nn.Module,
+    *,
+    budget: float | None = None,
+    region_budgets: Mapping[str, float] | None = None,
+    regions: Any = None,
+    step_fn: Callable[[nn.Module], torch.Tensor] | None = None,
+    sample_inputs: tuple | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    formats: tuple[str, ...] = (),
+    profile_config: ProfileConfig | None = None,
+    plan_config: PlanConfig | None = None,
+    verify: bool = True,
+    compile: bool = False,
+    compile_kwargs: Mapping[str, Any] | None = None,
+) -> AutoAC:
+    """Profile a step, plan within the budget, and put the plan in force: one call.
+
+    Args:
+        model: the model, in train mode.
+        budget: peak memory of a training step, bytes (see :func:`plan`).
+        region_budgets: ``region name -> bytes`` held between forward and backward.
+        regions: which modules are regions (see :func:`resolve_regions`; default:
+            the blocks of the largest ``ModuleList``).
+        step_fn: ``step_fn(model) -> loss`` for one step at the largest batch you
+            train with. Or give ``sample_inputs`` (positional inputs of ``model``) and
+            optionally ``loss_fn(output) -> loss`` (default: mean of squares of the
+            floating outputs).
+        formats: packed formats to consider (``"mxfp8"``, ``"fp8_e4m3"``,
+            ``"fp8_e5m2"``, ``"mx4"``); overrides ``profile_config.formats``. Not with
+            ``compile=True``.
+        profile_config, plan_config: see :class:`ProfileConfig`, :class:`PlanConfig`.
+        verify: run the planned step once: record predicted vs measured peak and the
+            gradient error against the exact step in :attr:`AutoAC.verification`. If
+            packing made the error exceed ``profile_config.max_grad_error``, the worst
+            tensor class is excluded and the step replanned until it does not.
+        compile: compile each region (see :func:`apply_plan`).
+
+    Returns:
+        :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``).
+
+    Raises:
+        TypeError: bad argument types.
+        ValueError: no step given, bad budgets (naming the smallest feasible), bad
+            regions, ``formats`` with ``compile=True``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_bool("verify", verify)
+    check_bool("compile", compile)
+    if step_fn is None:
+        if sample_inputs is None:
+            raise ValueError("step_fn or sample_inputs must be given, got neither")
+        if not isinstance(sample_inputs, tuple):
+            raise TypeError(f"sample_inputs must be a tuple, got {type(sample_inputs).__name__}")
+        lf = _default_loss if loss_fn is None else loss_fn
+
+        def step_fn(m: nn.Module) -> torch.Tensor:
+            return lf(m(*sample_inputs))
+
+    elif sample_inputs is not None:
+        raise ValueError("give step_fn or sample_inputs, not both")
+    if not isinstance(formats, tuple):
+        raise TypeError(f"formats must be a tuple, got {type(formats).__name__}")
+    for f in formats:
+        check_choice("formats entry", f, ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4"))
+    if compile and formats:
+        raise ValueError("formats must be () with compile=True: packed saves run eagerly only")
+    pc = ProfileConfig() if profile_config is None else profile_config
+    if formats:
+        pc = replace(pc, formats=formats)
+    prof = profile(model, step_fn, regions=regions, config=pc)
+    p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
+    handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
+    if verify:
+        _verify(handle, step_fn, budget, region_budgets, plan_config)
+    return handle
+
+
+def _verify(
+    handle: AutoAC,
+    step_fn: Callable,
+    budget: float | None,
+    region_budgets: Mapping[str, float] | None,
+    plan_config: PlanConfig | None,
+) -> None:
+    prof = handle.profile
+    assert prof is not None
+    ref = None
+    excluded: set[tuple[str, str]] = set()
+    replans = 0
+    while True:
+        m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
+        err = None
+        if handle.plan.packed:
+            if ref is None:
+                ref = _reference_grads(handle, step_fn, prof)
+            err = grad_error(ref, m.grads or [])
+        ok = err is None or err <= prof.config.max_grad_error
+        if ok or not handle.plan.packed:
+            break
+        # Exclude the packed class with the largest measured error and replan.
+        used = {
+            (o.op_class, d)
+            for r, rp in zip(prof.regions, handle.plan.regions)
+            for o in r.ops
+            if (d := rp.saves.get(o.key)) not in (None, "keep")
+        }
+        worst = max(used, key=lambda k: prof.pack_errors.get(k, 0.0))
+        excluded.add(worst)
+        replans += 1
+        prof = restrict(prof, excluded)
+        handle.set_plan(
+            plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
+        )
+    handle.profile = prof
+    handle.verification = {
+        "predicted_peak": handle.plan.predicted_peak,
+        "measured_peak": m.peak_bytes,
+        "peak_ratio": m.peak_bytes / max(handle.plan.predicted_peak, 1),
+        "grad_error": err,
+        "max_grad_error": prof.config.max_grad_error,
+        "excluded_classes": sorted(excluded),
+        "replans": replans,
+        "measured_s": m.time_s,
+    }
+
+
+def _reference_grads(handle: AutoAC, step_fn: Callable, prof: Profile) -> list:
+    """Gradients of the exact step (every region fully recomputed: bit-identical to no
+    checkpointing for deterministic ops)."""
+    current = handle.plan
+    exact = Plan(
+        regions=tuple(
+            replace(r, mode="sac", saves={}, added_s=r.recompute_s, held_bytes=r.input_bytes)
+            for r in current.regions
+        ),
+        budget=None,
+        region_budgets={},
+        predicted_peak=current.floor,
+        added_s=current.full_recompute_s,
+        lower_bound_s=current.full_recompute_s,
+        proven_optimal=False,
+        solver="reference",
+        floor=current.floor,
+        no_ac_peak=current.no_ac_peak,
+        full_recompute_s=current.full_recompute_s,
+        min_pack_bytes=current.min_pack_bytes,
+        device=current.device,
+    )
+    handle.set_plan(exact)
+    try:
+        m = measure_step(handle.model, step_fn, track=False, seed=prof.config.seed, keep_grads=True)
+    finally:
+        handle.set_plan(current)
+    return [None if g is None else g.detach().clone() for g in (m.grads or [])]

@@ -1,0 +1,101 @@
+"""Plans under torch.compile (CPU, ``aot_eager_decomp_partition``: AOT autograd with the
+min-cut partitioner, no code generation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from autoac_cases import mlp_tower, step_for
+from torch.utils.checkpoint import CheckpointPolicy
+
+from hyperrec import autoac
+from hyperrec.autoac import _exec
+from hyperrec.autoac import runtime as rt
+
+BACKEND = {"backend": "aot_eager_decomp_partition"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _close(a, b):
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+
+def _setup():
+    model = mlp_tower(n=2)
+    step = step_for(torch.randn(64, 32))
+    ref = autoac.measure_step(model, step, keep_grads=True).grads
+    prof = autoac.profile(model, step, config=autoac.ProfileConfig(cost="flops", steps=1))
+    base = autoac.plan(prof, budget=1e15)
+    p = autoac.plan(
+        prof,
+        budget=base.floor + 0.5 * (base.no_ac_peak - base.floor),
+        config=autoac.PlanConfig(formats=(), allow_none=False),
+    )
+    assert any(r.saves for r in p.regions)
+    return model, step, ref, p
+
+
+def test_compiled_regions_follow_the_policy(monkeypatch):
+    assert autoac.compile_mechanism() == "sac"
+    model, step, ref, p = _setup()
+    seen = []
+    orig = _exec._policy
+
+    def spy(func, args, kwargs, decision):
+        out = orig(func, args, kwargs, decision)
+        seen.append((str(func), decision, out))
+        return out
+
+    monkeypatch.setattr(_exec, "_policy", spy)
+    h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
+    try:
+        got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
+    finally:
+        h.remove()
+    assert _close(ref, got)
+    kept = {(op, d) for op, d, pol in seen if pol is CheckpointPolicy.MUST_SAVE}
+    planned = {(k[0], d) for r in p.regions for k, d in r.saves.items()}
+    traced = {op for op, _, _ in seen}
+    # Every kept op of the plan that the trace still contains was marked MUST_SAVE; ops
+    # the compiler decomposes (here GELU) are the partitioner's to choose.
+    assert {(op, d) for op, d in planned if op in traced} <= kept
+    assert any(op == "aten.addmm.default" for op, _ in planned & kept)
+
+
+def test_whole_model_compile_after_eager_apply():
+    model, step, ref, p = _setup()
+    h = autoac.apply_plan(model, p)
+    try:
+        cm = torch.compile(model, **BACKEND)
+        got = autoac.measure_step(cm, step, keep_grads=True, track=False).grads
+    finally:
+        h.remove()
+    assert _close(ref, got)
+
+
+def test_memory_budget_fallback(monkeypatch):
+    model, step, ref, p = _setup()
+    monkeypatch.setattr(rt, "compile_mechanism", lambda: "memory_budget")
+    h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
+    try:
+        assert h.mechanism == "memory_budget"
+        got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
+    finally:
+        h.remove()
+    assert _close(ref, got)
+    for r in p.regions:
+        assert 0.0 <= r.saved_fraction <= 1.0
+
+
+def test_packed_regions_stay_eager_under_compile():
+    model = mlp_tower(n=2)
+    with pytest.raises(ValueError, match="compile"):
+        autoac.apply(
+            model, budget=1e9, sample_inputs=(torch.randn(8, 32),), formats=("mxfp8",), compile=True
+        )
