@@ -14,19 +14,23 @@ dq, dk, dv, with every output element written (allocations are poisoned with NaN
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 import torch
+from kernel_check import (
+    DKDV,
+    DQ,
+    SMALL,
+    Case,
+    build,
+    check,
+    kernels_available,
+    poison_allocations,
+)
 
 from hyperrec.jagged_attn import reference
-from hyperrec.jagged_attn.activations import activation as act_fn
-from hyperrec.jagged_attn.masks import MaskSpec, mask_matrix
 from hyperrec.jagged_attn.ops import spec_args
-from hyperrec.jagged_attn.spec import AttentionSpec
-from hyperrec.testing import assert_close_to_reference, poison_like
 
 triton = pytest.importorskip("triton")
 
@@ -34,130 +38,14 @@ from hyperrec.jagged_attn.triton import (  # noqa: E402
     KernelConfig,
     attention_backward,
     attention_forward,
-    supports,
 )
 
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEVICE = "cuda" if CUDA else "cpu"
-if not supports(DEVICE):
+if not kernels_available():
     pytest.skip(
         "the Triton kernels need CUDA or TRITON_INTERPRET=1 on the CPU", allow_module_level=True
     )
 
-# Small tiles on the CPU so that tiny sequences still span several tiles.
-SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-DKDV = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-DQ = KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-
-
-@dataclass(frozen=True)
-class Case:
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...] | None = None  # None: self-attention
-    kv_index: tuple[int, ...] | None = None
-    targets: tuple[int, ...] | None = None
-    heads: int = 2
-    head_dim: int = 32
-    head_dim_v: int | None = None
-    dtype: torch.dtype = torch.bfloat16
-    spec: dict = field(default_factory=dict)  # AttentionSpec fields besides max_seqlen
-    mask: dict = field(default_factory=dict)  # MaskSpec fields
-
-
-def _offsets(lens, device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()],
-                        dtype=torch.long, device=device)  # fmt: skip
-
-
-def _build(case: Case, seed: int, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    kv_lens = case.q_lens if case.kv_lens is None else case.kv_lens
-    tq, tk = sum(case.q_lens), sum(kv_lens)
-    dv = case.head_dim if case.head_dim_v is None else case.head_dim_v
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(case.dtype).to(device)
-
-    q, k = rnd(tq, case.heads, case.head_dim), rnd(tk, case.heads, case.head_dim)
-    v, do = rnd(tk, case.heads, dv), rnd(tq, case.heads, dv)
-    qo = _offsets(case.q_lens, device)
-    ko = qo if case.kv_lens is None else _offsets(kv_lens, device)
-    kvi = None if case.kv_index is None else torch.tensor(case.kv_index, device=device)
-    nt = None if case.targets is None else torch.tensor(case.targets, device=device)
-    max_q = max(case.q_lens, default=0)
-    max_k = max(kv_lens, default=0)
-    fields = dict(scale=1.0 / math.sqrt(case.head_dim)) | case.spec
-    spec = AttentionSpec(
-        max_seqlen_q=max_q, max_seqlen_kv=max_k, mask=MaskSpec(**case.mask), **fields
-    )
-    return q, k, v, do, qo, ko, kvi, nt, spec
-
-
-def _baseline(q, k, v, qo, ko, kvi, nt, spec: AttentionSpec) -> torch.Tensor:
-    """The spec computed naively per sequence in the input dtype (differentiable)."""
-    outs = []
-    for b in range(qo.numel() - 1):
-        kb = b if kvi is None else int(kvi[b])
-        qs, qe, ks, ke = int(qo[b]), int(qo[b + 1]), int(ko[kb]), int(ko[kb + 1])
-        lq, lk = qe - qs, ke - ks
-        n = 0 if nt is None else int(nt[b])
-        qb, kbt, vb = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
-        s = torch.matmul(qb, kbt.transpose(1, 2)) * spec.scale
-        m = mask_matrix(lq, lk, spec.mask, num_targets=n).to(q.device)
-        if spec.activation == "softmax":
-            w = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1)
-            w = torch.where(m.any(-1, keepdim=True), w, torch.zeros_like(w))
-        else:
-            w = torch.where(m, act_fn(spec.activation, s), torch.zeros_like(s))
-        coef = spec.output_scale
-        if spec.normalization == "max_seqlen":
-            coef /= max(spec.max_seqlen_kv, 1)
-        elif spec.normalization == "length" and lk > 0:
-            coef /= lk
-        outs.append((torch.matmul(w, vb) * coef).transpose(0, 1))
-    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
-
-
-@pytest.fixture(autouse=True)
-def _poison_allocations(monkeypatch):
-    """Every tensor the launchers allocate starts as NaN: an unwritten element shows up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poisoned_empty(*args, **kwargs):
-        return poison_like(empty(*args, **kwargs))
-
-    def poisoned_empty_like(*args, **kwargs):
-        return poison_like(empty_like(*args, **kwargs))
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
-
-
-def _check(case: Case, seed: int = 0, *, backward: bool = True, configs=(SMALL, DKDV, DQ),
-           atol: float = 1e-3) -> None:  # fmt: skip
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, seed)
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    cfg_fwd, cfg_dkdv, cfg_dq = configs
-    out, lse = attention_forward(q, k, v, *args, config=cfg_fwd)
-
-    exact = reference.attention_forward(
-        q.double(), k.double(), v.double(), qo, ko, spec, kv_index=kvi, num_targets=nt
-    )
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    base = _baseline(*leaves, qo, ko, kvi, nt, spec)
-    assert_close_to_reference(out, base, exact, atol=atol, name="out")
-    if not backward:
-        return
-    dq, dk, dv = attention_backward(do, q, k, v, out, lse, *args, config_dkdv=cfg_dkdv,
-                                    config_dq=cfg_dq)  # fmt: skip
-    exact_grads = reference.attention_backward(
-        do.double(), q.double(), k.double(), v.double(), qo, ko, spec, kv_index=kvi,
-        num_targets=nt,
-    )  # fmt: skip
-    base_grads = torch.autograd.grad(base, leaves, do, allow_unused=True)
-    for name, got, b, e in zip(("dq", "dk", "dv"), (dq, dk, dv), base_grads, exact_grads):
-        b = torch.zeros_like(e) if b is None else b
-        assert_close_to_reference(got, b, e, atol=atol, name=name)
+pytestmark = pytest.mark.usefixtures(poison_allocations.__name__)
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,17 +58,17 @@ LENS = (17, 0, 1, 40, 5, 33)
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_fwd_bwd(causal):
-    _check(Case(LENS, mask=dict(causal=causal)))
+    check(Case(LENS, mask=dict(causal=causal)))
 
 
 def test_softmax_fp16_head_dim_64_single_sequence():
     # B = 1, a length that is not a multiple of any block, fp16, another head dim.
-    _check(Case((45,), heads=1, head_dim=64, dtype=torch.float16, mask=dict(causal=True)))
+    check(Case((45,), heads=1, head_dim=64, dtype=torch.float16, mask=dict(causal=True)))
 
 
 def test_non_power_of_two_head_dims():
     # D = 48 and Dv = 24 are padded to 64 / 32 inside the kernel and masked on load/store.
-    _check(Case((19, 7), head_dim=48, head_dim_v=24))
+    check(Case((19, 7), head_dim=48, head_dim_v=24))
 
 
 @pytest.mark.parametrize(
@@ -197,11 +85,11 @@ def test_non_power_of_two_head_dims():
 )
 def test_gdpa_activations(activation, normalization, causal):
     spec = dict(activation=activation, normalization=normalization, output_scale=0.5)
-    _check(Case((21, 0, 3, 34), spec=spec, mask=dict(causal=causal)))
+    check(Case((21, 0, 3, 34), spec=spec, mask=dict(causal=causal)))
 
 
 def test_softmax_output_scale_and_length_normalisation():
-    _check(Case((9, 20), spec=dict(output_scale=1.5, normalization="length")))
+    check(Case((9, 20), spec=dict(output_scale=1.5, normalization="length")))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -216,8 +104,8 @@ def test_kv_index_and_asymmetric_lengths(causal):
         spec=dict(activation="softmax"),
         mask=dict(causal=causal),
     )
-    _check(case)
-    _check(replace(case, spec=dict(activation="silu", normalization="length")), seed=1)
+    check(case)
+    check(replace(case, spec=dict(activation="silu", normalization="length")), seed=1)
 
 
 @pytest.mark.parametrize(
@@ -232,31 +120,31 @@ def test_kv_index_and_asymmetric_lengths(causal):
 )
 def test_generic_masks(mask, targets):
     case = Case((26, 0, 5, 37), targets=targets, mask=mask, spec=dict(activation="softmax"))
-    _check(case)
-    _check(replace(case, spec=dict(activation="silu", normalization="max_seqlen")), seed=1)
+    check(case)
+    check(replace(case, spec=dict(activation="silu", normalization="max_seqlen")), seed=1)
 
 
 def test_many_short_sequences():
     # B = 40 tiny sequences, some empty: the cost-sorted tile table at scale.
     lens = tuple((7 * i) % 11 for i in range(40))
-    _check(Case(lens, heads=1, mask=dict(causal=True)))
+    check(Case(lens, heads=1, mask=dict(causal=True)))
 
 
 def test_default_configs():
     # The shipped (interpreter) configuration, not the pinned small tiles.
-    _check(Case((70, 3)), configs=(None, None, None))
+    check(Case((70, 3)), configs=(None, None, None))
 
 
 def test_empty_inputs():
     for lens in [(), (0, 0)]:
-        q, k, v, do, qo, ko, kvi, nt, spec = _build(Case(lens), 0)
+        q, k, v, do, qo, ko, kvi, nt, spec = build(Case(lens), 0)
         out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
         assert out.shape == (0, 2, 32) and lse.shape == (2, 0)
         grads = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
         assert [g.shape for g in grads] == [(0, 2, 32)] * 3
     # Queries whose kv sequences are all empty: outputs are zeros, gradients too.
     case = Case((3, 4), kv_lens=(0, 0), spec=dict(activation="silu"))
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, 0)
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
     out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
     assert torch.equal(out, torch.zeros_like(out))
     dq, dk, dv = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
@@ -290,7 +178,7 @@ def _variant(flags: dict, base: KernelConfig = SMALL) -> KernelConfig:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_variants_softmax(flags, causal):
     # 0- and 1-length sequences, partial tiles, several tiles per sequence, a small grid.
-    _check(Case(LENS, mask=dict(causal=causal)), configs=(_variant(flags), DKDV, DQ))
+    check(Case(LENS, mask=dict(causal=causal)), configs=(_variant(flags), DKDV, DQ))
 
 
 @pytest.mark.parametrize("flags", list(FWD_VARIANTS.values()), ids=list(FWD_VARIANTS))
@@ -300,8 +188,8 @@ def test_forward_variants_hstu(flags):
     spec = dict(activation="silu", normalization="max_seqlen")
     case = Case((26, 0, 1, 37), targets=(4, 0, 1, 2), spec=spec,
                 mask=dict(causal=True, contextual_len=3))  # fmt: skip
-    _check(case, configs=(_variant(flags), DKDV, DQ), backward=False)
-    _check(replace(case, head_dim=48), seed=1, configs=(_variant(flags), DKDV, DQ),
+    check(case, configs=(_variant(flags), DKDV, DQ), backward=False)
+    check(replace(case, head_dim=48), seed=1, configs=(_variant(flags), DKDV, DQ),
            backward=False)  # fmt: skip
 
 
@@ -310,14 +198,14 @@ def test_forward_variants_kv_index():
     # and Lq < Lk, an empty kv sequence, an unused one.
     case = Case(q_lens=(5, 1, 0, 30, 12), kv_lens=(23, 9, 0), kv_index=(0, 0, 2, 0, 2),
                 mask=dict(causal=True))  # fmt: skip
-    _check(case, configs=(_variant(ALL_FLAGS), DKDV, DQ))
+    check(case, configs=(_variant(ALL_FLAGS), DKDV, DQ))
 
 
 def test_lazy_rescale_large_scores():
     # Large scores: running maxima jump by far more than the 2**8 threshold between tiles,
     # so both branches of the lazy rescale run (small scores above take the lazy one).
     for flags in (dict(lazy_rescale=True), dict(lazy_rescale=True, softmax_fma=True)):
-        _check(Case(LENS, spec=dict(scale=2.0), mask=dict(causal=True)),
+        check(Case(LENS, spec=dict(scale=2.0), mask=dict(causal=True)),
                configs=(_variant(flags), DKDV, DQ))  # fmt: skip
 
 
@@ -329,7 +217,7 @@ def test_fma_needs_positive_scale():
     flags = _launch._forward_variants(_variant(ALL_FLAGS), "softmax", -0.5, (q, q, q, q),
                                       (16, 16))  # fmt: skip
     assert not flags["FMA"] and flags["LAZY"] and flags["PREFETCH"] and flags["TMA"]
-    _check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
+    check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -344,7 +232,7 @@ def test_shipped_hopper_forward_configs(head_dim):
         assert cfg.tma == TMA_Q | TMA_KV | TMA_O and cfg.tma_in_kernel, (bucket, cfg)
         case = Case((cfg.block_m + 3, 0, cfg.block_n, 5), heads=1, head_dim=head_dim,
                     mask=dict(causal=bucket == "long"))  # fmt: skip
-        _check(case, configs=(cfg, DKDV, DQ), backward=False)
+        check(case, configs=(cfg, DKDV, DQ), backward=False)
 
 
 def test_tma_dropped_where_descriptors_cannot_read():
@@ -373,7 +261,7 @@ def test_forward_variants_nan_stays_inside_its_sequence():
     # NaN there must not reach this sequence's output (K is replaced by the mask, V is read
     # through masked loads in tiles that cross the end, Q's extra rows are never stored).
     case = Case((17, 40, 5, 33))
-    q, k, v, _, qo, ko, kvi, nt, spec = _build(case, 0)
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
     q[17:57], k[17:57], v[17:57] = (float("nan"),) * 3  # sequence 1
     args = (qo, ko, kvi, nt, *spec_args(spec))
     want, _ = attention_forward(q, k, v, *args, config=SMALL)
@@ -404,8 +292,8 @@ def test_warp_specialize_build_failure_falls_back(monkeypatch):
     monkeypatch.setattr(_launch, "_launch_persistent", fake)
     monkeypatch.setattr(_launch, "_FAILED_BUILDS", {})
     cfg = _variant(dict(warp_specialize=True))
-    _check(Case((19, 0, 1)), configs=(cfg, DKDV, DQ), backward=False)
-    _check(Case((19, 0, 1)), seed=1, configs=(cfg, DKDV, DQ), backward=False)
+    check(Case((19, 0, 1)), configs=(cfg, DKDV, DQ), backward=False)
+    check(Case((19, 0, 1)), seed=1, configs=(cfg, DKDV, DQ), backward=False)
     fwd_calls = [c for c in calls if c is not None]
     assert fwd_calls == [True, False, False]
     assert len(_launch.forward_build_failures()) == 1
@@ -448,7 +336,7 @@ def _random_lens(n: int, max_len: int, seed: int) -> tuple[int, ...]:
 def test_gpu_softmax_sweep(head_dim, causal, dtype):
     lens = _random_lens(24, 700, head_dim)
     case = Case(lens, heads=3, head_dim=head_dim, dtype=dtype, mask=dict(causal=causal))
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -460,7 +348,7 @@ def test_gpu_gdpa_sweep(activation, head_dim):
     lens = _random_lens(16, 600, 7)
     spec = dict(activation=activation, normalization="max_seqlen", scale=0.5)
     case = Case(lens, heads=2, head_dim=head_dim, spec=spec, mask=dict(causal=True))
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -470,21 +358,21 @@ def test_gpu_kv_index_and_masks():
     kv_index = tuple(int(i) % 8 for i in range(64))
     case = Case(q_lens, kv_lens=kv_lens, kv_index=kv_index, head_dim=128,
                 spec=dict(activation="silu", normalization="length"))  # fmt: skip
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
     lens = _random_lens(12, 500, 5)
     targets = tuple(min(n, 20) for n in lens)
     hstu = Case(lens, targets=targets, head_dim=64, mask=dict(causal=True, contextual_len=6),
                 spec=dict(activation="silu", normalization="max_seqlen"))  # fmt: skip
-    _check(hstu, configs=(None, None, None), atol=1e-4)
+    check(hstu, configs=(None, None, None), atol=1e-4)
     block = Case(lens, head_dim=64, mask=dict(block_size=64, block_previous=True))
-    _check(block, configs=(None, None, None), atol=1e-4)
+    check(block, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
 def test_gpu_large_batch_no_sync_no_recompile():
     """B = 1,024 mixed lengths: correct, no host sync, and no compile for new lengths."""
     case = Case(_random_lens(1024, 300, 11), heads=4, head_dim=64, mask=dict(causal=True))
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, 0)
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
     args = (qo, ko, kvi, nt, *spec_args(spec))
     attention_backward(do, q, k, v, *attention_forward(q, k, v, *args), *args)  # compile
     torch.cuda.synchronize()
@@ -501,7 +389,7 @@ def test_gpu_large_batch_no_sync_no_recompile():
     before = n_compiled()
     assert before > 0, "could not count compiled kernels in this Triton version"
     case2 = replace(case, q_lens=_random_lens(777, 290, 12))  # new B, T and lengths
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case2, 1)
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case2, 1)
     spec = replace(spec, max_seqlen_q=300, max_seqlen_kv=300)  # same bucket
     args = (qo, ko, kvi, nt, *spec_args(spec))
     torch.cuda.set_sync_debug_mode("error")

@@ -460,16 +460,17 @@ def _q_range(
     diag = Lk - Lq
     last_j = tl.minimum(n0 + BLOCK_N, Lk) - 1
     if GENERIC:
-        # Necessary conditions on the query position p (see _allowed): a lower bound from
-        # causal / right window / block, an upper bound on e from left window / block.
-        lo_p = -diag  # p of row 0
+        # Necessary conditions on the query position p = i + diag (see _allowed): a lower
+        # bound from causal / right window / block, an upper bound on e from left window /
+        # block. Row i of position p is i = p - diag.
+        lo_p = diag  # p of row 0
         if CAUSAL:
             lo_p = tl.maximum(lo_p, n0)
         if HAS_WR:
             lo_p = tl.maximum(lo_p, n0 - wr)
         if HAS_BLOCK:
             lo_p = tl.maximum(lo_p, n0 // bsz * bsz)
-        lo = tl.maximum(lo_p + diag, 0)
+        lo = tl.maximum(lo_p - diag, 0)
         hi = Lq
         if HAS_WL or HAS_BLOCK:
             e_hi = Lk + Lq  # effectively unbounded
