@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from hyperrec.jagged_attn._checks import check_choice
+from hyperrec.jagged_attn._validate import check_choice
 from hyperrec.jagged_attn.ops import attention_torch
 from hyperrec.jagged_attn.triton.ops import attention_triton, unsupported_reason
 
