@@ -101,35 +101,49 @@ def matmul_ceiling() -> float:
 # ---------------------------------------------------------------------------------------
 
 
+def call_of(spec, q, k, v, offsets):
+    """The launchers' description of one self-attention call."""
+    from hyperrec.jagged_attn._opschema import AttentionCall
+
+    return AttentionCall(q=q, k=k, v=v, q_offsets=offsets, kv_offsets=offsets, kv_index=None,
+                         num_targets=None, spec=spec)  # fmt: skip
+
+
 class _Hyperrec(torch.autograd.Function):
+    """The launchers directly (no validation, no custom-op dispatch)."""
+
     @staticmethod
     def forward(ctx, q, k, v, offsets, spec):
-        from hyperrec.jagged_attn.triton import attention_forward
+        from hyperrec.jagged_attn._triton import attention_forward
 
-        out, lse = attention_forward(q, k, v, offsets, offsets, None, None, *spec)
+        out, lse = attention_forward(call_of(spec, q, k, v, offsets))
         ctx.save_for_backward(q, k, v, out, lse, offsets)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        from hyperrec.jagged_attn.triton import attention_backward
+        from hyperrec.jagged_attn._triton import attention_backward
 
         q, k, v, out, lse, offsets = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, offsets, offsets, None, None, *ctx.spec
-        )
+        call = call_of(ctx.spec, q, k, v, offsets)
+        dq, dk, dv = attention_backward(grad_out.contiguous(), out, lse, call)
         return dq, dk, dv, None, None
 
 
-def _spec(case: Case, max_len: int) -> tuple:
-    d = case.head_dim
-    if case.kind == "softmax":
-        return ("softmax", 1 / math.sqrt(d), 1.0, "none", max_len, max_len, case.causal,
-                -1, -1, 0, 0, False)  # fmt: skip
-    # HSTU: silu(alpha * qk) / max_seqlen, causal (diagonal included)
-    return ("silu", 1 / math.sqrt(d), 1.0, "max_seqlen", max_len, max_len, True,
-            -1, -1, 0, 0, False)  # fmt: skip
+def _spec(case: Case, max_len: int):
+    """The case's AttentionSpec: softmax, or HSTU (silu(alpha * qk) / max_seqlen, causal)."""
+    from hyperrec.jagged_attn import AttentionSpec, MaskSpec
+
+    hstu = case.kind != "softmax"
+    return AttentionSpec(
+        activation="silu" if hstu else "softmax",
+        scale=1 / math.sqrt(case.head_dim),
+        normalization="max_seqlen" if hstu else "none",
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        mask=MaskSpec(causal=hstu or case.causal),
+    )
 
 
 def impl_hyperrec(case, q, k, v, do, offsets, lens):
@@ -312,7 +326,7 @@ def run_case(case: Case, args, flex_compiled) -> dict:
                       pad_fraction=1 - t_total / (case.batch * case.max_len),
                       flops_fwd=flops, results={})  # fmt: skip
     impls = {"hyperrec": lambda: impl_hyperrec(case, q, k, v, do, offsets, lens)}
-    from hyperrec.jagged_attn.triton import _configs
+    from hyperrec.jagged_attn._triton import _configs
 
     info["hyperrec_configs"] = {
         kern: asdict(_configs.select_config(_configs.config_key(

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from hyperrec.jagged_attn import reference
+from hyperrec.jagged_attn._opschema import AttentionCall
+from hyperrec.jagged_attn._triton import KernelConfig, supports
 from hyperrec.jagged_attn.activations import activation as act_fn
 from hyperrec.jagged_attn.masks import MaskSpec, mask_matrix
-from hyperrec.jagged_attn.ops import spec_args
 from hyperrec.jagged_attn.spec import AttentionSpec
-from hyperrec.jagged_attn.triton import KernelConfig, supports
 from hyperrec.testing import assert_close_to_reference, poison_like
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -34,18 +34,23 @@ def kernels_available() -> bool:
     return supports(DEVICE)
 
 
+def call_of(q, k, v, qo, ko, kvi, nt, spec) -> AttentionCall:
+    return AttentionCall(q=q, k=k, v=v, q_offsets=qo, kv_offsets=ko, kv_index=kvi,
+                         num_targets=nt, spec=spec)  # fmt: skip
+
+
 def run_forward(q, k, v, qo, ko, kvi, nt, spec, config=None):
     """The kernels' forward: ``(out, lse)``."""
-    from hyperrec.jagged_attn.triton import attention_forward
+    from hyperrec.jagged_attn._triton import attention_forward
 
-    return attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec), config=config)
+    return attention_forward(call_of(q, k, v, qo, ko, kvi, nt, spec), config=config)
 
 
 def run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec, config_dkdv=None, config_dq=None):
     """The kernels' backward: ``(dq, dk, dv)``."""
-    from hyperrec.jagged_attn.triton import attention_backward
+    from hyperrec.jagged_attn._triton import attention_backward
 
-    return attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec),
+    return attention_backward(do, out, lse, call_of(q, k, v, qo, ko, kvi, nt, spec),
                               config_dkdv=config_dkdv, config_dq=config_dq)  # fmt: skip
 
 

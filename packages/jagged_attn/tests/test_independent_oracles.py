@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from jagged_oracle import offsets_of, rand
 
 from hyperrec.jagged_attn import gdpa, jagged_attention
-from hyperrec.jagged_attn.triton import supports
+from hyperrec.jagged_attn._triton import supports
 from hyperrec.testing import assert_close_to_reference, poison_like
 
 TRITON = supports("cpu") or supports("cuda")

@@ -27,18 +27,14 @@ from kernel_check import (
     check,
     kernels_available,
     poison_allocations,
+    run_backward,
+    run_forward,
 )
 
 from hyperrec.jagged_attn import reference
-from hyperrec.jagged_attn.ops import spec_args
+from hyperrec.jagged_attn._triton import KernelConfig
 
 triton = pytest.importorskip("triton")
-
-from hyperrec.jagged_attn.triton import (  # noqa: E402
-    KernelConfig,
-    attention_backward,
-    attention_forward,
-)
 
 if not kernels_available():
     pytest.skip(
@@ -138,16 +134,16 @@ def test_default_configs():
 def test_empty_inputs():
     for lens in [(), (0, 0)]:
         q, k, v, do, qo, ko, kvi, nt, spec = build(Case(lens), 0)
-        out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
+        out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec)
         assert out.shape == (0, 2, 32) and lse.shape == (2, 0)
-        grads = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
+        grads = run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec)
         assert [g.shape for g in grads] == [(0, 2, 32)] * 3
     # Queries whose kv sequences are all empty: outputs are zeros, gradients too.
     case = Case((3, 4), kv_lens=(0, 0), spec=dict(activation="silu"))
     q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
-    out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
+    out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec)
     assert torch.equal(out, torch.zeros_like(out))
-    dq, dk, dv = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
+    dq, dk, dv = run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec)
     assert torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == dv.numel() == 0
 
 
@@ -211,7 +207,7 @@ def test_lazy_rescale_large_scores():
 
 def test_fma_needs_positive_scale():
     # softmax_fma takes the row max before scaling: with scale <= 0 the launcher drops it.
-    from hyperrec.jagged_attn.triton import _launch
+    from hyperrec.jagged_attn._triton import _launch
 
     q = torch.zeros(4, 1, 16, dtype=torch.bfloat16)
     flags = _launch._forward_variants(_variant(ALL_FLAGS), "softmax", -0.5, (q, q, q, q),
@@ -225,7 +221,7 @@ def test_shipped_hopper_forward_configs(head_dim):
     # The shipped sm90 forward entries read Q and K/V and write O through in-kernel
     # descriptors; run each (its real tile shape) in the interpreter against the float64
     # reference: sequences shorter than, equal to and longer than a tile, and empty.
-    from hyperrec.jagged_attn.triton._configs import TMA_KV, TMA_O, TMA_Q, TUNED
+    from hyperrec.jagged_attn._triton._configs import TMA_KV, TMA_O, TMA_Q, TUNED
 
     for bucket in ("short", "long"):
         cfg = TUNED[("fwd", "sm90", head_dim, bucket)]
@@ -238,8 +234,8 @@ def test_shipped_hopper_forward_configs(head_dim):
 def test_tma_dropped_where_descriptors_cannot_read():
     # Head dims that are not powers of two, heads not packed in their rows, and empty
     # tensors take the pointer path; packed aligned heads keep the descriptors.
-    from hyperrec.jagged_attn.triton import _launch
-    from hyperrec.jagged_attn.triton._configs import TUNED
+    from hyperrec.jagged_attn._triton import _launch
+    from hyperrec.jagged_attn._triton._configs import TUNED
 
     cfg = TUNED[("fwd", "sm90", 128, "long")]
 
@@ -263,11 +259,11 @@ def test_forward_variants_nan_stays_inside_its_sequence():
     case = Case((17, 40, 5, 33))
     q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
     q[17:57], k[17:57], v[17:57] = (float("nan"),) * 3  # sequence 1
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    want, _ = attention_forward(q, k, v, *args, config=SMALL)
+    args = (qo, ko, kvi, nt, spec)
+    want, _ = run_forward(q, k, v, *args, config=SMALL)
     for flags in (dict(tma=True), dict(tma=True, tma_in_kernel=True), ALL_FLAGS):
         for cfg in (_variant(flags), _variant(flags, KernelConfig(block_m=32, block_n=32))):
-            out, lse = attention_forward(q, k, v, *args, config=cfg)
+            out, lse = run_forward(q, k, v, *args, config=cfg)
             others = torch.cat([out[:17], out[57:]])
             assert torch.isfinite(others).all(), flags
             assert torch.isnan(out[17:57]).all()
@@ -278,7 +274,7 @@ def test_forward_variants_nan_stays_inside_its_sequence():
 def test_warp_specialize_build_failure_falls_back(monkeypatch):
     # A Triton that cannot warp-specialise the loop: the launcher builds the same kernel
     # without it, remembers the failure and does not try again.
-    from hyperrec.jagged_attn.triton import _launch
+    from hyperrec.jagged_attn._triton import _launch
 
     real = _launch._launch_persistent
     calls = []
@@ -301,7 +297,7 @@ def test_warp_specialize_build_failure_falls_back(monkeypatch):
 
 def test_tile_meta_table():
     # The prefetched table resolves each scheduled tile to its geometry.
-    from hyperrec.jagged_attn.triton._schedule import q_tile_meta, q_tile_schedule
+    from hyperrec.jagged_attn._triton._schedule import q_tile_meta, q_tile_schedule
 
     qo = torch.tensor([0, 5, 5, 6, 40], dtype=torch.int32)
     ko = torch.tensor([0, 23, 23, 30], dtype=torch.int32)
@@ -373,10 +369,10 @@ def test_gpu_large_batch_no_sync_no_recompile():
     """B = 1,024 mixed lengths: correct, no host sync, and no compile for new lengths."""
     case = Case(_random_lens(1024, 300, 11), heads=4, head_dim=64, mask=dict(causal=True))
     q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    attention_backward(do, q, k, v, *attention_forward(q, k, v, *args), *args)  # compile
+    args = (qo, ko, kvi, nt, spec)
+    run_backward(do, q, k, v, *run_forward(q, k, v, *args), *args)  # compile
     torch.cuda.synchronize()
-    from hyperrec.jagged_attn.triton import _kernels
+    from hyperrec.jagged_attn._triton import _kernels
 
     def n_compiled():
         total = 0
@@ -391,11 +387,11 @@ def test_gpu_large_batch_no_sync_no_recompile():
     case2 = replace(case, q_lens=_random_lens(777, 290, 12))  # new B, T and lengths
     q, k, v, do, qo, ko, kvi, nt, spec = build(case2, 1)
     spec = replace(spec, max_seqlen_q=300, max_seqlen_kv=300)  # same bucket
-    args = (qo, ko, kvi, nt, *spec_args(spec))
+    args = (qo, ko, kvi, nt, spec)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, lse = attention_forward(q, k, v, *args)
-        grads = attention_backward(do, q, k, v, out, lse, *args)
+        out, lse = run_forward(q, k, v, *args)
+        grads = run_backward(do, q, k, v, out, lse, *args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert n_compiled() == before, "a new set of lengths triggered a compilation"

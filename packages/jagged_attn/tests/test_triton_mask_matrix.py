@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_check import DKDV, DQ, SMALL, Case, check, kernels_available, poison_allocations
 
-from hyperrec.jagged_attn.triton import KernelConfig
+from hyperrec.jagged_attn._triton import KernelConfig
 
 pytest.importorskip("triton")
 if not kernels_available():

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from hyperrec.jagged_attn._dispatch import BACKENDS, Backend, resolve_backend
+from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._validate import (
     Names,
     Validate,
@@ -27,9 +29,7 @@ from hyperrec.jagged_attn._validate import (
     value_check_mode,
 )
 from hyperrec.jagged_attn.activations import ACTIVATIONS
-from hyperrec.jagged_attn.backends import BACKENDS, resolve_backend
 from hyperrec.jagged_attn.masks import MaskSpec
-from hyperrec.jagged_attn.ops import spec_args
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
 __all__ = ["block_attention", "gdpa", "jagged_attention"]
@@ -80,7 +80,9 @@ def _dispatch(
         names=names,
     )
     op = resolve_backend(backend, q, v)
-    return op(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *spec_args(spec))
+    call = AttentionCall(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
+                         kv_index=kv_index, num_targets=num_targets, spec=spec)  # fmt: skip
+    return op(*call.op_args())
 
 
 def jagged_attention(
@@ -95,7 +97,7 @@ def jagged_attention(
     causal: bool = False,
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
-    backend: str = "auto",
+    backend: Backend = "auto",
     validate: Validate = True,
 ) -> torch.Tensor:
     """Softmax attention over jagged sequences, without padding.
@@ -212,7 +214,7 @@ def gdpa(
     window_size: tuple[int, int] = (-1, -1),
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
-    backend: str = "auto",
+    backend: Backend = "auto",
     validate: Validate = True,
 ) -> torch.Tensor:
     """Generalized Dot-Product Attention: an activation in place of the softmax.
@@ -352,7 +354,7 @@ def block_attention(
     num_global: int = 0,
     causal: bool = False,
     scale: float | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
     validate: Validate = True,
 ) -> torch.Tensor:
     """Softmax self-attention within fixed-size blocks of each sequence: O(L) work.

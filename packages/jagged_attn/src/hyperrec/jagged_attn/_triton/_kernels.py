@@ -54,11 +54,10 @@ allowed key outputs 0 and stores LSE = +inf, which makes its backward exactly 0.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from hyperrec.jagged_attn._triton import interpreting
 from hyperrec.jagged_attn.activations import GELU_POLY_COEFFS, GELU_POLY_RANGE
 
 # Activation codes (the ``ACT`` constexpr); the launcher maps names to these.
@@ -108,7 +107,7 @@ assert len(GELU_POLY_COEFFS) == 8, "the kernel's Horner scheme is written for 8 
 # bf16/fp16 values, so this reproduces the tensor cores' exact products with fp32
 # accumulation) and fp32 -> bf16 casts round to nearest-even by hand. On a GPU none of this
 # is compiled: the kernels use the native tensor-core GEMMs and conversions.
-_WIDEN_GEMM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_WIDEN_GEMM = tl.constexpr(interpreting())
 
 
 @triton.jit
