@@ -105,7 +105,7 @@ def run_case(case, device: str, reps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
     parser.add_argument("--quick", action="store_true", help="two cases")
     parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
     args = parser.parse_args()

@@ -162,6 +162,9 @@ FWD_VARIANTS = {
     "fma": dict(softmax_fma=True),
     "lazy": dict(lazy_rescale=True),
     "ws": dict(warp_specialize=True),
+    "dynamic": dict(dynamic_schedule=True),
+    "sequence_order": dict(work_order="sequence"),
+    "dynamic_sequence_tma": dict(dynamic_schedule=True, work_order="sequence", tma=True),
     "all": ALL_FLAGS,
 }
 
@@ -398,3 +401,41 @@ def test_gpu_large_batch_no_sync_no_recompile():
     exact = reference.attention_forward(q.double(), k.double(), v.double(), qo, ko, spec)
     assert (out.double() - exact).abs().max() < 2e-2
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_sequence_work_order_keeps_sequences_together():
+    # "sequence": sequences by total cost (heaviest first), each one's tiles contiguous and
+    # heaviest first; "cost": every tile by its own cost. Both list every real tile once.
+    from hyperrec.jagged_attn._triton._schedule import q_tile_schedule
+
+    lens = [40, 0, 70, 5, 70, 33]
+    qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total_q = sum(lens)
+    for causal in (False, True):
+        by_cost = q_tile_schedule(qo, qo, None, 16, causal, total_q, "cost")
+        by_seq = q_tile_schedule(qo, qo, None, 16, causal, total_q, "sequence")
+        n = int(by_cost[2])
+        assert n == int(by_seq[2]) == sum(-(-x // 16) for x in lens)
+        tiles = {(int(a), int(b)) for a, b in zip(by_cost[0][:n], by_cost[1][:n])}
+        assert tiles == {(int(a), int(b)) for a, b in zip(by_seq[0][:n], by_seq[1][:n])}
+        seqs = by_seq[0][:n].tolist()
+        runs = [seqs[0]] + [b for a, b in zip(seqs, seqs[1:]) if a != b]
+        assert len(runs) == len(set(runs)), "a sequence's tiles are split"
+        assert runs[:2] in ([2, 4], [4, 2]) and runs[-1] == 3  # longest first, shortest last
+        if causal:  # within a sequence, the tile that sees the most keys first
+            idx = by_seq[1][: seqs.count(runs[0])].tolist()
+            assert idx == sorted(idx, reverse=True)
+
+
+def test_occupancy_estimate_counts_reserved_shared_memory_and_register_granularity():
+    from hyperrec.jagged_attn._triton._launch import occupancy_estimate
+
+    hopper = dict(regs=65536, smem=228 * 1024, threads=2048)
+    # two blocks of 114 KiB do not fit: each also takes 1 KiB of reserved shared memory
+    assert occupancy_estimate(64, 114 * 1024, 4, hopper) == 1
+    assert occupancy_estimate(64, 112 * 1024, 4, hopper) == 2
+    # 130 registers are allocated as 136 per thread (256 per warp): 3 blocks of 4 warps
+    # would need 3 * 4 * 32 * 136 = 52,224 <= 65,536, but 4 would not
+    assert occupancy_estimate(130, 1024, 4, hopper) == 3
+    assert occupancy_estimate(255, 0, 8, hopper) == 1
+    assert occupancy_estimate(32, 0, 1, hopper) == 8  # capped

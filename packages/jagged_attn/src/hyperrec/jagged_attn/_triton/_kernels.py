@@ -715,7 +715,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, n_q_rows, n_kv_rows,
     q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total, tile_meta,
-    qk_scale, coef, wl, wr, ctx, bsz,
+    work_counter, qk_scale, coef, wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
@@ -724,6 +724,7 @@ def _fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
     PREFETCH: tl.constexpr = False, TMA: tl.constexpr = 0, TMA_IN_KERNEL: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, FMA: tl.constexpr = False, LAZY: tl.constexpr = False,
+    DYNAMIC: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -767,6 +768,25 @@ def _fwd_kernel(
                     BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
                 )  # fmt: skip
+    elif DYNAMIC:
+        # Greedy list scheduling: each program takes the next unclaimed item of the
+        # cost-sorted list (one scalar atomic per item) until the list is exhausted.
+        w = tl.atomic_add(work_counter, 1)
+        while w < total:
+            h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
+                w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+                H, HAS_MAP, HAS_TARGETS, BLOCK_M,
+            )  # fmt: skip
+            _fwd_item(
+                Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ot, stride_oh, stride_lh, h, q_start, Lq, k_start, Lk, n_targets,
+                m0, qk_scale, coef, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
+            )  # fmt: skip
+            w = tl.atomic_add(work_counter, 1)
     else:
         for r in range(0, tl.cdiv(total, nprog)):
             w = _work_item(r, pid, nprog)

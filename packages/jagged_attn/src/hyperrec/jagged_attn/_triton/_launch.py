@@ -85,24 +85,44 @@ class _Mask:
         )
 
 
+# Per-device facts, read once (a property query per launch costs host time).
+_ARCH: dict[int, str] = {}
+_SM_PROPS: dict[int, dict[str, int]] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _arch(device: torch.device) -> str:
     if interpreting():
         return "interpreter"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return "sm90"
-    return "default"
+    if device.type != "cuda":
+        return "default"
+    index = _index(device)
+    if index not in _ARCH:
+        _ARCH[index] = "sm90" if torch.cuda.get_device_capability(index)[0] == 9 else "default"
+    return _ARCH[index]
 
 
-_SM_COUNT: dict[int, int] = {}
+def _sm_props(device: torch.device) -> dict[str, int]:
+    """SM count and per-SM limits (feature-detected; Hopper's values where torch lacks them)."""
+    index = _index(device)
+    if index not in _SM_PROPS:
+        p = torch.cuda.get_device_properties(index)
+        _SM_PROPS[index] = dict(
+            sms=p.multi_processor_count,
+            regs=int(getattr(p, "regs_per_multiprocessor", 65536)),
+            smem=int(getattr(p, "shared_memory_per_multiprocessor", 228 * 1024)),
+            threads=int(getattr(p, "max_threads_per_multi_processor", 2048)),
+        )
+    return _SM_PROPS[index]
 
 
 def _num_sms(device: torch.device) -> int:
     if interpreting() or device.type != "cuda":
         return 2  # the interpreter runs programs one by one: a small grid tests striding
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return _sm_props(device)["sms"]
 
 
 # Programs of a persistent kernel that fit on one SM at once, per compiled variant. Filled
@@ -110,18 +130,36 @@ def _num_sms(device: torch.device) -> int:
 # a safe one-per-SM grid).
 _OCCUPANCY: dict[tuple, int] = {}
 
+# The CUDA runtime reserves 1 KiB of shared memory per resident block (sm80 and later).
+_SMEM_RESERVED_PER_BLOCK = 1024
 
-def _occupancy(compiled: Any, num_warps: int) -> int:
+
+def occupancy_estimate(
+    n_regs: int, shared: int, num_warps: int, props: dict[str, int] | None = None
+) -> int:
+    """Blocks of a kernel resident on one SM at once, by registers, shared memory and
+    threads, rounded the way the hardware allocates (never above 8, never below 1).
+
+    A persistent kernel must not launch more programs than are resident: each program has a
+    fixed share of the work, so programs that wait for a free SM run as a second wave and
+    can double the kernel time. Registers are allocated per warp in units of 256, and every
+    block also takes :data:`_SMEM_RESERVED_PER_BLOCK` of shared memory.
+    """
+    props = props or dict(regs=65536, smem=228 * 1024, threads=2048)
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = props["regs"] // (regs_per_warp * num_warps)
+    by_smem = props["smem"] // (shared + _SMEM_RESERVED_PER_BLOCK) if shared > 0 else 32
+    by_threads = props["threads"] // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 8))
+
+
+def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
     try:
         n_regs = int(compiled.n_regs)
         shared = int(compiled.metadata.shared)
     except (AttributeError, TypeError, ValueError):
         return 1
-    threads = 32 * num_warps
-    by_regs = 65536 // max(n_regs * threads, 1)
-    by_smem = (228 * 1024) // shared if shared > 0 else 32
-    by_threads = 2048 // threads
-    return max(1, min(by_regs, by_smem, by_threads, 8))
+    return occupancy_estimate(n_regs, shared, num_warps, _sm_props(device))
 
 
 def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig, key, args, kw):
@@ -130,7 +168,7 @@ def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig,
     grid = (max(1, min(work_upper_bound, _num_sms(device) * occ)),)
     compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if key not in _OCCUPANCY and not interpreting():
-        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps)
+        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, device)
         _COMPILED[key] = compiled
 
 
@@ -204,6 +242,7 @@ def _forward_variants(
     ws = cfg.warp_specialize and (interpreting() or features.get("warp_specialize", False))
     return dict(
         PREFETCH=cfg.prefetch,
+        DYNAMIC=cfg.dynamic_schedule and not cfg.prefetch,
         TMA=tma,
         TMA_IN_KERNEL=bool(tma) and cfg.tma_in_kernel,
         WARP_SPEC=ws,
@@ -306,16 +345,19 @@ def attention_forward(
     q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
     kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     variants = _forward_variants(cfg, activation, scale, (q, k, v, out), (head_dim, head_dim_v))
+    order = cfg.work_order
     if variants["PREFETCH"]:
         tile_meta, total = q_tile_meta(
-            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q
+            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q, order
         )
         tile_seq = tile_idx = total  # not read
     else:
         tile_seq, tile_idx, total = q_tile_schedule(
-            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
+            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q, order
         )
         tile_meta = total  # not read
+    # the dynamic schedule's shared item counter, zeroed for this launch
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if variants["DYNAMIC"] else total
     unused = total  # a valid pointer for arguments a variant never reads
     bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
     tma = variants["TMA"]
@@ -336,7 +378,7 @@ def attention_forward(
         out.stride(0), out.stride(1), total_q, total_q, k.shape[0],
         q_offsets, kv_offsets, unused if kv_index is None else kv_index,
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total, tile_meta,
-        _qk_scale(activation, scale), coef, *_Mask(call).ints(),
+        counter, _qk_scale(activation, scale), coef, *_Mask(call).ints(),
     )  # fmt: skip
     kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
