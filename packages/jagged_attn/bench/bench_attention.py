@@ -20,7 +20,11 @@ Implementations, in the same process on the same instance:
   sequence: the cost of padding, shown for scale (its padded rows are not a jagged
   answer; non-causal rows also attend to the zero padding). On the dense single-sequence
   cases it is exactly the same attention as ours;
-* ``hstu_triton`` (GDPA cases, with ``--hstu PATH``): generative-recommenders' HSTU kernel.
+* ``hstu_triton`` (GDPA cases, with ``--hstu PATH``): generative-recommenders' HSTU kernel;
+* ``hyperrec_packed``, ``hyperrec_packed_m64`` (cases of sequences <= 128): the opt-in
+  packed-rows forward (``KernelConfig.pack_rows``; shipped tiles, and 64-row tiles) through
+  the launchers, with the shipped backward. Their ``ratio_hyperrec_over_peer`` is the
+  default path over the packed one.
 
 Throughput counts useful FLOPs only: ``4 * sum(Lq * Lk) * H * D`` for the forward (allowed
 pairs only when causal), backward counted 2.5x (fwd+bwd = 3.5x). bf16, random normal.
@@ -92,6 +96,7 @@ QUICK = [
 ]
 SMOKE = [
     Case("smoke-u-B3-L40-H1-D16", "uniform", 3, 40, 1, 16),
+    Case("smoke-tiny-u-B12-L8-H1-D16", "uniform", 12, 8, 1, 16),
     Case("smoke-p-B4-L40-H1-D16-causal", "powerlaw", 4, 40, 1, 16, causal=True),
     Case("smoke-gdpa-u-B3-L40-H1-D16", "uniform", 3, 40, 1, 16, True, "gdpa_silu"),
 ]
@@ -196,6 +201,43 @@ def impl_hyperrec(case, q, k, v, do, offsets, lens, backend="auto"):
 
     def fwd_bwd():
         return torch.autograd.grad(call(*leaves), leaves, do)
+
+    return fwd, fwd_bwd, fwd
+
+
+# Opt-in packed-rows forward (KernelConfig.pack_rows) on cases of short sequences: the
+# shipped tiles, and 64-row tiles.
+PACKED_MAX_LEN = 128
+
+
+def _packed_configs(case: Case, device: str) -> dict:
+    from hyperrec.jagged_attn._triton import KernelConfig, _configs, _launch
+
+    arch = _launch._arch(torch.device(device))
+    c = _configs.select_config(_configs.config_key("fwd", arch, case.head_dim,
+                                                   case.kind == "softmax", case.causal,
+                                                   case.max_len))  # fmt: skip
+    return {
+        "hyperrec_packed": KernelConfig(block_m=c.block_m, block_n=c.block_n,
+                                        num_warps=c.num_warps, num_stages=c.num_stages,
+                                        pack_rows=True),
+        "hyperrec_packed_m64": KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                            pack_rows=True),
+    }  # fmt: skip
+
+
+def impl_hyperrec_packed(case, q, k, v, do, offsets, lens, config):
+    """The launchers with a pinned packed-rows forward (the backward is the shipped one)."""
+    from hyperrec.jagged_attn._triton import attention_backward, attention_forward
+
+    call = call_of(_spec(case, case.max_len), q, k, v, offsets)
+
+    def fwd():
+        return attention_forward(call, config=config)[0]
+
+    def fwd_bwd():
+        out, lse = attention_forward(call, config=config)
+        return attention_backward(do, out, lse, call)
 
     return fwd, fwd_bwd, fwd
 
@@ -327,6 +369,9 @@ def _warm(case: Case) -> str:
                                    dtype=torch.bfloat16) for _ in range(4))  # fmt: skip
         _, fwd_bwd, _ = impl_hyperrec(case, q, k, v, do, off.cuda(), lens)
         fwd_bwd()
+        if case.max_len <= PACKED_MAX_LEN:
+            for cfg in _packed_configs(case, "cuda").values():
+                impl_hyperrec_packed(case, q, k, v, do, off.cuda(), lens, cfg)[1]()
         torch.cuda.synchronize()
         return ""
     except Exception as e:
@@ -371,6 +416,10 @@ def run_case(case: Case, args, device: str, flex_compiled) -> dict:
         inst = dict(seed=seed, tokens=int(lens.sum()), flops_fwd=flops)
         impls = {"hyperrec": partial(impl_hyperrec, case, *inputs[2:], inputs[1], lens,
                                      "triton" if device != "cuda" else "auto")}  # fmt: skip
+        if case.max_len <= PACKED_MAX_LEN:
+            for name, cfg in _packed_configs(case, device).items():
+                impls[name] = partial(impl_hyperrec_packed, case, *inputs[2:], inputs[1], lens,
+                                      cfg)  # fmt: skip
         if case.kind == "softmax" and flex_compiled is not None:
             impls["flex"] = partial(impl_flex, case, *inputs[2:], inputs[1], lens, info,
                                     flex_compiled)  # fmt: skip
@@ -417,7 +466,8 @@ def run_case(case: Case, args, device: str, flex_compiled) -> dict:
         for key, values in by_pass.items():
             res[f"{key}_tflops"] = _stats(values)
     ours = timings.get("hyperrec", {})
-    for peer in ("flex", "flex_static", "sdpa_padded", "hstu_triton"):
+    for peer in ("flex", "flex_static", "sdpa_padded", "hstu_triton", "hyperrec_packed",
+                 "hyperrec_packed_m64"):  # fmt: skip
         for key in ("fwd", "fwd_bwd"):
             theirs = timings.get(peer, {}).get(key)
             if ours.get(key) and theirs:

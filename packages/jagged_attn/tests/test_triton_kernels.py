@@ -439,3 +439,68 @@ def test_occupancy_estimate_counts_reserved_shared_memory_and_register_granulari
     assert occupancy_estimate(130, 1024, 4, hopper) == 3
     assert occupancy_estimate(255, 0, 8, hopper) == 1
     assert occupancy_estimate(32, 0, 1, hopper) == 8  # capped
+
+
+PACKED = replace(SMALL, pack_rows=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "causal"),
+    [
+        (dict(), False),
+        (dict(), True),
+        (dict(activation="silu", normalization="max_seqlen"), True),
+        (dict(output_scale=0.5, normalization="length"), False),
+        (dict(activation="gelu", normalization="length"), True),
+    ],
+    ids=["softmax", "softmax_causal", "hstu", "softmax_length", "gelu_length"],
+)
+def test_packed_rows_forward(spec, causal, monkeypatch):
+    # Many short sequences packed into 16-row spans (sequences cross span boundaries, one is
+    # longer than a span, empty ones in between); the backward reads the packed LSE.
+    calls = _count_packed(monkeypatch)
+    lens = (5, 0, 9, 1, 3, 16, 0, 7, 40, 2, 11)
+    check(Case(lens, heads=2, spec=spec, mask=dict(causal=causal)), configs=(PACKED, DKDV, DQ))
+    assert calls == [1]
+
+
+def _count_packed(monkeypatch) -> list[int]:
+    from hyperrec.jagged_attn._triton import _launch
+
+    calls: list[int] = []
+    real = _launch._forward_packed
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_launch, "_forward_packed", counted)
+    return calls
+
+
+def test_packed_rows_ignored_where_it_does_not_apply(monkeypatch):
+    # A window, targets or a query -> kv map take the per-sequence forward (still correct).
+    calls = _count_packed(monkeypatch)
+    check(Case((5, 9, 17), mask=dict(causal=True, window_left=3)), configs=(PACKED, DKDV, DQ))
+    check(Case((5, 9, 17), targets=(1, 0, 2), mask=dict(causal=True)), configs=(PACKED, DKDV, DQ))
+    check(Case((5, 9), kv_lens=(7, 3)), configs=(PACKED, DKDV, DQ), backward=False)
+    assert calls == []
+
+
+def test_row_sequence():
+    from hyperrec.jagged_attn._triton._schedule import row_sequence
+
+    off = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
+    assert row_sequence(off, 6).tolist() == [0, 0, 2, 2, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(128, 64, 8, 2), (64, 64, 4, 2)], ids=["m128", "m64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_packed_rows_many_tiny_sequences(tiles, causal):
+    bm, bn, warps, stages = tiles
+    cfg = KernelConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                       pack_rows=True)  # fmt: skip
+    lens = _random_lens(2000, 64, 21)
+    check(Case(lens, heads=4, head_dim=128, mask=dict(causal=causal)), configs=(cfg, None, None),
+          atol=1e-4)  # fmt: skip

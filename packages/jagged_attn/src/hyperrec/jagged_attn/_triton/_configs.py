@@ -105,6 +105,12 @@ class KernelConfig:
     """Forward: programs take the next work item from an atomic counter instead of a fixed
     stride (greedy list scheduling: robust to uneven items and to programs that are not
     resident at once; one atomic per item). Not combined with ``prefetch``."""
+    pack_rows: bool = False
+    """Forward, for batches of many short sequences: a work item is ``block_m`` consecutive
+    token rows of the whole batch (several sequences at once, pairs of different sequences
+    masked) instead of ``block_m`` rows of one sequence. Applies to self-attention whose
+    mask is at most causal (no map, targets, window, contextual or block rules); other
+    calls ignore it. The other forward variants do not apply to it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tma, bool):  # frozen: normalise through object.__setattr__

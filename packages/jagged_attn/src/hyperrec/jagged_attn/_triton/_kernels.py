@@ -806,6 +806,87 @@ def _fwd_kernel(
                 )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["stride_lh", "n_rows"])
+def _fwd_packed_kernel(
+    Q, K, V, O, LSE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lh, n_rows, offsets, row_seq, qk_scale, coef,
+    CAUSAL: tl.constexpr, H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Forward over packed rows (``KernelConfig.pack_rows``): self-attention, no mask but
+    causal. A work item is ``BLOCK_M`` consecutive token rows of the whole batch, whatever
+    sequences they belong to, x one head; it streams the keys of those sequences (from the
+    first row's sequence start to the last row's sequence end) and masks pairs of different
+    sequences. Many short sequences then fill whole tiles instead of one tile each. The
+    work list is the row spans in order (their costs differ by at most two sequences), so
+    no schedule table is needed beyond each row's sequence (``row_seq``)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.cdiv(n_rows, BLOCK_M) * H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, tl.cdiv(total, nprog)):
+        w = _work_item(r, pid, nprog)
+        if w < total:
+            h = w % H
+            r0 = (w // H) * BLOCK_M
+            offs_m = r0 + tl.arange(0, BLOCK_M)
+            seq_m = tl.load(row_seq + offs_m, mask=offs_m < n_rows, other=-1)
+            lo = tl.load(offsets + tl.load(row_seq + r0))
+            hi = tl.load(offsets + tl.load(row_seq + tl.minimum(r0 + BLOCK_M, n_rows) - 1) + 1)
+            if CAUSAL:
+                hi = tl.minimum(hi, r0 + BLOCK_M)  # no key after the span's last row
+            q_rows = offs_m[:, None].to(tl.int64)
+            q = _load_rows(Q + h * stride_qh + q_rows * stride_qt + offs_d[None, :],
+                           offs_m, n_rows, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start_n in range(lo, hi, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                k_rows = offs_n[:, None].to(tl.int64)
+                k = _load_rows(K + h * stride_kh + k_rows * stride_kt + offs_d[None, :],
+                               offs_n, hi, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+                v = _load_rows(V + h * stride_vh + k_rows * stride_vt + offs_dv[None, :],
+                               offs_n, hi, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+                seq_n = tl.load(row_seq + offs_n, mask=offs_n < hi, other=-2)
+                ok = seq_m[:, None] == seq_n[None, :]
+                if CAUSAL:
+                    ok = ok & (offs_n[None, :] <= offs_m[:, None])
+                s = _mm(q, tl.trans(k))
+                if ACT == 0:
+                    s = tl.where(ok, s * qk_scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_use)
+                    p = tl.exp2(s - m_use[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                else:
+                    p = tl.where(ok, _act(s * qk_scale, ACT, FAST), 0.0)
+                acc = _mma(_to(p, v.dtype), v, acc)
+            c = coef
+            if NORM == 2:
+                first = tl.load(offsets + seq_m, mask=seq_m >= 0, other=0)
+                last = tl.load(offsets + seq_m + 1, mask=seq_m >= 0, other=1)
+                c = coef / tl.maximum(last - first, 1).to(tl.float32)
+            if ACT == 0:
+                has_key = l_i > 0.0
+                l_safe = tl.where(has_key, l_i, 1.0)
+                o = acc * (c / l_safe)[:, None]
+                lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
+                tl.store(LSE + h * stride_lh + offs_m, lse, mask=offs_m < n_rows)
+            elif NORM == 2:
+                o = acc * c[:, None]
+            else:
+                o = acc * c
+            _store_rows(O + h * stride_oh + q_rows * stride_ot + offs_dv[None, :],
+                        o, offs_m, n_rows, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------------------

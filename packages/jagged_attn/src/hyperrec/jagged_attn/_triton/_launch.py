@@ -25,6 +25,7 @@ from hyperrec.jagged_attn._triton._schedule import (
     kv_tile_schedule,
     q_tile_meta,
     q_tile_schedule,
+    row_sequence,
     work_upper_bound,
 )
 
@@ -342,6 +343,9 @@ def attention_forward(
         return out, lse
     coef, ce = _common(call, fast_math)
     cfg = _pick("fwd", call, config)
+    if cfg.pack_rows and _packable(call):
+        _forward_packed(call, cfg, coef, ce, out, lse)
+        return out, lse
     q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
     kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     variants = _forward_variants(cfg, activation, scale, (q, k, v, out), (head_dim, head_dim_v))
@@ -399,6 +403,40 @@ def attention_forward(
         _FAILED_BUILDS[key] = f"{type(e).__name__}: {e}"[:500]
         return attention_forward(call, fast_math=fast_math, config=cfg)
     return out, lse
+
+
+def _packable(call: AttentionCall) -> bool:
+    """Self-attention (one offsets tensor for queries and keys) with at most a causal mask:
+    what the packed-rows forward computes."""
+    qo, ko = call.q_offsets, call.kv_offsets
+    same = qo is ko or (qo.data_ptr() == ko.data_ptr() and qo.shape == ko.shape
+                        and qo.stride() == ko.stride() and qo.dtype == ko.dtype)  # fmt: skip
+    return (same and call.kv_index is None and call.num_targets is None
+            and call.q.shape[0] == call.k.shape[0] and not _Mask(call).generic)  # fmt: skip
+
+
+def _forward_packed(call, cfg, coef, ce, out, lse) -> None:
+    """The forward of ``KernelConfig.pack_rows`` (see ``_kernels._fwd_packed_kernel``)."""
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    total_q, n_heads, head_dim = q.shape
+    head_dim_v = v.shape[2]
+    offsets = as_int32(call.q_offsets)
+    rows = row_sequence(offsets, total_q)
+    softmax = spec.activation == "softmax"
+    args = (
+        q, k, v, out, lse if softmax else out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), total_q, total_q, offsets, rows,
+        _qk_scale(spec.activation, spec.scale), coef,
+    )  # fmt: skip
+    kw = dict(
+        CAUSAL=spec.mask.causal, H=n_heads, ACT=ce["ACT"], NORM=ce["NORM"], HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v, BLOCK_D=_pow2(head_dim), BLOCK_DV=_pow2(head_dim_v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FAST=ce["FAST"],
+    )  # fmt: skip
+    work = triton.cdiv(total_q, cfg.block_m) * n_heads
+    key = ("fwd_packed", q.dtype, cfg, tuple(sorted(kw.items())))
+    _launch_persistent(_kernels._fwd_packed_kernel, work, q.device, cfg, key, args, kw)
 
 
 def forward_build_failures() -> dict[tuple, str]:

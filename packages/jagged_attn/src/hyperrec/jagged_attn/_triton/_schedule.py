@@ -32,6 +32,7 @@ __all__ = [
     "kv_tile_schedule",
     "q_tile_meta",
     "q_tile_schedule",
+    "row_sequence",
     "work_upper_bound",
 ]
 
@@ -75,6 +76,16 @@ def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.dtype == torch.int32:
         return t
     return _cached((t,), ("int32",), lambda: t.to(torch.int32))
+
+
+def row_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """``(total,)`` int32: the sequence each token row belongs to (cached per offsets)."""
+
+    def build():
+        rows = torch.arange(total, device=offsets.device, dtype=offsets.dtype)
+        return torch.searchsorted(offsets[1:].contiguous(), rows, right=True).to(torch.int32)
+
+    return _cached((offsets,), ("rows", total), build)
 
 
 def _lengths(offsets: torch.Tensor) -> torch.Tensor:
