@@ -169,9 +169,15 @@ def _gpu_lengths(n: int, max_len: int, seed: int) -> tuple[int, ...]:
     return tuple(lens.tolist())
 
 
+# On the GPU every mask variant is a compilation of three kernels: the masks whose ranges
+# differ most (the interpreter runs all of them).
+GPU_MASKS = ["causal", "sliding_window", "window_right", "hstu_targets", "hstu_all",
+             "window_targets"]  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("regime", list(REGIMES))
-@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("name", GPU_MASKS)
 def test_gpu_mask_x_lengths_shipped_configs(name, regime):
     # The shipped (tuned) tiles at realistic lengths: 128-row tiles, TMA forward, D = 128.
     mask, targets = MASKS[name]
