@@ -1,17 +1,41 @@
-"""Jagged attention and GDPA on one GPU: hyperrec's Triton kernels against the peers.
+"""Jagged attention and GDPA on one GPU: hyperrec against its peers, over fresh instances.
 
-Softmax cases compare ``hyperrec`` (this package's kernels) with FlexAttention under a
-document mask (the block mask is built once, outside the timing; its build time is reported
-separately), PyTorch SDPA on nested jagged tensors (NJT), and dense SDPA on a padded batch
-(no mask: the cost of padding, shown for scale; its rows past each length are not a correct
-answer). GDPA cases (HSTU semantics: SiLU, causal, 1/max_seqlen) compare with the HSTU
-Triton kernel of generative-recommenders when ``--hstu PATH`` points at a checkout of it.
+Every case is timed on ``--instances`` (default 10) freshly built instances: new lengths
+drawn from the case's distribution (seed = instance number), new offsets tensor, new q, k,
+v and gradient tensors. Each implementation is warmed on the instance (compile, schedule,
+checks) and then timed with ``triton.testing.do_bench`` (median of CUDA-event timings, L2
+cleared between calls); the JSON keeps every instance's median and, per case, the median
+and minimum over instances and the spread (max / min of the per-instance TFLOP/s). The
+issue it answers: throughput that moved by up to 2x between instances of one case.
 
-Throughput counts useful FLOPs only: ``4 * sum(Lq * Lk) * H * D`` for the forward (only
-allowed pairs when causal), backward counted as 2.5x the forward (fwd+bwd = 3.5x). Times are
-medians of CUDA-event timings (``triton.testing.do_bench``), bf16, random normal inputs.
+Implementations, in the same process on the same instance:
 
-    python bench/bench_attention.py [--quick] [--hstu PATH] [--out results/attention.json]
+* ``hyperrec``: the public ``jagged_attention`` / ``gdpa`` (default ``validate=True``:
+  sync-free checks; Triton backend);
+* ``flex``: FlexAttention compiled with dynamic shapes, under a document mask (plus
+  ``q >= kv`` when causal) built per instance outside the timing; ``flex_static``:
+  compiled for the exact shapes, on the first ``--static-instances`` instances only (one
+  compilation per instance);
+* ``sdpa_padded``: dense SDPA (flash backend, no mask) on the batch padded to its longest
+  sequence: the cost of padding, shown for scale (its padded rows are not a jagged
+  answer; non-causal rows also attend to the zero padding). On the dense single-sequence
+  cases it is exactly the same attention as ours;
+* ``hstu_triton`` (GDPA cases, with ``--hstu PATH``): generative-recommenders' HSTU kernel;
+* ``hyperrec_packed``, ``hyperrec_packed_m64`` (cases of sequences <= 128): the opt-in
+  packed-rows forward (``KernelConfig.pack_rows``; shipped tiles, and 64-row tiles) through
+  the launchers, with the shipped backward. Their ``ratio_hyperrec_over_peer`` is the
+  default path over the packed one.
+
+Throughput counts useful FLOPs only: ``4 * sum(Lq * Lk) * H * D`` for the forward (allowed
+pairs only when causal), backward counted 2.5x (fwd+bwd = 3.5x). bf16, random normal.
+
+    python bench/bench_attention.py [--out bench/results]   # 14 cases, <= 8 min on one H200
+    python bench/bench_attention.py --quick --out /tmp/b     # 3 cases, ~3 min
+    python bench/bench_attention.py --smoke --out /tmp/b     # CPU interpreter, tiny
+
+(The durations are estimates from the per-timing cost; the JSON records the real one. No
+new case starts after ``--budget-min`` minutes, 7.5 or 2.7 with ``--quick``; cases left out
+are listed under ``skipped_for_time``.)
 """
 
 from __future__ import annotations
@@ -20,10 +44,13 @@ import argparse
 import concurrent.futures as cf
 import math
 import multiprocessing as mp
+import os
+import statistics
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class Case:
     name: str
-    dist: str  # "uniform" | "powerlaw"
+    dist: str  # "uniform" | "powerlaw" | "fixed"
     batch: int
     max_len: int
     heads: int
@@ -52,42 +79,58 @@ CASES = [
     Case("p-B1024-L1024-H4-D128", "powerlaw", 1024, 1024, 4, 128),
     Case("p-B256-L2048-H4-D128", "powerlaw", 256, 2048, 4, 128),
     Case("u-B64-L2048-H8-D128-causal", "uniform", 64, 2048, 8, 128, causal=True),
+    Case("u-B128-L1024-H8-D128-causal", "uniform", 128, 1024, 8, 128, causal=True),
+    Case("dense-B1-L16384-H8-D128", "fixed", 1, 16384, 8, 128),
+    Case("dense-B1-L16384-H8-D128-causal", "fixed", 1, 16384, 8, 128, causal=True),
+    Case("tiny-u-B4096-L64-H4-D128", "uniform", 4096, 64, 4, 128),
+    Case("tiny-u-B8192-L32-H4-D64", "uniform", 8192, 32, 4, 64),
     Case("gdpa-u-B128-L1024-H4-D128", "uniform", 128, 1024, 4, 128, True, "gdpa_silu"),
     Case("gdpa-p-B256-L2048-H4-D128", "powerlaw", 256, 2048, 4, 128, True, "gdpa_silu"),
-    Case("gdpa-u-B16-L8192-H4-D128", "uniform", 16, 8192, 4, 128, True, "gdpa_silu"),
 ]
-# FlexAttention is compiled once with dynamic shapes for every case; on these cases it is
-# also compiled for the exact shapes (its fastest setting, one compilation per case).
-FLEX_STATIC = {"u-B128-L1024-H8-D128", "p-B256-L2048-H4-D128"}
+# FlexAttention compiled for the exact shapes recompiles per instance: only on these cases.
+FLEX_STATIC = {"u-B128-L1024-H8-D128", "dense-B1-L16384-H8-D128"}
 QUICK = [
     Case("u-B64-L1024-H4-D128", "uniform", 64, 1024, 4, 128),
     Case("p-B256-L512-H4-D64-causal", "powerlaw", 256, 512, 4, 64, causal=True),
-    Case("gdpa-u-B64-L1024-H4-D128", "uniform", 64, 1024, 4, 128, True, "gdpa_silu"),
+    Case("tiny-u-B2048-L64-H4-D128", "uniform", 2048, 64, 4, 128),
+]
+SMOKE = [
+    Case("smoke-u-B3-L40-H1-D16", "uniform", 3, 40, 1, 16),
+    Case("smoke-tiny-u-B12-L8-H1-D16", "uniform", 12, 8, 1, 16),
+    Case("smoke-p-B4-L40-H1-D16-causal", "powerlaw", 4, 40, 1, 16, causal=True),
+    Case("smoke-gdpa-u-B3-L40-H1-D16", "uniform", 3, 40, 1, 16, True, "gdpa_silu"),
 ]
 
 
 def lengths(dist: str, batch: int, max_len: int, seed: int = 0) -> torch.Tensor:
-    """Uniform in [1, max] or power-law ``max * u**2.8`` (mean ~max/3.8), longest = max."""
+    """Uniform in [1, max], power-law ``max * u**2.8`` (mean ~max/3.8) or all ``max``;
+    the longest sequence is always ``max`` (at a random position)."""
     g = torch.Generator().manual_seed(seed)
+    if dist == "fixed":
+        return torch.full((batch,), max_len, dtype=torch.long)
     if dist == "uniform":
         lens = torch.randint(1, max_len + 1, (batch,), generator=g)
     else:
         u = torch.rand(batch, generator=g, dtype=torch.float64)
         lens = (max_len * u**2.8).ceil().clamp(1, max_len).long()
-    lens[0] = max_len
+    lens[int(torch.randint(batch, (1,), generator=g))] = max_len
     return lens
 
 
 def useful_flops(lens: torch.Tensor, heads: int, head_dim: int, causal: bool) -> float:
-    l = lens.double()
-    pairs = (l * (l + 1) / 2).sum() if causal else (l * l).sum()
+    n = lens.double()
+    pairs = (n * (n + 1) / 2).sum() if causal else (n * n).sum()
     return 4.0 * float(pairs) * heads * head_dim
 
 
-def bench_ms(fn) -> float:
+def bench_ms(fn, device: str = "cuda") -> float:
+    if device != "cuda":  # the interpreter: one call, wall clock (a smoke test, not a number)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def matmul_ceiling() -> float:
@@ -96,77 +139,138 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / bench_ms(lambda: a @ b) * 1e-9
 
 
+def _spec(case: Case, max_len: int):
+    """The case's AttentionSpec: softmax, or HSTU (silu(alpha * qk) / max_seqlen, causal)."""
+    from hyperrec.jagged_attn import AttentionSpec, MaskSpec
+
+    hstu = case.kind != "softmax"
+    return AttentionSpec(
+        activation="silu" if hstu else "softmax",
+        scale=1 / math.sqrt(case.head_dim),
+        normalization="max_seqlen" if hstu else "none",
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+        mask=MaskSpec(causal=hstu or case.causal),
+    )
+
+
+def call_of(spec, q, k, v, offsets):
+    """The launchers' description of one self-attention call (for the sweep scripts)."""
+    from hyperrec.jagged_attn._opschema import AttentionCall
+
+    return AttentionCall(q=q, k=k, v=v, q_offsets=offsets, kv_offsets=offsets, kv_index=None,
+                         num_targets=None, spec=spec)  # fmt: skip
+
+
+def make_inputs(case: Case, offsets_dtype: torch.dtype = torch.int64, seed: int = 0,
+                device: str = "cuda"):  # fmt: skip
+    """``(lens, offsets, q, k, v, grad_out)`` of instance ``seed`` of ``case``, bf16."""
+    lens = lengths(case.dist, case.batch, case.max_len, seed)
+    offsets = torch.zeros(case.batch + 1, dtype=offsets_dtype)
+    offsets[1:] = lens.cumsum(0)
+    offsets = offsets.to(device)
+    t_total = int(lens.sum())
+    g = torch.Generator(device=device).manual_seed(10_000 + seed)
+    q, k, v, do = (torch.randn(t_total, case.heads, case.head_dim, device=device,
+                               dtype=torch.bfloat16, generator=g) for _ in range(4))  # fmt: skip
+    return lens, offsets, q, k, v, do
+
+
 # ---------------------------------------------------------------------------------------
-# Implementations. Each returns (fwd_fn, fwd_bwd_fn, out_fn) closures over prepared inputs.
+# Implementations. Each returns (fwd_fn, fwd_bwd_fn, out_fn) closures over one instance.
 # ---------------------------------------------------------------------------------------
 
 
-class _Hyperrec(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, offsets, spec):
-        from hyperrec.jagged_attn.triton import attention_forward
+def impl_hyperrec(case, q, k, v, do, offsets, lens, backend="auto"):
+    from hyperrec.jagged_attn import gdpa, jagged_attention
 
-        out, lse = attention_forward(q, k, v, offsets, offsets, None, None, *spec)
-        ctx.save_for_backward(q, k, v, out, lse, offsets)
-        ctx.spec = spec
-        return out
+    max_len = case.max_len
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        from hyperrec.jagged_attn.triton import attention_backward
+    def call(q, k, v):
+        if case.kind == "softmax":
+            return jagged_attention(q, k, v, offsets, max_len, causal=case.causal,
+                                    backend=backend)  # fmt: skip
+        return gdpa(q, k, v, offsets, offsets, max_len, max_len, causal=True,
+                    normalization="max_seqlen", scale=1 / math.sqrt(case.head_dim),
+                    backend=backend)  # fmt: skip
 
-        q, k, v, out, lse, offsets = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, offsets, offsets, None, None, *ctx.spec
-        )
-        return dq, dk, dv, None, None
-
-
-def _spec(case: Case, max_len: int) -> tuple:
-    d = case.head_dim
-    if case.kind == "softmax":
-        return ("softmax", 1 / math.sqrt(d), 1.0, "none", max_len, max_len, case.causal,
-                -1, -1, 0, 0, False)  # fmt: skip
-    # HSTU: silu(alpha * qk) / max_seqlen, causal (diagonal included)
-    return ("silu", 1 / math.sqrt(d), 1.0, "max_seqlen", max_len, max_len, True,
-            -1, -1, 0, 0, False)  # fmt: skip
-
-
-def impl_hyperrec(case, q, k, v, do, offsets, lens):
-    spec = _spec(case, case.max_len)
-    off32 = offsets.to(torch.int32)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
     def fwd():
-        return _Hyperrec.apply(q, k, v, off32, spec)
+        return call(q, k, v)
 
     def fwd_bwd():
-        out = _Hyperrec.apply(*leaves, off32, spec)
-        return torch.autograd.grad(out, leaves, do)
+        return torch.autograd.grad(call(*leaves), leaves, do)
 
     return fwd, fwd_bwd, fwd
+
+
+# Opt-in packed-rows forward (KernelConfig.pack_rows) on cases of short sequences: the
+# shipped tiles, and 64-row tiles.
+PACKED_MAX_LEN = 128
+
+
+def _packed_configs(case: Case, device: str) -> dict:
+    from hyperrec.jagged_attn._triton import KernelConfig, _configs, _launch
+
+    arch = _launch._arch(torch.device(device))
+    c = _configs.select_config(_configs.config_key("fwd", arch, case.head_dim,
+                                                   case.kind == "softmax", case.causal,
+                                                   case.max_len))  # fmt: skip
+    return {
+        "hyperrec_packed": KernelConfig(block_m=c.block_m, block_n=c.block_n,
+                                        num_warps=c.num_warps, num_stages=c.num_stages,
+                                        pack_rows=True),
+        "hyperrec_packed_m64": KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                            pack_rows=True),
+    }  # fmt: skip
+
+
+def impl_hyperrec_packed(case, q, k, v, do, offsets, lens, config):
+    """The launchers with a pinned packed-rows forward (the backward is the shipped one)."""
+    from hyperrec.jagged_attn._triton import attention_backward, attention_forward
+
+    call = call_of(_spec(case, case.max_len), q, k, v, offsets)
+
+    def fwd():
+        return attention_forward(call, config=config)[0]
+
+    def fwd_bwd():
+        out, lse = attention_forward(call, config=config)
+        return attention_backward(do, out, lse, call)
+
+    return fwd, fwd_bwd, fwd
+
+
+# FlexAttention's mask functions read the document ids from here, so that one compiled
+# function serves every instance (a new closure per instance would be a new guard).
+_DOC: dict[str, torch.Tensor] = {}
+
+
+def _doc_mask(b, h, q_idx, kv_idx):
+    return _DOC["ids"][q_idx] == _DOC["ids"][kv_idx]
+
+
+def _doc_causal_mask(b, h, q_idx, kv_idx):
+    return (_DOC["ids"][q_idx] == _DOC["ids"][kv_idx]) & (q_idx >= kv_idx)
 
 
 def impl_flex(case, q, k, v, do, offsets, lens, info, flex_compiled):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    t_total = q.shape[0]
-    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), lens.cuda())
-    causal = case.causal
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same = doc[q_idx] == doc[kv_idx]
-        return same & (q_idx >= kv_idx) if causal else same
-
-    times = []
-    for _ in range(2):  # the first build includes compiling the mask builder
+    t_total, dev = q.shape[0], q.device
+    _DOC["ids"] = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens.to(dev))
+    mask_mod = _doc_causal_mask if case.causal else _doc_mask
+    gpu = dev.type == "cuda"
+    if gpu:
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        block_mask = create_block_mask(mask_mod, None, None, t_total, t_total, device="cuda",
-                                       _compile=True)  # fmt: skip
+    t0 = time.perf_counter()
+    # (the CPU smoke test builds the mask eagerly: its sizes are tiny)
+    block_mask = create_block_mask(mask_mod, None, None, t_total, t_total, device=dev,
+                                   _compile=gpu)  # fmt: skip
+    if gpu:
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    info["flex_mask_build_s"] = {"first": times[0], "steady": times[1]}
+    info.setdefault("flex_mask_build_s", []).append(time.perf_counter() - t0)
     qf, kf, vf, dof = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, do))
     leaves = [t.detach().clone().requires_grad_() for t in (qf, kf, vf)]
 
@@ -183,33 +287,11 @@ def impl_flex(case, q, k, v, do, offsets, lens, info, flex_compiled):
     return fwd, fwd_bwd, out_fn
 
 
-def impl_njt(case, q, k, v, do, offsets, lens):
-    max_len = int(lens.max())
-
-    def njt(x):
-        return torch.nested.nested_tensor_from_jagged(x, offsets, max_seqlen=max_len).transpose(
-            1, 2
-        )
-
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
-    def fwd():
-        return F.scaled_dot_product_attention(njt(q), njt(k), njt(v), is_causal=case.causal)
-
-    def fwd_bwd():
-        out = F.scaled_dot_product_attention(*(njt(t) for t in leaves), is_causal=case.causal)
-        return torch.autograd.grad(out.transpose(1, 2).values(), leaves, do)
-
-    def out_fn():
-        return fwd().transpose(1, 2).values()
-
-    return fwd, fwd_bwd, out_fn
-
-
 def impl_padded(case, q, k, v, do, offsets, lens):
-    b, max_len = len(lens), int(lens.max())
-    pos = torch.arange(max_len, device="cuda")
-    valid = pos[None, :] < lens.cuda()[:, None]
+    device = q.device
+    max_len = int(lens.max())
+    pos = torch.arange(max_len, device=device)
+    valid = pos[None, :] < lens.to(device)[:, None]
     idx = (offsets[:-1, None] + pos[None, :]).clamp(max=q.shape[0] - 1)
 
     def pad(x):
@@ -217,17 +299,20 @@ def impl_padded(case, q, k, v, do, offsets, lens):
         return dense.transpose(1, 2).contiguous()
 
     qp, kp, vp, dop = pad(q), pad(k), pad(v), pad(do)
-    del b
     leaves = [t.detach().clone().requires_grad_() for t in (qp, kp, vp)]
+    causal = case.causal or case.kind != "softmax"
 
     def fwd():
-        return F.scaled_dot_product_attention(qp, kp, vp, is_causal=case.causal)
+        return F.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
 
     def fwd_bwd():
-        out = F.scaled_dot_product_attention(*leaves, is_causal=case.causal)
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
         return torch.autograd.grad(out, leaves, dop)
 
-    return fwd, fwd_bwd, None
+    def out_fn():  # the jagged rows of the padded answer (exact for dense cases)
+        return fwd().transpose(1, 2)[valid]
+
+    return fwd, fwd_bwd, out_fn if case.dist == "fixed" and case.kind == "softmax" else None
 
 
 _HSTU = {}
@@ -275,176 +360,224 @@ def _warm(case: Case) -> str:
     """Compile this case's hyperrec kernels on a tiny batch (run in worker processes, so the
     main process finds them in Triton's cache instead of compiling one by one)."""
     try:
-        lens = torch.tensor([case.max_len // 3 + 1, 1, 50])
-        off = torch.zeros(4, dtype=torch.int32)
+        lens = torch.tensor([case.max_len // 3 + 1, 1, 50][: max(case.batch, 1)])
+        lens = lens.clamp(max=case.max_len)
+        off = torch.zeros(lens.numel() + 1, dtype=torch.int64)
         off[1:] = lens.cumsum(0)
         t = int(off[-1])
         q, k, v, do = (torch.randn(t, case.heads, case.head_dim, device="cuda",
-                                   dtype=torch.bfloat16, requires_grad=True) for _ in range(4))  # fmt: skip
-        out = _Hyperrec.apply(q, k, v, off.cuda(), _spec(case, case.max_len))
-        out.backward(do)
+                                   dtype=torch.bfloat16) for _ in range(4))  # fmt: skip
+        _, fwd_bwd, _ = impl_hyperrec(case, q, k, v, do, off.cuda(), lens)
+        fwd_bwd()
+        if case.max_len <= PACKED_MAX_LEN:
+            for cfg in _packed_configs(case, "cuda").values():
+                impl_hyperrec_packed(case, q, k, v, do, off.cuda(), lens, cfg)[1]()
         torch.cuda.synchronize()
         return ""
     except Exception as e:
         return f"{case.name}: {type(e).__name__}: {e}"[:300]
 
 
-def make_inputs(case: Case, offsets_dtype: torch.dtype = torch.int64):
-    """``(lens, offsets, q, k, v, grad_out)`` of ``case`` on the GPU, bf16, seeded."""
-    lens = lengths(case.dist, case.batch, case.max_len)
-    offsets = torch.zeros(case.batch + 1, dtype=offsets_dtype)
-    offsets[1:] = lens.cumsum(0)
-    offsets = offsets.cuda()
-    t_total = int(lens.sum())
-    g = torch.Generator(device="cuda").manual_seed(1)
-    q, k, v, do = (torch.randn(t_total, case.heads, case.head_dim, device="cuda",
-                               dtype=torch.bfloat16, generator=g) for _ in range(4))  # fmt: skip
-    return lens, offsets, q, k, v, do
+def _stats(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values),
+                spread=max(values) / min(values) if min(values) > 0 else None,
+                per_instance=values)  # fmt: skip
 
 
-def run_case(case: Case, args, flex_compiled) -> dict:
-    from torch.nn.attention.flex_attention import flex_attention
+def run_case(case: Case, args, device: str, flex_compiled) -> dict:
+    info: dict = dict(asdict(case), instances=[], results={})
+    from hyperrec.jagged_attn._triton import _configs, _launch
 
-    lens, offsets, q, k, v, do = make_inputs(case, torch.int64)
-    t_total = int(lens.sum())
-    flops = useful_flops(lens, case.heads, case.head_dim, case.causal)
-    info: dict = dict(asdict(case), tokens=t_total,
-                      pad_fraction=1 - t_total / (case.batch * case.max_len),
-                      flops_fwd=flops, results={})  # fmt: skip
-    impls = {"hyperrec": lambda: impl_hyperrec(case, q, k, v, do, offsets, lens)}
-    from hyperrec.jagged_attn.triton import _configs
-
+    arch = _launch._arch(torch.device(device))
     info["hyperrec_configs"] = {
         kern: asdict(_configs.select_config(_configs.config_key(
-            kern, "sm90", case.head_dim, case.kind == "softmax", case.causal, case.max_len)))
+            kern, arch, case.head_dim, case.kind == "softmax",
+            case.causal or case.kind != "softmax", case.max_len)))
         for kern in ("fwd", "dkdv", "dq")
     }  # fmt: skip
-    if case.kind == "softmax":
-        impls["flex"] = lambda: impl_flex(case, q, k, v, do, offsets, lens, info, flex_compiled)
-        if case.name in FLEX_STATIC and not args.quick:
-            static = torch.compile(flex_attention, dynamic=False)
-            impls["flex_static"] = lambda: impl_flex(case, q, k, v, do, offsets, lens, {}, static)
-        impls["sdpa_njt"] = lambda: impl_njt(case, q, k, v, do, offsets, lens)
-        impls["sdpa_padded"] = lambda: impl_padded(case, q, k, v, do, offsets, lens)
-    else:
+    static = None
+    if device == "cuda" and case.name in FLEX_STATIC and case.kind == "softmax":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        static = torch.compile(flex_attention, dynamic=False)
+    hstu = None
+    if case.kind != "softmax" and device == "cuda":
         try:
-            h = load_hstu(args.hstu)
-            if h is not None:
-                impls["hstu_triton"] = lambda: impl_hstu(case, q, k, v, do, offsets, lens, h)
-            else:
+            hstu = load_hstu(args.hstu)
+            if hstu is None:
                 info["hstu_error"] = "no --hstu path given"
         except Exception as e:
             info["hstu_error"] = f"{type(e).__name__}: {e}"[:400]
-    outs = {}
-    for name, make in impls.items():
-        res: dict = {}
-        try:
-            fwd, fwd_bwd, out_fn = make()
-            if out_fn is not None:
-                outs[name] = out_fn().float()
-            fwd(), fwd_bwd()  # compile / autotune outside the timing
-            torch.cuda.synchronize()
-            t = bench_ms(fwd)
-            res.update(fwd_ms=t, fwd_tflops=flops / t * 1e-9)
-            t = bench_ms(fwd_bwd)
-            res.update(fwd_bwd_ms=t, fwd_bwd_tflops=3.5 * flops / t * 1e-9)
-        except Exception as e:
-            res["error"] = f"{type(e).__name__}: {e}"[:400]
-            if args.verbose:
-                traceback.print_exc()
-        info["results"][name] = res
-        torch.cuda.empty_cache()
-    # Cross-checks: same math, so the outputs must agree to bf16 rounding.
-    if "hyperrec" in outs:
-        info["max_abs_diff"] = {n: float((o - outs["hyperrec"]).abs().max())
-                                for n, o in outs.items() if n != "hyperrec"}  # fmt: skip
+    timings: dict[str, dict[str, list[float]]] = {}
+    for seed in range(args.instances):
+        inputs = make_inputs(case, seed=seed, device=device)
+        lens = inputs[0]
+        flops = useful_flops(lens, case.heads, case.head_dim, case.causal or case.kind != "softmax")
+        inst = dict(seed=seed, tokens=int(lens.sum()), flops_fwd=flops)
+        impls = {"hyperrec": partial(impl_hyperrec, case, *inputs[2:], inputs[1], lens,
+                                     "triton" if device != "cuda" else "auto")}  # fmt: skip
+        if case.max_len <= PACKED_MAX_LEN:
+            for name, cfg in _packed_configs(case, device).items():
+                impls[name] = partial(impl_hyperrec_packed, case, *inputs[2:], inputs[1], lens,
+                                      cfg)  # fmt: skip
+        if case.kind == "softmax" and flex_compiled is not None:
+            impls["flex"] = partial(impl_flex, case, *inputs[2:], inputs[1], lens, info,
+                                    flex_compiled)  # fmt: skip
+            if static is not None and seed < args.static_instances:
+                impls["flex_static"] = partial(impl_flex, case, *inputs[2:], inputs[1], lens,
+                                               info, static)  # fmt: skip
+        if hstu is not None:
+            impls["hstu_triton"] = partial(impl_hstu, case, *inputs[2:], inputs[1], lens, hstu)
+        impls["sdpa_padded"] = partial(impl_padded, case, *inputs[2:], inputs[1], lens)
+        outs = {}
+        for name, make in impls.items():
+            try:
+                fwd, fwd_bwd, out_fn = make()
+                if out_fn is not None and seed == 0:
+                    outs[name] = out_fn().float()
+            except Exception as e:
+                info["results"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:400]
+                continue
+            for key, fn, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, 3.5)):
+                try:
+                    fn()  # compile / tune / build schedules outside the timing
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    ms = bench_ms(fn, device)
+                except Exception as e:
+                    err = f"{type(e).__name__}: {e}"[:400]
+                    info["results"].setdefault(name, {})[f"{key}_error"] = err
+                    if args.verbose:
+                        traceback.print_exc()
+                    continue
+                inst[f"{name}/{key}_ms"] = ms
+                timings.setdefault(name, {}).setdefault(key, []).append(mult * flops / ms * 1e-9)
+        if "hyperrec" in outs:  # same math: the outputs agree to bf16 rounding
+            info["max_abs_diff_vs_hyperrec"] = {
+                n: float((o - outs["hyperrec"]).abs().max()) for n, o in outs.items()
+                if n != "hyperrec"
+            }  # fmt: skip
+        info["instances"].append(inst)
+        del inputs, lens, impls, outs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for name, by_pass in timings.items():
+        res = info["results"].setdefault(name, {})
+        for key, values in by_pass.items():
+            res[f"{key}_tflops"] = _stats(values)
+    ours = timings.get("hyperrec", {})
+    for peer in ("flex", "flex_static", "sdpa_padded", "hstu_triton", "hyperrec_packed",
+                 "hyperrec_packed_m64"):  # fmt: skip
+        for key in ("fwd", "fwd_bwd"):
+            theirs = timings.get(peer, {}).get(key)
+            if ours.get(key) and theirs:
+                n = len(theirs)  # flex_static ran on the first instances only
+                ratios = [a / b for a, b in zip(ours[key][:n], theirs)]
+                info["results"][peer][f"{key}_ratio_hyperrec_over_peer"] = _stats(ratios)
     return info
 
 
-def best_flex(r: dict, key: str) -> float | None:
-    """The faster of FlexAttention compiled for dynamic shapes and for the exact shapes."""
-    vals = [r.get(n, {}).get(key) for n in ("flex", "flex_static")]
-    vals = [x for x in vals if x]
-    return max(vals) if vals else None
+def print_table(cases: list[dict], ceiling: float | None) -> None:
+    if ceiling:
+        print(f"\nbf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s")
+    print("TFLOP/s (useful FLOPs): median over instances (min), spread = max/min of instances")
 
+    def cell(r, name, key):
+        s = r.get(name, {}).get(f"{key}_tflops")
+        return f"{s['median']:6.0f} ({s['min']:4.0f}) x{s['spread']:.2f}" if s else " " * 19
 
-def print_table(cases: list[dict], ceiling: float) -> None:
-    print(f"\nbf16 matmul ceiling measured in this run: {ceiling:.0f} TFLOP/s")
-    print("TFLOP/s (useful FLOPs); flex = the faster of dynamic-shape and exact-shape builds")
-    hdr = (f"{'case':28s} {'tokens':>7s} | {'fwd: ours':>9s} {'flex':>5s} {'njt':>5s} "
-           f"{'pad':>5s} {'xflex':>5s} | {'f+b: ours':>9s} {'flex':>5s} {'njt':>5s} "
-           f"{'pad':>5s} {'xflex':>5s}")  # fmt: skip
-    print(hdr)
-    print("-" * len(hdr))
+    def ratio(r, name, key):
+        s = r.get(name, {}).get(f"{key}_ratio_hyperrec_over_peer")
+        return f"{s['median']:5.2f}" if s else "    -"
 
-    def f(x, w=5):
-        return f"{x:{w}.0f}" if x else " " * (w - 1) + "-"
-
-    for c in cases:
-        r = c["results"]
-
-        def g(n, key, r=r):
-            return r.get(n, {}).get(key)
-
-        if c["kind"] == "softmax":
-            cols = []
-            for key in ("fwd_tflops", "fwd_bwd_tflops"):
-                ours, flex = g("hyperrec", key), best_flex(r, key)
-                ratio = f"{ours / flex:5.2f}" if ours and flex else "    -"
-                cols.append(f"{f(ours, 9)} {f(flex)} {f(g('sdpa_njt', key))} "
-                            f"{f(g('sdpa_padded', key))} {ratio}")  # fmt: skip
-            print(f"{c['name']:28s} {c['tokens']:7d} | {cols[0]} | {cols[1]}")
-        else:
-            cols = []
-            for key in ("fwd_tflops", "fwd_bwd_tflops"):
-                ours, hstu = g("hyperrec", key), g("hstu_triton", key)
-                ratio = f"{ours / hstu:5.2f}" if ours and hstu else "    -"
-                cols.append(f"{f(ours, 9)} hstu {f(hstu)} x{ratio}")
-            print(f"{c['name']:28s} {c['tokens']:7d} | {cols[0]} | {cols[1]}")
+    for key in ("fwd", "fwd_bwd"):
+        print(f"\n{key}: {'case':32s} {'hyperrec':>19s} {'flex':>19s} {'sdpa_padded':>19s}"
+              f"  ours/flex ours/flex_static ours/pad ours/hstu")  # fmt: skip
+        for c in cases:
+            r = c["results"]
+            print(f"     {c['name']:32s} {cell(r, 'hyperrec', key)} {cell(r, 'flex', key)} "
+                  f"{cell(r, 'sdpa_padded', key)}  {ratio(r, 'flex', key)}     "
+                  f"{ratio(r, 'flex_static', key)}          {ratio(r, 'sdpa_padded', key)}    "
+                  f"{ratio(r, 'hstu_triton', key)}")  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="three small cases (smoke test)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
+    parser.add_argument("--quick", action="store_true", help="three cases (~3 minutes)")
+    parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    parser.add_argument("--instances", type=int, default=10, help="fresh instances per case")
+    parser.add_argument("--static-instances", type=int, default=1,
+                        help="instances timed with exact-shape FlexAttention")  # fmt: skip
     parser.add_argument("--hstu", default=None, help="path holding generative_recommenders/")
     parser.add_argument("--only", default=None, help="run cases whose name contains this")
     parser.add_argument("--verbose", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "attention_h200.json")
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="start no new case after this many minutes (default 7.5; "
+                             "2.7 with --quick)")  # fmt: skip
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU")
+    budget = args.budget_min if args.budget_min is not None else (2.7 if args.quick else 7.5)
     sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
-    from torch.nn.attention.flex_attention import flex_attention
-
     from hyperrec.testing import write_result
 
-    flex_compiled = torch.compile(flex_attention, dynamic=True)
-    torch._dynamo.config.cache_size_limit = 64
-    cases = QUICK if args.quick else CASES
+    t_start = time.perf_counter()
+    if args.smoke:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # eager FlexAttention: exercises the code path, no compiler needed on the CPU
+        device, cases, flex_compiled, ceiling = "cpu", SMOKE, flex_attention, None
+        args.instances = min(args.instances, 2)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_attention.py needs a CUDA GPU (or --smoke)")
+        from torch.nn.attention.flex_attention import flex_attention
+
+        device = "cuda"
+        cases = QUICK if args.quick else CASES
+        flex_compiled = torch.compile(flex_attention, dynamic=True)
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
     if args.only:
         cases = [c for c in cases if args.only in c.name]
-    t0 = time.perf_counter()
-    with cf.ProcessPoolExecutor(min(len(cases), 12), mp_context=mp.get_context("spawn")) as ex:
-        errors = [e for e in ex.map(_warm, cases) if e]
-    print(f"compiled hyperrec kernels in {time.perf_counter() - t0:.0f}s {errors}", flush=True)
-    ceiling = matmul_ceiling()
-    rows = []
+    if device == "cuda":
+        t0 = time.perf_counter()
+        ctx = mp.get_context("spawn")
+        with cf.ProcessPoolExecutor(min(len(cases), 12), mp_context=ctx) as ex:
+            errors = [e for e in ex.map(_warm, cases) if e]
+        print(f"compiled hyperrec kernels in {time.perf_counter() - t0:.0f}s {errors}",
+              flush=True)  # fmt: skip
+        ceiling = matmul_ceiling()
+    suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
+    path = args.out / f"attention_{suffix}.json"
+    rows: list[dict] = []
 
     def save():
-        write_result(args.out, {
-            "benchmark": "jagged attention / GDPA, bf16, useful FLOPs (bwd = 2.5x fwd)",
+        write_result(path, {
+            "benchmark": "jagged attention / GDPA, bf16, useful FLOPs (bwd = 2.5x fwd), "
+                         f"{args.instances} fresh instances per case",
             "bf16_matmul_ceiling_tflops": ceiling,
             "hstu_configs_kept": _HSTU.get("configs"),
+            "seconds": time.perf_counter() - t_start,
+            "skipped_for_time": skipped,
             "cases": rows,
         })  # fmt: skip
 
+    skipped: list[str] = []
     for case in cases:
+        if time.perf_counter() - t_start > 60 * budget:
+            skipped.append(case.name)
+            continue
         t0 = time.perf_counter()
-        rows.append(run_case(case, args, flex_compiled))
+        rows.append(run_case(case, args, device, flex_compiled))
         save()  # after every case, so an interrupted run keeps what it measured
-        print(f"{case.name}: {time.perf_counter() - t0:.0f}s {rows[-1]['results']}", flush=True)
+        summary = {n: {k: round(v["median"]) for k, v in r.items() if k.endswith("tflops")}
+                   for n, r in rows[-1]["results"].items()}  # fmt: skip
+        print(f"{case.name}: {time.perf_counter() - t0:.0f}s {summary}", flush=True)
+    save()
     print_table(rows, ceiling)
-    print(f"wrote {args.out}")
+    print(f"{time.perf_counter() - t_start:.0f}s; skipped for time: {skipped}; wrote {path}")
 
 
 if __name__ == "__main__":

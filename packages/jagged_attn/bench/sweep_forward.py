@@ -3,7 +3,7 @@
 For the cases that miss the forward target (max length 1,024-2,048, bf16, D=128), plus
 L=8,192 and the HSTU-style GDPA case, it times the Triton forward with the shipped
 configuration ("default") and with each variant: the forward-only flags of
-:class:`hyperrec.jagged_attn.triton.KernelConfig` (``prefetch``, ``softmax_fma``,
+:class:`hyperrec.jagged_attn._triton.KernelConfig` (``prefetch``, ``softmax_fma``,
 ``lazy_rescale``, ``tma`` and its parts, host- or kernel-built, ``warp_specialize``) alone
 and combined, and other tile shapes.
 A second phase runs the two best flag sets on every tile shape. Then fwd+bwd is timed
@@ -55,10 +55,17 @@ sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
 import bench_attention  # noqa: E402
 from bench_attention import CASES as BENCH_CASES  # noqa: E402
-from bench_attention import Case, bench_ms, lengths, matmul_ceiling, useful_flops  # noqa: E402
-from bench_attention import _spec as spec_tuple  # noqa: E402
+from bench_attention import (  # noqa: E402
+    Case,
+    bench_ms,
+    call_of,
+    lengths,
+    matmul_ceiling,
+    useful_flops,
+)
+from bench_attention import _spec as spec_of  # noqa: E402
 
-from hyperrec.jagged_attn.triton._configs import (  # noqa: E402
+from hyperrec.jagged_attn._triton._configs import (  # noqa: E402
     TMA_ALL,
     TMA_KV,
     TMA_O,
@@ -173,9 +180,7 @@ def _build_job(job: tuple) -> dict:
     t0 = time.perf_counter()
     try:
         from hyperrec.jagged_attn import reference
-        from hyperrec.jagged_attn.masks import MaskSpec
-        from hyperrec.jagged_attn.spec import AttentionSpec
-        from hyperrec.jagged_attn.triton import _launch, attention_forward
+        from hyperrec.jagged_attn._triton import _launch, attention_forward
 
         case = Case(**case_dict)
         cfg = KernelConfig(**cfg_dict)
@@ -187,15 +192,12 @@ def _build_job(job: tuple) -> dict:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(t, case.heads, case.head_dim, device="cuda",
                                dtype=torch.bfloat16, generator=g) for _ in range(3))  # fmt: skip
-        spec = spec_tuple(case, case.max_len)
-        out, _ = attention_forward(q, k, v, off, off, None, None, *spec, config=cfg)
+        spec = spec_of(case, case.max_len)
+        call = call_of(spec, q, k, v, off)
+        out, _ = attention_forward(call, config=cfg)
         torch.cuda.synchronize()
         res["build_s"] = time.perf_counter() - t0
-        act, scale, oscale, norm, mq, mk, causal = spec[:7]
-        aspec = AttentionSpec(activation=act, scale=scale, output_scale=oscale,
-                              normalization=norm, max_seqlen_q=mq, max_seqlen_kv=mk,
-                              mask=MaskSpec(causal=causal))  # fmt: skip
-        exact = reference.attention_forward(q.double(), k.double(), v.double(), off, off, aspec)
+        exact = reference.attention_forward(q.double(), k.double(), v.double(), off, off, spec)
         res["err_vs_exact"] = float((out.double() - exact).abs().max())
         res["nan"] = int(torch.isnan(out).sum())
         res["compiled"] = compiled_info(_launch)
@@ -203,11 +205,10 @@ def _build_job(job: tuple) -> dict:
         if failures:
             res["ws_build_error"] = next(iter(failures.values()))
         if name == "default":  # warm the backward kernels too (fwd+bwd timings)
-            from hyperrec.jagged_attn.triton import attention_backward
+            from hyperrec.jagged_attn._triton import attention_backward
 
-            out, lse = attention_forward(q, k, v, off, off, None, None, *spec, config=cfg)
-            attention_backward(torch.randn_like(out), q, k, v, out, lse, off, off, None, None,
-                               *spec)  # fmt: skip
+            out, lse = attention_forward(call, config=cfg)
+            attention_backward(torch.randn_like(out), out, lse, call)
             torch.cuda.synchronize()
     except Exception as e:  # recorded, not fatal
         res["error"] = f"{type(e).__name__}: {e}"[:600]
@@ -290,14 +291,15 @@ def make_inputs(case: Case):
 
 def check_variant(case, cfg, inputs, ref) -> tuple[dict, tuple]:
     """Run once; compare with the default kernel's output ``ref`` (None for the default)."""
-    from hyperrec.jagged_attn.triton import _launch, attention_forward
+    from hyperrec.jagged_attn._triton import _launch, attention_forward
 
     _, off, q, k, v, _ = inputs
-    spec = spec_tuple(case, case.max_len)
+    spec = spec_of(case, case.max_len)
     res: dict = {}
-    out, lse = attention_forward(q, k, v, off, off, None, None, *spec, config=cfg)
+    out, lse = attention_forward(call_of(spec, q, k, v, off), config=cfg)
     torch.cuda.synchronize()
-    res["effective"] = _launch._forward_variants(cfg, spec[0], spec[1], (q, k, v, out),
+    res["effective"] = _launch._forward_variants(cfg, spec.activation, spec.scale,
+                                                 (q, k, v, out),
                                                  (case.head_dim, case.head_dim))  # fmt: skip
     res["nan"] = int(torch.isnan(out).sum())
     if ref is not None:
@@ -312,11 +314,11 @@ def check_variant(case, cfg, inputs, ref) -> tuple[dict, tuple]:
 
 
 def fwd_fn(case, cfg, inputs):
-    from hyperrec.jagged_attn.triton import attention_forward
+    from hyperrec.jagged_attn._triton import attention_forward
 
     _, off, q, k, v, _ = inputs
-    spec = spec_tuple(case, case.max_len)
-    return lambda: attention_forward(q, k, v, off, off, None, None, *spec, config=cfg)
+    call = call_of(spec_of(case, case.max_len), q, k, v, off)
+    return lambda: attention_forward(call, config=cfg)
 
 
 def graph_ms(fn) -> float:
@@ -327,14 +329,14 @@ def graph_ms(fn) -> float:
 
 
 def time_fwd_bwd(case, cfg, inputs) -> dict:
-    from hyperrec.jagged_attn.triton import attention_backward, attention_forward
+    from hyperrec.jagged_attn._triton import attention_backward, attention_forward
 
     lens, off, q, k, v, do = inputs
-    spec = spec_tuple(case, case.max_len)
+    call = call_of(spec_of(case, case.max_len), q, k, v, off)
 
     def fwd_bwd():
-        out, lse = attention_forward(q, k, v, off, off, None, None, *spec, config=cfg)
-        return attention_backward(do, q, k, v, out, lse, off, off, None, None, *spec)
+        out, lse = attention_forward(call, config=cfg)
+        return attention_backward(do, out, lse, call)
 
     fwd_bwd()
     torch.cuda.synchronize()

@@ -47,27 +47,31 @@ def _batch(b: int, max_len: int, heads: int, head_dim: int, seed: int = 0):
     return q, k, v, do, offsets.to(dev), lens
 
 
-def _spec_args(max_len: int, head_dim: int, causal: bool = False):
-    # (activation, scale, output_scale, normalization, max_q, max_kv, causal, wl, wr, ctx,
-    #  block_size, block_previous): the custom-op argument order
-    return ("softmax", 1.0 / math.sqrt(head_dim), 1.0, "none", max_len, max_len, causal,
-            -1, -1, 0, 0, False)  # fmt: skip
+def _call(q, k, v, off, max_len: int, head_dim: int):
+    """The launchers' description of a softmax, non-causal self-attention call."""
+    from hyperrec.jagged_attn import AttentionSpec
+    from hyperrec.jagged_attn._opschema import AttentionCall
+
+    spec = AttentionSpec(scale=1.0 / math.sqrt(head_dim), max_seqlen_q=max_len,
+                         max_seqlen_kv=max_len)  # fmt: skip
+    return AttentionCall(q=q, k=k, v=v, q_offsets=off, kv_offsets=off, kv_index=None,
+                         num_targets=None, spec=spec)  # fmt: skip
 
 
 def _compile_job(job):
     """Run one configuration once on a tiny batch so that its kernels land in the cache."""
     kind, head_dim, heads, cfg_dict = job
-    from hyperrec.jagged_attn.triton import KernelConfig, attention_backward, attention_forward
+    from hyperrec.jagged_attn._triton import KernelConfig, attention_backward, attention_forward
 
     cfg = KernelConfig(**cfg_dict)
     q, k, v, do, off, _ = _batch(3, 70, heads, head_dim)
-    args = (off, off, None, None, *_spec_args(70, head_dim))
+    call = _call(q, k, v, off, 70, head_dim)
     t0 = time.time()
     try:
-        out, lse = attention_forward(q, k, v, *args, config=cfg if kind == "fwd" else None)
+        out, lse = attention_forward(call, config=cfg if kind == "fwd" else None)
         if kind != "fwd":
             attention_backward(
-                do, q, k, v, out, lse, *args,
+                do, out, lse, call,
                 config_dkdv=cfg if kind == "dkdv" else None,
                 config_dq=cfg if kind == "dq" else None,
             )  # fmt: skip
@@ -85,11 +89,11 @@ def _ms(fn) -> float:
 
 def _tune_one(bucket, b, max_len, h, d, failed, results):
     """Time every candidate for one (bucket, head dim); returns the (fwd, dkdv, dq) winners."""
-    from hyperrec.jagged_attn.triton import _configs, attention_backward, attention_forward
+    from hyperrec.jagged_attn._triton import _configs, attention_backward, attention_forward
 
     cands = _configs.CANDIDATES
     q, k, v, do, off, lens = _batch(b, max_len, h, d)
-    a = (off, off, None, None, *_spec_args(max_len, d))
+    call = _call(q, k, v, off, max_len, d)
     flops = 4.0 * float((lens.double() ** 2).sum()) * h * d
 
     def ok(kind, cfg):
@@ -103,14 +107,14 @@ def _tune_one(bucket, b, max_len, h, d, failed, results):
         return ms
 
     best_fwd = min(
-        ((record("fwd", _ms(lambda c=c: attention_forward(q, k, v, *a, config=c)), c), c)
+        ((record("fwd", _ms(lambda c=c: attention_forward(call, config=c)), c), c)
          for c in cands["fwd"] if ok("fwd", c)),
         key=lambda x: x[0],
     )  # fmt: skip
-    out, lse = attention_forward(q, k, v, *a, config=best_fwd[1])
+    out, lse = attention_forward(call, config=best_fwd[1])
 
     def bwd(dkdv, dq):
-        return _ms(lambda: attention_backward(do, q, k, v, out, lse, *a, config_dkdv=dkdv,
+        return _ms(lambda: attention_backward(do, out, lse, call, config_dkdv=dkdv,
                                               config_dq=dq))  # fmt: skip
 
     # dK/dV candidates with the default dQ kernel, and each with the atomic dQ scheme
@@ -140,7 +144,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12)
     args = parser.parse_args()
 
-    from hyperrec.jagged_attn.triton import _configs
+    from hyperrec.jagged_attn._triton import _configs
 
     cands = _configs.CANDIDATES
     heads = {h for (_, _, h) in BUCKETS.values()}

@@ -6,16 +6,25 @@ import pytest
 import torch
 from jagged_oracle import make_problem
 
-from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
-from hyperrec.jagged_attn.ops import attention_torch, attention_torch_backward
+from hyperrec.jagged_attn import AttentionSpec, MaskSpec, block_attention, gdpa, jagged_attention
+from hyperrec.jagged_attn._opschema import spec_op_args
+from hyperrec.jagged_attn._torch.ops import attention_torch, attention_torch_backward
 
-#  activation, scale, output_scale, normalization, max_q, max_kv, causal, left, right,
-#  contextual, block_size, block_previous
+
+def _spec_args(activation, scale, output_scale, normalization, **mask) -> tuple:
+    """The op arguments that follow the tensors, for one spec."""
+    spec = AttentionSpec(activation=activation, scale=scale, output_scale=output_scale,
+                         normalization=normalization, max_seqlen_q=6, max_seqlen_kv=6,
+                         mask=MaskSpec(**mask))  # fmt: skip
+    return spec_op_args(spec)
+
+
 SPECS = [
-    ("softmax", 0.5, 1.0, "none", 6, 6, True, -1, -1, 0, 0, False),
-    ("silu", 0.3, 2.0, "max_seqlen", 6, 6, True, 2, 0, 1, 0, False),
-    ("gelu_poly", 1.0, 1.0, "length", 6, 6, False, -1, -1, 0, 2, True),
-]
+    _spec_args("softmax", 0.5, 1.0, "none", causal=True),
+    _spec_args("silu", 0.3, 2.0, "max_seqlen", causal=True, window_left=2, window_right=0,
+               contextual_len=1),
+    _spec_args("gelu_poly", 1.0, 1.0, "length", block_size=2, block_previous=True),
+]  # fmt: skip
 
 
 def _inputs(with_map: bool):
@@ -26,13 +35,13 @@ def _inputs(with_map: bool):
     return q, k, v, p.q_offsets_t, p.kv_offsets_t, kv_index, targets
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s[0])
+@pytest.mark.parametrize("spec", SPECS, ids=["softmax", "silu", "gelu_poly"])
 @pytest.mark.parametrize("with_map", [False, True])
 def test_opcheck_forward(spec, with_map):
     torch.library.opcheck(attention_torch, (*_inputs(with_map), *spec))
 
 
-@pytest.mark.parametrize("spec", SPECS[:2], ids=lambda s: s[0])
+@pytest.mark.parametrize("spec", SPECS[:2], ids=["softmax", "silu"])
 def test_opcheck_backward(spec):
     q, k, v, *rest = _inputs(True)
     grad = torch.randn(q.shape[0], q.shape[1], v.shape[2])
@@ -109,3 +118,41 @@ def test_compile_dynamic_shapes_does_not_recompile_per_batch():
         got = compiled(p.q, p.k, p.v, p.q_offsets_t, max(lengths))
         torch.testing.assert_close(got, want)
     assert len(compiles) == 1
+
+
+def test_spec_round_trips_through_the_op_arguments():
+    from hyperrec.jagged_attn._opschema import AttentionCall
+
+    spec = AttentionSpec(
+        activation="gelu_tanh",
+        scale=0.3,
+        output_scale=1.5,
+        normalization="length",
+        max_seqlen_q=5,
+        max_seqlen_kv=9,
+        mask=MaskSpec(causal=True, window_left=3, window_right=0, contextual_len=2,
+                      block_size=4, block_previous=True),
+    )  # fmt: skip
+    q, k, v, qo, ko, kvi, nt = _inputs(True)
+    call = AttentionCall(q=q, k=k, v=v, q_offsets=qo, kv_offsets=ko, kv_index=kvi,
+                         num_targets=nt, spec=spec)  # fmt: skip
+    back = AttentionCall.from_op_args(call.op_args())
+    assert back.spec == spec and all(a is b for a, b in zip(back.tensors, call.tensors))
+    assert len(call.op_args()) == len(call.tensors) + len(spec_op_args(spec))
+    with pytest.raises(ValueError, match="not an encoded attention spec"):
+        AttentionCall.from_op_args((*call.tensors, "activation=softmax", 1.0, 1.0, 5, 9))
+
+
+def test_compile_dynamic_with_mask_arguments():
+    # Mask fields passed into the compiled function (symbolic ints under dynamic=True) are
+    # specialised into the op's spec string; maxima and scale stay symbolic.
+    def fn(q, k, v, offsets, max_len, left, ctx, targets):
+        return gdpa(q, k, v, offsets, offsets, max_len, max_len, causal=True,
+                    window_size=(left, -1), contextual_len=ctx, num_targets=targets)  # fmt: skip
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths, left, ctx in (([3, 5], 2, 1), ([2, 7, 1], 2, 1), ([6, 0, 4], 3, 0)):
+        p = make_problem(lengths, dtype=torch.float32)
+        targets = torch.tensor([min(1, n) for n in lengths])
+        args = (p.q, p.k, p.v, p.q_offsets_t, max(lengths), left, ctx, targets)
+        torch.testing.assert_close(compiled(*args), fn(*args))

@@ -14,150 +14,34 @@ dq, dk, dv, with every output element written (allocations are poisoned with NaN
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 import torch
+from kernel_check import (
+    DKDV,
+    DQ,
+    SMALL,
+    Case,
+    build,
+    check,
+    kernels_available,
+    poison_allocations,
+    run_backward,
+    run_forward,
+)
 
 from hyperrec.jagged_attn import reference
-from hyperrec.jagged_attn.activations import activation as act_fn
-from hyperrec.jagged_attn.masks import MaskSpec, mask_matrix
-from hyperrec.jagged_attn.ops import spec_args
-from hyperrec.jagged_attn.spec import AttentionSpec
-from hyperrec.testing import assert_close_to_reference, poison_like
+from hyperrec.jagged_attn._triton import KernelConfig
 
 triton = pytest.importorskip("triton")
 
-from hyperrec.jagged_attn.triton import (  # noqa: E402
-    KernelConfig,
-    attention_backward,
-    attention_forward,
-    supports,
-)
-
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-DEVICE = "cuda" if CUDA else "cpu"
-if not supports(DEVICE):
+if not kernels_available():
     pytest.skip(
         "the Triton kernels need CUDA or TRITON_INTERPRET=1 on the CPU", allow_module_level=True
     )
 
-# Small tiles on the CPU so that tiny sequences still span several tiles.
-SMALL = KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-DKDV = KernelConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
-DQ = KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-
-
-@dataclass(frozen=True)
-class Case:
-    q_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...] | None = None  # None: self-attention
-    kv_index: tuple[int, ...] | None = None
-    targets: tuple[int, ...] | None = None
-    heads: int = 2
-    head_dim: int = 32
-    head_dim_v: int | None = None
-    dtype: torch.dtype = torch.bfloat16
-    spec: dict = field(default_factory=dict)  # AttentionSpec fields besides max_seqlen
-    mask: dict = field(default_factory=dict)  # MaskSpec fields
-
-
-def _offsets(lens, device) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()],
-                        dtype=torch.long, device=device)  # fmt: skip
-
-
-def _build(case: Case, seed: int, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    kv_lens = case.q_lens if case.kv_lens is None else case.kv_lens
-    tq, tk = sum(case.q_lens), sum(kv_lens)
-    dv = case.head_dim if case.head_dim_v is None else case.head_dim_v
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(case.dtype).to(device)
-
-    q, k = rnd(tq, case.heads, case.head_dim), rnd(tk, case.heads, case.head_dim)
-    v, do = rnd(tk, case.heads, dv), rnd(tq, case.heads, dv)
-    qo = _offsets(case.q_lens, device)
-    ko = qo if case.kv_lens is None else _offsets(kv_lens, device)
-    kvi = None if case.kv_index is None else torch.tensor(case.kv_index, device=device)
-    nt = None if case.targets is None else torch.tensor(case.targets, device=device)
-    max_q = max(case.q_lens, default=0)
-    max_k = max(kv_lens, default=0)
-    fields = dict(scale=1.0 / math.sqrt(case.head_dim)) | case.spec
-    spec = AttentionSpec(
-        max_seqlen_q=max_q, max_seqlen_kv=max_k, mask=MaskSpec(**case.mask), **fields
-    )
-    return q, k, v, do, qo, ko, kvi, nt, spec
-
-
-def _baseline(q, k, v, qo, ko, kvi, nt, spec: AttentionSpec) -> torch.Tensor:
-    """The spec computed naively per sequence in the input dtype (differentiable)."""
-    outs = []
-    for b in range(qo.numel() - 1):
-        kb = b if kvi is None else int(kvi[b])
-        qs, qe, ks, ke = int(qo[b]), int(qo[b + 1]), int(ko[kb]), int(ko[kb + 1])
-        lq, lk = qe - qs, ke - ks
-        n = 0 if nt is None else int(nt[b])
-        qb, kbt, vb = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)
-        s = torch.matmul(qb, kbt.transpose(1, 2)) * spec.scale
-        m = mask_matrix(lq, lk, spec.mask, num_targets=n).to(q.device)
-        if spec.activation == "softmax":
-            w = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1)
-            w = torch.where(m.any(-1, keepdim=True), w, torch.zeros_like(w))
-        else:
-            w = torch.where(m, act_fn(spec.activation, s), torch.zeros_like(s))
-        coef = spec.output_scale
-        if spec.normalization == "max_seqlen":
-            coef /= max(spec.max_seqlen_kv, 1)
-        elif spec.normalization == "length" and lk > 0:
-            coef /= lk
-        outs.append((torch.matmul(w, vb) * coef).transpose(0, 1))
-    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
-
-
-@pytest.fixture(autouse=True)
-def _poison_allocations(monkeypatch):
-    """Every tensor the launchers allocate starts as NaN: an unwritten element shows up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poisoned_empty(*args, **kwargs):
-        return poison_like(empty(*args, **kwargs))
-
-    def poisoned_empty_like(*args, **kwargs):
-        return poison_like(empty_like(*args, **kwargs))
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
-
-
-def _check(case: Case, seed: int = 0, *, backward: bool = True, configs=(SMALL, DKDV, DQ),
-           atol: float = 1e-3) -> None:  # fmt: skip
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, seed)
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    cfg_fwd, cfg_dkdv, cfg_dq = configs
-    out, lse = attention_forward(q, k, v, *args, config=cfg_fwd)
-
-    exact = reference.attention_forward(
-        q.double(), k.double(), v.double(), qo, ko, spec, kv_index=kvi, num_targets=nt
-    )
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    base = _baseline(*leaves, qo, ko, kvi, nt, spec)
-    assert_close_to_reference(out, base, exact, atol=atol, name="out")
-    if not backward:
-        return
-    dq, dk, dv = attention_backward(do, q, k, v, out, lse, *args, config_dkdv=cfg_dkdv,
-                                    config_dq=cfg_dq)  # fmt: skip
-    exact_grads = reference.attention_backward(
-        do.double(), q.double(), k.double(), v.double(), qo, ko, spec, kv_index=kvi,
-        num_targets=nt,
-    )  # fmt: skip
-    base_grads = torch.autograd.grad(base, leaves, do, allow_unused=True)
-    for name, got, b, e in zip(("dq", "dk", "dv"), (dq, dk, dv), base_grads, exact_grads):
-        b = torch.zeros_like(e) if b is None else b
-        assert_close_to_reference(got, b, e, atol=atol, name=name)
+pytestmark = pytest.mark.usefixtures(poison_allocations.__name__)
 
 
 # ----------------------------------------------------------------------------------------
@@ -170,17 +54,17 @@ LENS = (17, 0, 1, 40, 5, 33)
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_fwd_bwd(causal):
-    _check(Case(LENS, mask=dict(causal=causal)))
+    check(Case(LENS, mask=dict(causal=causal)))
 
 
 def test_softmax_fp16_head_dim_64_single_sequence():
     # B = 1, a length that is not a multiple of any block, fp16, another head dim.
-    _check(Case((45,), heads=1, head_dim=64, dtype=torch.float16, mask=dict(causal=True)))
+    check(Case((45,), heads=1, head_dim=64, dtype=torch.float16, mask=dict(causal=True)))
 
 
 def test_non_power_of_two_head_dims():
     # D = 48 and Dv = 24 are padded to 64 / 32 inside the kernel and masked on load/store.
-    _check(Case((19, 7), head_dim=48, head_dim_v=24))
+    check(Case((19, 7), head_dim=48, head_dim_v=24))
 
 
 @pytest.mark.parametrize(
@@ -197,11 +81,11 @@ def test_non_power_of_two_head_dims():
 )
 def test_gdpa_activations(activation, normalization, causal):
     spec = dict(activation=activation, normalization=normalization, output_scale=0.5)
-    _check(Case((21, 0, 3, 34), spec=spec, mask=dict(causal=causal)))
+    check(Case((21, 0, 3, 34), spec=spec, mask=dict(causal=causal)))
 
 
 def test_softmax_output_scale_and_length_normalisation():
-    _check(Case((9, 20), spec=dict(output_scale=1.5, normalization="length")))
+    check(Case((9, 20), spec=dict(output_scale=1.5, normalization="length")))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -216,8 +100,8 @@ def test_kv_index_and_asymmetric_lengths(causal):
         spec=dict(activation="softmax"),
         mask=dict(causal=causal),
     )
-    _check(case)
-    _check(replace(case, spec=dict(activation="silu", normalization="length")), seed=1)
+    check(case)
+    check(replace(case, spec=dict(activation="silu", normalization="length")), seed=1)
 
 
 @pytest.mark.parametrize(
@@ -232,34 +116,34 @@ def test_kv_index_and_asymmetric_lengths(causal):
 )
 def test_generic_masks(mask, targets):
     case = Case((26, 0, 5, 37), targets=targets, mask=mask, spec=dict(activation="softmax"))
-    _check(case)
-    _check(replace(case, spec=dict(activation="silu", normalization="max_seqlen")), seed=1)
+    check(case)
+    check(replace(case, spec=dict(activation="silu", normalization="max_seqlen")), seed=1)
 
 
 def test_many_short_sequences():
     # B = 40 tiny sequences, some empty: the cost-sorted tile table at scale.
     lens = tuple((7 * i) % 11 for i in range(40))
-    _check(Case(lens, heads=1, mask=dict(causal=True)))
+    check(Case(lens, heads=1, mask=dict(causal=True)))
 
 
 def test_default_configs():
     # The shipped (interpreter) configuration, not the pinned small tiles.
-    _check(Case((70, 3)), configs=(None, None, None))
+    check(Case((70, 3)), configs=(None, None, None))
 
 
 def test_empty_inputs():
     for lens in [(), (0, 0)]:
-        q, k, v, do, qo, ko, kvi, nt, spec = _build(Case(lens), 0)
-        out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
+        q, k, v, do, qo, ko, kvi, nt, spec = build(Case(lens), 0)
+        out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec)
         assert out.shape == (0, 2, 32) and lse.shape == (2, 0)
-        grads = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
+        grads = run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec)
         assert [g.shape for g in grads] == [(0, 2, 32)] * 3
     # Queries whose kv sequences are all empty: outputs are zeros, gradients too.
     case = Case((3, 4), kv_lens=(0, 0), spec=dict(activation="silu"))
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, 0)
-    out, lse = attention_forward(q, k, v, qo, ko, kvi, nt, *spec_args(spec))
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
+    out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec)
     assert torch.equal(out, torch.zeros_like(out))
-    dq, dk, dv = attention_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, *spec_args(spec))
+    dq, dk, dv = run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec)
     assert torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == dv.numel() == 0
 
 
@@ -278,6 +162,9 @@ FWD_VARIANTS = {
     "fma": dict(softmax_fma=True),
     "lazy": dict(lazy_rescale=True),
     "ws": dict(warp_specialize=True),
+    "dynamic": dict(dynamic_schedule=True),
+    "sequence_order": dict(work_order="sequence"),
+    "dynamic_sequence_tma": dict(dynamic_schedule=True, work_order="sequence", tma=True),
     "all": ALL_FLAGS,
 }
 
@@ -290,7 +177,7 @@ def _variant(flags: dict, base: KernelConfig = SMALL) -> KernelConfig:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_variants_softmax(flags, causal):
     # 0- and 1-length sequences, partial tiles, several tiles per sequence, a small grid.
-    _check(Case(LENS, mask=dict(causal=causal)), configs=(_variant(flags), DKDV, DQ))
+    check(Case(LENS, mask=dict(causal=causal)), configs=(_variant(flags), DKDV, DQ))
 
 
 @pytest.mark.parametrize("flags", list(FWD_VARIANTS.values()), ids=list(FWD_VARIANTS))
@@ -300,8 +187,8 @@ def test_forward_variants_hstu(flags):
     spec = dict(activation="silu", normalization="max_seqlen")
     case = Case((26, 0, 1, 37), targets=(4, 0, 1, 2), spec=spec,
                 mask=dict(causal=True, contextual_len=3))  # fmt: skip
-    _check(case, configs=(_variant(flags), DKDV, DQ), backward=False)
-    _check(replace(case, head_dim=48), seed=1, configs=(_variant(flags), DKDV, DQ),
+    check(case, configs=(_variant(flags), DKDV, DQ), backward=False)
+    check(replace(case, head_dim=48), seed=1, configs=(_variant(flags), DKDV, DQ),
            backward=False)  # fmt: skip
 
 
@@ -310,26 +197,26 @@ def test_forward_variants_kv_index():
     # and Lq < Lk, an empty kv sequence, an unused one.
     case = Case(q_lens=(5, 1, 0, 30, 12), kv_lens=(23, 9, 0), kv_index=(0, 0, 2, 0, 2),
                 mask=dict(causal=True))  # fmt: skip
-    _check(case, configs=(_variant(ALL_FLAGS), DKDV, DQ))
+    check(case, configs=(_variant(ALL_FLAGS), DKDV, DQ))
 
 
 def test_lazy_rescale_large_scores():
     # Large scores: running maxima jump by far more than the 2**8 threshold between tiles,
     # so both branches of the lazy rescale run (small scores above take the lazy one).
     for flags in (dict(lazy_rescale=True), dict(lazy_rescale=True, softmax_fma=True)):
-        _check(Case(LENS, spec=dict(scale=2.0), mask=dict(causal=True)),
+        check(Case(LENS, spec=dict(scale=2.0), mask=dict(causal=True)),
                configs=(_variant(flags), DKDV, DQ))  # fmt: skip
 
 
 def test_fma_needs_positive_scale():
     # softmax_fma takes the row max before scaling: with scale <= 0 the launcher drops it.
-    from hyperrec.jagged_attn.triton import _launch
+    from hyperrec.jagged_attn._triton import _launch
 
     q = torch.zeros(4, 1, 16, dtype=torch.bfloat16)
     flags = _launch._forward_variants(_variant(ALL_FLAGS), "softmax", -0.5, (q, q, q, q),
                                       (16, 16))  # fmt: skip
     assert not flags["FMA"] and flags["LAZY"] and flags["PREFETCH"] and flags["TMA"]
-    _check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
+    check(Case((9, 20, 0), spec=dict(scale=-0.4)), configs=(_variant(ALL_FLAGS), DKDV, DQ))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -337,21 +224,21 @@ def test_shipped_hopper_forward_configs(head_dim):
     # The shipped sm90 forward entries read Q and K/V and write O through in-kernel
     # descriptors; run each (its real tile shape) in the interpreter against the float64
     # reference: sequences shorter than, equal to and longer than a tile, and empty.
-    from hyperrec.jagged_attn.triton._configs import TMA_KV, TMA_O, TMA_Q, TUNED
+    from hyperrec.jagged_attn._triton._configs import TMA_KV, TMA_O, TMA_Q, TUNED
 
     for bucket in ("short", "long"):
         cfg = TUNED[("fwd", "sm90", head_dim, bucket)]
         assert cfg.tma == TMA_Q | TMA_KV | TMA_O and cfg.tma_in_kernel, (bucket, cfg)
         case = Case((cfg.block_m + 3, 0, cfg.block_n, 5), heads=1, head_dim=head_dim,
                     mask=dict(causal=bucket == "long"))  # fmt: skip
-        _check(case, configs=(cfg, DKDV, DQ), backward=False)
+        check(case, configs=(cfg, DKDV, DQ), backward=False)
 
 
 def test_tma_dropped_where_descriptors_cannot_read():
     # Head dims that are not powers of two, heads not packed in their rows, and empty
     # tensors take the pointer path; packed aligned heads keep the descriptors.
-    from hyperrec.jagged_attn.triton import _launch
-    from hyperrec.jagged_attn.triton._configs import TUNED
+    from hyperrec.jagged_attn._triton import _launch
+    from hyperrec.jagged_attn._triton._configs import TUNED
 
     cfg = TUNED[("fwd", "sm90", 128, "long")]
 
@@ -373,13 +260,13 @@ def test_forward_variants_nan_stays_inside_its_sequence():
     # NaN there must not reach this sequence's output (K is replaced by the mask, V is read
     # through masked loads in tiles that cross the end, Q's extra rows are never stored).
     case = Case((17, 40, 5, 33))
-    q, k, v, _, qo, ko, kvi, nt, spec = _build(case, 0)
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
     q[17:57], k[17:57], v[17:57] = (float("nan"),) * 3  # sequence 1
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    want, _ = attention_forward(q, k, v, *args, config=SMALL)
+    args = (qo, ko, kvi, nt, spec)
+    want, _ = run_forward(q, k, v, *args, config=SMALL)
     for flags in (dict(tma=True), dict(tma=True, tma_in_kernel=True), ALL_FLAGS):
         for cfg in (_variant(flags), _variant(flags, KernelConfig(block_m=32, block_n=32))):
-            out, lse = attention_forward(q, k, v, *args, config=cfg)
+            out, lse = run_forward(q, k, v, *args, config=cfg)
             others = torch.cat([out[:17], out[57:]])
             assert torch.isfinite(others).all(), flags
             assert torch.isnan(out[17:57]).all()
@@ -390,7 +277,7 @@ def test_forward_variants_nan_stays_inside_its_sequence():
 def test_warp_specialize_build_failure_falls_back(monkeypatch):
     # A Triton that cannot warp-specialise the loop: the launcher builds the same kernel
     # without it, remembers the failure and does not try again.
-    from hyperrec.jagged_attn.triton import _launch
+    from hyperrec.jagged_attn._triton import _launch
 
     real = _launch._launch_persistent
     calls = []
@@ -404,8 +291,8 @@ def test_warp_specialize_build_failure_falls_back(monkeypatch):
     monkeypatch.setattr(_launch, "_launch_persistent", fake)
     monkeypatch.setattr(_launch, "_FAILED_BUILDS", {})
     cfg = _variant(dict(warp_specialize=True))
-    _check(Case((19, 0, 1)), configs=(cfg, DKDV, DQ), backward=False)
-    _check(Case((19, 0, 1)), seed=1, configs=(cfg, DKDV, DQ), backward=False)
+    check(Case((19, 0, 1)), configs=(cfg, DKDV, DQ), backward=False)
+    check(Case((19, 0, 1)), seed=1, configs=(cfg, DKDV, DQ), backward=False)
     fwd_calls = [c for c in calls if c is not None]
     assert fwd_calls == [True, False, False]
     assert len(_launch.forward_build_failures()) == 1
@@ -413,7 +300,7 @@ def test_warp_specialize_build_failure_falls_back(monkeypatch):
 
 def test_tile_meta_table():
     # The prefetched table resolves each scheduled tile to its geometry.
-    from hyperrec.jagged_attn.triton._schedule import q_tile_meta, q_tile_schedule
+    from hyperrec.jagged_attn._triton._schedule import q_tile_meta, q_tile_schedule
 
     qo = torch.tensor([0, 5, 5, 6, 40], dtype=torch.int32)
     ko = torch.tensor([0, 23, 23, 30], dtype=torch.int32)
@@ -448,7 +335,7 @@ def _random_lens(n: int, max_len: int, seed: int) -> tuple[int, ...]:
 def test_gpu_softmax_sweep(head_dim, causal, dtype):
     lens = _random_lens(24, 700, head_dim)
     case = Case(lens, heads=3, head_dim=head_dim, dtype=dtype, mask=dict(causal=causal))
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -460,7 +347,7 @@ def test_gpu_gdpa_sweep(activation, head_dim):
     lens = _random_lens(16, 600, 7)
     spec = dict(activation=activation, normalization="max_seqlen", scale=0.5)
     case = Case(lens, heads=2, head_dim=head_dim, spec=spec, mask=dict(causal=True))
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -470,25 +357,25 @@ def test_gpu_kv_index_and_masks():
     kv_index = tuple(int(i) % 8 for i in range(64))
     case = Case(q_lens, kv_lens=kv_lens, kv_index=kv_index, head_dim=128,
                 spec=dict(activation="silu", normalization="length"))  # fmt: skip
-    _check(case, configs=(None, None, None), atol=1e-4)
+    check(case, configs=(None, None, None), atol=1e-4)
     lens = _random_lens(12, 500, 5)
     targets = tuple(min(n, 20) for n in lens)
     hstu = Case(lens, targets=targets, head_dim=64, mask=dict(causal=True, contextual_len=6),
                 spec=dict(activation="silu", normalization="max_seqlen"))  # fmt: skip
-    _check(hstu, configs=(None, None, None), atol=1e-4)
+    check(hstu, configs=(None, None, None), atol=1e-4)
     block = Case(lens, head_dim=64, mask=dict(block_size=64, block_previous=True))
-    _check(block, configs=(None, None, None), atol=1e-4)
+    check(block, configs=(None, None, None), atol=1e-4)
 
 
 @pytest.mark.gpu
 def test_gpu_large_batch_no_sync_no_recompile():
     """B = 1,024 mixed lengths: correct, no host sync, and no compile for new lengths."""
     case = Case(_random_lens(1024, 300, 11), heads=4, head_dim=64, mask=dict(causal=True))
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case, 0)
-    args = (qo, ko, kvi, nt, *spec_args(spec))
-    attention_backward(do, q, k, v, *attention_forward(q, k, v, *args), *args)  # compile
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case, 0)
+    args = (qo, ko, kvi, nt, spec)
+    run_backward(do, q, k, v, *run_forward(q, k, v, *args), *args)  # compile
     torch.cuda.synchronize()
-    from hyperrec.jagged_attn.triton import _kernels
+    from hyperrec.jagged_attn._triton import _kernels
 
     def n_compiled():
         total = 0
@@ -501,16 +388,119 @@ def test_gpu_large_batch_no_sync_no_recompile():
     before = n_compiled()
     assert before > 0, "could not count compiled kernels in this Triton version"
     case2 = replace(case, q_lens=_random_lens(777, 290, 12))  # new B, T and lengths
-    q, k, v, do, qo, ko, kvi, nt, spec = _build(case2, 1)
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case2, 1)
     spec = replace(spec, max_seqlen_q=300, max_seqlen_kv=300)  # same bucket
-    args = (qo, ko, kvi, nt, *spec_args(spec))
+    args = (qo, ko, kvi, nt, spec)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, lse = attention_forward(q, k, v, *args)
-        grads = attention_backward(do, q, k, v, out, lse, *args)
+        out, lse = run_forward(q, k, v, *args)
+        grads = run_backward(do, q, k, v, out, lse, *args)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert n_compiled() == before, "a new set of lengths triggered a compilation"
     exact = reference.attention_forward(q.double(), k.double(), v.double(), qo, ko, spec)
     assert (out.double() - exact).abs().max() < 2e-2
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_sequence_work_order_keeps_sequences_together():
+    # "sequence": sequences by total cost (heaviest first), each one's tiles contiguous and
+    # heaviest first; "cost": every tile by its own cost. Both list every real tile once.
+    from hyperrec.jagged_attn._triton._schedule import q_tile_schedule
+
+    lens = [40, 0, 70, 5, 70, 33]
+    qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total_q = sum(lens)
+    for causal in (False, True):
+        by_cost = q_tile_schedule(qo, qo, None, 16, causal, total_q, "cost")
+        by_seq = q_tile_schedule(qo, qo, None, 16, causal, total_q, "sequence")
+        n = int(by_cost[2])
+        assert n == int(by_seq[2]) == sum(-(-x // 16) for x in lens)
+        tiles = {(int(a), int(b)) for a, b in zip(by_cost[0][:n], by_cost[1][:n])}
+        assert tiles == {(int(a), int(b)) for a, b in zip(by_seq[0][:n], by_seq[1][:n])}
+        seqs = by_seq[0][:n].tolist()
+        runs = [seqs[0]] + [b for a, b in zip(seqs, seqs[1:]) if a != b]
+        assert len(runs) == len(set(runs)), "a sequence's tiles are split"
+        assert runs[:2] in ([2, 4], [4, 2]) and runs[-1] == 3  # longest first, shortest last
+        if causal:  # within a sequence, the tile that sees the most keys first
+            idx = by_seq[1][: seqs.count(runs[0])].tolist()
+            assert idx == sorted(idx, reverse=True)
+
+
+def test_occupancy_estimate_counts_reserved_shared_memory_and_register_granularity():
+    from hyperrec.jagged_attn._triton._launch import occupancy_estimate
+
+    hopper = dict(regs=65536, smem=228 * 1024, threads=2048)
+    # two blocks of 114 KiB do not fit: each also takes 1 KiB of reserved shared memory
+    assert occupancy_estimate(64, 114 * 1024, 4, hopper) == 1
+    assert occupancy_estimate(64, 112 * 1024, 4, hopper) == 2
+    # 130 registers are allocated as 136 per thread (256 per warp): 3 blocks of 4 warps
+    # would need 3 * 4 * 32 * 136 = 52,224 <= 65,536, but 4 would not
+    assert occupancy_estimate(130, 1024, 4, hopper) == 3
+    assert occupancy_estimate(255, 0, 8, hopper) == 1
+    assert occupancy_estimate(32, 0, 1, hopper) == 8  # capped
+
+
+PACKED = replace(SMALL, pack_rows=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "causal"),
+    [
+        (dict(), False),
+        (dict(), True),
+        (dict(activation="silu", normalization="max_seqlen"), True),
+        (dict(output_scale=0.5, normalization="length"), False),
+        (dict(activation="gelu", normalization="length"), True),
+    ],
+    ids=["softmax", "softmax_causal", "hstu", "softmax_length", "gelu_length"],
+)
+def test_packed_rows_forward(spec, causal, monkeypatch):
+    # Many short sequences packed into 16-row spans (sequences cross span boundaries, one is
+    # longer than a span, empty ones in between); the backward reads the packed LSE.
+    calls = _count_packed(monkeypatch)
+    lens = (5, 0, 9, 1, 3, 16, 0, 7, 40, 2, 11)
+    check(Case(lens, heads=2, spec=spec, mask=dict(causal=causal)), configs=(PACKED, DKDV, DQ))
+    assert calls == [1]
+
+
+def _count_packed(monkeypatch) -> list[int]:
+    from hyperrec.jagged_attn._triton import _launch
+
+    calls: list[int] = []
+    real = _launch._forward_packed
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_launch, "_forward_packed", counted)
+    return calls
+
+
+def test_packed_rows_ignored_where_it_does_not_apply(monkeypatch):
+    # A window, targets or a query -> kv map take the per-sequence forward (still correct).
+    calls = _count_packed(monkeypatch)
+    check(Case((5, 9, 17), mask=dict(causal=True, window_left=3)), configs=(PACKED, DKDV, DQ))
+    check(Case((5, 9, 17), targets=(1, 0, 2), mask=dict(causal=True)), configs=(PACKED, DKDV, DQ))
+    check(Case((5, 9), kv_lens=(7, 3)), configs=(PACKED, DKDV, DQ), backward=False)
+    assert calls == []
+
+
+def test_row_sequence():
+    from hyperrec.jagged_attn._triton._schedule import row_sequence
+
+    off = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
+    assert row_sequence(off, 6).tolist() == [0, 0, 2, 2, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(128, 64, 8, 2), (64, 64, 4, 2)], ids=["m128", "m64"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_packed_rows_many_tiny_sequences(tiles, causal):
+    bm, bn, warps, stages = tiles
+    cfg = KernelConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                       pack_rows=True)  # fmt: skip
+    lens = _random_lens(2000, 64, 21)
+    check(Case(lens, heads=4, head_dim=128, mask=dict(causal=causal)), configs=(cfg, None, None),
+          atol=1e-4)  # fmt: skip

@@ -12,14 +12,14 @@ import os
 import pytest
 import torch
 
+from hyperrec.jagged_attn._opschema import spec_op_args
 from hyperrec.jagged_attn.masks import MaskSpec
-from hyperrec.jagged_attn.ops import spec_args
 from hyperrec.jagged_attn.spec import AttentionSpec
 
 pytest.importorskip("triton")
 
-from hyperrec.jagged_attn.triton import flops_upper_bound, supports
-from hyperrec.jagged_attn.triton.ops import (
+from hyperrec.jagged_attn._triton import flops_upper_bound, supports
+from hyperrec.jagged_attn._triton.ops import (
     attention_triton,
     unsupported_reason,
 )
@@ -44,9 +44,11 @@ def _inputs(lens, heads=2, dim=32, dtype=torch.bfloat16, seed=0, requires_grad=F
 
 
 def _spec(lens, dim=32, **kw) -> tuple:
+    """The spec arguments of the ops (what follows the tensors)."""
     mask = kw.pop("mask", MaskSpec())
-    return spec_args(AttentionSpec(scale=1 / math.sqrt(dim), max_seqlen_q=max(lens),
-                                   max_seqlen_kv=max(lens), mask=mask, **kw))  # fmt: skip
+    spec = AttentionSpec(scale=1 / math.sqrt(dim), max_seqlen_q=max(lens),
+                         max_seqlen_kv=max(lens), mask=mask, **kw)  # fmt: skip
+    return spec_op_args(spec)
 
 
 @pytest.mark.parametrize(
@@ -61,19 +63,9 @@ def test_opcheck(kw):
     torch.library.opcheck(OPS.attention_triton_fwd, (q, k, v, off, off, None, None, *spec))
     out, lse = OPS.attention_triton_fwd(q, k, v, off, off, None, None, *spec)
     do = torch.randn_like(out)
-    args = (
-        do,
-        q.detach(),
-        k.detach(),
-        v.detach(),
-        out.detach(),
-        lse.detach(),
-        off,
-        off,
-        None,
-        None,
-    )
-    torch.library.opcheck(OPS.attention_triton_bwd, (*args, *spec))
+    tensors = (q.detach(), k.detach(), v.detach(), off, off, None, None)
+    args = (do, out.detach(), lse.detach(), *tensors, *spec)
+    torch.library.opcheck(OPS.attention_triton_bwd, args)
 
 
 def test_compile_fullgraph_matches_eager():

@@ -8,14 +8,14 @@
 - :func:`block_attention`: attention within fixed blocks of each sequence, O(L).
 
 Backends: ``"torch"`` (the pure-PyTorch reference in :mod:`~hyperrec.jagged_attn.reference`);
-the Triton kernels in :mod:`~hyperrec.jagged_attn.triton` (``"triton"``; ``"auto"`` on CUDA).
+the Triton kernels of the private ``_triton`` subpackage (``"triton"``; ``"auto"`` on CUDA).
 Every function is a ``torch.library`` custom op underneath, so ``torch.compile``
 traces it with ``fullgraph=True``.
 """
 
+from hyperrec.jagged_attn._dispatch import BACKENDS
 from hyperrec.jagged_attn._version import __version__
 from hyperrec.jagged_attn.activations import ACTIVATIONS, gelu_poly
-from hyperrec.jagged_attn.backends import BACKENDS
 from hyperrec.jagged_attn.interface import block_attention, gdpa, jagged_attention
 from hyperrec.jagged_attn.masks import MaskSpec, mask_matrix
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec

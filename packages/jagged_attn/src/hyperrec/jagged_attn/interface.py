@@ -13,12 +13,23 @@ import math
 
 import torch
 
-from hyperrec.jagged_attn._checks import check_bool, check_choice, check_float, check_int
-from hyperrec.jagged_attn._validation import Names, check_index_tensor, check_qkv, check_values
+from hyperrec.jagged_attn._dispatch import BACKENDS, Backend, resolve_backend
+from hyperrec.jagged_attn._opschema import AttentionCall
+from hyperrec.jagged_attn._validate import (
+    Names,
+    Validate,
+    check_bool,
+    check_choice,
+    check_float,
+    check_index_tensor,
+    check_int,
+    check_qkv,
+    check_validate,
+    run_value_checks,
+    value_check_mode,
+)
 from hyperrec.jagged_attn.activations import ACTIVATIONS
-from hyperrec.jagged_attn.backends import BACKENDS, resolve_backend
 from hyperrec.jagged_attn.masks import MaskSpec
-from hyperrec.jagged_attn.ops import spec_args
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
 __all__ = ["block_attention", "gdpa", "jagged_attention"]
@@ -51,25 +62,27 @@ def _dispatch(
     num_targets: torch.Tensor | None,
     spec: AttentionSpec,
     backend: str,
-    validate: bool,
+    validate: Validate,
     names: Names,
 ) -> torch.Tensor:
     check_choice("backend", backend, BACKENDS)
-    check_bool("validate", validate)
-    if validate and not torch.compiler.is_compiling():
-        check_values(
-            q,
-            k,
-            q_offsets,
-            kv_offsets,
-            spec.max_seqlen_q,
-            spec.max_seqlen_kv,
-            kv_index=kv_index,
-            num_targets=num_targets,
-            names=names,
-        )
+    mode = value_check_mode(check_validate(validate), q.device)
+    run_value_checks(
+        mode,
+        q,
+        k,
+        q_offsets,
+        kv_offsets,
+        spec.max_seqlen_q,
+        spec.max_seqlen_kv,
+        kv_index=kv_index,
+        num_targets=num_targets,
+        names=names,
+    )
     op = resolve_backend(backend, q, v)
-    return op(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *spec_args(spec))
+    call = AttentionCall(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
+                         kv_index=kv_index, num_targets=num_targets, spec=spec)  # fmt: skip
+    return op(*call.op_args())
 
 
 def jagged_attention(
@@ -84,8 +97,8 @@ def jagged_attention(
     causal: bool = False,
     scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
-    backend: str = "auto",
-    validate: bool = True,
+    backend: Backend = "auto",
+    validate: Validate = True,
 ) -> torch.Tensor:
     """Softmax attention over jagged sequences, without padding.
 
@@ -113,18 +126,24 @@ def jagged_attention(
         backend: ``"auto"`` (the Triton kernels for supported CUDA inputs, else the
             reference), ``"torch"`` (the reference) or ``"triton"`` (the kernels; bf16/fp16,
             head dims 16-256).
-        validate: check the offsets' values and ``max_seqlen`` (one device sync; skipped
-            under ``torch.compile``). With ``validate=False`` invalid offsets give
-            undefined results.
+        validate: how to check the values of the offsets and ``max_seqlen`` (shapes,
+            dtypes and devices are always checked). ``True`` (default): on CPU tensors a
+            ValueError; on CUDA a device-side check with no host sync, whose failure is an
+            asynchronous device-side assert. ``"full"``: a ValueError on any device (one
+            host sync per call). ``False``: no value checks (invalid offsets then give
+            undefined results). Skipped while ``torch.compile`` traces.
 
     Returns:
         ``(Tq, H, Dv)`` in ``q.dtype``. A query with no visible key (empty key sequence,
         or masked out) gets zeros, never NaN. Differentiable in ``q``, ``k``, ``v``.
 
     Raises:
-        TypeError: a non-tensor, unsupported or mismatched dtype, non-int arguments.
-        ValueError: wrong ranks/shapes, mismatched heads or head dims, bad offsets, a
-            ``max_seqlen`` below the longest sequence, a bad ``window_size`` or ``backend``.
+        TypeError: a non-tensor, unsupported or mismatched dtype, non-int arguments, a
+            ``validate`` that is neither a bool nor a str.
+        ValueError: wrong ranks/shapes, mismatched heads or head dims, a bad
+            ``window_size``, ``backend`` or ``validate``; bad offsets or a ``max_seqlen``
+            below the longest sequence (CPU tensors, or ``validate="full"``; on CUDA the
+            default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
     """
     check_qkv(q, k, v)
@@ -195,8 +214,8 @@ def gdpa(
     window_size: tuple[int, int] = (-1, -1),
     num_targets: torch.Tensor | None = None,
     contextual_len: int = 0,
-    backend: str = "auto",
-    validate: bool = True,
+    backend: Backend = "auto",
+    validate: Validate = True,
 ) -> torch.Tensor:
     """Generalized Dot-Product Attention: an activation in place of the softmax.
 
@@ -239,8 +258,10 @@ def gdpa(
             sees them and they see every non-target key, whatever causal/window say.
         backend: ``"auto"`` (the Triton kernels for supported CUDA inputs, else the
             reference), ``"torch"`` (the reference) or ``"triton"`` (the kernels).
-        validate: check offsets, maxima, ``kv_index`` and ``num_targets`` values (one device
-            sync; skipped under ``torch.compile``).
+        validate: how to check the values of the offsets, maxima, ``kv_index`` and
+            ``num_targets``: as in :func:`jagged_attention` (``True``: ValueError on CPU,
+            a sync-free device-side assert on CUDA; ``"full"``: ValueError everywhere, one
+            host sync; ``False``: none).
 
     The mask composition is given in :mod:`hyperrec.jagged_attn.masks`. It equals HSTU's
     for causal masks with targets and contextual tokens; unlike HSTU, contextual keys stay
@@ -253,10 +274,11 @@ def gdpa(
     Raises:
         TypeError: non-tensors, unsupported or mismatched dtypes, non-int/float/str
             arguments.
-        ValueError: shapes, heads or head dims that do not match; bad offsets; a max
-            length below the longest sequence; ``kv_index`` out of range; ``num_targets``
-            negative or longer than its kv sequence; an unknown activation,
-            normalization or backend.
+        ValueError: shapes, heads or head dims that do not match; an unknown
+            activation, normalization, backend or validate mode; bad offsets, a max length
+            below the longest sequence, ``kv_index`` out of range, ``num_targets`` negative
+            or longer than its kv sequence (CPU tensors or ``validate="full"``; on CUDA
+            the default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
     """
     check_qkv(q, k, v)
@@ -332,8 +354,8 @@ def block_attention(
     num_global: int = 0,
     causal: bool = False,
     scale: float | None = None,
-    backend: str = "auto",
-    validate: bool = True,
+    backend: Backend = "auto",
+    validate: Validate = True,
 ) -> torch.Tensor:
     """Softmax self-attention within fixed-size blocks of each sequence: O(L) work.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperrec.jagged_attn._checks import check_bool, check_int
+from hyperrec.jagged_attn._validate import check_bool, check_int
 
 __all__ = ["MaskSpec", "allowed", "mask_matrix"]
 

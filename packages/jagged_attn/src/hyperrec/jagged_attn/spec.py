@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hyperrec.jagged_attn._checks import check_choice, check_float, check_int
+from hyperrec.jagged_attn._validate import check_choice, check_float, check_int
 from hyperrec.jagged_attn.activations import ACTIVATIONS
 from hyperrec.jagged_attn.masks import MaskSpec
 

@@ -32,6 +32,7 @@ __all__ = [
     "kv_tile_schedule",
     "q_tile_meta",
     "q_tile_schedule",
+    "row_sequence",
     "work_upper_bound",
 ]
 
@@ -77,6 +78,16 @@ def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     return _cached((t,), ("int32",), lambda: t.to(torch.int32))
 
 
+def row_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:
+    """``(total,)`` int32: the sequence each token row belongs to (cached per offsets)."""
+
+    def build():
+        rows = torch.arange(total, device=offsets.device, dtype=offsets.dtype)
+        return torch.searchsorted(offsets[1:].contiguous(), rows, right=True).to(torch.int32)
+
+    return _cached((offsets,), ("rows", total), build)
+
+
 def _lengths(offsets: torch.Tensor) -> torch.Tensor:
     return (offsets[1:] - offsets[:-1]).to(torch.int64)
 
@@ -87,10 +98,14 @@ def work_upper_bound(total_tokens: int, n_seq: int, block: int) -> int:
     return max(1, total_tokens // block + n_seq)
 
 
-def _tile_table(tiles: torch.Tensor, upper: int, cost_fn) -> tuple[torch.Tensor, ...]:
+def _tile_table(
+    tiles: torch.Tensor, upper: int, cost_fn, order: str = "cost"
+) -> tuple[torch.Tensor, ...]:
     """(tile_seq, tile_idx, total) for ``tiles[s]`` tiles per sequence, sorted by cost.
 
     ``cost_fn(seq, idx)`` gives the cost of tile ``idx`` of sequence ``seq`` (int64).
+    ``order="cost"`` sorts every tile by its own cost; ``"sequence"`` sorts sequences by
+    their total cost and keeps each sequence's tiles together (heaviest tile first).
     """
     cum = torch.cumsum(tiles, 0)
     t = torch.arange(upper, device=tiles.device)
@@ -98,8 +113,17 @@ def _tile_table(tiles: torch.Tensor, upper: int, cost_fn) -> tuple[torch.Tensor,
     # sequences never do); entries past the real tiles are parked on the last sequence
     seq = torch.searchsorted(cum, t, right=True).clamp_(max=tiles.numel() - 1)
     idx = t - (cum[seq] - tiles[seq])
-    cost = torch.where(t < cum[-1], cost_fn(seq, idx), -1)
+    real = t < cum[-1]
+    cost = torch.where(real, cost_fn(seq, idx), -1)
     perm = torch.argsort(cost, descending=True, stable=True)
+    if order == "sequence":
+        n = tiles.numel()
+        seq_cost = torch.zeros(n, dtype=cost.dtype, device=cost.device)
+        seq_cost.index_add_(0, seq, cost.clamp(min=0))
+        # primary key: the sequence's total cost (ties broken by sequence, so a sequence's
+        # tiles stay together); a stable sort keeps the per-tile order within a sequence
+        key = torch.where(real, seq_cost[seq] * n + (n - 1 - seq), -1)
+        perm = perm[torch.argsort(key[perm], descending=True, stable=True)]
     total = cum[-1:].to(torch.int32)
     return seq[perm].to(torch.int32), idx[perm].to(torch.int32), total
 
@@ -111,8 +135,10 @@ def q_tile_schedule(
     block_m: int,
     causal: bool,
     total_q: int,
+    order: str = "cost",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tile_seq, tile_idx, total) over ``block_m`` query tiles (``total_q`` = q.shape[0])."""
+    """(tile_seq, tile_idx, total) over ``block_m`` query tiles (``total_q`` = q.shape[0]),
+    in ``order`` (see :func:`_tile_table`)."""
 
     def build():
         lq = _lengths(q_offsets)
@@ -128,9 +154,10 @@ def q_tile_schedule(
                 keys = torch.minimum(keys, last).clamp_(min=0)
             return keys + block_m  # + a fixed per-tile overhead
 
-        return _tile_table(tiles, upper, cost)
+        return _tile_table(tiles, upper, cost, order)
 
-    return _cached((q_offsets, kv_offsets, kv_index), ("q", block_m, causal, total_q), build)
+    key = ("q", block_m, causal, total_q, order)
+    return _cached((q_offsets, kv_offsets, kv_index), key, build)
 
 
 def q_tile_meta(
@@ -141,6 +168,7 @@ def q_tile_meta(
     block_m: int,
     causal: bool,
     total_q: int,
+    order: str = "cost",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(meta, total): :func:`q_tile_schedule` with each tile's geometry resolved.
 
@@ -152,7 +180,7 @@ def q_tile_meta(
 
     def build():
         tile_seq, tile_idx, total = q_tile_schedule(
-            q_offsets, kv_offsets, kv_index, block_m, causal, total_q
+            q_offsets, kv_offsets, kv_index, block_m, causal, total_q, order
         )
         seq = tile_seq.long()
         kb = seq if kv_index is None else kv_index.long()[seq]
@@ -170,7 +198,9 @@ def q_tile_meta(
         return meta, total
 
     return _cached(
-        (q_offsets, kv_offsets, kv_index, num_targets), ("qmeta", block_m, causal, total_q), build
+        (q_offsets, kv_offsets, kv_index, num_targets),
+        ("qmeta", block_m, causal, total_q, order),
+        build,
     )
 
 

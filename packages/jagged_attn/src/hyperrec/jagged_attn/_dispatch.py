@@ -1,35 +1,37 @@
 """Backend selection: ``backend="auto" | "torch" | "triton"``.
 
-Each backend is a forward custom op (with its backward and fake implementations
-registered) that takes the tensors followed by
-:func:`~hyperrec.jagged_attn.ops.spec_args`. ``resolve_backend`` turns the user's choice
-into one of them before any tracing, so ``torch.compile`` sees a single op per call.
-
-``"torch"`` is the pure-PyTorch reference (any device and dtype). ``"triton"`` is the
-Triton kernels of :mod:`hyperrec.jagged_attn.triton` (bf16/fp16, head dims 16-256, CUDA
-GPUs of compute capability >= 8.0, or CPU tensors under ``TRITON_INTERPRET=1``);
-``"auto"`` picks Triton for CUDA tensors it supports and the reference otherwise.
+Each backend is a forward custom op (its backward and fake implementations registered)
+with the argument list of :func:`hyperrec.jagged_attn._opschema.schema`:
+``_torch/ops.py`` (the pure-PyTorch reference, any device and dtype) and
+``_triton/ops.py`` (the Triton kernels: bf16/fp16, head dims 16-256, CUDA GPUs of compute
+capability >= 8.0, or CPU tensors under ``TRITON_INTERPRET=1``). :func:`resolve_backend`
+turns the user's choice into one of them before any tracing, so ``torch.compile`` sees a
+single op per call. ``"auto"`` picks Triton for CUDA tensors it supports and the reference
+otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-from hyperrec.jagged_attn._checks import check_choice
-from hyperrec.jagged_attn.ops import attention_torch
-from hyperrec.jagged_attn.triton.ops import attention_triton, unsupported_reason
+from hyperrec.jagged_attn._torch.ops import attention_torch
+from hyperrec.jagged_attn._triton.ops import attention_triton, unsupported_reason
+from hyperrec.jagged_attn._validate import check_choice
 
-__all__ = ["BACKENDS", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "resolve_backend"]
 
 #: Names accepted by ``backend=``.
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+Backend = Literal["auto", "torch", "triton"]
 
 
 def resolve_backend(backend: str, q: torch.Tensor, v: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The forward op for ``backend`` and these inputs (``q``/``v`` give device, dtype and
-    head dims).
+    head dims); it takes :meth:`AttentionCall.op_args
+    <hyperrec.jagged_attn._opschema.AttentionCall.op_args>` and returns the output.
 
     Raises:
         TypeError: ``backend`` is not a str.

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
-__all__ = ["interpreting", "supports", "triton_available", "hopper_features"]
+from hyperrec.jagged_attn._triton import interpreting
+
+__all__ = ["supports", "triton_available", "hopper_features"]
 
 
 # Plain module-level caches (not functools.cache): these probes run while torch.compile
@@ -25,11 +26,6 @@ def triton_available() -> bool:
     if not _TRITON_FOUND:
         _TRITON_FOUND.append(importlib.util.find_spec("triton") is not None)
     return _TRITON_FOUND[0]
-
-
-def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET=1`` runs kernels on the CPU (tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def supports(device: torch.device | str, dtype: torch.dtype | None = None) -> bool:

@@ -54,11 +54,10 @@ allowed key outputs 0 and stores LSE = +inf, which makes its backward exactly 0.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from hyperrec.jagged_attn._triton import interpreting
 from hyperrec.jagged_attn.activations import GELU_POLY_COEFFS, GELU_POLY_RANGE
 
 # Activation codes (the ``ACT`` constexpr); the launcher maps names to these.
@@ -108,7 +107,7 @@ assert len(GELU_POLY_COEFFS) == 8, "the kernel's Horner scheme is written for 8 
 # bf16/fp16 values, so this reproduces the tensor cores' exact products with fp32
 # accumulation) and fp32 -> bf16 casts round to nearest-even by hand. On a GPU none of this
 # is compiled: the kernels use the native tensor-core GEMMs and conversions.
-_WIDEN_GEMM = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_WIDEN_GEMM = tl.constexpr(interpreting())
 
 
 @triton.jit
@@ -460,16 +459,17 @@ def _q_range(
     diag = Lk - Lq
     last_j = tl.minimum(n0 + BLOCK_N, Lk) - 1
     if GENERIC:
-        # Necessary conditions on the query position p (see _allowed): a lower bound from
-        # causal / right window / block, an upper bound on e from left window / block.
-        lo_p = -diag  # p of row 0
+        # Necessary conditions on the query position p = i + diag (see _allowed): a lower
+        # bound from causal / right window / block, an upper bound on e from left window /
+        # block. Row i of position p is i = p - diag.
+        lo_p = diag  # p of row 0
         if CAUSAL:
             lo_p = tl.maximum(lo_p, n0)
         if HAS_WR:
             lo_p = tl.maximum(lo_p, n0 - wr)
         if HAS_BLOCK:
             lo_p = tl.maximum(lo_p, n0 // bsz * bsz)
-        lo = tl.maximum(lo_p + diag, 0)
+        lo = tl.maximum(lo_p - diag, 0)
         hi = Lq
         if HAS_WL or HAS_BLOCK:
             e_hi = Lk + Lq  # effectively unbounded
@@ -715,7 +715,7 @@ def _fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, n_q_rows, n_kv_rows,
     q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total, tile_meta,
-    qk_scale, coef, wl, wr, ctx, bsz,
+    work_counter, qk_scale, coef, wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
@@ -724,6 +724,7 @@ def _fwd_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
     PREFETCH: tl.constexpr = False, TMA: tl.constexpr = 0, TMA_IN_KERNEL: tl.constexpr = False,
     WARP_SPEC: tl.constexpr = False, FMA: tl.constexpr = False, LAZY: tl.constexpr = False,
+    DYNAMIC: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -767,6 +768,25 @@ def _fwd_kernel(
                     BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
                 )  # fmt: skip
+    elif DYNAMIC:
+        # Greedy list scheduling: each program takes the next unclaimed item of the
+        # cost-sorted list (one scalar atomic per item) until the list is exhausted.
+        w = tl.atomic_add(work_counter, 1)
+        while w < total:
+            h, b, q_start, Lq, k_start, Lk, n_targets, m0 = _query_tile(
+                w, tile_seq, tile_idx, q_offsets, kv_offsets, kv_index, num_targets,
+                H, HAS_MAP, HAS_TARGETS, BLOCK_M,
+            )  # fmt: skip
+            _fwd_item(
+                Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_ot, stride_oh, stride_lh, h, q_start, Lq, k_start, Lk, n_targets,
+                m0, qk_scale, coef, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
+            )  # fmt: skip
+            w = tl.atomic_add(work_counter, 1)
     else:
         for r in range(0, tl.cdiv(total, nprog)):
             w = _work_item(r, pid, nprog)
@@ -784,6 +804,87 @@ def _fwd_kernel(
                     BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     BLOCK_N, FAST, TMA, WARP_SPEC, FMA, LAZY,
                 )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_lh", "n_rows"])
+def _fwd_packed_kernel(
+    Q, K, V, O, LSE,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lh, n_rows, offsets, row_seq, qk_scale, coef,
+    CAUSAL: tl.constexpr, H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Forward over packed rows (``KernelConfig.pack_rows``): self-attention, no mask but
+    causal. A work item is ``BLOCK_M`` consecutive token rows of the whole batch, whatever
+    sequences they belong to, x one head; it streams the keys of those sequences (from the
+    first row's sequence start to the last row's sequence end) and masks pairs of different
+    sequences. Many short sequences then fill whole tiles instead of one tile each. The
+    work list is the row spans in order (their costs differ by at most two sequences), so
+    no schedule table is needed beyond each row's sequence (``row_seq``)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.cdiv(n_rows, BLOCK_M) * H
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for r in range(0, tl.cdiv(total, nprog)):
+        w = _work_item(r, pid, nprog)
+        if w < total:
+            h = w % H
+            r0 = (w // H) * BLOCK_M
+            offs_m = r0 + tl.arange(0, BLOCK_M)
+            seq_m = tl.load(row_seq + offs_m, mask=offs_m < n_rows, other=-1)
+            lo = tl.load(offsets + tl.load(row_seq + r0))
+            hi = tl.load(offsets + tl.load(row_seq + tl.minimum(r0 + BLOCK_M, n_rows) - 1) + 1)
+            if CAUSAL:
+                hi = tl.minimum(hi, r0 + BLOCK_M)  # no key after the span's last row
+            q_rows = offs_m[:, None].to(tl.int64)
+            q = _load_rows(Q + h * stride_qh + q_rows * stride_qt + offs_d[None, :],
+                           offs_m, n_rows, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start_n in range(lo, hi, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                k_rows = offs_n[:, None].to(tl.int64)
+                k = _load_rows(K + h * stride_kh + k_rows * stride_kt + offs_d[None, :],
+                               offs_n, hi, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+                v = _load_rows(V + h * stride_vh + k_rows * stride_vt + offs_dv[None, :],
+                               offs_n, hi, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+                seq_n = tl.load(row_seq + offs_n, mask=offs_n < hi, other=-2)
+                ok = seq_m[:, None] == seq_n[None, :]
+                if CAUSAL:
+                    ok = ok & (offs_n[None, :] <= offs_m[:, None])
+                s = _mm(q, tl.trans(k))
+                if ACT == 0:
+                    s = tl.where(ok, s * qk_scale, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_use)
+                    p = tl.exp2(s - m_use[:, None])
+                    l_i = l_i * alpha + tl.sum(p, 1)
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                else:
+                    p = tl.where(ok, _act(s * qk_scale, ACT, FAST), 0.0)
+                acc = _mma(_to(p, v.dtype), v, acc)
+            c = coef
+            if NORM == 2:
+                first = tl.load(offsets + seq_m, mask=seq_m >= 0, other=0)
+                last = tl.load(offsets + seq_m + 1, mask=seq_m >= 0, other=1)
+                c = coef / tl.maximum(last - first, 1).to(tl.float32)
+            if ACT == 0:
+                has_key = l_i > 0.0
+                l_safe = tl.where(has_key, l_i, 1.0)
+                o = acc * (c / l_safe)[:, None]
+                lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
+                tl.store(LSE + h * stride_lh + offs_m, lse, mask=offs_m < n_rows)
+            elif NORM == 2:
+                o = acc * c[:, None]
+            else:
+                o = acc * c
+            _store_rows(O + h * stride_oh + q_rows * stride_ot + offs_dv[None, :],
+                        o, offs_m, n_rows, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,7 +1,11 @@
-"""Triton kernels behind ``backend="triton"`` of :mod:`hyperrec.jagged_attn`.
+"""Triton kernels behind ``backend="triton"`` of :mod:`hyperrec.jagged_attn` (private).
 
-Importing this subpackage does not import Triton; the launchers import it on first use.
+Laid out like the reference backend: ``ops.py`` registers the ``torch.library`` ops,
+``_launch.py`` runs one :class:`~hyperrec.jagged_attn._opschema.AttentionCall` (allocates
+outputs, builds schedules, picks configurations, launches ``_kernels.py``). Importing this
+subpackage does not import Triton; the launchers import it on first use.
 
+* :func:`interpreting`: whether ``TRITON_INTERPRET`` runs the kernels on the CPU.
 * :func:`attention_forward` / :func:`attention_backward`: jagged softmax attention and GDPA
   (element-wise activations), forward and backward, bf16/fp16 in, fp32 accumulation.
 * :func:`flops`, :func:`flops_upper_bound`: useful-FLOP counts.
@@ -13,9 +17,18 @@ Importing this subpackage does not import Triton; the launchers import it on fir
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
-from hyperrec.jagged_attn.triton._configs import (
+
+def interpreting() -> bool:
+    """Whether the Triton interpreter runs the kernels on the CPU: ``TRITON_INTERPRET`` is
+    set and not ``"0"``."""
+    value = os.environ.get("TRITON_INTERPRET")
+    return value is not None and value != "0"
+
+
+from hyperrec.jagged_attn._triton._configs import (  # noqa: E402
     TMA_ALL,
     TMA_K_MASKED,
     TMA_KV,
@@ -23,11 +36,15 @@ from hyperrec.jagged_attn.triton._configs import (
     TMA_Q,
     KernelConfig,
 )
-from hyperrec.jagged_attn.triton._flops import flops, flops_upper_bound
-from hyperrec.jagged_attn.triton._probe import hopper_features, supports, triton_available
+from hyperrec.jagged_attn._triton._flops import flops, flops_upper_bound  # noqa: E402
+from hyperrec.jagged_attn._triton._probe import (  # noqa: E402
+    hopper_features,
+    supports,
+    triton_available,
+)
 
 if TYPE_CHECKING:
-    from hyperrec.jagged_attn.triton._launch import attention_backward, attention_forward
+    from hyperrec.jagged_attn._triton._launch import attention_backward, attention_forward
 
 __all__ = [
     "TMA_ALL",
@@ -41,6 +58,7 @@ __all__ = [
     "flops",
     "flops_upper_bound",
     "hopper_features",
+    "interpreting",
     "supports",
     "triton_available",
 ]
@@ -50,7 +68,7 @@ _LAZY = {"attention_backward", "attention_forward"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from hyperrec.jagged_attn.triton import _launch
+        from hyperrec.jagged_attn._triton import _launch
 
         return getattr(_launch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """Launchers: allocate outputs, build schedules, pick configurations, launch the kernels.
 
-The public layer validates user input; these functions only assert their own
+Each takes one :class:`~hyperrec.jagged_attn._opschema.AttentionCall` (the tensors and the
+spec), as the reference backend's launcher does. The public layer validates user input;
+these functions only assert their own
 preconditions (layout, dtypes, devices) so that a wrong internal call fails with a clear
 message instead of a wrong answer or an illegal memory access.
 """
@@ -8,21 +10,22 @@ message instead of a wrong answer or an illegal memory access.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 
-from hyperrec.jagged_attn.triton import _configs, _kernels
-from hyperrec.jagged_attn.triton._configs import KernelConfig
-from hyperrec.jagged_attn.triton._probe import hopper_features
-from hyperrec.jagged_attn.triton._schedule import (
+from hyperrec.jagged_attn._opschema import AttentionCall
+from hyperrec.jagged_attn._triton import _configs, _kernels, interpreting
+from hyperrec.jagged_attn._triton._configs import KernelConfig
+from hyperrec.jagged_attn._triton._probe import hopper_features
+from hyperrec.jagged_attn._triton._schedule import (
     as_int32,
     kv_tile_schedule,
     q_tile_meta,
     q_tile_schedule,
+    row_sequence,
     work_upper_bound,
 )
 
@@ -44,70 +47,83 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class _Mask:
-    """The mask fields of the spec, as the kernels take them (constexpr flags + ints)."""
+    """The spec's mask as the kernels take it (constexpr flags + runtime ints)."""
 
-    causal: bool
-    window_left: int
-    window_right: int
-    contextual_len: int
-    block_size: int
-    block_previous: bool
-    has_targets: bool
+    call: AttentionCall
 
     @property
     def generic(self) -> bool:
         """Anything beyond plain causal: every visited tile evaluates the full mask."""
+        m = self.call.spec.mask
         return (
-            self.has_targets
-            or self.window_left >= 0
-            or self.window_right >= 0
-            or self.contextual_len > 0
-            or self.block_size > 0
+            self.call.num_targets is not None
+            or m.window_left >= 0
+            or m.window_right >= 0
+            or m.contextual_len > 0
+            or m.block_size > 0
         )
 
     def constexprs(self) -> dict[str, bool]:
+        m = self.call.spec.mask
         return dict(
-            CAUSAL=self.causal,
+            CAUSAL=m.causal,
             GENERIC=self.generic,
-            HAS_TARGETS=self.has_targets,
-            HAS_WL=self.window_left >= 0,
-            HAS_WR=self.window_right >= 0,
-            HAS_CONTEXT=self.contextual_len > 0,
-            HAS_BLOCK=self.block_size > 0,
-            BLOCK_PREV=self.block_previous and self.block_size > 0,
+            HAS_TARGETS=self.call.num_targets is not None,
+            HAS_WL=m.window_left >= 0,
+            HAS_WR=m.window_right >= 0,
+            HAS_CONTEXT=m.contextual_len > 0,
+            HAS_BLOCK=m.block_size > 0,
+            BLOCK_PREV=m.block_previous and m.block_size > 0,
         )
 
     def ints(self) -> tuple[int, int, int, int]:
+        m = self.call.spec.mask
         return (
-            max(self.window_left, 0),
-            max(self.window_right, 0),
-            self.contextual_len,
-            max(self.block_size, 1),
+            max(m.window_left, 0),
+            max(m.window_right, 0),
+            m.contextual_len,
+            max(m.block_size, 1),
         )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Per-device facts, read once (a property query per launch costs host time).
+_ARCH: dict[int, str] = {}
+_SM_PROPS: dict[int, dict[str, int]] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _arch(device: torch.device) -> str:
-    if _interpreting():
+    if interpreting():
         return "interpreter"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return "sm90"
-    return "default"
+    if device.type != "cuda":
+        return "default"
+    index = _index(device)
+    if index not in _ARCH:
+        _ARCH[index] = "sm90" if torch.cuda.get_device_capability(index)[0] == 9 else "default"
+    return _ARCH[index]
 
 
-_SM_COUNT: dict[int, int] = {}
+def _sm_props(device: torch.device) -> dict[str, int]:
+    """SM count and per-SM limits (feature-detected; Hopper's values where torch lacks them)."""
+    index = _index(device)
+    if index not in _SM_PROPS:
+        p = torch.cuda.get_device_properties(index)
+        _SM_PROPS[index] = dict(
+            sms=p.multi_processor_count,
+            regs=int(getattr(p, "regs_per_multiprocessor", 65536)),
+            smem=int(getattr(p, "shared_memory_per_multiprocessor", 228 * 1024)),
+            threads=int(getattr(p, "max_threads_per_multi_processor", 2048)),
+        )
+    return _SM_PROPS[index]
 
 
 def _num_sms(device: torch.device) -> int:
-    if _interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 2  # the interpreter runs programs one by one: a small grid tests striding
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return _sm_props(device)["sms"]
 
 
 # Programs of a persistent kernel that fit on one SM at once, per compiled variant. Filled
@@ -115,18 +131,36 @@ def _num_sms(device: torch.device) -> int:
 # a safe one-per-SM grid).
 _OCCUPANCY: dict[tuple, int] = {}
 
+# The CUDA runtime reserves 1 KiB of shared memory per resident block (sm80 and later).
+_SMEM_RESERVED_PER_BLOCK = 1024
 
-def _occupancy(compiled: Any, num_warps: int) -> int:
+
+def occupancy_estimate(
+    n_regs: int, shared: int, num_warps: int, props: dict[str, int] | None = None
+) -> int:
+    """Blocks of a kernel resident on one SM at once, by registers, shared memory and
+    threads, rounded the way the hardware allocates (never above 8, never below 1).
+
+    A persistent kernel must not launch more programs than are resident: each program has a
+    fixed share of the work, so programs that wait for a free SM run as a second wave and
+    can double the kernel time. Registers are allocated per warp in units of 256, and every
+    block also takes :data:`_SMEM_RESERVED_PER_BLOCK` of shared memory.
+    """
+    props = props or dict(regs=65536, smem=228 * 1024, threads=2048)
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = props["regs"] // (regs_per_warp * num_warps)
+    by_smem = props["smem"] // (shared + _SMEM_RESERVED_PER_BLOCK) if shared > 0 else 32
+    by_threads = props["threads"] // (32 * num_warps)
+    return max(1, min(by_regs, by_smem, by_threads, 8))
+
+
+def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
     try:
         n_regs = int(compiled.n_regs)
         shared = int(compiled.metadata.shared)
     except (AttributeError, TypeError, ValueError):
         return 1
-    threads = 32 * num_warps
-    by_regs = 65536 // max(n_regs * threads, 1)
-    by_smem = (228 * 1024) // shared if shared > 0 else 32
-    by_threads = 2048 // threads
-    return max(1, min(by_regs, by_smem, by_threads, 8))
+    return occupancy_estimate(n_regs, shared, num_warps, _sm_props(device))
 
 
 def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig, key, args, kw):
@@ -134,8 +168,8 @@ def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig,
     occ = _OCCUPANCY.get(key, 1)
     grid = (max(1, min(work_upper_bound, _num_sms(device) * occ)),)
     compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if key not in _OCCUPANCY and not _interpreting():
-        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps)
+    if key not in _OCCUPANCY and not interpreting():
+        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, device)
         _COMPILED[key] = compiled
 
 
@@ -200,15 +234,16 @@ def _forward_variants(
     ``warp_specialize`` the Triton feature, ``softmax_fma`` a positive scale."""
     softmax = activation == "softmax"
     device = tensors[0].device
-    gpu = device.type == "cuda" and not _interpreting()
+    gpu = device.type == "cuda" and not interpreting()
     features = hopper_features(device.index) if gpu else {}
-    tma = cfg.tma if _interpreting() or features.get("tma", False) else 0
+    tma = cfg.tma if interpreting() or features.get("tma", False) else 0
     if tma and not (all(d == _pow2(d) for d in head_dims) and _tma_ready(*tensors)):
         tma = 0
     # The interpreter ignores warp specialisation, so there the flag only tests the plumbing.
-    ws = cfg.warp_specialize and (_interpreting() or features.get("warp_specialize", False))
+    ws = cfg.warp_specialize and (interpreting() or features.get("warp_specialize", False))
     return dict(
         PREFETCH=cfg.prefetch,
+        DYNAMIC=cfg.dynamic_schedule and not cfg.prefetch,
         TMA=tma,
         TMA_IN_KERNEL=bool(tma) and cfg.tma_in_kernel,
         WARP_SPEC=ws,
@@ -221,7 +256,8 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index) -> None:
+def _check_inputs(call: AttentionCall) -> None:
+    q, k, v = call.q, call.k, call.v
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be (tokens, H, D)"
     assert q.dtype in _DTYPES, f"triton kernels take bf16/fp16, got {q.dtype}"
     assert k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share one dtype"
@@ -231,36 +267,29 @@ def _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index) -> None:
     assert 16 <= q.shape[2] <= 256 and v.shape[2] <= 256, "head dims must be in [16, 256]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert t.stride(2) == 1, f"{name} must be contiguous in its last dim"
-    for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets), ("kv_index", kv_index)):
+    for name, t in (("q_offsets", call.q_offsets), ("kv_offsets", call.kv_offsets),
+                    ("kv_index", call.kv_index), ("num_targets", call.num_targets)):  # fmt: skip
         if t is not None:
             assert t.device == q.device, f"{name} must be on {q.device}, got {t.device}"
             assert t.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64"
     assert q.device == k.device == v.device, "q, k, v must be on one device"
 
 
-def _common(
-    q: torch.Tensor,
-    activation: str,
-    normalization: str,
-    output_scale: float,
-    max_seqlen_kv: int,
-    kv_index: torch.Tensor | None,
-    mask: _Mask,
-    fast_math: bool,
-) -> tuple[float, dict[str, Any]]:
+def _common(call: AttentionCall, fast_math: bool) -> tuple[float, dict[str, Any]]:
     """(coef, constexprs shared by all kernels). ``coef = output_scale * normalisation``
     except the per-sequence ``1 / Lk`` of ``"length"``, which the kernels apply."""
-    assert activation in ACTIVATION_CODES, f"unknown activation {activation!r}"
-    assert normalization in NORMALIZATIONS, f"unknown normalization {normalization!r}"
-    coef = float(output_scale)
-    if normalization == "max_seqlen":
-        coef /= max(max_seqlen_kv, 1)
+    spec = call.spec
+    assert spec.activation in ACTIVATION_CODES, f"unknown activation {spec.activation!r}"
+    assert spec.normalization in NORMALIZATIONS, f"unknown normalization {spec.normalization!r}"
+    coef = float(spec.output_scale)
+    if spec.normalization == "max_seqlen":
+        coef /= max(spec.max_seqlen_kv, 1)
     ce = dict(
-        ACT=ACTIVATION_CODES[activation],
-        NORM=_kernels.NORM_KV_LEN if normalization == "length" else 0,
-        HAS_MAP=kv_index is not None,
-        FAST=bool(fast_math) and not _interpreting() and q.device.type == "cuda",
-        **mask.constexprs(),
+        ACT=ACTIVATION_CODES[spec.activation],
+        NORM=_kernels.NORM_KV_LEN if spec.normalization == "length" else 0,
+        HAS_MAP=call.kv_index is not None,
+        FAST=bool(fast_math) and not interpreting() and call.q.device.type == "cuda",
+        **_Mask(call).constexprs(),
     )
     return coef, ce
 
@@ -270,87 +299,69 @@ def _qk_scale(activation: str, scale: float) -> float:
     return scale * math.log2(math.e) if activation == "softmax" else scale
 
 
-def _pick(
-    kernel: str,
-    q: torch.Tensor,
-    activation: str,
-    causal: bool,
-    max_seqlen: int,
-    config: KernelConfig | None,
-) -> KernelConfig:
+def _pick(kernel: str, call: AttentionCall, config: KernelConfig | None) -> KernelConfig:
+    """``config``, else the shipped one for this call's bucketed key."""
     if config is not None:
         return config
+    spec = call.spec
     key = _configs.config_key(
-        kernel, _arch(q.device), q.shape[2], activation == "softmax", causal, max_seqlen
-    )
+        kernel, _arch(call.q.device), call.q.shape[2], spec.activation == "softmax",
+        spec.mask.causal, max(spec.max_seqlen_q, spec.max_seqlen_kv),
+    )  # fmt: skip
     return _configs.select_config(key)
 
 
 def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    kv_index: torch.Tensor | None,
-    num_targets: torch.Tensor | None,
-    activation: str,
-    scale: float,
-    output_scale: float,
-    normalization: str,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    contextual_len: int,
-    block_size: int,
-    block_previous: bool,
+    call: AttentionCall,
     *,
     fast_math: bool = True,
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the attention of :mod:`hyperrec.jagged_attn.spec`; returns ``(out, lse)``.
 
-    The positional arguments are those of the ``hyperrec_jagged_attn::attention_*`` custom
-    ops (the tensors, then ``ops.spec_args(spec)``). ``out`` is ``(Tq, H, Dv)`` in the input
-    dtype. ``lse`` (softmax only; an empty tensor otherwise) is ``(H, Tq)`` fp32: the
-    base-2 log-sum-exp of ``log2(e) * s`` over each row's allowed keys, +inf for a row with
-    none; the backward needs it.
+    ``out`` is ``(Tq, H, Dv)`` in the input dtype. ``lse`` (softmax only; an empty tensor
+    otherwise) is ``(H, Tq)`` fp32: the base-2 log-sum-exp of ``log2(e) * s`` over each
+    row's allowed keys, +inf for a row with none; the backward needs it.
 
-    ``max_seqlen_q``/``max_seqlen_kv`` pick the configuration bucket (and ``max_seqlen_kv``
-    is HSTU's divisor); they never size the grid, and nothing is read from the device.
+    The spec's ``max_seqlen_q``/``max_seqlen_kv`` pick the configuration bucket (and
+    ``max_seqlen_kv`` is HSTU's divisor); they never size the grid, and nothing is read
+    from the device.
     ``fast_math`` evaluates tanh (silu, sigmoid, gelu_tanh) with the approximate hardware
     instruction (relative error ~2^-11, below the bf16 rounding of the weights).
     ``config`` pins a tile configuration (tests, tuning); default: the shipped table.
     """
-    _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index)
+    _check_inputs(call)
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    activation, scale, causal = spec.activation, spec.scale, spec.mask.causal
     total_q, n_heads, head_dim = q.shape
     head_dim_v = v.shape[2]
-    n_seq = q_offsets.numel() - 1
+    n_seq = call.q_offsets.numel() - 1
     softmax = activation == "softmax"
     out = torch.empty((total_q, n_heads, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
     if total_q == 0 or n_seq == 0:
         return out, lse
-    mask = _Mask(causal, window_left, window_right, contextual_len, block_size, block_previous,
-                 num_targets is not None)  # fmt: skip
-    coef, ce = _common(q, activation, normalization, output_scale, max_seqlen_kv, kv_index,
-                       mask, fast_math)  # fmt: skip
-    cfg = _pick("fwd", q, activation, causal, max(max_seqlen_q, max_seqlen_kv), config)
-    q_offsets, kv_offsets = as_int32(q_offsets), as_int32(kv_offsets)
-    kv_index, num_targets = as_int32(kv_index), as_int32(num_targets)
+    coef, ce = _common(call, fast_math)
+    cfg = _pick("fwd", call, config)
+    if cfg.pack_rows and _packable(call):
+        _forward_packed(call, cfg, coef, ce, out, lse)
+        return out, lse
+    q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
+    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     variants = _forward_variants(cfg, activation, scale, (q, k, v, out), (head_dim, head_dim_v))
+    order = cfg.work_order
     if variants["PREFETCH"]:
         tile_meta, total = q_tile_meta(
-            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q
+            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q, order
         )
         tile_seq = tile_idx = total  # not read
     else:
         tile_seq, tile_idx, total = q_tile_schedule(
-            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
+            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q, order
         )
         tile_meta = total  # not read
+    # the dynamic schedule's shared item counter, zeroed for this launch
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if variants["DYNAMIC"] else total
     unused = total  # a valid pointer for arguments a variant never reads
     bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
     tma = variants["TMA"]
@@ -363,7 +374,7 @@ def attention_forward(
         )
     else:
         descs = (q, k, v, out)  # not read, or replaced by descriptors built in the kernel
-        if tma and not _interpreting():
+        if tma and not interpreting():
             _ensure_allocator()
     args = (
         q, k, v, out, lse if softmax else out, *descs,
@@ -371,7 +382,7 @@ def attention_forward(
         out.stride(0), out.stride(1), total_q, total_q, k.shape[0],
         q_offsets, kv_offsets, unused if kv_index is None else kv_index,
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total, tile_meta,
-        _qk_scale(activation, scale), coef, *mask.ints(),
+        counter, _qk_scale(activation, scale), coef, *_Mask(call).ints(),
     )  # fmt: skip
     kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
@@ -390,13 +401,42 @@ def attention_forward(
         # Triton's warp specialisation rejects some loops on some versions and GPUs: build
         # the same kernel without it (once; later calls go straight there).
         _FAILED_BUILDS[key] = f"{type(e).__name__}: {e}"[:500]
-        return attention_forward(
-            q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, scale,
-            output_scale, normalization, max_seqlen_q, max_seqlen_kv, causal, window_left,
-            window_right, contextual_len, block_size, block_previous,
-            fast_math=fast_math, config=cfg,
-        )  # fmt: skip
+        return attention_forward(call, fast_math=fast_math, config=cfg)
     return out, lse
+
+
+def _packable(call: AttentionCall) -> bool:
+    """Self-attention (one offsets tensor for queries and keys) with at most a causal mask:
+    what the packed-rows forward computes."""
+    qo, ko = call.q_offsets, call.kv_offsets
+    same = qo is ko or (qo.data_ptr() == ko.data_ptr() and qo.shape == ko.shape
+                        and qo.stride() == ko.stride() and qo.dtype == ko.dtype)  # fmt: skip
+    return (same and call.kv_index is None and call.num_targets is None
+            and call.q.shape[0] == call.k.shape[0] and not _Mask(call).generic)  # fmt: skip
+
+
+def _forward_packed(call, cfg, coef, ce, out, lse) -> None:
+    """The forward of ``KernelConfig.pack_rows`` (see ``_kernels._fwd_packed_kernel``)."""
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    total_q, n_heads, head_dim = q.shape
+    head_dim_v = v.shape[2]
+    offsets = as_int32(call.q_offsets)
+    rows = row_sequence(offsets, total_q)
+    softmax = spec.activation == "softmax"
+    args = (
+        q, k, v, out, lse if softmax else out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), total_q, total_q, offsets, rows,
+        _qk_scale(spec.activation, spec.scale), coef,
+    )  # fmt: skip
+    kw = dict(
+        CAUSAL=spec.mask.causal, H=n_heads, ACT=ce["ACT"], NORM=ce["NORM"], HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v, BLOCK_D=_pow2(head_dim), BLOCK_DV=_pow2(head_dim_v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, FAST=ce["FAST"],
+    )  # fmt: skip
+    work = triton.cdiv(total_q, cfg.block_m) * n_heads
+    key = ("fwd_packed", q.dtype, cfg, tuple(sorted(kw.items())))
+    _launch_persistent(_kernels._fwd_packed_kernel, work, q.device, cfg, key, args, kw)
 
 
 def forward_build_failures() -> dict[tuple, str]:
@@ -406,27 +446,9 @@ def forward_build_failures() -> dict[tuple, str]:
 
 def attention_backward(
     grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    kv_index: torch.Tensor | None,
-    num_targets: torch.Tensor | None,
-    activation: str,
-    scale: float,
-    output_scale: float,
-    normalization: str,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    causal: bool,
-    window_left: int,
-    window_right: int,
-    contextual_len: int,
-    block_size: int,
-    block_previous: bool,
+    call: AttentionCall,
     *,
     fast_math: bool = True,
     deterministic: bool = False,
@@ -445,11 +467,13 @@ def attention_backward(
     sequences to one kv sequence, their dK/dV contributions are summed inside one program;
     keys that no query reads get zero gradients.
     """
-    _check_inputs(q, k, v, q_offsets, kv_offsets, kv_index)
+    _check_inputs(call)
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    activation, scale = spec.activation, spec.scale
     total_q, n_heads, head_dim = q.shape
     total_kv, head_dim_v = k.shape[0], v.shape[2]
-    n_seq = q_offsets.numel() - 1
-    n_kv_seq = kv_offsets.numel() - 1
+    n_seq = call.q_offsets.numel() - 1
+    n_kv_seq = call.kv_offsets.numel() - 1
     softmax = activation == "softmax"
     assert grad_out.shape == out.shape == (total_q, n_heads, head_dim_v), "grad_out/out shape"
     assert grad_out.dtype == q.dtype, "grad_out must have the input dtype"
@@ -461,15 +485,13 @@ def attention_backward(
     dv = torch.empty_like(v)
     if total_q == 0 or n_seq == 0 or n_kv_seq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    mask = _Mask(causal, window_left, window_right, contextual_len, block_size, block_previous,
-                 num_targets is not None)  # fmt: skip
-    coef, ce = _common(q, activation, normalization, output_scale, max_seqlen_kv, kv_index,
-                       mask, fast_math)  # fmt: skip
+    coef, ce = _common(call, fast_math)
+    mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(activation, scale)
-    q_offsets, kv_offsets = as_int32(q_offsets), as_int32(kv_offsets)
-    kv_index, num_targets = as_int32(kv_index), as_int32(num_targets)
+    q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
+    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
+    causal = spec.mask.causal
     bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
-    max_len = max(max_seqlen_q, max_seqlen_kv)
     if softmax:
         delta = torch.empty_like(lse)
         block_t = 64
@@ -486,7 +508,7 @@ def attention_backward(
 
     # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
     # tile's share of dQ into a zeroed fp32 buffer, and the dQ kernel is skipped.
-    cfg = _pick("dkdv", q, activation, causal, max_len, config_dkdv)
+    cfg = _pick("dkdv", call, config_dkdv)
     dq_atomic = cfg.dq_atomic and not deterministic
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else dq
     tile_seq, tile_idx, total, inv_ptr, inv_idx = kv_tile_schedule(
@@ -498,7 +520,7 @@ def attention_backward(
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1), stride_lh,
         q_offsets, kv_offsets, inv_ptr, inv_idx, total if targets_arg is None else targets_arg,
-        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask.ints(),
+        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
     kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
@@ -511,7 +533,7 @@ def attention_backward(
         return dqa.mul_(scale).to(q.dtype), dk, dv
 
     # dQ: the forward's schedule (one work item per query tile).
-    cfg = _pick("dq", q, activation, causal, max_len, config_dq)
+    cfg = _pick("dq", call, config_dq)
     tile_seq, tile_idx, total = q_tile_schedule(
         q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
     )
@@ -521,7 +543,7 @@ def attention_backward(
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), stride_lh,
         q_offsets, kv_offsets, total if kv_index is None else kv_index,
         total if targets_arg is None else targets_arg, tile_seq, tile_idx, total,
-        qk_scale, scale, coef, *mask.ints(),
+        qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
     kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,

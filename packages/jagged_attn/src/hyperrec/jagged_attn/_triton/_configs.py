@@ -27,6 +27,7 @@ __all__ = [
     "TMA_O",
     "TMA_Q",
     "TUNED",
+    "WORK_ORDERS",
     "KernelConfig",
     "config_key",
     "select_config",
@@ -39,6 +40,9 @@ TMA_KV = 2
 TMA_K_MASKED = 4
 TMA_O = 8
 TMA_ALL = TMA_Q | TMA_KV | TMA_K_MASKED | TMA_O
+
+#: ``KernelConfig.work_order`` values.
+WORK_ORDERS = ("cost", "sequence")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +96,21 @@ class KernelConfig:
     """Ask Triton to warp-specialise the key loops (``tl.range(warp_specialize=True)``);
     needs ``hopper_features()["warp_specialize"]``. A build that fails falls back to the
     same configuration without it (remembered per compiled variant)."""
+    work_order: str = "cost"
+    """Order of the forward's work list: ``"cost"`` (every query tile by its own cost,
+    heaviest first) or ``"sequence"`` (sequences by total cost, heaviest first, each
+    sequence's tiles together, heaviest first, so that programs running at the same time
+    share the sequence's K/V in L2)."""
+    dynamic_schedule: bool = False
+    """Forward: programs take the next work item from an atomic counter instead of a fixed
+    stride (greedy list scheduling: robust to uneven items and to programs that are not
+    resident at once; one atomic per item). Not combined with ``prefetch``."""
+    pack_rows: bool = False
+    """Forward, for batches of many short sequences: a work item is ``block_m`` consecutive
+    token rows of the whole batch (several sequences at once, pairs of different sequences
+    masked) instead of ``block_m`` rows of one sequence. Applies to self-attention whose
+    mask is at most causal (no map, targets, window, contextual or block rules); other
+    calls ignore it. The other forward variants do not apply to it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tma, bool):  # frozen: normalise through object.__setattr__
@@ -106,6 +125,8 @@ class KernelConfig:
             raise ValueError(f"num_warps must be a power of two <= 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.work_order not in WORK_ORDERS:
+            raise ValueError(f"work_order must be one of {WORK_ORDERS}, got {self.work_order!r}")
 
 
 def _c(bm: int, bn: int, w: int, s: int, atomic: bool = False) -> KernelConfig:

@@ -1,0 +1,145 @@
+"""Cost of the input checks: ``validate=True`` (default), ``"full"`` and ``False``.
+
+On CUDA the default checks the offsets' values on the device (no host sync), once per
+offsets object; ``"full"`` reads them on the host (a sync per call). Each case times the
+public forward in two regimes:
+
+* ``same``: the same tensors call after call (a model's layers sharing one batch's
+  offsets: the device checks ran at the first call and are cached);
+* ``fresh``: new offsets objects every call (a new batch at every call: the device checks,
+  and the kernels' tile schedules, run every time; the copy that makes the new object is
+  in every mode's time).
+
+Reports the median time per call (``triton.testing.do_bench``) and the ratios to
+``validate=False``; the target is the default within 5% of ``validate=False``.
+
+    python bench/bench_validate.py --out bench/results        # ~1 minute on one H200
+    python bench/bench_validate.py --out /tmp/x --quick       # 2 cases, ~30 s
+    python bench/bench_validate.py --out /tmp/x --smoke       # CPU interpreter, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
+
+from bench_attention import lengths  # noqa: E402
+
+# (name, kind, distribution, batch, max length, heads, head dim)
+CASES = [
+    ("softmax-u-B256-L1024-H8-D128", "softmax", "uniform", 256, 1024, 8, 128),
+    ("softmax-u-B64-L512-H4-D128", "softmax", "uniform", 64, 512, 4, 128),
+    ("softmax-p-B1024-L256-H4-D64", "softmax", "powerlaw", 1024, 256, 4, 64),
+    ("softmax-u-B16-L128-H2-D64", "softmax", "uniform", 16, 128, 2, 64),
+    ("hstu-targets-p-B256-L1024-H4-D128", "hstu", "powerlaw", 256, 1024, 4, 128),
+]
+QUICK = [CASES[1], CASES[4]]
+SMOKE = [("softmax-smoke", "softmax", "uniform", 3, 20, 1, 16),
+         ("hstu-smoke", "hstu", "uniform", 3, 20, 1, 16)]  # fmt: skip
+MODES = (False, True, "full")
+
+
+def _call(kind, q, k, v, off, max_len, targets, validate):
+    from hyperrec.jagged_attn import gdpa, jagged_attention
+
+    if kind == "softmax":
+        return jagged_attention(q, k, v, off, max_len, validate=validate)
+    return gdpa(q, k, v, off, off, max_len, max_len, causal=True, normalization="max_seqlen",
+                num_targets=targets, validate=validate)  # fmt: skip
+
+
+def _time_ms(fn, device: str, reps: int) -> float:
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run_case(case, device: str, reps: int) -> dict:
+    name, kind, dist, batch, max_len, heads, dim = case
+    lens = lengths(dist, batch, max_len, seed=0)
+    off = torch.zeros(batch + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    off = off.to(device)
+    t = int(lens.sum())
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(t, heads, dim, device=device, dtype=torch.bfloat16, generator=g)
+               for _ in range(3))  # fmt: skip
+    targets = lens.clamp(max=4).to(device) if kind == "hstu" else None
+    row: dict = dict(name=name, kind=kind, dist=dist, batch=batch, max_len=max_len,
+                     heads=heads, head_dim=dim, tokens=t, ms={})  # fmt: skip
+    for mode in MODES:
+        _call(kind, q, k, v, off, max_len, targets, mode)  # compile, fill the caches
+    for regime in ("same", "fresh"):
+        for mode in MODES:
+            if regime == "same":
+
+                def fn(mode=mode):
+                    return _call(kind, q, k, v, off, max_len, targets, mode)
+            else:
+
+                def fn(mode=mode):
+                    return _call(kind, q, k, v, off.clone(), max_len, targets, mode)
+
+            row["ms"][f"{regime}/{mode}"] = _time_ms(fn, device, reps)
+        base = row["ms"][f"{regime}/False"]
+        row[f"{regime}_default_over_none"] = row["ms"][f"{regime}/True"] / base
+        row[f"{regime}_full_over_none"] = row["ms"][f"{regime}/full"] / base
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
+    parser.add_argument("--quick", action="store_true", help="two cases")
+    parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    args = parser.parse_args()
+    from hyperrec.testing import write_result
+
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, cases, reps = "cpu", SMOKE, 3
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_validate.py needs a CUDA GPU (or --smoke)")
+        device, cases, reps = "cuda", QUICK if args.quick else CASES, 0
+    rows = []
+    t0 = time.perf_counter()
+    for case in cases:
+        rows.append(run_case(case, device, reps))
+        r = rows[-1]
+        print(f"{r['name']:36s} same: default/none {r['same_default_over_none']:.3f} "
+              f"full/none {r['same_full_over_none']:.3f} | fresh: default/none "
+              f"{r['fresh_default_over_none']:.3f} full/none {r['fresh_full_over_none']:.3f} "
+              f"| none {r['ms']['same/False']:.3f} ms", flush=True)  # fmt: skip
+    worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"]) for r in rows)
+    suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
+    path = write_result(args.out / f"validate_{suffix}.json", {
+        "benchmark": "jagged_attn input checks: validate=True (default) / 'full' / False, "
+                     "public forward, bf16, median ms per call",
+        "device": device,
+        "target": "default within 5% of validate=False (ratio <= 1.05)",
+        "worst_default_over_none": worst,
+        "seconds": time.perf_counter() - t0,
+        "cases": rows,
+    })  # fmt: skip
+    print(f"worst default/none ratio {worst:.3f} (target <= 1.05); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Why does the forward's throughput change between fresh instances of one case?
+
+Issue: re-creating q/k/v or the offsets of one length distribution moved the causal
+forward between 105 and 220 TFLOP/s on an H200, while re-timing the same tensors was
+stable. Each hypothesis below is tested directly, on the same case, in one run; every
+number goes to JSON (``--out``), a summary to stdout.
+
+* ``instances``: fresh lengths, offsets and tensors (seeds 0..N-1), with what the launcher
+  chose for each (configuration, grid, occupancy, compiled-kernel count) and the load
+  imbalance the static schedule predicts (cost model of ``_schedule.py``).
+* ``same_data_new_allocations``: the very same values copied into newly allocated tensors
+  (addresses change, nothing else).
+* ``base_alignment``: the same values at base-pointer offsets of 0, 8, 16, 128, 1 Ki,
+  64 Ki and 2 Mi bytes inside a larger buffer (8 is below the 16-byte alignment tensor
+  descriptors need: the launcher drops TMA there, recorded).
+* ``new_offsets_objects``: the same lengths in new offsets tensors (the schedule cache is
+  keyed by tensor object: first call builds, later calls hit), with the first (cold) call
+  timed separately.
+* ``length_order``: the same multiset of lengths, sorted both ways and shuffled.
+* ``occupancy``: the persistent grid with the measured occupancy and forced to 1 and 2
+  programs per SM (a grid larger than what is resident runs a second wave).
+* ``schedule``: the shipped static cost-sorted schedule against the opt-in
+  ``dynamic_schedule`` (atomic work counter) and ``work_order="sequence"`` (a sequence's
+  tiles together, for K/V reuse in L2), on several instances.
+* ``l2``: with the L2 flushed before every call (``do_bench``) and back-to-back calls.
+* GPU clocks / temperature around the run (if pynvml is present).
+
+    python bench/diagnose_variance.py --out bench/results          # <= 8 minutes on one H200
+    python bench/diagnose_variance.py --out /tmp/d --quick         # <= 3 minutes
+
+(Estimates; no new case starts after ``--budget-min`` minutes, 6 or 2 with ``--quick``, and
+the JSON lists cases left out under ``skipped_for_time``.)
+    python bench/diagnose_variance.py --out /tmp/d --smoke         # CPU interpreter, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
+
+from bench_attention import Case, call_of, lengths, useful_flops  # noqa: E402
+from bench_attention import _spec as spec_of  # noqa: E402
+
+FULL = [
+    Case("u-B64-L2048-H8-D128-causal", "uniform", 64, 2048, 8, 128, causal=True),
+    Case("u-B128-L1024-H8-D128", "uniform", 128, 1024, 8, 128),
+    Case("p-B1024-L1024-H4-D128", "powerlaw", 1024, 1024, 4, 128),
+]
+QUICK = FULL[:2]
+SMOKE = [Case("smoke-causal", "uniform", 3, 40, 1, 16, causal=True)]
+
+
+class Timer:
+    """Median ms of ``fn``: ``do_bench`` (L2 flushed before each call) on a GPU, wall clock
+    under the interpreter."""
+
+    def __init__(self, device: str, rep_ms: int) -> None:
+        self.device, self.rep_ms = device, rep_ms
+
+    def __call__(self, fn, flush: bool = True) -> float:
+        if self.device != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        if flush:
+            from triton.testing import do_bench
+
+            return do_bench(fn, warmup=5, rep=self.rep_ms, return_mode="median")
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        n = 20
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    def cold(self, fn) -> float:
+        """One call's time, nothing warmed for it (events on a GPU)."""
+        if self.device != "cuda":
+            return self(fn)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+
+def instance(case: Case, seed: int, device: str, lens: torch.Tensor | None = None) -> dict:
+    """Fresh lengths (unless given), offsets and q/k/v of ``case``."""
+    lens = lengths(case.dist, case.batch, case.max_len, seed) if lens is None else lens
+    off = torch.zeros(case.batch + 1, dtype=torch.int32)
+    off[1:] = lens.cumsum(0)
+    t = int(lens.sum())
+    g = torch.Generator(device=device).manual_seed(1000 + seed)
+    q, k, v = (torch.randn(t, case.heads, case.head_dim, device=device, dtype=torch.bfloat16,
+                           generator=g) for _ in range(3))  # fmt: skip
+    flops = useful_flops(lens, case.heads, case.head_dim, case.causal or case.kind != "softmax")
+    return dict(lens=lens, off=off.to(device), q=q, k=k, v=v, flops=flops)
+
+
+def forward_fn(case: Case, inst: dict, config=None):
+    from hyperrec.jagged_attn._triton import attention_forward
+
+    call = call_of(spec_of(case, case.max_len), inst["q"], inst["k"], inst["v"], inst["off"])
+    return lambda: attention_forward(call, config=config)
+
+
+def shipped_config(case: Case, device: str):
+    from hyperrec.jagged_attn._triton import _configs, _launch
+
+    arch = _launch._arch(torch.device(device))
+    key = _configs.config_key("fwd", arch, case.head_dim, case.kind == "softmax",
+                              case.causal or case.kind != "softmax", case.max_len)  # fmt: skip
+    return _configs.select_config(key)
+
+
+def compiled_count() -> int:
+    """Compiled variants of the forward kernel held by Triton (any version's cache layout)."""
+    from hyperrec.jagged_attn._triton import _kernels
+
+    fn = _kernels._fwd_kernel
+    caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", {})
+    total = 0
+    for c in caches.values():
+        total += len(c[0] if isinstance(c, tuple) else c)
+    return total
+
+
+class LaunchLog:
+    """Records the forward launches' work bound, occupancy and key (wraps the launcher)."""
+
+    def __init__(self) -> None:
+        from hyperrec.jagged_attn._triton import _launch
+
+        self.launch = _launch
+        self.real = _launch._launch_persistent
+        self.last: dict = {}
+
+        def wrapped(kernel, work, device, cfg, key, args, kw):
+            if key[0] == "fwd":
+                occ = _launch._OCCUPANCY.get(key, 1)
+                self.last = dict(work_upper_bound=work, occupancy=occ,
+                                 grid=max(1, min(work, _launch._num_sms(device) * occ)),
+                                 tma=kw.get("TMA"), dynamic=kw.get("DYNAMIC"), key=key)  # fmt: skip
+            return self.real(kernel, work, device, cfg, key, args, kw)
+
+        _launch._launch_persistent = wrapped
+
+    def fwd_keys(self) -> list:
+        return [k for k in self.launch._OCCUPANCY if k[0] == "fwd"]
+
+
+def predicted_imbalance(case: Case, inst: dict, cfg, programs: int) -> dict:
+    """max/mean of per-program work under the static snake assignment and under greedy
+    list scheduling, from the schedule's own cost model (keys visited + block_m)."""
+    import heapq
+
+    from hyperrec.jagged_attn._triton._schedule import q_tile_schedule
+
+    causal = case.causal or case.kind != "softmax"
+    off = inst["off"].cpu()
+    seq, idx, total = q_tile_schedule(off, off, None, cfg.block_m, causal, int(off[-1]),
+                                      cfg.work_order)  # fmt: skip
+    n = int(total)
+    lens = inst["lens"].long()
+    s, i = seq[:n].long(), idx[:n].long()
+    keys = lens[s]
+    if causal:
+        keys = torch.minimum((i + 1) * cfg.block_m, lens[s]).clamp(min=0)
+    cost = (keys + cfg.block_m).double().repeat_interleave(case.heads)  # heads vary fastest
+    items = cost.numel()
+    p = max(1, min(programs, items))
+    r = torch.arange(items) // p
+    pos = torch.arange(items) % p
+    prog = torch.where(r % 2 == 0, pos, p - 1 - pos)
+    per = torch.zeros(p, dtype=torch.float64).index_add_(0, prog, cost)
+    heap = [0.0] * p
+    for c in cost.tolist():
+        heapq.heapreplace(heap, heap[0] + c)
+    mean = float(cost.sum()) / p
+    return dict(
+        items=items,
+        programs=p,
+        static_max_over_mean=float(per.max()) / mean,
+        greedy_max_over_mean=max(heap) / mean,
+    )
+
+
+def gpu_state() -> dict:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return dict(sm_clock_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                    mem_clock_mhz=pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                    temperature_c=pynvml.nvmlDeviceGetTemperature(h, 0),
+                    power_w=pynvml.nvmlDeviceGetPowerUsage(h) / 1000)  # fmt: skip
+    except Exception as e:  # pynvml missing or no permission: recorded, not fatal
+        return dict(error=f"{type(e).__name__}: {e}"[:200])
+
+
+def run_case(case: Case, args, device: str, timer: Timer, log: LaunchLog) -> dict:
+    out: dict = dict(case=asdict(case))
+    cfg = shipped_config(case, device)
+    out["shipped_config"] = asdict(cfg)
+    n_inst = 2 if args.smoke else (4 if args.quick else 8)
+
+    def tflops(inst, ms):
+        return inst["flops"] / ms * 1e-9
+
+    # instances
+    rows = []
+    for seed in range(n_inst):
+        before = compiled_count()
+        inst = instance(case, seed, device)
+        fn = forward_fn(case, inst)
+        cold = timer.cold(fn)
+        ms = timer(fn)
+        launch = dict(log.last)
+        launch.pop("key", None)
+        rows.append(dict(seed=seed, tokens=int(inst["lens"].sum()), ms=ms,
+                         tflops=tflops(inst, ms), first_call_ms=cold,
+                         new_compiled_kernels=compiled_count() - before, launch=launch,
+                         predicted=predicted_imbalance(case, inst, cfg, launch.get("grid", 1))))  # fmt: skip
+        del inst
+    out["instances"] = rows
+    tf = [r["tflops"] for r in rows]
+    out["instances_spread"] = max(tf) / min(tf)
+
+    base = instance(case, 0, device)
+    base_fn = forward_fn(case, base)
+    base_fn()
+    base_ms = timer(base_fn)
+    out["base"] = dict(ms=base_ms, tflops=tflops(base, base_ms))
+
+    # same values, new allocations
+    realloc = []
+    keep = []
+    for i in range(2 if args.smoke else 4):
+        keep.append(torch.empty(1 << (20 + i), dtype=torch.uint8, device=device))  # move the
+        copy = dict(base, q=base["q"].clone(), k=base["k"].clone(), v=base["v"].clone())  # heap
+        ms = timer(forward_fn(case, copy))
+        realloc.append(dict(ms=ms, tflops=tflops(base, ms),
+                            ptr_mod_2mib=[t.data_ptr() % (2 << 20) for t in
+                                          (copy["q"], copy["k"], copy["v"])]))  # fmt: skip
+    out["same_data_new_allocations"] = realloc
+    del keep
+
+    # base-pointer alignment
+    align = []
+    for shift in (0, 8, 16, 128) if args.smoke else (0, 8, 16, 128, 1024, 65536, 2 << 20):
+        moved = {}
+        for name in ("q", "k", "v"):
+            t = base[name]
+            buf = torch.empty(t.numel() * 2 + shift + 64, dtype=torch.uint8, device=device)
+            view = buf[shift : shift + t.numel() * 2].view(torch.bfloat16).view(t.shape)
+            view.copy_(t)
+            moved[name] = view
+        ms = timer(forward_fn(case, dict(base, **moved)))
+        align.append(dict(shift_bytes=shift, ms=ms, tflops=tflops(base, ms),
+                          tma=log.last.get("tma")))  # fmt: skip
+    out["base_alignment"] = align
+
+    # new offsets objects with the same values
+    offs = []
+    for _ in range(2 if args.smoke else 3):
+        fresh = dict(base, off=base["off"].clone())
+        fn = forward_fn(case, fresh)
+        cold = timer.cold(fn)
+        ms = timer(fn)
+        offs.append(dict(first_call_ms=cold, ms=ms, tflops=tflops(base, ms)))
+    out["new_offsets_objects"] = offs
+
+    # order of the same lengths
+    orders = []
+    lens = base["lens"]
+    perms = {"descending": torch.argsort(lens, descending=True),
+             "ascending": torch.argsort(lens)}  # fmt: skip
+    for j in range(1 if args.smoke else 3):
+        perms[f"shuffle{j}"] = torch.randperm(lens.numel(), generator=torch.Generator()
+                                              .manual_seed(j))  # fmt: skip
+    for name, perm in perms.items():
+        inst = instance(case, 0, device, lens=lens[perm].clone())
+        ms = timer(forward_fn(case, inst))
+        orders.append(dict(order=name, ms=ms, tflops=tflops(inst, ms)))
+    out["length_order"] = orders
+
+    # occupancy: measured, forced 1 and 2
+    occ = []
+    keys = log.fwd_keys()
+    measured = {k: log.launch._OCCUPANCY[k] for k in keys}
+    out["occupancy_measured"] = sorted(set(measured.values()))
+    if device == "cuda":
+        for key, compiled in log.launch._COMPILED.items():
+            if key in measured:
+                try:
+                    out["compiled"] = dict(n_regs=int(compiled.n_regs),
+                                           n_spills=int(compiled.n_spills),
+                                           shared=int(compiled.metadata.shared))  # fmt: skip
+                except Exception as e:  # recorded, not fatal
+                    out["compiled"] = dict(error=f"{type(e).__name__}: {e}"[:200])
+        for forced in (1, 2):
+            for k in keys:
+                log.launch._OCCUPANCY[k] = forced
+            ms = timer(base_fn)
+            occ.append(dict(programs_per_sm=forced, ms=ms, tflops=tflops(base, ms)))
+        log.launch._OCCUPANCY.update(measured)
+    out["occupancy"] = occ
+
+    # schedule variants on several instances
+    variants = {
+        "shipped": cfg,
+        "dynamic": replace(cfg, dynamic_schedule=True),
+        "sequence_order": replace(cfg, work_order="sequence"),
+        "dynamic_sequence_order": replace(cfg, dynamic_schedule=True, work_order="sequence"),
+    }
+    if args.quick or args.smoke:
+        variants.pop("dynamic_sequence_order")
+    sched = []
+    for seed in range(2 if (args.quick or args.smoke) else 4):
+        inst = instance(case, seed, device)
+        row = dict(seed=seed)
+        for name, c in variants.items():
+            fn = forward_fn(case, inst, c)
+            fn()
+            row[name] = tflops(inst, timer(fn))
+        sched.append(row)
+        del inst
+    out["schedule"] = sched
+
+    # L2: flushed before every call vs back to back
+    out["l2"] = dict(flushed_tflops=tflops(base, timer(base_fn, flush=True)),
+                     back_to_back_tflops=tflops(base, timer(base_fn, flush=False)))  # fmt: skip
+    return out
+
+
+def summary(r: dict) -> str:
+    inst = [x["tflops"] for x in r["instances"]]
+    sched = r["schedule"]
+    names = [k for k in sched[0] if k != "seed"]
+    sched_txt = " ".join(
+        f"{n}={min(s[n] for s in sched):.0f}-{max(s[n] for s in sched):.0f}" for n in names
+    )
+    return (
+        f"{r['case']['name']}: instances {min(inst):.0f}-{max(inst):.0f} TFLOP/s "
+        f"(spread {r['instances_spread']:.2f}); realloc "
+        f"{[round(x['tflops']) for x in r['same_data_new_allocations']]}; align "
+        f"{[(x['shift_bytes'], round(x['tflops'])) for x in r['base_alignment']]}; order "
+        f"{[(x['order'], round(x['tflops'])) for x in r['length_order']]}; occupancy "
+        f"{r['occupancy_measured']} forced {[(x['programs_per_sm'], round(x['tflops'])) for x in r['occupancy']]}; "
+        f"schedule {sched_txt}; l2 {r['l2']['flushed_tflops']:.0f}/"
+        f"{r['l2']['back_to_back_tflops']:.0f}"
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
+    parser.add_argument("--quick", action="store_true", help="two cases, fewer instances")
+    parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="start no new case after this many minutes (default 6; 2 with "
+                             "--quick)")  # fmt: skip
+    args = parser.parse_args()
+    budget = args.budget_min if args.budget_min is not None else (2.0 if args.quick else 6.0)
+    from hyperrec.testing import write_result
+
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, cases, timer = "cpu", SMOKE, Timer("cpu", 0)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("diagnose_variance.py needs a CUDA GPU (or --smoke)")
+        device, cases = "cuda", QUICK if args.quick else FULL
+        timer = Timer("cuda", 25 if args.quick else 40)
+    random.seed(0)
+    torch.manual_seed(0)
+    log = LaunchLog()
+    t0 = time.perf_counter()
+    results = []
+    suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
+    path = args.out / f"diagnose_variance_{suffix}.json"
+    state_before = gpu_state() if device == "cuda" else {}
+    skipped = []
+    for case in cases:
+        if time.perf_counter() - t0 > 60 * budget:
+            skipped.append(case.name)
+            continue
+        results.append(run_case(case, args, device, timer, log))
+        print(summary(results[-1]), flush=True)
+        write_result(path, {
+            "benchmark": "jagged_attn forward: variance between fresh instances, by hypothesis",
+            "device": device,
+            "gpu_state_before": state_before,
+            "gpu_state_after": gpu_state() if device == "cuda" else {},
+            "seconds": time.perf_counter() - t0,
+            "skipped_for_time": skipped,
+            "cases": results,
+        })  # fmt: skip
+    print(f"{time.perf_counter() - t0:.0f}s; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

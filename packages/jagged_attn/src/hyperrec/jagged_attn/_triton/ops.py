@@ -1,0 +1,146 @@
+"""``torch.library`` registration of the Triton backend.
+
+Two custom ops with the argument list of :func:`hyperrec.jagged_attn._opschema.schema`,
+fake (meta) implementations, FLOP formulas, and autograd tied by ``register_autograd``:
+
+* ``hyperrec_jagged_attn::attention_triton_fwd`` -> ``(out, lse)``
+* ``hyperrec_jagged_attn::attention_triton_bwd`` (``grad_out, out, lse`` first) ->
+  ``(dq, dk, dv)``
+
+:func:`attention_triton` takes the reference op's arguments and returns only ``out``, so
+the dispatcher treats the two backends alike (the reference backend,
+:mod:`hyperrec.jagged_attn._torch.ops`, has the same layout). To ``torch.compile`` each op
+is one opaque node with known output shapes, so a block calling it traces with
+``fullgraph=True``.
+
+Importing this module registers the ops; it does not import Triton (the launchers do, on
+the first real call).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from hyperrec.jagged_attn._opschema import NAMESPACE, AttentionCall, activation_of, schema
+from hyperrec.jagged_attn._triton._flops import flops_upper_bound
+from hyperrec.jagged_attn._triton._probe import supports
+
+__all__ = [
+    "attention_triton",
+    "attention_triton_bwd",
+    "attention_triton_fwd",
+    "unsupported_reason",
+]
+
+
+def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot run this call, or None if they can.
+
+    They need Triton, a CUDA GPU of compute capability >= 8.0 (or CPU tensors under
+    ``TRITON_INTERPRET=1``), bf16/fp16 inputs and head dims in [16, 256].
+    """
+    if not supports(q.device, q.dtype):
+        return (
+            f"needs bf16/fp16 inputs on a CUDA GPU with compute capability >= 8.0 (or CPU "
+            f"tensors under TRITON_INTERPRET=1) and Triton installed; got {q.dtype} on "
+            f"{q.device}"
+        )
+    for name, d in (("q/k head_dim", q.shape[-1]), ("v head_dim", v.shape[-1])):
+        if not 16 <= d <= 256:
+            return f"{name} must be in [16, 256], got {d}"
+    return None
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _contiguous(call: AttentionCall) -> AttentionCall:
+    return call.with_tensors(**{n: _last_dim_contiguous(getattr(call, n)) for n in "qkv"})
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_triton_fwd",
+    mutates_args=(),
+    schema=schema(returns="(Tensor, Tensor)"),
+)
+def attention_triton_fwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: ``out`` ``(Tq, H, Dv)`` and ``lse`` (``(H, Tq)`` fp32 for softmax,
+    empty otherwise), see :func:`hyperrec.jagged_attn._triton.attention_forward`."""
+    from hyperrec.jagged_attn._triton._launch import attention_forward
+
+    return attention_forward(_contiguous(AttentionCall.from_op_args(args)))
+
+
+@attention_triton_fwd.register_fake
+def _attention_triton_fwd_fake(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, spec,
+                               *scalars):  # fmt: skip
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    softmax = activation_of(spec) == "softmax"
+    lse_shape = (q.shape[1], q.shape[0]) if softmax else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_triton_bwd",
+    mutates_args=(),
+    schema=schema(
+        before="Tensor grad_out, Tensor out, Tensor lse, ", returns="(Tensor, Tensor, Tensor)"
+    ),
+)
+def attention_triton_bwd(grad_out, out, lse, *args) -> tuple[torch.Tensor, ...]:
+    """Triton backward: ``(dq, dk, dv)``, see
+    :func:`hyperrec.jagged_attn._triton.attention_backward`."""
+    from hyperrec.jagged_attn._triton._launch import attention_backward
+
+    call = _contiguous(AttentionCall.from_op_args(args))
+    return attention_backward(_last_dim_contiguous(grad_out), out, lse, call)
+
+
+@attention_triton_bwd.register_fake
+def _attention_triton_bwd_fake(grad_out, out, lse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    tensors, ctx.spec_args = AttentionCall.split_op_args(inputs)
+    ctx.n_tensors = len(tensors)
+    ctx.save_for_backward(*output, *tensors)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    del grad_lse  # the log-sum-exp is an auxiliary output: nothing flows back through it
+    out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv = attention_triton_bwd(grad_out, out, lse, *tensors, *ctx.spec_args)
+    return (dq, dk, dv) + (None,) * (ctx.n_tensors - 3 + len(ctx.spec_args))
+
+
+attention_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_triton(*args) -> torch.Tensor:
+    """The Triton backend with the reference op's arguments: returns ``out`` only."""
+    out, _ = attention_triton_fwd(*args)
+    return out
+
+
+# FLOP counts for torch.utils.flop_counter. The counter sees shapes, not the offsets'
+# values, so the count is the upper bound sum(Lq * Lk) <= min(Tq * max_kv, Tk * max_q)
+# (exact for equal-length sequences); bench/ uses hyperrec.jagged_attn._triton.flops with
+# the real lengths instead.
+def _spec_flops(q_shape, k_shape, v_shape, args, pass_: str) -> int:
+    max_q, max_kv = AttentionCall.max_lengths(args)
+    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1],
+                                 q_shape[2], v_shape[2], pass_=pass_))  # fmt: skip
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_triton_fwd)
+def _fwd_flop_formula(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return _spec_flops(q_shape, k_shape, v_shape, args, "fwd")
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_triton_bwd)
+def _bwd_flop_formula(grad_shape, out_shape_, lse_shape, q_shape, k_shape, v_shape, *args,
+                      out_shape=None, **kwargs) -> int:  # fmt: skip
+    return _spec_flops(q_shape, k_shape, v_shape, args, "bwd")
