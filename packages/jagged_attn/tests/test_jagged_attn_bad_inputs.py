@@ -122,7 +122,8 @@ CASES = [
     c(T, "window_size[1]", ja(window_size=(0, 1.5))),
     c(T, "backend", ja(backend=None)),
     c(V, "backend", ja(backend="cuda")),
-    c(T, "validate", ja(validate="yes")),
+    c(V, "validate", ja(validate="yes")),
+    c(T, "validate", ja(validate=1)),
     # gdpa
     c(T, "q_offsets", gd(q_offsets=[0, 2, 6])),
     c(V, "q_offsets[0]", gd(q_offsets=torch.tensor([2, 2, 6]))),
