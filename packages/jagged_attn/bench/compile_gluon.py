@@ -111,7 +111,8 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
     }  # fmt: skip
     constexprs = {
         "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
-        "CAUSAL": cfg["causal"], "ACT": cfg["act"], "PINGPONG": cfg["pingpong"],
+        "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
+        "PINGPONG": cfg["pingpong"],
     }  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"

@@ -102,11 +102,9 @@ def _n_kv_tiles(r0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _producer(
-    q_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
-    H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-):  # fmt: skip
+def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    q_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
     q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     pid = gl.program_id(0)
@@ -168,9 +166,11 @@ def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-            BLOCK_N: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
-    """Scaled scores of key tile ``j``; disallowed entries are -inf (softmax) or flagged."""
-    s = s * qk_scale
+            SCALE_IN_EXP: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+    """Scores of key tile ``j`` (scaled unless ``SCALE_IN_EXP``) with disallowed entries
+    set to -inf (softmax) or to a value whose SiLU is exactly 0."""
+    if not SCALE_IN_EXP:
+        s = s * qk_scale
     n_lo = j * BLOCK_N
     need_mask = n_lo + BLOCK_N > Lk
     if CAUSAL:
@@ -184,22 +184,30 @@ def _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL: gl.constexpr, ACT: gl.constexpr,
         if ACT == 0:
             s = gl.where(ok, s, float("-inf"))
         else:
-            # silu(-inf) would be NaN; masked weights are set to 0 after the activation,
-            # and -1e30 gives silu = -0.0 exactly, so a plain where on s suffices.
+            # silu(-inf) would be NaN (-inf + inf); at -1e30, h = -5e29, tanh(h) = -1 and
+            # h + h * tanh(h) is exactly 0.
             s = gl.where(ok, s, -1.0e30)
     return s
 
 
 @gluon.jit
-def _weights(s, m_i, l_i, ACT: gl.constexpr):
+def _weights(s, m_i, l_i, qk_scale, ACT: gl.constexpr, SCALE_IN_EXP: gl.constexpr):
     """(P in fp32, new running max, new running sum, accumulator rescale factor)."""
     if ACT == 0:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if SCALE_IN_EXP:
+            # qk_scale > 0: max(s) * c == max(s * c), and each exp2 argument is one fused
+            # multiply-add s * c - m instead of a multiply and a subtraction.
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
         # A row with nothing allowed so far keeps m = -inf; shifting by 0 then gives exact
         # zeros instead of NaN from (-inf) - (-inf).
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
+        if SCALE_IN_EXP:
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+        else:
+            p = gl.exp2(s - m_use[:, None])
         l_new = l_i * alpha + gl.sum(p, axis=1)
     else:
         # silu(x) = h + h * tanh(h), h = x / 2: one MUFU op per score.
@@ -213,11 +221,12 @@ def _weights(s, m_i, l_i, ACT: gl.constexpr):
 
 @gluon.jit
 def _consumer(
-    o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh, qk_scale, coef,
-    WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
+    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
+    o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh = shared
+    qk_scale, coef = consts
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -272,8 +281,9 @@ def _consumer(
                 slot += 1
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 mbarrier.arrive(k_empty.index(st), count=1)
-                s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, BLOCK_N, s_layout)
-                p, m_i, l_i, alpha = _weights(s, m_i, l_i, ACT)
+                s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
+                            s_layout)  # fmt: skip
+                p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 st_prev = st
                 ph_prev = ph
@@ -294,8 +304,9 @@ def _consumer(
                     # wgmma groups retire in order: S_j is done, the PV GEMM may still run.
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
                     mbarrier.arrive(k_empty.index(st), count=1)
-                    s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, BLOCK_N, s_layout)
-                    p, m_i, l_i, alpha = _weights(s, m_i, l_i, ACT)
+                    s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
+                                s_layout)  # fmt: skip
+                    p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
                     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                     mbarrier.arrive(v_empty.index(st_prev), count=1)
                     if ACT == 0:
@@ -350,7 +361,7 @@ def jagged_fwd_kernel(
     stride_ot, stride_lh, qk_scale, coef,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention forward; see the module docstring.
 
@@ -387,76 +398,22 @@ def jagged_fwd_kernel(
 
     smem = (q_smem, k_smem, v_smem, o_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    shared = (o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh)
+    consts = (qk_scale, coef)
+    # Consumer 0 is the default partition (the kernel's 4 warps); consumer 1 (4 warps) and
+    # the producer (1 warp) are workers; setmaxnreg re-balances the registers. (The tuples
+    # are spelled out in the call: a tuple bound to a name first loses its constexprs.)
+    # fmt: off
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    o_desc,
-                    smem,
-                    bars,
-                    turn,
-                    O,
-                    LSE,
-                    meta,
-                    total_ptr,
-                    stride_ot,
-                    stride_lh,
-                    qk_scale,
-                    coef,
-                    0,
-                    H,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    NUM_STAGES,
-                    CAUSAL,
-                    ACT,
-                    PINGPONG,
-                ),
-            ),  # fmt: skip
-            (
-                _consumer,
-                (
-                    o_desc,
-                    smem,
-                    bars,
-                    turn,
-                    O,
-                    LSE,
-                    meta,
-                    total_ptr,
-                    stride_ot,
-                    stride_lh,
-                    qk_scale,
-                    coef,
-                    1,
-                    H,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    NUM_STAGES,
-                    CAUSAL,
-                    ACT,
-                    PINGPONG,
-                ),
-            ),  # fmt: skip
-            (
-                _producer,
-                (
-                    q_desc,
-                    k_desc,
-                    v_desc,
-                    smem,
-                    bars,
-                    meta,
-                    total_ptr,
-                    H,
-                    HEAD_DIM,
-                    BLOCK_N,
-                    NUM_STAGES,
-                    CAUSAL,
-                ),
-            ),  # fmt: skip
+            (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
+                         SCALE_IN_EXP, PINGPONG)),
+            (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
+                         SCALE_IN_EXP, PINGPONG)),
+            (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H, HEAD_DIM,
+                         BLOCK_N, NUM_STAGES, CAUSAL)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
     )
+    # fmt: on

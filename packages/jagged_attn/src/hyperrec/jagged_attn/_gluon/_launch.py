@@ -303,7 +303,8 @@ def jagged_attention_fwd_gluon(
         desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n), desc(out, _WG_ROWS),
         out, lse_arg, meta, total, out.stride(0), total_q, qk_scale, coef,
         H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        CAUSAL=causal, ACT=0 if softmax else 1, PINGPONG=config.pingpong,
+        CAUSAL=causal, ACT=0 if softmax else 1, SCALE_IN_EXP=softmax and scale > 0,
+        PINGPONG=config.pingpong,
         num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
     return out, lse
