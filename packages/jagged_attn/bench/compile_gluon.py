@@ -1,0 +1,197 @@
+"""Compile the Gluon forward ahead of time for sm_90 and report registers, spills, SMEM.
+
+Needs no GPU and no PyTorch: only Triton 3.6 (the Gluon API the kernel targets), whose
+wheel ships ``ptxas``. The kernel module is loaded from its file, so the script runs in a
+bare venv::
+
+    python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    /tmp/t36/bin/python bench/compile_gluon.py [--out results/compile_gluon.json] [--dump DIR]
+
+For every configuration (head dim x causal x activation x ping-pong x ring depth) it
+compiles Gluon -> TTGIR -> LLVM -> PTX -> cubin for ``GPUTarget("cuda", 90, 32)`` and
+reports: the kernel's register cap and what ptxas used, spill stores/loads and stack,
+the ``setmaxnreg`` values of the partitions, wgmma instructions, dynamic shared memory,
+warps and compile time. A failure is reported with the compiler's message and the script
+goes on; the exit status is 1 if any configuration failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KERNEL = HERE.parent / "src" / "hyperrec" / "jagged_attn" / "_gluon" / "_kernel.py"
+
+# Must match _gluon/_launch.py.
+WG_ROWS = 64
+MAXNREG = 168
+SMEM_LIMIT = 232448
+
+
+def load_kernel_module():
+    spec = importlib.util.spec_from_file_location("hyperrec_gluon_kernel", KERNEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def configs() -> list[dict]:
+    out = []
+    for head_dim, stages in ((128, 2), (64, 3)):
+        for causal in (False, True):
+            for act in (0, 1):
+                for pingpong in (True, False):
+                    out.append(dict(head_dim=head_dim, causal=causal, act=act,
+                                    pingpong=pingpong, stages=stages, block_n=128))  # fmt: skip
+    out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=1, block_n=128))
+    out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=3, block_n=64))
+    out.append(dict(head_dim=64, causal=False, act=0, pingpong=True, stages=4, block_n=128))
+    return out
+
+
+def ptxas_report(ptx: str, ptxas: str) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+        path = f.name
+    res = subprocess.run(
+        [ptxas, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    log = (res.stdout + res.stderr).replace(path, "kernel.ptx")
+
+    def grab(pattern: str) -> int | None:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else None
+
+    return {
+        "registers": grab(r"Used (\d+) registers"),
+        "spill_stores": grab(r"(\d+) bytes spill stores"),
+        "spill_loads": grab(r"(\d+) bytes spill loads"),
+        "stack_bytes": grab(r"(\d+) bytes stack frame"),
+        "ptxas_ok": res.returncode == 0,
+        "ptxas_log": log.strip()[-2000:],
+    }
+
+
+def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
+    import triton
+    import triton.language as tl
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import MockTensor, mangle_type
+
+    d, bn, heads = cfg["head_dim"], cfg["block_n"], 8
+
+    def desc(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        base = MockTensor(tl.bfloat16, shape=[4096, heads * d])
+        return mangle_type(
+            TensorDescriptor(base, [4096, heads * d], [heads * d, 1], [rows, d], layout)
+        )
+
+    fn = mod.jagged_fwd_kernel
+    signature = {
+        "q_desc": desc(WG_ROWS), "k_desc": desc(bn), "v_desc": desc(bn), "o_desc": desc(WG_ROWS),
+        "O": "*bf16", "LSE": "*fp32", "meta": "*i32", "total_ptr": "*i32",
+        "stride_ot": "i32", "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32",
+    }  # fmt: skip
+    constexprs = {
+        "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
+        "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
+        "PINGPONG": cfg["pingpong"],
+    }  # fmt: skip
+    for name in constexprs:
+        signature[name] = "constexpr"
+    # what the JIT would specialise for 16-aligned pointers and strides
+    attrs = {
+        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in ("O", "LSE", "meta", "total_ptr", "stride_ot")
+    }
+    src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG}
+    )
+    seconds = time.perf_counter() - t0
+    ptx = kernel.asm["ptx"]
+    report = {
+        "compile_s": round(seconds, 2),
+        "shared_bytes": kernel.metadata.shared,
+        "shared_fits": kernel.metadata.shared <= SMEM_LIMIT,
+        "maxnreg": MAXNREG,
+        "threads": int(m.group(1)) if (m := re.search(r"\.reqntid (\d+)", ptx)) else None,
+        "setmaxnreg": sorted(
+            set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+        ),
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
+        "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
+        **ptxas_report(ptx, knobs.nvidia.ptxas.path),
+    }
+    if dump is not None:
+        name = "fwd_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}_n{block_n}".format(
+            **cfg
+        )
+        dump.mkdir(parents=True, exist_ok=True)
+        for ext in ("ttgir", "llir", "ptx"):
+            (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
+        (dump / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the reports as JSON here")
+    ap.add_argument("--dump", type=Path, default=None, help="write TTGIR/LLIR/PTX/cubin here")
+    args = ap.parse_args()
+    # compile for real every time (the reported compile times must not be cache hits)
+    os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")
+    import triton
+
+    print(f"triton {triton.__version__}, target cuda sm_90 (compile only, no device)")
+    mod = load_kernel_module()
+    rows, failed = [], 0
+    for cfg in configs():
+        label = "D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} BN={block_n}".format(
+            **cfg
+        )
+        try:
+            rep = compile_one(mod, cfg, args.dump)
+            ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
+            failed += not ok
+            print(
+                f"{'ok  ' if ok else 'WARN'} {label}: regs {rep['registers']}/{rep['maxnreg']} "
+                f"setmaxnreg {rep['setmaxnreg']} spills {rep['spill_stores']}/{rep['spill_loads']} B "
+                f"smem {rep['shared_bytes']} B threads {rep['threads']} wgmma {rep['wgmma']} "
+                f"({rep['compile_s']} s)"
+            )
+        except Exception as e:  # report every failure, keep going
+            failed += 1
+            rep = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            print(f"FAIL {label}: {rep['error'][:2000]}")
+        rows.append({"config": cfg, **rep})
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"triton": triton.__version__, "target": "cuda:90", "results": rows}
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

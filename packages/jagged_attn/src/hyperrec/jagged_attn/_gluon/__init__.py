@@ -1,0 +1,51 @@
+"""Warp-specialised Hopper forward of jagged attention, written in Gluon (experimental).
+
+A FlashAttention-3-style forward for sm_90 written with ``triton.experimental.gluon``
+(Triton 3.6's API): a producer warp streams K/V tiles through TMA into a multi-stage
+shared-memory ring guarded by mbarriers, two consumer warpgroups run ``warpgroup_mma`` and
+the softmax with intra-warpgroup overlap (softmax of tile ``j`` while the tensor cores
+compute ``Q K_{j+1}^T`` and ``P_{j-1} V_{j-1}``) and optionally ping-pong their GEMM
+issue, over a persistent, cost-sorted schedule of jagged (query tile, head) work items.
+The output leaves through TMA stores (masked stores for a sequence's last partial tile),
+with an fp32 base-2 LSE.
+
+Status: compiled ahead of time for sm_90 on a CPU machine (``bench/compile_gluon.py``);
+its numerics and speed are checked on the GPU only (``tests/test_gluon_forward.py``,
+``bench/bench_gluon.py``): Gluon has no CPU interpreter. Not yet wired into the
+package's dispatcher.
+
+Importing this subpackage imports neither Triton nor the kernel.
+
+* :func:`jagged_attention_fwd_gluon`: ``(out, lse)`` for softmax (causal or not) or
+  GDPA-SiLU, bf16/fp16, head dim 64 or 128.
+* :class:`GluonConfig`, :func:`default_config`, :func:`shared_memory_bytes`.
+* :func:`gluon_supported`, :func:`unsupported_reason`: capability probes.
+"""
+
+from __future__ import annotations
+
+from hyperrec.jagged_attn._gluon._launch import (
+    ACTIVATIONS,
+    NORMALIZATIONS,
+    GluonConfig,
+    default_config,
+    jagged_attention_fwd_gluon,
+    shared_memory_bytes,
+)
+from hyperrec.jagged_attn._gluon._probe import (
+    SUPPORTED_TRITON,
+    gluon_supported,
+    unsupported_reason,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "NORMALIZATIONS",
+    "SUPPORTED_TRITON",
+    "GluonConfig",
+    "default_config",
+    "gluon_supported",
+    "jagged_attention_fwd_gluon",
+    "shared_memory_bytes",
+    "unsupported_reason",
+]

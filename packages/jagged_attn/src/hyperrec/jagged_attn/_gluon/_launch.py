@@ -1,0 +1,310 @@
+"""Host side of the Gluon forward: validation, the tile table, descriptors, the launch.
+
+Nothing here reads a device value: the offsets' *values* are trusted (validate them with
+the public API's ``validate=True`` path or your own checks); shapes, dtypes, strides and
+the device are checked and give ``TypeError``/``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hyperrec.jagged_attn._gluon._probe import gluon_supported, unsupported_reason
+from hyperrec.jagged_attn._gluon._schedule import tile_table, upper_bound
+
+__all__ = [
+    "ACTIVATIONS",
+    "NORMALIZATIONS",
+    "GluonConfig",
+    "default_config",
+    "jagged_attention_fwd_gluon",
+    "shared_memory_bytes",
+]
+
+#: Activations of the Gluon forward: softmax attention, or GDPA/HSTU's SiLU.
+ACTIVATIONS: tuple[str, ...] = ("softmax", "silu")
+#: ``normalization=`` values (SiLU only): none, or HSTU's ``1 / max_seqlen_kv``.
+NORMALIZATIONS: tuple[str, ...] = ("none", "max_seqlen")
+
+Activation = Literal["softmax", "silu"]
+Normalization = Literal["none", "max_seqlen"]
+
+# Query rows of one work item: two consumer warpgroups of 64 rows each.
+BLOCK_M = 128
+_WG_ROWS = 64
+# Register cap of the whole kernel: 12 warps (2 consumer warpgroups + the producer warp's
+# group) x 32 threads x 168 fills the 64K-register file of one SM; the partitions then
+# re-balance it with setmaxnreg (consumers 240, producer 24).
+_MAXNREG = 168
+# Hopper: 227 KiB of shared memory per block, minus what Triton reserves for barriers.
+_SMEM_LIMIT = 232448 - 1024
+_HEAD_DIMS = (64, 128)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GluonConfig:
+    """Tile and pipeline parameters of the Gluon forward."""
+
+    block_n: int = 128
+    """Key rows per K/V tile (64 or 128)."""
+    num_stages: int = 2
+    """Depth of the shared-memory K/V ring (each stage holds one K and one V tile)."""
+    pingpong: bool = True
+    """Make the two consumer warpgroups take turns issuing their GEMMs, so one
+    warpgroup's softmax overlaps the other's GEMMs (FlashAttention-3's inter-warpgroup
+    schedule). Off: both issue as soon as their data is ready."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not isinstance(self.pingpong, bool):
+            raise TypeError(f"pingpong must be a bool, got {type(self.pingpong).__name__}")
+
+
+def default_config(head_dim: int) -> GluonConfig:
+    """The configuration used when none is given (2 stages fill SMEM at head dim 128)."""
+    return GluonConfig(block_n=128, num_stages=2 if head_dim > 64 else 3)
+
+
+def shared_memory_bytes(head_dim: int, config: GluonConfig, element_size: int = 2) -> int:
+    """Shared memory of one CTA: Q and O tiles of both warpgroups plus the K/V ring."""
+    q_and_o = 2 * 2 * _WG_ROWS * head_dim * element_size
+    ring = 2 * config.num_stages * config.block_n * head_dim * element_size
+    return q_and_o + ring
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_tma_rows(name: str, t: torch.Tensor) -> None:
+    """(tokens, H, D) readable as a 2-D (tokens, H * D) tensor descriptor."""
+    item = t.element_size()
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        raise ValueError(
+            f"{name} must have contiguous, packed heads (stride(1) == head_dim, stride(2) == 1), "
+            f"got strides {tuple(t.stride())}; pass {name}.contiguous()"
+        )
+    if t.data_ptr() % 16 or (t.stride(0) * item) % 16:
+        raise ValueError(
+            f"{name} must start at a 16-byte aligned address with 16-byte aligned rows "
+            f"(TMA), got address {t.data_ptr()} and row stride {t.stride(0)}"
+        )
+
+
+def _check_offsets(name: str, t: object, device: torch.device) -> torch.Tensor:
+    t = _check_tensor(name, t)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != 1 or t.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    return t
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def jagged_attention_fwd_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    kv_offsets: torch.Tensor | None = None,
+    max_seqlen_kv: int | None = None,
+    activation: Activation = "softmax",
+    output_scale: float = 1.0,
+    normalization: Normalization = "none",
+    config: GluonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of jagged attention with the warp-specialised Hopper kernel.
+
+    ``o_i = output_scale * sum_j w_ij v_j`` over the keys ``j`` of query ``i``'s sequence
+    that the mask allows, with ``w = softmax_j(scale * q_i.k_j)`` (``activation="softmax"``)
+    or ``w = silu(scale * q_i.k_j) * norm`` (``"silu"``: GDPA; HSTU with
+    ``normalization="max_seqlen"``, ``norm = 1 / max_seqlen_kv``).
+
+    Args:
+        q: ``(Tq, H, D)`` bfloat16/float16 on an sm_90 GPU, ``D`` in {64, 128}, heads packed
+            (``stride(1) == D``), 16-byte aligned.
+        k, v: ``(Tk, H, D)``, same dtype, device and layout rules. ``Tk == Tq`` without
+            ``kv_offsets``.
+        offsets: ``(B + 1,)`` int32/int64 query offsets (also the key offsets unless
+            ``kv_offsets`` is given); values are not checked (no host sync).
+        max_seqlen: int >= the longest query sequence (HSTU's divisor without
+            ``max_seqlen_kv``).
+        causal: key ``j`` visible to query ``i`` iff ``j <= i + Lk - Lq`` (bottom-right).
+        scale: score multiplier; default ``1 / sqrt(D)``.
+        kv_offsets: ``(B + 1,)`` key/value offsets when key lengths differ from query
+            lengths; ``max_seqlen_kv`` is then its maximum length.
+        activation: ``"softmax"`` or ``"silu"``.
+        output_scale: multiplies the output.
+        normalization: ``"none"`` or ``"max_seqlen"`` (SiLU only).
+        config: tile/pipeline parameters; default :func:`default_config`.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(Tq, H, D)`` in ``q.dtype``; ``lse`` ``(H, Tq)`` float32,
+        the base-2 log-sum-exp of ``log2(e) * scale * q_i.k_j`` over each row's allowed
+        keys (``+inf`` for a row with none, whose output is 0): the convention of the
+        package's Triton backward. SiLU returns an empty ``lse``.
+
+    Raises:
+        TypeError: non-tensors, unsupported dtypes, non-int/float/bool/str arguments.
+        ValueError: shapes, head dims or layouts the kernel does not take, tensors on
+            different devices, a non-Hopper device or a Triton without the Gluon API this
+            kernel was written for, an unknown activation/normalization, a configuration
+            that does not fit in shared memory.
+    """
+    q, k, v = (_check_tensor(n, t) for n, t in (("q", q), ("k", k), ("v", v)))
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be bfloat16 or float16, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (tokens, heads, head_dim), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    total_q, n_heads, head_dim = q.shape
+    if head_dim not in _HEAD_DIMS:
+        raise ValueError(f"q.shape[2] (head_dim) must be one of {_HEAD_DIMS}, got {head_dim}")
+    if k.shape[1:] != q.shape[1:] or v.shape[1:] != q.shape[1:] or k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"k and v must be (Tk, {n_heads}, {head_dim}) like q, got {tuple(k.shape)} and "
+            f"{tuple(v.shape)}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if activation == "softmax" and normalization != "none":
+        raise ValueError(f"normalization must be 'none' with softmax, got {normalization!r}")
+    max_seqlen = _check_int("max_seqlen", max_seqlen, 0)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else _check_float("scale", scale)
+    output_scale = _check_float("output_scale", output_scale)
+    offsets = _check_offsets("offsets", offsets, q.device)
+    if kv_offsets is None:
+        if max_seqlen_kv is not None:
+            raise ValueError("max_seqlen_kv is only meaningful together with kv_offsets")
+        if k.shape[0] != total_q:
+            raise ValueError(
+                f"without kv_offsets, k.shape[0] must equal q.shape[0] = {total_q}, "
+                f"got {k.shape[0]}"
+            )
+        kv_offsets, max_seqlen_kv = offsets, max_seqlen
+    else:
+        kv_offsets = _check_offsets("kv_offsets", kv_offsets, q.device)
+        if kv_offsets.numel() != offsets.numel():
+            raise ValueError(
+                f"kv_offsets must have {offsets.numel()} entries like offsets, "
+                f"got {kv_offsets.numel()}"
+            )
+        if max_seqlen_kv is None:
+            raise ValueError("max_seqlen_kv is required when kv_offsets is given")
+        max_seqlen_kv = _check_int("max_seqlen_kv", max_seqlen_kv, 0)
+    config = default_config(head_dim) if config is None else config
+    if not isinstance(config, GluonConfig):
+        raise TypeError(f"config must be a GluonConfig, got {type(config).__name__}")
+    smem = shared_memory_bytes(head_dim, config, q.element_size())
+    if smem > _SMEM_LIMIT:
+        raise ValueError(
+            f"config needs {smem} bytes of shared memory at head_dim {head_dim}, more than "
+            f"the {_SMEM_LIMIT} available; lower num_stages or block_n"
+        )
+    if not gluon_supported(q.device):
+        raise ValueError(
+            f"q must be on an sm_90 GPU with Triton 3.6 Gluon: {unsupported_reason(q.device)}"
+        )
+
+    softmax = activation == "softmax"
+    out = torch.empty_like(q)
+    lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
+    n_seq = offsets.numel() - 1
+    if total_q == 0 or n_seq == 0:
+        return out, lse
+    if k.shape[0] == 0:  # every key sequence is empty: no query sees a key
+        out.zero_()
+        lse.fill_(math.inf)
+        return out, lse
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        _check_tma_rows(name, t)
+
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hyperrec.jagged_attn._gluon._kernel import jagged_fwd_kernel
+
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+        return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
+                                strides=[t.stride(0), 1], block_shape=[rows, head_dim],
+                                layout=layout)  # fmt: skip
+
+    meta, total = tile_table(offsets, kv_offsets, BLOCK_M, causal, total_q)
+    if softmax:
+        qk_scale = scale * math.log2(math.e)  # the kernel's exp2 works in base 2
+        coef = output_scale
+        lse_arg = lse
+    else:
+        qk_scale = scale
+        coef = (
+            output_scale / max(max_seqlen_kv, 1) if normalization == "max_seqlen" else output_scale
+        )
+        lse_arg = torch.empty(1, dtype=torch.float32, device=q.device)  # never written
+    work = upper_bound(total_q, n_seq, BLOCK_M) * n_heads
+    grid = (max(1, min(work, _num_sms(q.device))),)
+    jagged_fwd_kernel[grid](
+        desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n), desc(out, _WG_ROWS),
+        out, lse_arg, meta, total, out.stride(0), total_q, qk_scale, coef,
+        H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
+        CAUSAL=causal, ACT=0 if softmax else 1, SCALE_IN_EXP=softmax and scale > 0,
+        PINGPONG=config.pingpong,
+        num_warps=4, maxnreg=_MAXNREG,
+    )  # fmt: skip
+    return out, lse
