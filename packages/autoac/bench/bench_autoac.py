@@ -24,7 +24,16 @@ Strategies, per model (each a point: measured peak, step time):
 * ``autoac_quant@b``: the same with packed saved activations allowed (MXFP8, FP8, MX4
   where the measured gradient error is within the bound).
 * ``autoac_compiled@b``: autoac's keep/recompute plan applied under ``torch.compile``
-  of each layer (``--full`` budget only).
+  of each layer (full run only: each distinct layer plan is its own compile).
+* ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
+  ``torch_budget@0.5``): the matched-budget comparison.
+* ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
+  gradient-error bound: the activation memory quantized saves alone remove
+  (``activation_reduction_vs_no_ac``: no AC's peak above its start over this one's).
+
+The profiled ends of autoac's model are checked against the measured baselines of the
+same run: if the predicted no-AC or full-recompute peak is off by more than 10%, the
+model's ``autoac.checks`` and the top-level ``WARNINGS`` say so (and the log shouts).
 
 Budgets ``b`` are spread between the measured peaks of ``full_ac`` and ``no_ac``.
 Every timed step uses one of several freshly built input batches; times are the
@@ -418,19 +427,21 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             log(f"  {method:<24} {res.get('error')}")
         return res
 
-    def budget_point(f: float) -> None:
+    def budget_point(f: float) -> dict | None:
         name = "compiled_no_ac" if f == 1.0 else f"torch_budget@{f:g}"
-        point(name, lambda: torch_budget(case.model, f, backend), need_s=COMPILE_S, fraction=f)
+        return point(
+            name, lambda: torch_budget(case.model, f, backend), need_s=COMPILE_S, fraction=f
+        )
 
     noac = point("no_ac", None)
     full = point("full_ac", lambda: full_ac(case.model))
-    point("op_sac", lambda: op_sac(case.model))
+    osac = point("op_sac", lambda: op_sac(case.model))
     if noac is None or full is None or "peak_bytes" not in noac or "peak_bytes" not in full:
         return {"points": rows, "error": "baselines failed"}
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
     # The strongest peer first: a compile takes ~20-40 s, and the deadline cuts from
     # the end (autoac's eager points take ~1 s each after the profile).
-    budget_point(0.5)
+    tb = budget_point(0.5)
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
@@ -477,14 +488,24 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     )
     plans: dict[str, Any] = {}
 
-    def autoac_point(kind: str, f: float) -> None:
+    def autoac_point(kind: str, f: float, matched: dict | None = None) -> None:
+        """``f``: budget as a fraction of the way from full AC's to no AC's measured
+        peak; ``matched``: a peer's point whose measured peak is the budget instead."""
+        name = f"{kind}@{f:g}"
+        extra: dict[str, Any] = {}
+        if matched is not None:
+            if "peak_bytes" not in matched:
+                return
+            f = min(max((matched["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
+            name = f"{kind}@{matched['method']}"
+            extra["matched"] = matched["method"]
         b = lo + f * (hi - lo)
         b_eff = max(b, free.floor)
         t1 = time.monotonic()
         fm = () if kind == "autoac" else None
         p = autoac.plan(prof, budget=b_eff, config=autoac.PlanConfig(formats=fm))
         plan_s = time.monotonic() - t1
-        plans[f"{kind}@{f:g}"] = p.to_dict()
+        plans[name] = p.to_dict()
         handle: list = []
 
         def setup():
@@ -492,8 +513,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return lambda: handle.pop().remove()
 
         point(
-            f"{kind}@{f:g}",
+            name,
             setup,
+            **extra,
             budget_fraction=f,
             budget_bytes=int(b),
             budget_used=int(b_eff),
@@ -534,10 +556,42 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             predicted_added_ms=p.added_s * 1e3,
         )
 
+    def pack_all_point() -> None:
+        """Memory of quantized saves: nothing checkpointed, every saved tensor whose
+        class passed the gradient-error bound packed (the planner's choice aside)."""
+        p = pack_all_plan(prof, free, formats[0])
+        if p is None:
+            rows.append({"method": "pack_all", "skipped": "no packable saved tensor"})
+            return
+        plans["pack_all"] = p.to_dict()
+        handle: list = []
+
+        def setup():
+            handle.append(autoac.apply_plan(case.model, p))
+            return lambda: handle.pop().remove()
+
+        res = point(
+            "pack_all",
+            setup,
+            format=formats[0],
+            packed_ops=sum(map(len, (r.saves for r in p.regions))),
+        )
+        if res is not None and "peak_bytes" in res:
+            # Activation memory: the step's peak above what was allocated before it.
+            act_noac = noac["peak_bytes"] - noac["start_bytes"]
+            act = res["peak_bytes"] - res["start_bytes"]
+            res["activation_bytes"] = act
+            res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
+
     # Most informative points first: the deadline cuts from the end.
-    for f in (0.0, 0.5):
-        autoac_point("autoac", f)
-        autoac_point("autoac_quant", f)
+    autoac_point("autoac", 0.0)
+    autoac_point("autoac_quant", 0.0)
+    autoac_point("autoac", 0.0, matched=tb)
+    autoac_point("autoac", 0.5)
+    autoac_point("autoac_quant", 0.5)
+    if prof.pack_errors:
+        pack_all_point()
+    autoac_point("autoac", 0.0, matched=osac)
     if not args.quick:
         budget_point(1.0)
         budget_point(0.0)
@@ -547,6 +601,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         budget_point(0.25)
         budget_point(0.75)
         autoac_compiled_point(0.5)
+        if tb is not None and "peak_bytes" in tb:
+            autoac_compiled_point(min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0))
     for r in rows:  # ratios against the eager baselines of the same run
         if "time_ms_median" in r:
             r["speedup_vs_full_ac"] = full["time_ms_median"] / r["time_ms_median"]
@@ -555,6 +611,20 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 r["peak_bytes"] / r["budget_used"] if r.get("budget_used") else None
             )
     return {"points": rows, "autoac": info, "plans": plans}
+
+
+def pack_all_plan(prof: Any, free: Any, fmt: str) -> Any:
+    """``free`` (nothing checkpointed) with every saved tensor packed in ``fmt`` where
+    the profile allows ``fmt`` for it; ``None`` if there is none."""
+    import dataclasses
+
+    regions = []
+    for rp, r in zip(prof.regions, free.regions):
+        saves = {o.key: fmt for o in rp.ops if o.needed and fmt in o.formats}
+        regions.append(dataclasses.replace(r, mode="none", saves=saves))
+    if not any(r.saves for r in regions):
+        return None
+    return dataclasses.replace(free, regions=tuple(regions), predicted_peak=-1)
 
 
 def _model_checks(free: Any, prof: Any, lo: int, hi: int) -> dict[str, Any]:
