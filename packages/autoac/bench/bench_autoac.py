@@ -530,7 +530,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             modes=[r.mode for r in p.regions],
         )
 
-    def autoac_compiled_point(f: float) -> None:
+    def autoac_compiled_point(f: float, matched: str | None = None) -> None:
         b = max(lo + f * (hi - lo), free.floor)
         p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=()))
         handle: list = []
@@ -548,9 +548,10 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return undo
 
         point(
-            f"autoac_compiled@{f:g}",
+            f"autoac_compiled@{matched or f'{f:g}'}",
             setup,
             need_s=COMPILE_S,
+            **({"matched": matched} if matched else {}),
             budget_fraction=f,
             budget_bytes=int(b),
             predicted_peak=p.predicted_peak,
@@ -603,7 +604,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         budget_point(0.75)
         autoac_compiled_point(0.5)
         if tb is not None and "peak_bytes" in tb:
-            autoac_compiled_point(min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0))
+            f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
+            autoac_compiled_point(f_tb, matched=tb["method"])
     for r in rows:  # ratios against the eager baselines of the same run
         if "time_ms_median" in r:
             r["speedup_vs_full_ac"] = full["time_ms_median"] / r["time_ms_median"]
