@@ -652,6 +652,22 @@ class GEMModel(nn.Module):
             mlp_precision=t.mlp_precision,
         )
 
+    def set_impl(self, impl: str) -> None:
+        """Switch every attention of the model to ``impl`` ("hyperrec" or "naive") in place.
+
+        Both paths compute the same function with the same parameters (tested), so this
+        changes speed and memory only; the ablation evaluates every row, the naive one
+        included, with the same (jagged) evaluation code this way.
+
+        Raises:
+            ValueError: an unknown ``impl``.
+        """
+        _check_choice("impl", impl, IMPLS)
+        self.impl = impl
+        for m in self.modules():
+            if isinstance(m, SequenceBlock | PMAPooling | CandidateAttention):
+                m.impl = impl
+
     def reset_parameters(self) -> None:
         """Small-normal embeddings (std 1/sqrt(table width)), table by table in
         :data:`TABLES` order for either layout; PyTorch defaults elsewhere."""
