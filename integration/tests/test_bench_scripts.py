@@ -144,3 +144,39 @@ def test_profile_categories(name, category):
 def test_busy_time_is_the_union_of_intervals():
     assert profile_step._union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
     assert profile_step._union_us([]) == 0
+
+
+def test_profile_summary_skips_annotations_and_names_blocking_call_sites():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None):
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start, end=end),
+            device_type=device,
+            is_user_annotation=annotation,
+            cpu_parent=parent,
+        )
+
+    bench = ev("triton/testing.py(120): do_bench", 0, 0, device=DeviceType.CPU)
+    events = [
+        ev("_mm_fixup_kernel", 0, 100),
+        ev("FillFunctor<int>", 100, 110),
+        ev("FillFunctor<int>", 120, 130),
+        ev("Optimizer.step#AdamW.step", 0, 1000, annotation=True),  # spans the rest
+        ev("cudaDeviceSynchronize", 0, 1, device=DeviceType.CPU, parent=bench),
+        ev("cudaDeviceSynchronize", 2, 3, device=DeviceType.CPU),
+        ev("cudaEventSynchronize", 4, 5, device=DeviceType.CPU),
+    ]
+    out = profile_step._summarize(SimpleNamespace(events=lambda: events), cuda=True)
+    assert out["gpu"]["window_ms"] == 0.13 and out["gpu"]["kernel_launches"] == 3
+    assert sum(c["ms"] for c in out["time_by_category"].values()) == pytest.approx(0.12)
+    fills = next(k for k in out["top_kernels"] if k["name"] == "FillFunctor<int>")
+    assert fills["launches"] == 2
+    assert out["runtime_blocking_calls"]["cudaDeviceSynchronize"] == 2
+    assert out["blocking_call_sites"]["cudaDeviceSynchronize"] == {
+        "triton/testing.py(120): do_bench": 1,
+        "(no enclosing op: a direct runtime call)": 1,
+    }
