@@ -93,15 +93,19 @@ ROWS = (
             "train.fused_embeddings=false",
             "train.compile=off",
             "train.optimizer_impl=foreach",
+            "train.mesh=flat",
+            "train.sparse=dense",
+            "train.embedding_optimizer=auto",
+            "train.activation_checkpointing=off",
         ),
     ),
     Row("+ jagged kernels", "hyperrec.jagged_attn on unpadded tokens", ("train.impl=hyperrec",)),
     Row("+ BBS", "Base Batch Shuffling, window of 8 steps", ("train.window_steps=8",)),
     Row("+ MXFP8 MLPs", "MXLinear (128-blocks) on the wide MLP layers", ("train.mlp_precision=mxfp8",)),
-    Row("+ hyperrec fully_shard", "zero-copy fully_shard on the 5-D mesh instead of FSDP2", ("train.sharding=hyperrec",)),
+    Row("+ hyperrec fully_shard", "zero-copy fully_shard on the 5-D mesh instead of FSDP2", ("train.sharding=hyperrec", "train.mesh=5d")),
     Row("+ autoac", "per-layer activation checkpointing planned within the GPU's memory", ("train.activation_checkpointing=autoac",)),
     Row("+ FP8 attention", "FP8 jagged attention kernels", ("train.attention_precision=fp8",)),
-    Row("+ sharded embeddings", "ShardedEmbeddingCollection + row-wise Adagrad on the big tables", ("train.embedding_optimizer=sparse",)),
+    Row("+ sharded embeddings", "ShardedEmbeddingCollection + row-wise Adagrad on the big tables", ("train.sparse=sharded",)),
     Row(
         "all",
         "every available technique + fused lookup, compiled small ops, fused AdamW",
@@ -389,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.smoke:
         # CPU: no Inductor build (minutes on a CPU; the graph capture still runs); autoac
         # needs an explicit budget off a GPU.
-        common += ["train.data_workers=1", "train.cpu_threads=1"]
+        common += ["train.data_workers=1", "train.cpu_threads=1", "train.ac_budget_gb=1"]
     common += list(args.set)
     preset = get_preset(preset_name)
     preset_batch = preset.train.global_batch_size
