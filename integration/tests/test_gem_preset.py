@@ -46,6 +46,25 @@ def test_gem_fits_one_h200_with_its_batch():
     assert worst < 0.95 * H200_BYTES, worst / 1e9
 
 
+def test_sharded_tables_shrink_the_state_estimate():
+    """Sharded tables keep fp32 rows and one float of row-wise state per row: 4 bytes
+    per element instead of AdamW's 16 (weights, gradients, two moments)."""
+    p = get_preset("gem")
+    dense, sharded = estimate_memory(p), estimate_memory(p, tables="sharded")
+    m, d = p.model, p.data
+    rows = d.num_items + d.num_topics + m.user_hash_size + d.num_topics
+    elements = rows * m.table_dim
+    assert sharded.parameters == dense.parameters
+    want = dense.weights_grads_optimizer - 16 * elements + 4 * elements + 4 * rows
+    assert sharded.weights_grads_optimizer == want
+    assert sharded.weights_grads_optimizer < 0.3 * dense.weights_grads_optimizer
+    assert sharded.activations == dense.activations
+    half = estimate_memory(p, tables="sharded", world_size=2)
+    assert half.weights_grads_optimizer == want // 2
+    with pytest.raises(ValueError, match="tables must be one of"):
+        estimate_memory(p, tables="hashed")
+
+
 def _saved_bytes(model, batch):
     storages = {}
 

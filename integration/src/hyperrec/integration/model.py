@@ -1086,7 +1086,11 @@ def activation_bytes_per_token(
 
 
 def estimate_memory(
-    preset: Preset, *, world_size: int = 1, sample_requests: int = 65536
+    preset: Preset,
+    *,
+    world_size: int = 1,
+    sample_requests: int = 65536,
+    tables: str = "dense",
 ) -> MemoryEstimate:
     """Estimate the training memory of ``preset`` per rank, without allocating it.
 
@@ -1094,10 +1098,16 @@ def estimate_memory(
     are :func:`activation_bytes_per_token` times the expected history tokens of a step
     (the mean of the data's length law over ``sample_requests`` requests, times the
     per-rank batch); the candidate-side tower (a few thousand rows) is ignored. Covers
-    the hyperrec path; the naive path adds its padded copies. The state is not sharded
-    (one device); weights, gradients and optimizer state divide by ``world_size`` under
-    FSDP.
+    the hyperrec path; the naive path adds its padded copies. Weights, gradients and
+    optimizer state divide by ``world_size`` under FSDP. ``tables="sharded"``: the item,
+    category, user and tag tables hold their fp32 rows and one float of row-wise
+    Adagrad state per row (no gradient, no AdamW moments), also divided by
+    ``world_size``; the lookups' transient rows are not counted.
+
+    Raises:
+        ValueError: ``tables`` not "dense" or "sharded".
     """
+    _check_choice("tables", tables, ("dense", "sharded"))
     from hyperrec.integration.data import TRAIN, SyntheticRecsysData
 
     with torch.device("meta"):
@@ -1111,15 +1121,22 @@ def estimate_memory(
     per_token = activation_bytes_per_token(
         preset.model, element_bytes=2, fused_embeddings=preset.train.fused_embeddings
     )
+    state = 16 * params
+    if tables == "sharded":
+        rows = _table_rows(preset.model, preset.data)
+        sharded_rows = sum(rows[name] for name in SHARDED_TABLES)
+        sharded = sharded_rows * preset.model.table_dim
+        state += -16 * sharded + 4 * sharded + 4 * sharded_rows
+        emb -= sharded  # AdamW's table group keeps the two small dense tables only
     # The optimizer groups: embeddings, matrices, vectors; foreach scratch is per group.
-    largest_group = max(emb, params - emb)
+    largest_group = max(emb, params - emb if tables == "dense" else params - emb - sharded)
     temporaries = 4 * largest_group // world_size if preset.train.optimizer_impl == "foreach" else 0
     return MemoryEstimate(
         parameters=params,
-        embedding_parameters=emb,
+        embedding_parameters=emb if tables == "dense" else emb + sharded,
         mean_history_len=mean_len,
         tokens_per_step=tokens,
-        weights_grads_optimizer=16 * params // world_size,
+        weights_grads_optimizer=state // world_size,
         optimizer_temporaries=temporaries,
         activations=int(tokens * per_token),
         activation_bytes_per_token=per_token,
