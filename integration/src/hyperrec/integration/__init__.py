@@ -8,8 +8,10 @@
 - Model: :class:`GEMModel` (embeddings, HSTU-style GDPA/block-attention tower, PMA,
   candidate cross attention, DCN-v2, CTR/CVR heads with ESMM).
 - Training: :class:`Trainer` (BBS batching, ``hyperrec.parallel5d.fully_shard`` or FSDP2
-  under torchrun, DCP checkpoints with exact resume, eval against popularity and ground
-  truth); CLI ``hyperrec-train``.
+  on ``hyperrec.parallel5d``'s 5-D mesh (:func:`build_mesh`) under torchrun, sharded
+  embedding tables with lazy row optimizers (:func:`sharded_tables`), ``hyperrec.autoac``
+  per sequence layer, DCP checkpoints with exact resume, eval against popularity and
+  ground truth); CLI ``hyperrec-train``.
 - Metrics: :func:`auc`, :func:`normalized_entropy`, :func:`calibration`; MFU from
   :func:`model_flops` (analytic FLOPs of a step's jagged lengths).
 - Speed: ``TrainConfig.impl="naive"`` (the padded-PyTorch baseline), fused table lookup,
@@ -29,11 +31,11 @@ from hyperrec.integration.config import (
     override,
 )
 from hyperrec.integration.data import EVAL, TRAIN, Batch, SyntheticRecsysData
-from hyperrec.integration.distributed import init_distributed, parallelize
+from hyperrec.integration.distributed import build_mesh, init_distributed, parallelize
 from hyperrec.integration.flops import FlopCount, model_flops, peak_tflops
 from hyperrec.integration.loader import StepLoader
 from hyperrec.integration.metrics import auc, calibration, log_loss, normalized_entropy
-from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory
+from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory, sharded_tables
 from hyperrec.integration.pipeline import TrainStream
 from hyperrec.integration.trainer import RunResult, StepRecord, Trainer
 
@@ -57,6 +59,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "auc",
+    "build_mesh",
     "calibration",
     "esmm_loss",
     "estimate_memory",
@@ -68,4 +71,5 @@ __all__ = [
     "override",
     "parallelize",
     "peak_tflops",
+    "sharded_tables",
 ]

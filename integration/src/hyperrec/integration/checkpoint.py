@@ -4,7 +4,10 @@ A checkpoint is one DCP directory ``<run>/checkpoints/step_<N>/`` holding:
 
 - ``model`` / ``optim``: from :func:`torch.distributed.checkpoint.state_dict.get_state_dict`,
   so plain modules and FSDP2-sharded ones (DTensor parameters) save the same way and
-  every rank writes only its own shards;
+  every rank writes only its own shards (``optim``: one optimizer or several);
+- ``extra``: other stateful objects by name (e.g. the sharded tables' optimizer, whose
+  states are sharded DTensors but not of any parameter), each its ``state_dict()``,
+  loaded in place and handed back to its ``load_state_dict``;
 - ``meta``: one small object common to all ranks (step, world size, metric history);
 - ``rank<r>``: what differs per rank: the data pipeline's state (the BBS window, the
   reader position), the RNG states (dropout), the popularity counts, the training-AUC
@@ -68,17 +71,20 @@ def save_checkpoint(
     path: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     meta: dict[str, Any],
     rank_state: dict[str, Any],
     rank_tensors: dict[str, torch.Tensor] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint to ``path`` (collective: every rank calls it).
 
     Args:
         path: the checkpoint directory (created).
         model, optimizer: saved through ``get_state_dict`` (sharded DTensors: each rank
-            writes its own pieces, ragged ones through the raggedshard planners).
+            writes its own pieces, ragged ones through the raggedshard planners);
+            ``optimizer`` may be a list.
+        extra: name -> object with ``state_dict()`` / ``load_state_dict()``.
         meta: picklable, identical on every rank; must hold ``"step"``.
         rank_state: picklable state of this rank.
         rank_tensors: this rank's tensors of a shape known before loading.
@@ -100,6 +106,8 @@ def save_checkpoint(
         "meta": pickle.dumps(meta),
         f"rank{_rank()}": {"blob": pickle.dumps(rank_state), "tensors": dict(rank_tensors or {})},
     }
+    if extra:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     # A resumed run re-writes the steps after its checkpoint; their content is identical,
     # so overwriting is intended (DCP warns about it even when asked to).
     writer = dcp.FileSystemWriter(str(path), overwrite=True)
@@ -133,10 +141,11 @@ def load_checkpoint(
     path: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     rank_tensors: dict[str, torch.Tensor] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load ``path`` into ``model``, ``optimizer`` and ``rank_tensors`` (in place).
+    """Load ``path`` into ``model``, ``optimizer``, ``extra`` and ``rank_tensors`` (in place).
 
     Collective under ``torch.distributed``. ``model`` and ``optimizer`` must be built
     (and parallelised) exactly as when saving.
@@ -164,6 +173,8 @@ def load_checkpoint(
         "optim": optim_sd,
         key: {"blob": b"", "tensors": dict(rank_tensors or {})},
     }
+    if extra:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     with _quiet_single_process():
         dcp.load(
             state,
@@ -174,6 +185,8 @@ def load_checkpoint(
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state["extra"][name])
     if rank_tensors:
         for name, t in rank_tensors.items():
             loaded = state[key]["tensors"][name]
