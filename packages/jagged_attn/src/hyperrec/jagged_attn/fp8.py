@@ -11,9 +11,10 @@ float32 accumulation:
   (what a block-scaled ``P @ V`` reduces over), with the element and scale rules of
   ``hyperrec.mxfp8``. Blocks never cross a sequence boundary, so a non-finite value
   reaches only its own sequence.
-* **Optional Hadamard rotation of Q and K** (``hadamard=True``; FlashAttention-3's
-  incoherent processing): both are multiplied by the same randomised Walsh-Hadamard
-  matrix ``H diag(signs)`` along the head dim before quantization. ``H H^T = D I``, so
+* **Hadamard rotation of Q and K** (FlashAttention-3's incoherent processing; on by
+  default for power-of-two head dims, ``hadamard=False`` turns it off): both are
+  multiplied by the same randomised Walsh-Hadamard matrix ``H diag(signs)`` along the head
+  dim before quantization. ``H H^T = D I``, so
   ``Q' K'^T = D Q K^T`` exactly and the kernel divides the scores by ``D``; outliers are
   spread over the head dim, which shrinks the block scales' dynamic range.
 * **P quantized online** in the kernel to E4M3 with one power-of-two scale per query row
@@ -78,6 +79,12 @@ class FP8Config:
     ``precision="mxfp8"`` means. The block fields and ``scale`` apply to ``"fp8"`` only
     (``"mxfp8"`` fixes them to 32-element MX blocks with E8M0 scales); leave them ``None``
     there.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: an unknown ``format`` or ``scale``, a block size not in its list,
+            ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, or a
+            block field or ``scale`` given with ``format="mxfp8"``.
     """
 
     format: str = "fp8"
@@ -94,15 +101,16 @@ class FP8Config:
     scale: str | None = None
     """``"fp8"``: ``"pow2"`` (default; scale ``2**ceil(log2(amax / 448))``, exact to apply)
     or ``"fp32"`` (``amax / 448``)."""
-    hadamard: bool = False
-    """Rotate Q and K by the same randomised Hadamard matrix along the head dim (needs a
-    power-of-two head dim)."""
+    hadamard: bool | None = None
+    """Rotate Q and K by the same randomised Hadamard matrix along the head dim. ``None``
+    (default): on when the q/k head dim is a power of two; ``True`` requires one."""
     hadamard_seed: int = 0
     """Seed of the Hadamard sign vector."""
 
     def __post_init__(self) -> None:
         check_choice("format", self.format, FORMATS)
-        check_bool("hadamard", self.hadamard)
+        if self.hadamard is not None:
+            check_bool("hadamard", self.hadamard)
         check_int("hadamard_seed", self.hadamard_seed, minimum=0)
         fp8 = self.format == "fp8"
         for name in ("block_q", "block_kv", "p_block", "scale"):
@@ -152,6 +160,12 @@ class FP8Config:
         """``"pow2"`` or ``"fp32"`` (MX scales are E8M0 powers of two)."""
         return "pow2" if self.mx or self.scale is None else self.scale
 
+    def rotates(self, head_dim: int) -> bool:
+        """Whether Q and K are rotated for this q/k head dim (``hadamard`` resolved)."""
+        if self.hadamard is None:
+            return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        return self.hadamard
+
     @property
     def v_pad(self) -> int:
         """Column padding of each sequence in the transposed V layout."""
@@ -173,7 +187,7 @@ class FP8Config:
             elif f.name in ("format", "scale"):
                 kw[f.name] = raw
             elif f.name == "hadamard":
-                kw[f.name] = raw == "True"
+                kw[f.name] = raw == "True"  # (None handled above)
             else:
                 kw[f.name] = int(raw)
         return cls(**kw)
@@ -253,7 +267,7 @@ class QuantizedJagged:
     or ``(H, Dv, Tp // 32)`` uint8 (``"mxfp8"``: one E8M0 byte per 32 columns).
 
     The value of an element is ``float(data) * scale`` (``2**(byte - 127)`` for E8M0);
-    with ``hadamard``, Q and K hold the rotated values.
+    when the config rotates, Q and K hold the rotated values.
     """
 
     data: torch.Tensor
@@ -325,8 +339,8 @@ def quantize_qkv(
 
 
 def hadamard_scale(config: FP8Config, head_dim: int) -> float:
-    """Factor the scores of rotated Q, K carry (``D`` for ``hadamard``, else 1)."""
-    return float(head_dim) if config.hadamard else 1.0
+    """Factor the scores of rotated Q, K carry (``D`` when rotated, else 1)."""
+    return float(head_dim) if config.rotates(head_dim) else 1.0
 
 
 #: log2 of the largest P value after scaling (P's tile maximum lands in (220, 440]).

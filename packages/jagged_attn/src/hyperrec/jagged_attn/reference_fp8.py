@@ -2,8 +2,8 @@
 
 Everything the kernels quantize is defined here, in the order they do it:
 
-1. **Hadamard** (optional, Q and K): ``x * signs`` then the unnormalised Walsh-Hadamard
-   transform along the head dim, as float32 butterflies (pairs ``(i, i + h)``,
+1. **Hadamard** (Q and K, when the config rotates): ``x * signs`` then the unnormalised
+   Walsh-Hadamard transform along the head dim, as float32 butterflies (pairs ``(i, i + h)``,
    ``h = 1, 2, 4, ...``, ``(a + b, a - b)``). The kernel runs the same butterflies in the
    same order, so the rotated values agree bit for bit.
 2. **Q/K/V quantization**. ``"fp8"``: per block of ``block`` consecutive tokens of one
@@ -145,7 +145,10 @@ def fp8_block_scales(amax_bits: torch.Tensor, rule: str) -> tuple[torch.Tensor, 
         e = ((ab >> 23) & 0xFF) - 135 + ((ab & 0x7FFFFF) > 0x600000).to(torch.int32)
         scale, inv = _pow2(e), _pow2(-e)
     elif rule == "fp32":
-        scale, inv = a / E4M3_MAX, E4M3_MAX / a
+        # tensor / tensor: PyTorch may turn a division by (or of) a Python scalar into a
+        # multiplication by a reciprocal, which rounds twice.
+        full = torch.full_like(a, E4M3_MAX)
+        scale, inv = a / full, full / a
     else:
         raise ValueError(f"rule must be 'pow2' or 'fp32', got {rule!r}")
     one = torch.ones_like(scale)
@@ -194,7 +197,7 @@ def cols_width(total: int, n_seq: int, pad: int) -> int:
 # --------------------------------------------------------------------------- quantizers
 def _rotate(x: torch.Tensor, config: FP8Config) -> torch.Tensor:
     xf = x.float()
-    if config.hadamard:
+    if config.rotates(x.shape[-1]):
         signs = hadamard_signs(x.shape[-1], config.hadamard_seed).to(x.device)
         xf = fwht(xf * signs)
     return xf

@@ -89,8 +89,12 @@ def _round_e4m3(y):
 def _to_e4m3(y):
     """``y`` (float32, |y| <= 448 or NaN) as E4M3, rounding to nearest-even."""
     if _INTERP:
-        y = _round_e4m3(y)
-    return y.to(tl.float8e4nv)
+        r = _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        r = tl.where(y != y, _NAN_BYTE, r)  # the interpreter does not convert NaN to 0x7F
+        r = r.to(tl.float8e4nv, bitcast=True)
+    else:
+        r = y.to(tl.float8e4nv)
+    return r
 
 
 @triton.jit
@@ -338,13 +342,15 @@ def _fp8_tiles(
                           CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                           HAS_BLOCK, BLOCK_PREV)  # fmt: skip
         if ACT == 0:
-            if MASKED:
-                s = tl.where(ok, s, float("-inf"))
             if FMA:
                 # cr > 0, so max(s) * cr == max(s * cr); the exponent below is one FMA.
+                if MASKED:
+                    s = tl.where(ok, s, float("-inf"))
                 t_max = tl.max(s, 1) * cr
             else:
                 s = s * cr[:, None]
+                if MASKED:
+                    s = tl.where(ok, s, float("-inf"))
                 t_max = tl.max(s, 1)
             m_new = tl.maximum(m_i, t_max)
             if MASKED:
@@ -385,6 +391,9 @@ def _fp8_tiles(
             acc = _mx_dot(_mx_operand(p8, 1.0), tl.trans(vf), acc)
         else:
             acc = tl.dot(p8, tl.trans(vt8), acc)  # FP8 x FP8 -> float32
+            if _INTERP:
+                # The interpreter reads the E4M3 NaN byte as 480; the tensor cores give NaN.
+                acc = tl.where(tl.max((p != p).to(tl.int32), 1)[:, None] > 0, float("nan"), acc)
         k_i = k_new
     return acc, m_i, l_i, k_i, sv_prev
 
@@ -463,6 +472,7 @@ def _fp8_item(
         l_safe = tl.where(has_key, l_i, 1.0)
         o = acc * (unit / l_safe)[:, None]
         lse = tl.where(has_key, m_i + tl.log2(l_safe), float("inf"))
+        lse = tl.where(l_i != l_i, l_i, lse)  # NaN inputs: NaN, so the backward sees them
         tl.store(LSE + h * stride_lh + q_start + offs_m, lse, mask=offs_m < Lq)
     else:
         o = acc * unit[:, None]

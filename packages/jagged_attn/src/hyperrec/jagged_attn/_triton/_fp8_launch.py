@@ -122,7 +122,8 @@ def quantize_qkv(
     kv_seq, kv_idx, kv_tot = q_tile_schedule(ko, ko, None, tile_kv, False, total_kv)
     tiles = max(work_upper_bound(total_q, qo.numel() - 1, tile_q),
                 work_upper_bound(total_kv, n_kv, tile_kv))  # fmt: skip
-    signs = _device_signs(dim, config.hadamard_seed, device) if config.hadamard else qs
+    rotate = config.rotates(dim)
+    signs = _device_signs(dim, config.hadamard_seed, device) if rotate else qs
     # scale strides: rows (T, H[, D/32]) -> (row, head); V MX (H, Dv, Tp/32) -> (d, head)
     vs_strides = (vs.stride(1), vs.stride(0)) if mx else (vs.stride(0), vs.stride(1))
     _fp8_kernels._quant_qkv_kernel[(tiles, heads, 3)](
@@ -134,7 +135,7 @@ def quantize_qkv(
         D=dim, BD=_pow2(dim), DV=dim_v, BDV=_pow2(dim_v),
         TILE_Q=tile_q, GROUP_Q=group_q, TILE_KV=tile_kv, GROUP_KV=group_kv,
         MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=config.scale_rule == "pow2",
-        HADAMARD=config.hadamard, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
+        HADAMARD=rotate, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
         num_warps=4 if tile_q * dim <= 8192 else 8,
     )  # fmt: skip
     return out
