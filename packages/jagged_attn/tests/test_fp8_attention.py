@@ -334,3 +334,88 @@ def test_specification_against_naive_fp8():
         else:
             assert ours["rmse"] < 1.1 * naive["rmse"], (ours, naive)
         assert ours["cosine"] > 0.99 and ours["snr_db"] > 20, ours
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: the shipped configurations at larger shapes (native E4M3 conversions, FP8 MMAs)
+# ----------------------------------------------------------------------------------------
+
+
+def _gpu_lens(n: int, max_len: int, seed: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len + 1, (n,), generator=g)
+    lens[0] = max_len
+    return tuple(lens.tolist())
+
+
+GPU_CONFIGS = [
+    FP8Config(),
+    FP8Config(hadamard=False, scale="fp32", block_q=1),
+    FP8Config(block_kv=64, p_block=64),
+    FP8Config(format="mxfp8"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: c.encode().replace(";", ","))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_softmax(config, causal, head_dim):
+    check(Case(_gpu_lens(20, 1500, head_dim), heads=4, head_dim=head_dim,
+               mask=dict(causal=causal)), config)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS[::3], ids=["fp8", "mxfp8"])
+def test_gpu_gdpa_and_masks(config):
+    lens = _gpu_lens(12, 900, 5)
+    targets = tuple(min(n, 20) for n in lens)
+    spec = dict(activation="silu", normalization="max_seqlen")
+    mask = dict(causal=True, contextual_len=6)
+    check(Case(lens, targets=targets, head_dim=128, spec=spec, mask=mask), config)
+    q_lens = _gpu_lens(64, 40, 3)
+    kv_lens = _gpu_lens(8, 900, 4)
+    check(Case(q_lens, kv_lens=kv_lens, kv_index=tuple(i % 8 for i in range(64)), head_dim=128,
+               spec=dict(activation="softmax")), config)  # fmt: skip
+    check(Case(lens, head_dim=128, mask=dict(block_size=64, block_previous=True)), config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: c.encode().replace(";", ","))
+def test_gpu_quantization_bit_exact(config):
+    """The hardware's E4M3 conversion and the kernel's scale rules against the reference."""
+    lens = _gpu_lens(30, 700, 9)
+    q, k, v, _, qo, ko, _, _, _ = build(Case(lens, heads=4, head_dim=128), 0)
+    q = q * torch.exp2(torch.randint(-20, 20, (q.shape[0], 1, 1), device=q.device).to(q.dtype))
+    got = ja.quantize_qkv(q, k, v, qo, precision=config, backend="triton")
+    want = reference_fp8.quantize_qkv(q, k, v, qo, ko, config)
+    for name in "qk":
+        a, b = getattr(got, name), getattr(want, name)
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), name
+        assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)), name
+    seq, pos = reference_fp8._positions(qo, q.shape[0])
+    col = want.v.pad_offsets.long()[seq] + pos
+    assert torch.equal(
+        got.v.data.view(torch.uint8)[:, :, col], want.v.data.view(torch.uint8)[:, :, col]
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_public_fwd_bwd_no_sync():
+    """precision="fp8" forward + bf16 backward through the public function on CUDA: no host
+    sync once the offsets are known, finite gradients close to the bf16 path's."""
+    lens = _gpu_lens(16, 1000, 2)
+    q, k, v, do, qo, _, _, _, _ = build(Case(lens, heads=4, head_dim=128), 0)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ja.jagged_attention(*leaves, qo, 1000, causal=True, precision="fp8").sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ja.jagged_attention(*leaves, qo, 1000, causal=True, precision="fp8")
+        g8 = torch.autograd.grad(out, leaves, do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = ja.jagged_attention(*leaves, qo, 1000, causal=True)
+    g16 = torch.autograd.grad(ref, leaves, do)
+    for a, b in zip(g8, g16):
+        assert reference_fp8.error_metrics(a, b)["cosine"] > 0.99
