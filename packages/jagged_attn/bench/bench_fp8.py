@@ -287,6 +287,10 @@ def run_accuracy(case: Case, args, device: str, grads: bool) -> dict:
     kernels = device == "cuda" or args.smoke
     backend = ("auto" if device == "cuda" else "triton") if kernels else "torch"
     row["fp8_computed_by"] = "kernels" if kernels else "pure-PyTorch specification (emulation)"
+    row["bf16_computed_by"] = (
+        "our bf16 Triton kernels" if kernels
+        else "the reference backend (float32 math, bf16 output)"
+    )  # fmt: skip
     methods = {
         "fp8": "fp8",
         "fp8_no_hadamard": FP8Config(hadamard=False),
@@ -308,11 +312,28 @@ def run_accuracy(case: Case, args, device: str, grads: bool) -> dict:
         for name, out in outs.items():
             res[name] = reference_fp8.error_metrics(out, exact)
         res["rmse_naive_over_fp8"] = res["naive_fp8"]["rmse"] / res["fp8"]["rmse"]
-        if grads and dist == "gaussian":
+        # (the reference backend's backward ignores the forward's precision: gradients are
+        # only informative through the kernels)
+        if grads and dist == "gaussian" and kernels:
             res["grads"] = _grad_accuracy(case, q, k, v, do, offsets, spec, backend, kernels)
+        if args.cpu_accuracy and dist == "gaussian" and case is CPU_ACCURACY[0]:
+            res["attribution"] = _attribution(args64, exact)
         row["results"][dist] = res
         del outs, exact
     return row
+
+
+def _attribution(args64, exact) -> dict:
+    """The specification's error with only one operand quantized at a time (what each of
+    Q, K, V and P costs), and with all four; Hadamard off (Gaussian inputs)."""
+    from hyperrec.jagged_attn import FP8Config, reference_fp8
+
+    config = FP8Config(hadamard=False)
+    out = {}
+    for ops in ("q", "k", "v", "p", "qkvp"):
+        o = reference_fp8.attention_forward(*args64, config, operands=ops)
+        out[f"only_{ops}" if len(ops) == 1 else "all"] = reference_fp8.error_metrics(o, exact)
+    return out
 
 
 def _grad_accuracy(case, q, k, v, do, offsets, spec, backend, kernels) -> dict:

@@ -323,7 +323,9 @@ def _coef(spec: AttentionSpec, lk: int) -> float:
     return coef
 
 
-def _softmax_tiles(s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
+def _softmax_tiles(
+    s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int, quantize_p: bool = True
+) -> torch.Tensor:
     """Softmax attention with P quantized per (row, tile of ``n`` keys); ``s`` is
     ``(H, R, Lk_pad)``, ``ok`` ``(R, Lk_pad)``, ``v`` ``(H, Lk_pad, Dv)``."""
     h, r, lk = s.shape
@@ -334,7 +336,8 @@ def _softmax_tiles(s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int) -
     m = torch.where(m > float("-inf"), m, 0.0)
     k = torch.floor(P_LOG2_MAX + m - tile_max).clamp(max=P_EXP_MAX)
     k = torch.where(has, k, 0.0)
-    p8 = round_e4m3(torch.exp2(t - (m - k)[..., None]))
+    p8 = torch.exp2(t - (m - k)[..., None])
+    p8 = round_e4m3(p8) if quantize_p else p8
     m_last = m[..., -1:]
     w = torch.where(has, torch.exp2(m - m_last - k), 0.0)
     num = torch.matmul((p8 * w[..., None]).reshape(h, r, lk), v)
@@ -344,7 +347,7 @@ def _softmax_tiles(s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int) -
 
 
 def _activation_tiles(
-    s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int, name: str
+    s: torch.Tensor, ok: torch.Tensor, v: torch.Tensor, n: int, name: str, quantize_p: bool = True
 ) -> torch.Tensor:
     """Element-wise activation with P quantized per (row, tile of ``n`` keys)."""
     h, r, lk = s.shape
@@ -352,7 +355,8 @@ def _activation_tiles(
     amax = a.abs().amax(-1)
     k = torch.floor(P_LOG2_MAX - torch.log2(amax)).clamp(-P_EXP_MAX, P_EXP_MAX)
     k = torch.where(amax > 0, k, 0.0)
-    p8 = round_e4m3(a * torch.exp2(k)[..., None])
+    p8 = a * torch.exp2(k)[..., None]
+    p8 = round_e4m3(p8) if quantize_p else p8
     return torch.matmul((p8 * torch.exp2(-k)[..., None]).reshape(h, r, lk), v)
 
 
@@ -405,6 +409,7 @@ def attention_forward(
     qkv: QuantizedQKV | None = None,
     dtype: torch.dtype = torch.float64,
     chunk_elements: int = 1 << 24,
+    operands: str = "qkvp",
 ) -> torch.Tensor:
     """The FP8 attention of the module doc: ``(Tq, H, Dv)`` in ``q.dtype``.
 
@@ -415,18 +420,25 @@ def attention_forward(
         qkv: already quantized operands (else quantized here with :func:`quantize_qkv`).
         dtype: what the dequantized operands, scores and weights are computed in.
         chunk_elements: bound on one ``(H, rows, keys)`` score chunk.
+        operands: which of ``q``, ``k``, ``v`` and ``p`` are quantized (the others keep
+            their input values; Q and K are still rotated): for attributing the error.
     """
     if qkv is None:
         qkv = quantize_qkv(q, k, v, q_offsets, kv_offsets, config)
-    qd = dequantize(qkv.q, config, q_offsets, q.shape[0], dtype)
-    kd = dequantize(qkv.k, config, kv_offsets, k.shape[0], dtype)
-    vd = dequantize(qkv.v, config, kv_offsets, v.shape[0], dtype)
+    rotated = (_rotate(q, config), _rotate(k, config))
+    qd = dequantize(qkv.q, config, q_offsets, q.shape[0], dtype) if "q" in operands else None
+    kd = dequantize(qkv.k, config, kv_offsets, k.shape[0], dtype) if "k" in operands else None
+    vd = dequantize(qkv.v, config, kv_offsets, v.shape[0], dtype) if "v" in operands else None
+    qd = rotated[0].to(dtype) if qd is None else qd
+    kd = rotated[1].to(dtype) if kd is None else kd
+    vd = v.to(dtype) if vd is None else vd
+    quantize_p = "p" in operands
     spec_q = _rescaled(spec, 1.0 / hadamard_scale(config, q.shape[2]))
     n = config.tile_n
     if spec.activation == "softmax":
-        fn = lambda s, ok, vb: _softmax_tiles(s, ok, vb, n)  # noqa: E731
+        fn = lambda s, ok, vb: _softmax_tiles(s, ok, vb, n, quantize_p)  # noqa: E731
     else:
-        fn = lambda s, ok, vb: _activation_tiles(s, ok, vb, n, spec.activation)  # noqa: E731
+        fn = lambda s, ok, vb: _activation_tiles(s, ok, vb, n, spec.activation, quantize_p)  # noqa: E731
     out = _pair_loop(qd, kd, vd, q_offsets, kv_offsets, spec_q, kv_index, num_targets, n, fn,
                      chunk_elements)  # fmt: skip
     return out.to(q.dtype)

@@ -225,7 +225,8 @@ def _quant_tile(
                      byte.to(tl.uint8),
                      mask=(t * TILE + blk * 32 < n_rows)[:, None] & (c < D)[None, :])  # fmt: skip
         if COLS:
-            cols64 = (tl.load(poffsets + b) + r).to(tl.int64)
+            col0 = tl.multiple_of(tl.load(poffsets + b), 16)  # sequences start 16-aligned
+            cols64 = (col0 + r).to(tl.int64)
             ptrs = DATA + h * stride_dh + c[None, :].to(tl.int64) * stride_dt + cols64[:, None]
         else:
             ptrs = DATA + rows64[:, None] * stride_dt + h * stride_dh + c[None, :]
