@@ -186,6 +186,13 @@ def test_default_config_and_head_dims():
 
 
 @needs_kernels
+def test_small_head_dims():
+    """Head dims 16 and 24 (padded to 32 in the FP8 products), no rotation for 24."""
+    check(Case((40, 7), head_dim=16, head_dim_v=24, mask=dict(causal=True)), FP8_H)
+    check(Case((40, 7), head_dim=24, head_dim_v=16), FP8)
+
+
+@needs_kernels
 def test_empty_batch_and_empty_sequences():
     for lens in ((), (0, 0)):
         q, k, v, _, qo, ko, kvi, nt, spec = build(Case(lens), 0)

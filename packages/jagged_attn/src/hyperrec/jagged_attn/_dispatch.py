@@ -53,7 +53,7 @@ def resolve_backend(
     fp8 = resolve_precision(precision)
     if fp8 is not None:
         fp8.check_shapes(q.shape[2], v.shape[2])
-        return resolve_fp8_backend(fp8, backend, q)
+        return resolve_fp8_backend(fp8, backend, q, v)
     # --- bf16 (the inputs' own precision) ---
     if backend == "torch":
         return attention_torch

@@ -153,8 +153,9 @@ def jagged_attention(
             default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
         TypeError, ValueError: a ``precision`` that is not a known name or an
-            ``FP8Config``, or FP8 with head dims outside [32, 256] (MX: q/k head dim not a
-            multiple of 32; Hadamard: not a power of two).
+            ``FP8Config``, an FP8 config that does not fit the head dims (MX: q/k head
+            dim not a multiple of 32; ``hadamard=True``: not a power of two), or
+            ``backend="triton"`` with FP8 and head dims outside [16, 256].
         ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
     """
     check_qkv(q, k, v)
@@ -298,8 +299,9 @@ def gdpa(
             the default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
         TypeError, ValueError: a ``precision`` that is not a known name or an
-            ``FP8Config``, or FP8 with head dims outside [32, 256] (MX: q/k head dim not a
-            multiple of 32; Hadamard: not a power of two).
+            ``FP8Config``, an FP8 config that does not fit the head dims (MX: q/k head
+            dim not a multiple of 32; ``hadamard=True``: not a power of two), or
+            ``backend="triton"`` with FP8 and head dims outside [16, 256].
         ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
     """
     check_qkv(q, k, v)

@@ -42,15 +42,17 @@ __all__ = [
 _PRECISION = "str precision, "
 
 
-def unsupported_reason_fp8(q: torch.Tensor) -> str | None:
-    """Why the FP8 Triton forward cannot run this call, or None (head dims are checked by
-    :meth:`FP8Config.check_shapes`)."""
+def unsupported_reason_fp8(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the FP8 Triton forward cannot run this call, or None."""
     if not fp8_kernels_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
         return (
             f"the FP8 kernels need bf16/fp16 inputs on a CUDA GPU of compute capability "
             f">= 8.9 (or CPU tensors under TRITON_INTERPRET=1) and Triton installed; got "
             f"{q.dtype} on {q.device}"
         )
+    for name, d in (("q/k head_dim", q.shape[-1]), ("v head_dim", v.shape[-1])):
+        if not 16 <= d <= 256:
+            return f"the FP8 kernels need {name} in [16, 256], got {d}"
     return None
 
 
@@ -164,7 +166,7 @@ attention_fp8_torch.register_autograd(_torch_backward, setup_context=_torch_setu
 
 
 def resolve_fp8_backend(
-    config: FP8Config, backend: str, q: torch.Tensor
+    config: FP8Config, backend: str, q: torch.Tensor, v: torch.Tensor
 ) -> Callable[..., torch.Tensor]:
     """The FP8 forward for ``backend`` (already checked) as a function of the op arguments
     of :meth:`AttentionCall.op_args <hyperrec.jagged_attn._opschema.AttentionCall.op_args>`.
@@ -175,7 +177,7 @@ def resolve_fp8_backend(
     text = config.encode()
     if backend == "torch":
         return functools.partial(attention_fp8_torch, text)
-    reason = unsupported_reason_fp8(q)
+    reason = unsupported_reason_fp8(q, v)
     if backend == "triton":
         if reason is not None:
             raise ValueError(f"backend='triton' cannot run this call: {reason}")

@@ -245,8 +245,10 @@ def attention_forward_fp8(
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
         qk_scale, coef, *_mask_ints(call),
     )  # fmt: skip
+    # FP8 tensor-core products reduce over >= 32 elements: head dims pad up to 32.
     kw = dict(
-        H=heads, HEAD_DIM=dim, HEAD_DIM_V=dim_v, BLOCK_D=_pow2(dim), BLOCK_DV=_pow2(dim_v),
+        H=heads, HEAD_DIM=dim, HEAD_DIM_V=dim_v, BLOCK_D=max(32, _pow2(dim)),
+        BLOCK_DV=max(32, _pow2(dim_v)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MX=config.mx, FMA=softmax and qk_scale > 0,
         **ce,
     )  # fmt: skip
