@@ -30,14 +30,16 @@ backward from the FP8 forward's output and log-sum-exp) and of ``bf16`` against 
 float64 reference backward, on one case.
 
     python bench/bench_fp8.py --out bench/results            # 7 cases, <= 4 min on one H200
-    python bench/bench_fp8.py --quick --out /tmp/b            # 2 cases, <= 2 min
+    python bench/bench_fp8.py --quick --out /tmp/b            # 2 cases, no Flex, <= 2 min
     python bench/bench_fp8.py --smoke --out /tmp/b            # CPU interpreter, tiny
     python bench/bench_fp8.py --cpu-accuracy --out bench/results   # accuracy table on the
         CPU with the pure-PyTorch specification in place of the kernels (a few minutes)
     python bench/bench_fp8.py --sweep --out /tmp/b            # FP8 tile configurations, ~3 min
 
-No new case starts after ``--budget-min`` minutes (3.4, or 1.6 with ``--quick``); cases left
-out are listed under ``skipped_for_time``. The JSON is rewritten after every case.
+No new speed case starts after ``--budget-min`` minus a reserve for the accuracy cases (3.5
+minutes, reserve 0.8; ``--quick``: 1.8 and 0.4) and no accuracy case after ``--budget-min``;
+cases left out are listed under ``skipped_for_time``. ``--quick`` leaves FlexAttention out
+(its compilation alone takes about a minute). The JSON is rewritten after every case.
 """
 
 from __future__ import annotations
@@ -351,7 +353,7 @@ def _grad_accuracy(case, q, k, v, do, offsets, spec, backend, kernels) -> dict:
     return out
 
 
-def _warm(case: Case) -> str:
+def _warm(case: Case, flex: bool = True) -> str:
     """Compile this case's kernels (fp8, mxfp8, bf16; FlexAttention) on a tiny batch, in a
     worker process: the main process then finds them in the on-disk caches."""
     try:
@@ -363,11 +365,13 @@ def _warm(case: Case) -> str:
         from hyperrec.jagged_attn import FP8Config
 
         impl_fp8_parts(small, q, k, v, offsets, FP8Config())[0]()
-        from torch.nn.attention.flex_attention import flex_attention
+        if flex:
+            from torch.nn.attention.flex_attention import flex_attention
 
-        flex = torch.compile(flex_attention, dynamic=True)
-        _, fb, _ = _ba().impl_flex(case_for_flex(small), q, k, v, do, offsets, lens, {}, flex)
-        fb()
+            compiled = torch.compile(flex_attention, dynamic=True)
+            _, fb, _ = _ba().impl_flex(case_for_flex(small), q, k, v, do, offsets, lens, {},
+                                       compiled)  # fmt: skip
+            fb()
         torch.cuda.synchronize()
         return ""
     except Exception as e:
@@ -488,7 +492,7 @@ def main() -> None:
             args.acc_tokens = min(args.acc_tokens, 8192)
         from torch.nn.attention.flex_attention import flex_attention
 
-        flex_compiled = torch.compile(flex_attention, dynamic=True)
+        flex_compiled = None if args.quick else torch.compile(flex_attention, dynamic=True)
         for name in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, 64)
@@ -504,9 +508,12 @@ def main() -> None:
         t0 = time.perf_counter()
         distinct = list({c.causal: c for c in cases}.values())  # kernels differ by mask only
         with cf.ProcessPoolExecutor(len(distinct), mp_context=mp.get_context("spawn")) as ex:
-            errors = [e for e in ex.map(_warm, distinct) if e]
+            errors = [
+                e for e in ex.map(_warm, distinct, [flex_compiled is not None] * len(distinct)) if e
+            ]
         print(f"compiled kernels in {time.perf_counter() - t0:.0f}s {errors}", flush=True)
-    budget = args.budget_min if args.budget_min is not None else (1.6 if args.quick else 3.4)
+    budget = args.budget_min if args.budget_min is not None else (1.8 if args.quick else 3.5)
+    reserve = 0.4 if args.quick else 0.8
     suffix = ("smoke" if args.smoke else "cpu_accuracy" if args.cpu_accuracy
               else "sweep" if args.sweep else "quick" if args.quick else "h200")  # fmt: skip
     path = args.out / f"fp8_{suffix}.json"
@@ -533,7 +540,7 @@ def main() -> None:
         print(f"wrote {path}")
         return
     for case in cases:
-        if time.perf_counter() - t_start > 60 * budget * 0.7:
+        if time.perf_counter() - t_start > 60 * (budget - reserve):
             skipped.append(case.name)
             continue
         t0 = time.perf_counter()
