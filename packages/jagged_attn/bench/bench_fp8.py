@@ -58,6 +58,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
+# this package and hyperrec-mxfp8 from the checkout when they are not installed
+for _pkg in ("jagged_attn", "mxfp8"):
+    _src = HERE.parents[1] / _pkg / "src"
+    if str(_src) not in sys.path:
+        sys.path.append(str(_src))
 
 
 @dataclass(frozen=True)
