@@ -6,6 +6,9 @@
   an ALU-only polynomial GELU, ...) or softmax, explicit scale placement and
   normalisation, a query-sequence -> kv-sequence map, HSTU target/contextual masks.
 - :func:`block_attention`: attention within fixed blocks of each sequence, O(L).
+- ``precision="fp8" | "mxfp8"`` (or an :class:`FP8Config`) on all three: an FP8 forward
+  with block-quantized Q/K/V (:func:`quantize_qkv`) and P quantized online; see
+  :mod:`hyperrec.jagged_attn.fp8`.
 
 Backends: ``"torch"`` (the pure-PyTorch reference in :mod:`~hyperrec.jagged_attn.reference`);
 the Triton kernels of the private ``_triton`` subpackage (``"triton"``; ``"auto"`` on CUDA).
@@ -16,6 +19,7 @@ traces it with ``fullgraph=True``.
 from hyperrec.jagged_attn._dispatch import BACKENDS
 from hyperrec.jagged_attn._version import __version__
 from hyperrec.jagged_attn.activations import ACTIVATIONS, gelu_poly
+from hyperrec.jagged_attn.fp8 import PRECISIONS, FP8Config, quantize_qkv
 from hyperrec.jagged_attn.interface import block_attention, gdpa, jagged_attention
 from hyperrec.jagged_attn.masks import MaskSpec, mask_matrix
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
@@ -24,7 +28,9 @@ __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "NORMALIZATIONS",
+    "PRECISIONS",
     "AttentionSpec",
+    "FP8Config",
     "MaskSpec",
     "__version__",
     "block_attention",
@@ -32,4 +38,5 @@ __all__ = [
     "gelu_poly",
     "jagged_attention",
     "mask_matrix",
+    "quantize_qkv",
 ]

@@ -29,6 +29,7 @@ from hyperrec.jagged_attn._validate import (
     value_check_mode,
 )
 from hyperrec.jagged_attn.activations import ACTIVATIONS
+from hyperrec.jagged_attn.fp8 import FP8Config, Precision
 from hyperrec.jagged_attn.masks import MaskSpec
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
@@ -64,6 +65,7 @@ def _dispatch(
     backend: str,
     validate: Validate,
     names: Names,
+    precision: Precision | FP8Config = "bf16",
 ) -> torch.Tensor:
     check_choice("backend", backend, BACKENDS)
     mode = value_check_mode(check_validate(validate), q.device)
@@ -79,7 +81,7 @@ def _dispatch(
         num_targets=num_targets,
         names=names,
     )
-    op = resolve_backend(backend, q, v)
+    op = resolve_backend(backend, q, v, precision=precision)
     call = AttentionCall(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
                          kv_index=kv_index, num_targets=num_targets, spec=spec)  # fmt: skip
     return op(*call.op_args())
@@ -99,6 +101,7 @@ def jagged_attention(
     window_size: tuple[int, int] = (-1, -1),
     backend: Backend = "auto",
     validate: Validate = True,
+    precision: Precision | FP8Config = "bf16",
 ) -> torch.Tensor:
     """Softmax attention over jagged sequences, without padding.
 
@@ -132,6 +135,10 @@ def jagged_attention(
             asynchronous device-side assert. ``"full"``: a ValueError on any device (one
             host sync per call). ``False``: no value checks (invalid offsets then give
             undefined results). Skipped while ``torch.compile`` traces.
+        precision: ``"bf16"`` (default: the inputs' own precision), ``"fp8"`` or
+            ``"mxfp8"`` (an FP8 forward: Q/K/V block-quantized to E4M3, P quantized
+            online, float32 accumulation; the backward stays bf16), or an
+            :class:`~hyperrec.jagged_attn.fp8.FP8Config`. See :mod:`hyperrec.jagged_attn.fp8`.
 
     Returns:
         ``(Tq, H, Dv)`` in ``q.dtype``. A query with no visible key (empty key sequence,
@@ -145,6 +152,11 @@ def jagged_attention(
             below the longest sequence (CPU tensors, or ``validate="full"``; on CUDA the
             default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
+        TypeError, ValueError: a ``precision`` that is not a known name or an
+            ``FP8Config``, an FP8 config that does not fit the head dims (MX: q/k head
+            dim not a multiple of 32; ``hadamard=True``: not a power of two), or
+            ``backend="triton"`` with FP8 and head dims outside [16, 256].
+        ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
     """
     check_qkv(q, k, v)
     offsets = check_index_tensor("offsets", offsets, q.device, what="(B + 1 offsets)")
@@ -193,6 +205,7 @@ def jagged_attention(
         backend=backend,
         validate=validate,
         names=names,
+        precision=precision,
     )
 
 
@@ -216,6 +229,7 @@ def gdpa(
     contextual_len: int = 0,
     backend: Backend = "auto",
     validate: Validate = True,
+    precision: Precision | FP8Config = "bf16",
 ) -> torch.Tensor:
     """Generalized Dot-Product Attention: an activation in place of the softmax.
 
@@ -262,6 +276,10 @@ def gdpa(
             ``num_targets``: as in :func:`jagged_attention` (``True``: ValueError on CPU,
             a sync-free device-side assert on CUDA; ``"full"``: ValueError everywhere, one
             host sync; ``False``: none).
+        precision: ``"bf16"`` (default: the inputs' own precision), ``"fp8"`` or
+            ``"mxfp8"`` (an FP8 forward: Q/K/V block-quantized to E4M3, P quantized
+            online, float32 accumulation; the backward stays bf16), or an
+            :class:`~hyperrec.jagged_attn.fp8.FP8Config`. See :mod:`hyperrec.jagged_attn.fp8`.
 
     The mask composition is given in :mod:`hyperrec.jagged_attn.masks`. It equals HSTU's
     for causal masks with targets and contextual tokens; unlike HSTU, contextual keys stay
@@ -280,6 +298,11 @@ def gdpa(
             or longer than its kv sequence (CPU tensors or ``validate="full"``; on CUDA
             the default check is a device-side assert instead).
         ValueError: also ``backend="triton"`` for inputs the kernels do not support.
+        TypeError, ValueError: a ``precision`` that is not a known name or an
+            ``FP8Config``, an FP8 config that does not fit the head dims (MX: q/k head
+            dim not a multiple of 32; ``hadamard=True``: not a power of two), or
+            ``backend="triton"`` with FP8 and head dims outside [16, 256].
+        ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
     """
     check_qkv(q, k, v)
     q_offsets = check_index_tensor("q_offsets", q_offsets, q.device, what="(Bq + 1 offsets)")
@@ -339,6 +362,7 @@ def gdpa(
         backend=backend,
         validate=validate,
         names=Names(),
+        precision=precision,
     )
 
 
@@ -356,6 +380,7 @@ def block_attention(
     scale: float | None = None,
     backend: Backend = "auto",
     validate: Validate = True,
+    precision: Precision | FP8Config = "bf16",
 ) -> torch.Tensor:
     """Softmax self-attention within fixed-size blocks of each sequence: O(L) work.
 
@@ -376,7 +401,7 @@ def block_attention(
         num_global: number of leading global tokens per sequence (default 0).
         causal: additionally restrict to keys at or before the query.
         scale: default ``1 / sqrt(D)``.
-        backend, validate: as in :func:`jagged_attention`.
+        backend, validate, precision: as in :func:`jagged_attention`.
 
     Returns:
         ``(T, H, Dv)`` in ``q.dtype``, differentiable in ``q``, ``k``, ``v``.
@@ -384,6 +409,7 @@ def block_attention(
     Raises:
         TypeError, ValueError: as in :func:`jagged_attention`, plus
             ``block_size < 1`` or ``num_global < 0``.
+        ModuleNotFoundError: as in :func:`jagged_attention`.
     """
     check_qkv(q, k, v)
     offsets = check_index_tensor("offsets", offsets, q.device, what="(B + 1 offsets)")
@@ -427,4 +453,5 @@ def block_attention(
         backend=backend,
         validate=validate,
         names=names,
+        precision=precision,
     )

@@ -1,0 +1,186 @@
+"""``torch.library`` registration of the FP8 / MXFP8 forward, and its backend choice.
+
+Two forward ops with the package's argument list
+(:func:`hyperrec.jagged_attn._opschema.schema`) preceded by ``str precision`` (the encoded
+:class:`~hyperrec.jagged_attn.fp8.FP8Config`):
+
+* ``hyperrec_jagged_attn::attention_fp8_triton_fwd`` -> ``(out, lse)``: the quantization
+  kernel and the FP8 forward kernel. Its backward is the bf16 Triton backward
+  (``attention_triton_bwd``) on the saved bf16 inputs, with the FP8 forward's ``out`` and
+  (softmax) ``lse``.
+* ``hyperrec_jagged_attn::attention_fp8_torch`` -> ``out``: the pure-PyTorch emulation
+  (:func:`hyperrec.jagged_attn.reference_fp8.attention_forward`). Its backward is the
+  reference backward of the unquantized attention (``attention_torch_backward``).
+
+Both have fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Importing
+this module does not import Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from hyperrec.jagged_attn._fp8.quantize import fp8_kernels_supported
+from hyperrec.jagged_attn._opschema import NAMESPACE, AttentionCall, activation_of, schema
+from hyperrec.jagged_attn._torch.ops import attention_torch_backward
+from hyperrec.jagged_attn._triton._flops import flops_upper_bound
+from hyperrec.jagged_attn._triton.ops import attention_triton_bwd
+from hyperrec.jagged_attn.fp8 import FP8Config
+
+__all__ = [
+    "attention_fp8_torch",
+    "attention_fp8_triton",
+    "attention_fp8_triton_fwd",
+    "resolve_fp8_backend",
+    "unsupported_reason_fp8",
+]
+
+_PRECISION = "str precision, "
+
+
+def unsupported_reason_fp8(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the FP8 Triton forward cannot run this call, or None."""
+    if not fp8_kernels_supported(q.device) or q.dtype not in (torch.bfloat16, torch.float16):
+        return (
+            f"the FP8 kernels need bf16/fp16 inputs on a CUDA GPU of compute capability "
+            f">= 8.9 (or CPU tensors under TRITON_INTERPRET=1) and Triton installed; got "
+            f"{q.dtype} on {q.device}"
+        )
+    for name, d in (("q/k head_dim", q.shape[-1]), ("v head_dim", v.shape[-1])):
+        if not 16 <= d <= 256:
+            return f"the FP8 kernels need {name} in [16, 256], got {d}"
+    return None
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _contiguous(call: AttentionCall) -> AttentionCall:
+    return call.with_tensors(q=_last_dim_contiguous(call.q), k=_last_dim_contiguous(call.k),
+                             v=_last_dim_contiguous(call.v))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_fp8_triton_fwd",
+    mutates_args=(),
+    schema=schema(before=_PRECISION, returns="(Tensor, Tensor)"),
+)
+def attention_fp8_triton_fwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 forward: ``out`` ``(Tq, H, Dv)`` and ``lse`` (``(H, Tq)`` fp32 for softmax, empty
+    otherwise)."""
+    from hyperrec.jagged_attn._triton._fp8_launch import attention_forward_fp8
+
+    call = _contiguous(AttentionCall.from_op_args(args[1:]))
+    return attention_forward_fp8(call, FP8Config.decode(args[0]))
+
+
+@attention_fp8_triton_fwd.register_fake
+def _fp8_triton_fwd_fake(precision, q, k, v, q_offsets, kv_offsets, kv_index, num_targets,
+                         spec, *scalars):  # fmt: skip
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse_shape = (q.shape[1], q.shape[0]) if activation_of(spec) == "softmax" else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _triton_setup_context(ctx, inputs, output) -> None:
+    tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
+    ctx.n_tensors = len(tensors)
+    ctx.save_for_backward(*output, *tensors)
+
+
+def _triton_backward(ctx, grad_out, grad_lse):
+    del grad_lse  # auxiliary output: nothing flows back through it
+    out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv = attention_triton_bwd(grad_out, out, lse, *tensors, *ctx.spec_args)
+    return (None, dq, dk, dv) + (None,) * (ctx.n_tensors - 3 + len(ctx.spec_args))
+
+
+attention_fp8_triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
+def attention_fp8_triton(*args) -> torch.Tensor:
+    """:func:`attention_fp8_triton_fwd` returning ``out`` only."""
+    out, _ = attention_fp8_triton_fwd(*args)
+    return out
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_triton_fwd)
+def _fp8_flop_formula(precision, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+    max_q, max_kv = AttentionCall.max_lengths(args)
+    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
+                                 v_shape[2], pass_="fwd"))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# Reference (emulation)
+# ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_fp8_torch", mutates_args=(), schema=schema(before=_PRECISION)
+)
+def attention_fp8_torch(*args) -> torch.Tensor:
+    """The emulated FP8 forward: ``(Tq, H, Dv)`` in ``q.dtype``, contiguous."""
+    from hyperrec.jagged_attn import reference_fp8
+
+    c = AttentionCall.from_op_args(args[1:])
+    out = reference_fp8.attention_forward(
+        c.q, c.k, c.v, c.q_offsets, c.kv_offsets, c.spec, FP8Config.decode(args[0]),
+        kv_index=c.kv_index, num_targets=c.num_targets,
+        dtype=torch.promote_types(c.q.dtype, torch.float32),
+    )  # fmt: skip
+    return out.contiguous()
+
+
+@attention_fp8_torch.register_fake
+def _fp8_torch_fake(precision, q, k, v, *args):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+def _torch_setup_context(ctx, inputs, output) -> None:
+    tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
+    ctx.save_for_backward(*tensors)
+
+
+def _torch_backward(ctx, grad_out):
+    dq, dk, dv = attention_torch_backward(grad_out, *ctx.saved_tensors, *ctx.spec_args)
+    return (None, dq, dk, dv) + (None,) * (len(ctx.saved_tensors) - 3 + len(ctx.spec_args))
+
+
+attention_fp8_torch.register_autograd(_torch_backward, setup_context=_torch_setup_context)
+
+
+# ----------------------------------------------------------------------------------------
+# Backend choice
+# ----------------------------------------------------------------------------------------
+
+
+def resolve_fp8_backend(
+    config: FP8Config, backend: str, q: torch.Tensor, v: torch.Tensor
+) -> Callable[..., torch.Tensor]:
+    """The FP8 forward for ``backend`` (already checked) as a function of the op arguments
+    of :meth:`AttentionCall.op_args <hyperrec.jagged_attn._opschema.AttentionCall.op_args>`.
+
+    Raises:
+        ValueError: ``backend="triton"`` for inputs the FP8 kernels cannot run.
+    """
+    text = config.encode()
+    if backend == "torch":
+        return functools.partial(attention_fp8_torch, text)
+    reason = unsupported_reason_fp8(q, v)
+    if backend == "triton":
+        if reason is not None:
+            raise ValueError(f"backend='triton' cannot run this call: {reason}")
+        return functools.partial(attention_fp8_triton, text)
+    use_triton = q.device.type == "cuda" and reason is None
+    return functools.partial(attention_fp8_triton if use_triton else attention_fp8_torch, text)

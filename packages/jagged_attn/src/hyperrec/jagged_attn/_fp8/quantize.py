@@ -1,0 +1,55 @@
+"""Where Q/K/V quantization runs: the Triton kernel or the reference."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperrec.jagged_attn._triton import interpreting
+from hyperrec.jagged_attn._triton._probe import triton_available
+from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
+
+__all__ = ["fp8_kernels_supported", "quantize_qkv"]
+
+_FP8_CAPABILITY = (8, 9)  # FP8 tensor cores and E4M3 conversions: Ada, Hopper and later
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def fp8_kernels_supported(device: torch.device) -> bool:
+    """Whether the FP8 kernels can run on ``device``: Triton and a CUDA GPU of compute
+    capability >= 8.9, or a CPU tensor under ``TRITON_INTERPRET=1``."""
+    if not triton_available():
+        return False
+    if interpreting():
+        return device.type == "cpu"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= _FP8_CAPABILITY
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    config: FP8Config,
+    backend: str,
+) -> QuantizedQKV:
+    """The body of :func:`hyperrec.jagged_attn.fp8.quantize_qkv` (arguments checked)."""
+    supported = fp8_kernels_supported(q.device) and q.dtype != torch.float64
+    if backend == "triton" and not supported:
+        raise ValueError(
+            "backend='triton' cannot quantize here: the FP8 kernels need Triton and a CUDA "
+            "GPU of compute capability >= 8.9 (or CPU tensors under TRITON_INTERPRET=1) and "
+            f"float16/bfloat16/float32 inputs; got {q.dtype} on {q.device}"
+        )
+    if backend == "triton" or (backend == "auto" and supported and q.device.type == "cuda"):
+        from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv as kernel
+
+        return kernel(q, k, v, q_offsets, kv_offsets, config)
+    from hyperrec.jagged_attn import reference_fp8
+
+    return reference_fp8.quantize_qkv(q, k, v, q_offsets, kv_offsets, config)

@@ -1,0 +1,282 @@
+"""Launchers of the FP8 / MXFP8 forward: quantize Q/K/V, pick a configuration, launch.
+
+Like :mod:`hyperrec.jagged_attn._triton._launch` (whose argument checks, mask flags and
+schedules these reuse), each function takes validated input and only asserts its own
+preconditions. Nothing here reads a length on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hyperrec.jagged_attn._opschema import AttentionCall
+from hyperrec.jagged_attn._triton import _fp8_kernels, interpreting
+from hyperrec.jagged_attn._triton._configs import KernelConfig
+from hyperrec.jagged_attn._triton._launch import _arch, _check_inputs, _common, occupancy_estimate
+from hyperrec.jagged_attn._triton._schedule import (
+    _cached,
+    as_int32,
+    q_tile_schedule,
+    work_upper_bound,
+)
+from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV, hadamard_scale
+from hyperrec.jagged_attn.reference_fp8 import cols_width, hadamard_signs, pad_offsets
+
+__all__ = ["FP8_TUNED", "attention_forward_fp8", "quantize_qkv", "select_fp8_config"]
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _rceil_constants(max_value: float) -> tuple[int, int]:
+    """``(ADD, ODD)`` of the division-free RCEIL byte (``_fp8_kernels._e8m0_byte``) for an
+    element format whose largest value is ``max_value = c * 2**emax`` (``1 <= c < 2``).
+
+    ``amax = m * 2**E`` divided by ``max_value`` rounds above ``2**(E - emax)`` exactly when
+    ``m > c``: with ``T`` the mantissa bits of ``c``, adding ``2**23 - 1 - T`` to amax's
+    bits carries into the exponent field precisely then, and subtracting ``emax << 23``
+    yields the biased scale exponent. ``ODD`` is the one amax above ``max_value * 2**-127``
+    whose quotient rounds *down* to ``2**-127`` in the float32 subnormal range (the next
+    float32 after ``max_value * 2**-127``), whose byte is 0, not 1.
+    """
+    mant, emax = math.frexp(max_value)  # max_value = mant * 2**emax, 0.5 <= mant < 1
+    emax -= 1
+    t = int((mant * 2 - 1) * 2**23)
+    return (1 << 23) - 1 - t - (emax << 23), (emax << 23) | (t + 1)
+
+
+def _device_signs(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    key = ("signs", n, seed, str(device))
+    hit = _SIGNS.get(key)
+    if hit is None:
+        hit = _SIGNS[key] = hadamard_signs(n, seed).to(device)
+    return hit
+
+
+_SIGNS: dict[tuple, torch.Tensor] = {}
+
+
+def _padded(offsets: torch.Tensor, pad: int) -> torch.Tensor:
+    return _cached((offsets,), ("vpad", pad), lambda: pad_offsets(offsets, pad))
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    config: FP8Config,
+) -> QuantizedQKV:
+    """Q, K, V in the FP8 layout of :class:`~hyperrec.jagged_attn.fp8.QuantizedJagged`, one
+    kernel launch; bit-exact against :func:`hyperrec.jagged_attn.reference_fp8.quantize_qkv`
+    (columns between V's sequences are left unwritten)."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    total_q, heads, dim = q.shape
+    total_kv, dim_v = k.shape[0], v.shape[2]
+    device = q.device
+    mx = config.mx
+    n_kv = kv_offsets.numel() - 1
+    width = cols_width(total_kv, n_kv, config.v_pad)
+    qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
+    poff = _padded(ko, config.v_pad)
+    u8 = dict(dtype=torch.uint8, device=device)
+    qd = torch.empty((total_q, heads, dim), **u8)
+    kd = torch.empty((total_kv, heads, dim), **u8)
+    vd = torch.empty((heads, dim_v, width), **u8)
+    if mx:
+        qs = torch.empty((total_q, heads, dim // 32), **u8)
+        ks = torch.empty((total_kv, heads, dim // 32), **u8)
+        vs = torch.empty((heads, dim_v, width // 32), **u8)
+        tile_q = group_q = tile_kv = group_kv = 32
+        from hyperrec.jagged_attn.fp8 import mxfp8_module
+
+        add, odd = _rceil_constants(mxfp8_module().E4M3.max_value)
+    else:
+        f32 = dict(dtype=torch.float32, device=device)
+        qs = torch.empty((total_q, heads), **f32)
+        ks = torch.empty((total_kv, heads), **f32)
+        vs = torch.empty((total_kv, heads), **f32)
+        group_q, tile_q = config.q_block, max(config.q_block, 32)
+        group_kv = tile_kv = config.kv_block
+        add = odd = 0
+    out = QuantizedQKV(
+        q=QuantizedJagged(data=qd.view(torch.float8_e4m3fn), scale=qs, layout="rows"),
+        k=QuantizedJagged(data=kd.view(torch.float8_e4m3fn), scale=ks, layout="rows"),
+        v=QuantizedJagged(
+            data=vd.view(torch.float8_e4m3fn), scale=vs, layout="cols", pad_offsets=poff
+        ),  # fmt: skip
+        config=config,
+    )
+    if heads == 0 or (total_q == 0 and total_kv == 0):
+        return out
+    q_seq, q_idx, q_tot = q_tile_schedule(qo, qo, None, tile_q, False, total_q)
+    kv_seq, kv_idx, kv_tot = q_tile_schedule(ko, ko, None, tile_kv, False, total_kv)
+    tiles = max(work_upper_bound(total_q, qo.numel() - 1, tile_q),
+                work_upper_bound(total_kv, n_kv, tile_kv))  # fmt: skip
+    rotate = config.rotates(dim)
+    signs = _device_signs(dim, config.hadamard_seed, device) if rotate else qs
+    # scale strides: rows (T, H[, D/32]) -> (row, head); V MX (H, Dv, Tp/32) -> (d, head)
+    vs_strides = (vs.stride(1), vs.stride(0)) if mx else (vs.stride(0), vs.stride(1))
+    _fp8_kernels._quant_qkv_kernel[(tiles, heads, 3)](
+        q, k, v, qd, kd, vd, qs, ks, vs, signs, qo, ko, poff,
+        q_seq, q_idx, q_tot, kv_seq, kv_idx, kv_tot,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        qd.stride(0), qd.stride(1), kd.stride(0), kd.stride(1), vd.stride(1), vd.stride(0),
+        qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), *vs_strides,
+        D=dim, BD=_pow2(dim), DV=dim_v, BDV=_pow2(dim_v),
+        TILE_Q=tile_q, GROUP_Q=group_q, TILE_KV=tile_kv, GROUP_KV=group_kv,
+        MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=config.scale_rule == "pow2",
+        HADAMARD=rotate, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
+        num_warps=4 if tile_q * dim <= 8192 else 8,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------
+
+#: FP8 forward tiles by (arch, padded head dim, format, length bucket): ``block_m``,
+#: ``num_warps``, ``num_stages`` (``block_n`` is the config's P tile). PLACEHOLDERS chosen
+#: by analogy with the bf16 table (not yet tuned on a GPU); ``bench/bench_fp8.py --sweep``
+#: times the alternatives.
+FP8_TUNED: dict[tuple[str, int, str, str], tuple[int, int, int]] = {
+    ("sm90", 64, "fp8", "short"): (128, 4, 3),
+    ("sm90", 64, "fp8", "long"): (128, 4, 3),
+    ("sm90", 128, "fp8", "short"): (128, 8, 3),
+    ("sm90", 128, "fp8", "long"): (128, 8, 3),
+    ("sm90", 256, "fp8", "short"): (64, 8, 2),
+    ("sm90", 256, "fp8", "long"): (64, 8, 2),
+    ("sm90", 128, "mxfp8", "short"): (64, 4, 3),
+    ("sm90", 128, "mxfp8", "long"): (128, 8, 3),
+}
+
+
+def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: int) -> KernelConfig:
+    """The forward tile configuration: the table, else a safe default (the interpreter
+    gets small tiles)."""
+    n = config.tile_n
+    if arch == "interpreter":
+        return KernelConfig(block_m=16, block_n=n, num_warps=4, num_stages=1)
+    d = max(32, _pow2(head_dim))
+    bucket = "short" if max_seqlen <= 256 else "long"
+    bm, warps, stages = FP8_TUNED.get((arch, d, config.format, bucket), (64, 4, 2))
+    return KernelConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=stages)
+
+
+_SMS: dict[int, int] = {}
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if interpreting() or device.type != "cuda":
+        return 2  # the interpreter runs programs one by one: a small grid tests striding
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def attention_forward_fp8(
+    call: AttentionCall,
+    config: FP8Config,
+    *,
+    qkv: QuantizedQKV | None = None,
+    fast_math: bool = True,
+    kernel_config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 forward of the attention of ``call``: ``(out, lse)`` as
+    :func:`hyperrec.jagged_attn._triton._launch.attention_forward` returns them (``lse``
+    from the FP8 scores, so the bf16 backward can use it).
+
+    ``qkv`` passes operands quantized beforehand (by :func:`quantize_qkv` with ``config``);
+    ``kernel_config`` pins ``block_m``, warps and stages (``block_n`` must equal the P tile).
+    """
+    _check_inputs(call)
+    q, spec = call.q, call.spec
+    total_q, heads, dim = q.shape
+    dim_v = call.v.shape[2]
+    n_seq = call.q_offsets.numel() - 1
+    softmax = spec.activation == "softmax"
+    out = torch.empty((total_q, heads, dim_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
+    if total_q == 0 or n_seq == 0:
+        return out, lse
+    if qkv is None:
+        qkv = quantize_qkv(q, call.k, call.v, call.q_offsets, call.kv_offsets, config)
+    coef, ce = _common(call, fast_math)
+    cfg = kernel_config or select_fp8_config(
+        _arch(q.device), dim, config, max(spec.max_seqlen_q, spec.max_seqlen_kv)
+    )
+    assert cfg.block_n == config.tile_n, "block_n must equal the P tile of the config"
+    q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
+    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
+    tile_seq, tile_idx, total = q_tile_schedule(
+        q_offsets, kv_offsets, kv_index, cfg.block_m, spec.mask.causal, total_q
+    )
+    qk_scale = spec.scale / hadamard_scale(config, dim)
+    if softmax:
+        qk_scale *= math.log2(math.e)
+    q8, k8, v8 = qkv.q, qkv.k, qkv.v
+    if config.mx:
+        qs_strides = (q8.scale.stride(0), q8.scale.stride(1))
+        ks_strides = (k8.scale.stride(0), k8.scale.stride(1))
+        vs_strides = (v8.scale.stride(0), v8.scale.stride(1))  # (head, head dim)
+    else:
+        qs_strides = (q8.scale.stride(0), q8.scale.stride(1))
+        ks_strides = (k8.scale.stride(0), k8.scale.stride(1))
+        vs_strides = (0, 0)  # V scales share K's (T, H) layout and strides
+    unused = total
+    args = (
+        q8.data, k8.data, v8.data, q8.scale, k8.scale, v8.scale, out, lse if softmax else out,
+        q8.data.stride(0), q8.data.stride(1), k8.data.stride(0), k8.data.stride(1),
+        v8.data.stride(0), v8.data.stride(1), *qs_strides, *ks_strides, *vs_strides,
+        out.stride(0), out.stride(1), lse.stride(0) if softmax else 0,
+        q_offsets, kv_offsets, v8.pad_offsets, unused if kv_index is None else kv_index,
+        unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
+        qk_scale, coef, *_mask_ints(call),
+    )  # fmt: skip
+    # FP8 tensor-core products reduce over >= 32 elements: head dims pad up to 32.
+    kw = dict(
+        H=heads, HEAD_DIM=dim, HEAD_DIM_V=dim_v, BLOCK_D=max(32, _pow2(dim)),
+        BLOCK_DV=max(32, _pow2(dim_v)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MX=config.mx, FMA=softmax and qk_scale > 0,
+        **ce,
+    )  # fmt: skip
+    work = work_upper_bound(total_q, n_seq, cfg.block_m) * heads
+    key = (q.dtype, cfg, tuple(sorted(kw.items())))
+    grid = (max(1, min(work, _num_sms(q.device) * _OCCUPANCY.get(key, 1))),)
+    compiled = _fp8_kernels._fp8_fwd_kernel[grid](
+        *args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
+    if key not in _OCCUPANCY and not interpreting() and q.device.type == "cuda":
+        _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, q.device)
+    return out, lse
+
+
+def _mask_ints(call: AttentionCall) -> tuple[int, int, int, int]:
+    m = call.spec.mask
+    return max(m.window_left, 0), max(m.window_right, 0), m.contextual_len, max(m.block_size, 1)
+
+
+def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
+    try:
+        n_regs, shared = int(compiled.n_regs), int(compiled.metadata.shared)
+    except (AttributeError, TypeError, ValueError):
+        return 1
+    p = torch.cuda.get_device_properties(device)
+    props = dict(
+        regs=int(getattr(p, "regs_per_multiprocessor", 65536)),
+        smem=int(getattr(p, "shared_memory_per_multiprocessor", 228 * 1024)),
+        threads=int(getattr(p, "max_threads_per_multi_processor", 2048)),
+    )
+    return occupancy_estimate(n_regs, shared, num_warps, props)

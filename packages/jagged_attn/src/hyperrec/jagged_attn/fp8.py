@@ -1,0 +1,345 @@
+"""FP8 / MXFP8 attention: the ``precision=`` option of the public functions.
+
+``precision="fp8"`` (or an :class:`FP8Config`) runs the forward with FP8 E4M3 operands and
+float32 accumulation:
+
+* **Q, K, V block-quantized** before the kernel, in one pass over the three inputs
+  (:func:`quantize_qkv`). ``"fp8"``: one scale per block of ``block_q`` (Q) or ``block_kv``
+  (K, V) consecutive tokens of one sequence and one head, over the whole head dim (a
+  power of two by default, or a float32 scale). ``"mxfp8"``: OCP MX blocks of 32 elements
+  with E8M0 scales (RCEIL), along the head dim for Q and K and along the tokens for V
+  (what a block-scaled ``P @ V`` reduces over), with the element and scale rules of
+  ``hyperrec.mxfp8``. Blocks never cross a sequence boundary, so a non-finite value
+  reaches only its own sequence.
+* **Hadamard rotation of Q and K** (FlashAttention-3's incoherent processing; on by
+  default for power-of-two head dims, ``hadamard=False`` turns it off): both are
+  multiplied by the same randomised Walsh-Hadamard matrix ``H diag(signs)`` along the head
+  dim before quantization. ``H H^T = D I``, so
+  ``Q' K'^T = D Q K^T`` exactly and the kernel divides the scores by ``D``; outliers are
+  spread over the head dim, which shrinks the block scales' dynamic range.
+* **P quantized online** in the kernel to E4M3 with one power-of-two scale per query row
+  and key tile of ``p_block`` keys (32 for ``"mxfp8"``: an MX block along the keys), chosen
+  so that the tile's largest weight lands in ``(220, 440]``. Softmax: the scale comes from
+  the running row max at no cost (the weights are ``exp2(s - m)``, so the tile max is
+  known in the log domain) and is folded into the exponent; GDPA: from the tile's row
+  maxima of ``|act(s)|``. Softmax and activations run in float32.
+
+The forward is FP8; the backward is the package's bf16 backward, recomputed from the
+original bf16 inputs (autograd keeps them): only the forward output and, for softmax, its
+log-sum-exp come from the FP8 pass. There is no FP8 backward.
+
+:mod:`hyperrec.jagged_attn.reference_fp8` is the pure-PyTorch specification of every
+quantization here (bit-exact against the kernels for Q, K and V; the online P
+quantization differs from the kernel's only through the kernel's accumulation order).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from hyperrec.jagged_attn._validate import check_bool, check_choice, check_int
+
+__all__ = [
+    "FORMATS",
+    "PRECISIONS",
+    "SCALE_RULES",
+    "FP8Config",
+    "Precision",
+    "QuantizedJagged",
+    "QuantizedQKV",
+    "quantize_qkv",
+    "resolve_precision",
+]
+
+#: Names accepted by ``precision=`` (an :class:`FP8Config` is accepted too).
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "mxfp8")
+#: ``FP8Config.format`` values.
+FORMATS: tuple[str, ...] = ("fp8", "mxfp8")
+#: ``FP8Config.scale`` values.
+SCALE_RULES: tuple[str, ...] = ("pow2", "fp32")
+Precision = Literal["bf16", "fp8", "mxfp8"]
+
+#: Largest finite E4M3 value.
+E4M3_MAX = 448.0
+#: MX block size (OCP).
+MX_BLOCK = 32
+_POW2_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_KV_BLOCKS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """How ``precision="fp8"`` / ``"mxfp8"`` quantizes (``precision=FP8Config(...)``).
+
+    ``FP8Config()`` is what ``precision="fp8"`` means; ``FP8Config(format="mxfp8")`` what
+    ``precision="mxfp8"`` means. The block fields and ``scale`` apply to ``"fp8"`` only
+    (``"mxfp8"`` fixes them to 32-element MX blocks with E8M0 scales); leave them ``None``
+    there.
+
+    Raises:
+        TypeError: a field of the wrong type.
+        ValueError: an unknown ``format`` or ``scale``, a block size not in its list,
+            ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, or a
+            block field or ``scale`` given with ``format="mxfp8"``.
+    """
+
+    format: str = "fp8"
+    """``"fp8"`` (per-token-block scales) or ``"mxfp8"`` (OCP MX, 32-element blocks)."""
+    block_q: int | None = None
+    """``"fp8"``: tokens per Q scale block (a power of two in [1, 256]; default 128). Any
+    value costs the same in the kernel (Q scales are applied per query row)."""
+    block_kv: int | None = None
+    """``"fp8"``: tokens per K and V scale block (32, 64, 128 or 256, a multiple of
+    ``p_block``; default 128)."""
+    p_block: int | None = None
+    """``"fp8"``: keys per P scale tile, the kernel's key tile (32, 64 or 128; default
+    128). Part of the numerics: the reference uses the same tiles."""
+    scale: str | None = None
+    """``"fp8"``: ``"pow2"`` (default; scale ``2**ceil(log2(amax / 448))``, exact to apply)
+    or ``"fp32"`` (``amax / 448``)."""
+    hadamard: bool | None = None
+    """Rotate Q and K by the same randomised Hadamard matrix along the head dim. ``None``
+    (default): on when the q/k head dim is a power of two; ``True`` requires one."""
+    hadamard_seed: int = 0
+    """Seed of the Hadamard sign vector."""
+
+    def __post_init__(self) -> None:
+        check_choice("format", self.format, FORMATS)
+        if self.hadamard is not None:
+            check_bool("hadamard", self.hadamard)
+        check_int("hadamard_seed", self.hadamard_seed, minimum=0)
+        fp8 = self.format == "fp8"
+        for name in ("block_q", "block_kv", "p_block", "scale"):
+            if not fp8 and getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} applies to format='fp8' only (mxfp8 uses 32-element MX "
+                    f"blocks), got {name}={getattr(self, name)!r}"
+                )
+        if not fp8:
+            return
+        if self.block_q is not None:
+            check_choice("block_q", check_int("block_q", self.block_q), _POW2_BLOCKS)
+        if self.block_kv is not None:
+            check_choice("block_kv", check_int("block_kv", self.block_kv), _KV_BLOCKS)
+        if self.p_block is not None:
+            check_choice("p_block", check_int("p_block", self.p_block), (32, 64, 128))
+        if self.scale is not None:
+            check_choice("scale", self.scale, SCALE_RULES)
+        if self.kv_block % self.tile_n:
+            raise ValueError(
+                f"block_kv must be a multiple of p_block = {self.tile_n}, got {self.kv_block}"
+            )
+
+    # Resolved values (defaults filled in).
+    @property
+    def mx(self) -> bool:
+        """True for ``"mxfp8"``."""
+        return self.format == "mxfp8"
+
+    @property
+    def q_block(self) -> int:
+        """Tokens per Q scale block (1 for MX: the blocks run along the head dim)."""
+        return 1 if self.mx else (128 if self.block_q is None else self.block_q)
+
+    @property
+    def kv_block(self) -> int:
+        """Tokens per K/V scale block (MX: V blocks of 32 tokens; K blocks along D)."""
+        return MX_BLOCK if self.mx else (128 if self.block_kv is None else self.block_kv)
+
+    @property
+    def tile_n(self) -> int:
+        """Keys per P scale tile (= the kernel's key tile)."""
+        return MX_BLOCK if self.mx else (128 if self.p_block is None else self.p_block)
+
+    @property
+    def scale_rule(self) -> str:
+        """``"pow2"`` or ``"fp32"`` (MX scales are E8M0 powers of two)."""
+        return "pow2" if self.mx or self.scale is None else self.scale
+
+    def rotates(self, head_dim: int) -> bool:
+        """Whether Q and K are rotated for this q/k head dim (``hadamard`` resolved)."""
+        if self.hadamard is None:
+            return head_dim >= 2 and head_dim & (head_dim - 1) == 0
+        return self.hadamard
+
+    @property
+    def v_pad(self) -> int:
+        """Column padding of each sequence in the transposed V layout."""
+        return MX_BLOCK if self.mx else 16
+
+    def encode(self) -> str:
+        """A canonical string (the custom ops' argument); :meth:`decode` inverts it."""
+        return ";".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    @classmethod
+    def decode(cls, text: str) -> FP8Config:
+        """Inverse of :meth:`encode`."""
+        pairs = dict(item.split("=", 1) for item in text.split(";"))
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = pairs[f.name]
+            if raw == "None":
+                kw[f.name] = None
+            elif f.name in ("format", "scale"):
+                kw[f.name] = raw
+            elif f.name == "hadamard":
+                kw[f.name] = raw == "True"  # (None handled above)
+            else:
+                kw[f.name] = int(raw)
+        return cls(**kw)
+
+    def check_shapes(self, head_dim: int, head_dim_v: int) -> None:
+        """Raise ValueError (naming ``precision``) for head dims this config cannot describe
+        (the kernels' own range, 16-256, is checked where the backend is chosen)."""
+        del head_dim_v  # any V head dim: V is blocked along the tokens or whole rows
+        if self.mx and head_dim % MX_BLOCK:
+            raise ValueError(
+                f"precision='mxfp8' needs a q/k head_dim that is a multiple of 32 (MX blocks "
+                f"along the head dim), got {head_dim}"
+            )
+        if self.hadamard and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"precision with hadamard=True needs a power-of-two q/k head_dim, got {head_dim}"
+            )
+
+
+def mxfp8_module():
+    """``hyperrec.mxfp8`` (the optional dependency of ``precision="mxfp8"``).
+
+    Raises:
+        ModuleNotFoundError: hyperrec-mxfp8 is not installed.
+    """
+    try:
+        import hyperrec.mxfp8 as mx
+    except ImportError as e:
+        raise ModuleNotFoundError(
+            "precision='mxfp8' needs the hyperrec-mxfp8 package (its MX formats and scale "
+            "rules): pip install 'hyperrec-jagged-attn[fp8]'"
+        ) from e
+    return mx
+
+
+def resolve_precision(precision: object) -> FP8Config | None:
+    """``None`` for ``"bf16"`` (the inputs' own precision), else the :class:`FP8Config`.
+
+    Raises:
+        TypeError: ``precision`` is neither a str nor an :class:`FP8Config`.
+        ValueError: an unknown name.
+        ModuleNotFoundError: ``"mxfp8"`` without hyperrec-mxfp8 installed.
+    """
+    if isinstance(precision, FP8Config):
+        config = precision
+    elif isinstance(precision, str):
+        check_choice("precision", precision, PRECISIONS)
+        if precision == "bf16":
+            return None
+        config = FP8Config(format=precision)
+    else:
+        raise TypeError(
+            f"precision must be one of {PRECISIONS} or an FP8Config, got "
+            f"{type(precision).__name__} {precision!r}"
+        )
+    if config.mx:
+        mxfp8_module()
+    return config
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedJagged:
+    """One jagged tensor in the kernels' FP8 layout.
+
+    ``layout="rows"`` (Q, K): ``data`` is ``(T, H, D)`` ``float8_e4m3fn``; ``scale`` is
+    ``(T, H)`` float32 for ``"fp8"`` (each token row holds its block's scale, so kernels
+    index scales like the data) or ``(T, H, D // 32)`` uint8 E8M0 for ``"mxfp8"``.
+
+    ``layout="cols"`` (V, transposed so that ``P @ V`` reads it along the reduction dim):
+    ``data`` is ``(H, Dv, Tp)`` ``float8_e4m3fn``; token ``j`` of sequence ``b`` is column
+    ``pad_offsets[b] + j`` (each sequence starts at a multiple of 16, or 32 for MX;
+    columns between sequences are never read). ``scale`` is ``(T, H)`` float32 (``"fp8"``)
+    or ``(H, Dv, Tp // 32)`` uint8 (``"mxfp8"``: one E8M0 byte per 32 columns).
+
+    The value of an element is ``float(data) * scale`` (``2**(byte - 127)`` for E8M0);
+    when the config rotates, Q and K hold the rotated values.
+    """
+
+    data: torch.Tensor
+    """The E4M3 elements."""
+    scale: torch.Tensor
+    """Scales (see the class doc)."""
+    layout: str
+    """``"rows"`` or ``"cols"``."""
+    pad_offsets: torch.Tensor | None = None
+    """``"cols"``: ``(B + 1,)`` int32 column offsets of the sequences."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedQKV:
+    """Q, K and V quantized for one attention call (see :func:`quantize_qkv`)."""
+
+    q: QuantizedJagged
+    k: QuantizedJagged
+    v: QuantizedJagged
+    config: FP8Config
+
+
+def quantize_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor | None = None,
+    *,
+    precision: str | FP8Config = "fp8",
+    backend: str = "auto",
+) -> QuantizedQKV:
+    """Quantize Q, K and V into the FP8 kernels' layout, in one pass.
+
+    One kernel launch reads each input once (strided views of one projection output, such
+    as ``h.split(dim, -1)`` viewed as ``(T, H, D)``, are read in place: only the last dim
+    must be contiguous) and writes the E4M3 data and scales of all three; V is written
+    transposed. This is what ``precision="fp8"`` runs before the attention kernel.
+
+    Args:
+        q: ``(Tq, H, D)`` bf16/fp16/fp32. k: ``(Tk, H, D)``; v: ``(Tk, H, Dv)``.
+        q_offsets: ``(Bq + 1,)`` int32/int64 query offsets (valid: not checked here).
+        kv_offsets: ``(Bk + 1,)`` key/value offsets; default ``q_offsets``.
+        precision: ``"fp8"``, ``"mxfp8"`` or an :class:`FP8Config`.
+        backend: ``"auto"`` (the Triton kernel on CUDA GPUs of compute capability >= 8.9,
+            or under ``TRITON_INTERPRET=1``; else the reference), ``"torch"`` (the
+            reference, :mod:`hyperrec.jagged_attn.reference_fp8`) or ``"triton"``.
+
+    Returns:
+        A :class:`QuantizedQKV` (layouts in :class:`QuantizedJagged`).
+
+    Raises:
+        TypeError: non-tensor inputs or a bad ``precision`` type.
+        ValueError: unsupported head dims for the config, an unknown ``precision`` or
+            ``backend``, or ``backend="triton"`` where the kernel cannot run.
+        ModuleNotFoundError: ``"mxfp8"`` without hyperrec-mxfp8.
+    """
+    from hyperrec.jagged_attn._fp8.quantize import quantize_qkv as _impl
+    from hyperrec.jagged_attn._validate import check_qkv
+
+    check_qkv(q, k, v)
+    config = resolve_precision(precision)
+    if config is None:
+        raise ValueError("precision must be 'fp8', 'mxfp8' or an FP8Config, got 'bf16'")
+    config.check_shapes(q.shape[2], v.shape[2])
+    check_choice("backend", backend, ("auto", "torch", "triton"))
+    return _impl(q, k, v, q_offsets, q_offsets if kv_offsets is None else kv_offsets, config,
+                 backend)  # fmt: skip
+
+
+def hadamard_scale(config: FP8Config, head_dim: int) -> float:
+    """Factor the scores of rotated Q, K carry (``D`` when rotated, else 1)."""
+    return float(head_dim) if config.rotates(head_dim) else 1.0
+
+
+#: log2 of the largest P value after scaling (P's tile maximum lands in (220, 440]).
+P_LOG2_MAX = math.log2(440.0)
+#: Bound on P's power-of-two scale exponent (``|k| <= P_EXP_MAX``).
+P_EXP_MAX = 32
