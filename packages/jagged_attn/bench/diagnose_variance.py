@@ -370,6 +370,97 @@ def summary(r: dict) -> str:
     )  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------
+# --explain: what the launcher does for each instance of a committed benchmark run (CPU)
+# ---------------------------------------------------------------------------------------
+
+
+def _corr(xs: list[float], ys: list[float]) -> float | None:
+    import statistics
+
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    return statistics.correlation(xs, ys)
+
+
+# The forward kernel's integer arguments (launcher order) and whether Triton specialises
+# them (a value divisible by 16, or equal to 1, selects another compiled variant).
+def _fwd_int_args(tokens: int, heads: int, head_dim: int) -> dict[str, int]:
+    hd = heads * head_dim
+    return dict(stride_qt=hd, stride_qh=head_dim, stride_kt=hd, stride_kh=head_dim,
+                stride_vt=hd, stride_vh=head_dim, stride_ot=hd, stride_oh=head_dim,
+                stride_lh=tokens, n_q_rows=tokens, n_kv_rows=tokens)  # fmt: skip
+
+
+def explain_instances(result: dict, num_sms: int = 132, programs_per_sm: int = 1) -> dict:
+    """For every instance of a ``bench_attention.py`` result: what the launcher chose and
+    computed (configuration, length bucket, tiles, work items, persistent grid, rounds,
+    static load imbalance, the specialisation key of the forward's integer arguments) and
+    the correlation of each quantity with the measured per-instance times. CPU only: the
+    lengths are regenerated with the benchmark's own generator from the recorded seeds."""
+    from hyperrec.jagged_attn._triton import _configs, _kernels
+    from hyperrec.jagged_attn._triton._schedule import work_upper_bound
+
+    not_specialised = set(_kernels.FWD_NOT_SPECIALISED)
+    cases = []
+    for c in result["cases"]:
+        case = Case(**{k: c[k] for k in ("name", "dist", "batch", "max_len", "heads",
+                                          "head_dim", "causal", "kind")})  # fmt: skip
+        causal = case.causal or case.kind != "softmax"
+        cfg = _configs.select_config(_configs.config_key(
+            "fwd", "sm90", case.head_dim, case.kind == "softmax", causal, case.max_len))  # fmt: skip
+        rows = []
+        for inst in c["instances"]:
+            lens = lengths(case.dist, case.batch, case.max_len, inst["seed"])
+            tokens = int(lens.sum())
+            assert tokens == inst["tokens"], "the generator no longer reproduces the run"
+            tiles = int(((lens + cfg.block_m - 1) // cfg.block_m).sum())
+            items = tiles * case.heads
+            bound = work_upper_bound(tokens, case.batch, cfg.block_m) * case.heads
+            grid = max(1, min(bound, num_sms * programs_per_sm))
+            ints = _fwd_int_args(tokens, case.heads, case.head_dim)
+            spec_key = tuple((n, v % 16 == 0, v == 1) for n, v in ints.items()
+                             if n not in not_specialised)  # fmt: skip
+            pred = predicted_imbalance(case, dict(off=_offsets(lens), lens=lens), cfg, grid)
+            row = dict(seed=inst["seed"], tokens=tokens, flops_fwd=inst["flops_fwd"],
+                       max_len=int(lens.max()),
+                       bucket=_configs.config_key("fwd", "sm90", case.head_dim, True, causal,
+                                                  case.max_len)[-1],
+                       tiles=tiles, work_items=items, work_upper_bound=bound, grid=grid,
+                       rounds=-(-items // grid), static_max_over_mean=pred["static_max_over_mean"],
+                       tokens_mod_16=tokens % 16, specialisation_key=str(spec_key))  # fmt: skip
+            row.update({k: v for k, v in inst.items() if k.endswith("_ms")})
+            rows.append(row)
+        timed = sorted({k for r in rows for k in r if k.endswith("_ms")})
+        numeric = ("tokens", "flops_fwd", "tiles", "work_items", "rounds",
+                   "static_max_over_mean", "tokens_mod_16")  # fmt: skip
+        corr = {t: {q: _corr([float(r[q]) for r in rows], [r[t] for r in rows])
+                    for q in numeric} for t in timed}  # fmt: skip
+        ms = [r["hyperrec/fwd_ms"] for r in rows if "hyperrec/fwd_ms" in r]
+        # host-bound timings share the host's noise: compare ours with every other column
+        between = {t: _corr([r["hyperrec/fwd_ms"] for r in rows], [r[t] for r in rows])
+                   for t in timed if t != "hyperrec/fwd_ms"} if ms else {}  # fmt: skip
+        cases.append(dict(
+            name=case.name, shipped_fwd_config=asdict(cfg), instances=rows,
+            distinct=dict(config=1, bucket=len({r["bucket"] for r in rows}),
+                          specialisation_key=len({r["specialisation_key"] for r in rows}),
+                          grid=len({r["grid"] for r in rows})),
+            correlation_with_time=corr,
+            correlation_hyperrec_fwd_ms_with=between,
+            hyperrec_fwd_ms=dict(min=min(ms), max=max(ms)) if ms else None,
+            gflop_fwd=dict(min=min(r["flops_fwd"] for r in rows) * 1e-9,
+                           max=max(r["flops_fwd"] for r in rows) * 1e-9),
+        ))  # fmt: skip
+    return dict(source_machine=result.get("machine"), num_sms=num_sms,
+                programs_per_sm=programs_per_sm, cases=cases)  # fmt: skip
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    off = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    return off
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
@@ -378,9 +469,30 @@ def main() -> None:
     parser.add_argument("--budget-min", type=float, default=None,
                         help="start no new case after this many minutes (default 6; 2 with "
                              "--quick)")  # fmt: skip
+    parser.add_argument("--explain", type=Path, default=None,
+                        help="CPU only: explain the per-instance times of this "
+                             "bench_attention.py JSON (writes explain_<name>.json)")  # fmt: skip
     args = parser.parse_args()
     budget = args.budget_min if args.budget_min is not None else (2.0 if args.quick else 6.0)
     from hyperrec.testing import write_result
+
+    if args.explain is not None:
+        import json
+
+        report = explain_instances(json.loads(args.explain.read_text()))
+        for c in report["cases"]:
+            corr = c["correlation_with_time"].get("hyperrec/fwd_ms", {})
+            print(f"{c['name']}: hyperrec fwd {c['hyperrec_fwd_ms']} ms, "
+                  f"{c['gflop_fwd']['min']:.1f}-{c['gflop_fwd']['max']:.1f} GFLOP; distinct "
+                  f"{c['distinct']}; corr(fwd ms, .) "
+                  f"{ {k: None if v is None else round(v, 2) for k, v in corr.items()} }")  # fmt: skip
+        path = write_result(args.out / f"explain_{args.explain.stem}.json", {
+            "benchmark": f"per-instance launcher decisions for {args.explain.name} "
+                         "(computed on the CPU from the recorded seeds)",
+            **report,
+        })  # fmt: skip
+        print(f"wrote {path}")
+        return
 
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
