@@ -1,0 +1,108 @@
+"""Inputs the kernels read in place and inputs they copy first (misaligned views), and the
+eager path that skips the custom op's dispatch: same results and gradients either way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyperrec.jagged_attn import jagged_attention
+from hyperrec.jagged_attn._triton import _launch
+from hyperrec.jagged_attn._triton.ops import ALIGNMENT, _eager, needs_copy
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _at_offset(shape, offset_bytes: int, dtype=torch.bfloat16, row_pad: int = 0):
+    """A (T, H, D) tensor whose data starts ``offset_bytes`` into a fresh buffer, with rows
+    ``row_pad`` elements longer than H * D (a view, as q sliced out of a packed buffer)."""
+    t, h, d = shape
+    item = torch.empty((), dtype=dtype).element_size()
+    row = h * d + row_pad
+    buf = torch.zeros(t * row * item + offset_bytes + 64, dtype=torch.uint8)
+    base = buf[offset_bytes : offset_bytes + t * row * item].view(dtype).view(t, row)
+    out = base[:, : h * d].view(t, h, d) if row_pad == 0 else base[:, : h * d].unflatten(1, (h, d))
+    out.copy_(torch.randn(shape).to(dtype))
+    return out
+
+
+def test_needs_copy_decision():
+    shape = (6, 2, 32)
+    assert not needs_copy(torch.randn(shape).to(torch.bfloat16))  # fresh: aligned, in place
+    assert torch.randn(8).data_ptr() % ALIGNMENT == 0  # (the test's premise on this host)
+    assert needs_copy(_at_offset(shape, 8))  # base 8 bytes off: copy
+    assert needs_copy(_at_offset(shape, 2))
+    assert not needs_copy(_at_offset(shape, 16))  # 16-byte aligned: read in place
+    assert not needs_copy(_at_offset(shape, 128))
+    assert needs_copy(_at_offset(shape, 0, row_pad=4))  # rows of 68 bf16 = 136 bytes
+    assert not needs_copy(_at_offset(shape, 0, row_pad=8))  # rows of 144 bytes: fine
+    assert needs_copy(torch.randn(6, 32, 2).to(torch.bfloat16).transpose(1, 2))  # last dim
+    # head dim of 20 bf16 (40 bytes): a contiguous copy's rows are no better aligned, so a
+    # padded-row view is read in place (only a misaligned base is worth a copy)
+    assert not needs_copy(_at_offset((6, 2, 20), 0, row_pad=2))
+    assert needs_copy(_at_offset((6, 2, 20), 8))
+    assert not needs_copy(_at_offset((0, 2, 32), 8))  # empty: nothing to read
+    # strides of dims of size 1 never matter
+    one = torch.randn(1, 2, 32).to(torch.bfloat16).as_strided((1, 2, 32), (3, 32, 1))
+    assert not needs_copy(one)
+
+
+needs_kernels = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+
+
+@needs_kernels
+@pytest.mark.parametrize("grad", [False, True])
+def test_misaligned_inputs_are_copied_and_exact(grad, monkeypatch):
+    lens = (5, 0, 11)
+    shape = (sum(lens), 2, 32)
+    off = torch.tensor([0, 5, 5, 16])
+    q, k, v = (_at_offset(shape, 8) for _ in range(3))
+    aligned = [t.clone() for t in (q, k, v)]
+    seen = []
+    real = _launch._launch_persistent
+
+    def spy(kernel, work, device, cfg, key, args, kw):
+        seen.extend(a.data_ptr() % ALIGNMENT for a in args[:3])
+        return real(kernel, work, device, cfg, key, args, kw)
+
+    monkeypatch.setattr(_launch, "_launch_persistent", spy)
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        aligned = [t.requires_grad_() for t in aligned]
+    got = jagged_attention(q, k, v, off, 11, causal=True, backend="triton")
+    want = jagged_attention(*aligned, off, 11, causal=True, backend="triton")
+    assert seen and not any(seen)  # the kernels read aligned copies
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if grad:
+        do = torch.randn_like(got)
+        g_got = torch.autograd.grad(got, (q, k, v), do)
+        g_want = torch.autograd.grad(want, aligned, do)
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_kernels
+def test_eager_path_equals_custom_op():
+    # The eager path (no custom op dispatch) and the op give the same outputs and
+    # gradients; a dispatch mode (here the FLOP counter) routes calls through the op.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    off = torch.tensor([0, 7, 7, 20])
+    q, k, v = (torch.randn(20, 2, 32).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    assert _eager(q, k, v)
+    out = jagged_attention(q, k, v, off, 13, causal=True, backend="triton")
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    with FlopCounterMode(display=False) as counter:
+        assert not _eager(q, k, v)
+        out_op = jagged_attention(q, k, v, off, 13, causal=True, backend="triton")
+        grads_op = torch.autograd.grad(out_op.float().square().sum(), (q, k, v))
+    assert counter.get_total_flops() > 0  # the op was seen
+    torch.testing.assert_close(out, out_op, rtol=0, atol=0)
+    for a, b in zip(grads, grads_op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            jagged_attention(q, k, v, off, 13, causal=True, backend="triton"), out, rtol=0, atol=0
+        )
