@@ -10,6 +10,7 @@ message instead of a wrong answer or an illegal memory access.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,6 +335,9 @@ class _ForwardPlan:
     key: _Key
     ce: dict[str, Any]
     host_descs: bool
+    gluon: bool
+    """The experimental Gluon forward can serve this call (used if :data:`GLUON_ENV` is
+    set)."""
 
 
 _FWD_PLANS: dict[tuple, _ForwardPlan] = {}
@@ -387,7 +391,75 @@ def _forward_plan(
         kw["WARP_SPEC"] = False
         key = _Key(("fwd", q.dtype, cfg, tuple(sorted(kw.items()))))
     host_descs = bool(variants["TMA"]) and not variants["TMA_IN_KERNEL"]
-    return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs)
+    gluon = config is None and gluon_eligible(call)
+    return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, gluon=gluon)
+
+
+#: Environment variable that opts into the experimental Gluon forward (``_gluon/``) for the
+#: calls it supports: ``JAGGED_ATTN_GLUON=1``. Off by default until a GPU run has
+#: validated it; the backward stays the Triton kernels (they take its LSE as is).
+GLUON_ENV = "JAGGED_ATTN_GLUON"
+
+
+def gluon_requested() -> bool:
+    """Whether :data:`GLUON_ENV` asks for the Gluon forward (``"1"``)."""
+    return os.environ.get(GLUON_ENV, "0") == "1"
+
+
+def gluon_eligible(call: AttentionCall) -> bool:
+    """Whether the Gluon forward computes exactly this call (see :func:`gluon_unsupported`)."""
+    return gluon_unsupported(call) is None
+
+
+def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str | None:
+    """Why the experimental Gluon forward cannot serve ``call``, or None if it can.
+
+    It computes softmax, or SiLU with no normalisation or HSTU's ``1 / max_seqlen``; no
+    mask but causal (no window, targets, contextual tokens or blocks), no query -> kv map;
+    bf16/fp16; one head dim of 64 or 128 for q, k and v; non-empty q and k with packed
+    heads and 16-byte aligned rows (TMA); on an sm_90 GPU with the Triton its API was
+    written for (``_gluon.gluon_supported``; skipped with ``check_device=False``).
+    """
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    softmax = spec.activation == "softmax"
+    if not softmax and spec.activation != "silu":
+        return f"activation {spec.activation!r} (softmax or silu only)"
+    if spec.normalization not in (("none",) if softmax else ("none", "max_seqlen")):
+        return f"normalization {spec.normalization!r} with {spec.activation}"
+    if _Mask(call).generic:
+        return "a mask beyond causal (window, targets, contextual tokens or blocks)"
+    if call.kv_index is not None:
+        return "a query -> kv map (kv_index)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype}"
+    if q.shape[2] not in (64, 128) or k.shape[1:] != q.shape[1:] or v.shape[1:] != q.shape[1:]:
+        return f"head dims {q.shape[2]}/{v.shape[2]} (one of 64 or 128 for q, k and v)"
+    if q.shape[0] == 0 or k.shape[0] == 0 or not _tma_ready(q, k, v):
+        return "empty inputs, or heads not packed / rows not 16-byte aligned (TMA)"
+    if check_device:
+        if q.device.type != "cuda" or interpreting():
+            return f"device {q.device}"
+        from hyperrec.jagged_attn._gluon import gluon_supported, unsupported_reason
+
+        if not gluon_supported(q.device):
+            return unsupported_reason(q.device)
+    return None
+
+
+def _gluon_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    from hyperrec.jagged_attn._gluon import jagged_attention_fwd_gluon
+
+    spec = call.spec
+    # the Gluon launcher takes kv_offsets=None for self-attention (then max_seqlen is the
+    # kv maximum too: HSTU's divisor)
+    same = (call.kv_offsets is call.q_offsets and spec.max_seqlen_kv == spec.max_seqlen_q
+            and call.k.shape[0] == call.q.shape[0])  # fmt: skip
+    return jagged_attention_fwd_gluon(
+        call.q, call.k, call.v, call.q_offsets, spec.max_seqlen_q, causal=spec.mask.causal,
+        scale=spec.scale, kv_offsets=None if same else call.kv_offsets,
+        max_seqlen_kv=None if same else spec.max_seqlen_kv, activation=spec.activation,
+        output_scale=spec.output_scale, normalization=spec.normalization,
+    )  # fmt: skip
 
 
 def attention_forward(
@@ -423,6 +495,8 @@ def attention_forward(
     assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
     if total_q == 0 or n_seq == 0:
         return out, lse
+    if plan.gluon and gluon_requested():
+        return _gluon_forward(call)
     cfg, kw = plan.cfg, plan.kw
     coef = _coef(spec)
     if cfg.pack_rows and _packable(call):
