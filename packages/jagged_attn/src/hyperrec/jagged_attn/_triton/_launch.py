@@ -27,9 +27,11 @@ from hyperrec.jagged_attn._triton._schedule import (
     kv_tile_schedule,
     q_tile_meta,
     q_tile_schedule,
+    remember_int32,
     row_sequence,
     work_upper_bound,
 )
+from hyperrec.jagged_attn._triton._tiles import tile_schedule
 
 __all__ = ["attention_backward", "attention_forward"]
 
@@ -566,6 +568,15 @@ def _fwd_schedule(call: AttentionCall, block_m: int, order: str, prefetch: bool 
     tensors = (call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets)
 
     def build():
+        if not prefetch and order == "cost":  # the default: one kernel launch
+            upper = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, block_m)
+            q32, kv32, *table = tile_schedule(
+                call.q_offsets, call.kv_offsets, as_int32(call.kv_index), block_m, causal, upper,
+                call.spec.max_seqlen_kv, kv_tiles=False,
+            )  # fmt: skip
+            remember_int32(call.q_offsets, q32)
+            remember_int32(call.kv_offsets, kv32)
+            return (q32, kv32, *table)
         q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
         kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
         if prefetch:
@@ -767,6 +778,16 @@ def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple:
     tensors = (call.q_offsets, call.kv_offsets, call.kv_index)
 
     def build():
+        if call.kv_index is None:  # one kernel launch
+            upper = work_upper_bound(total_kv, call.kv_offsets.shape[0] - 1, cfg.block_n)
+            q32, kv32, tile_seq, tile_idx, total = tile_schedule(
+                call.q_offsets, call.kv_offsets, None, cfg.block_n, causal, upper,
+                call.spec.max_seqlen_q, kv_tiles=True,
+            )  # fmt: skip
+            remember_int32(call.q_offsets, q32)
+            remember_int32(call.kv_offsets, kv32)
+            # (no map: the kernel never reads the inverse map; any valid pointer will do)
+            return q32, kv32, tile_seq, tile_idx, total, total, total
         q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
         kv_index = as_int32(call.kv_index)
         return (q_offsets, kv_offsets,

@@ -1,4 +1,8 @@
-"""Device-side tile schedules: built with a few tensor ops, never read on the host.
+"""Device-side tile schedules, never read on the host: the PyTorch builders and the cache.
+
+(The default path builds the query-tile and self-attention key-tile schedules in one
+Triton launch instead, ``_tiles.py``, with the same tiles and cost order; the builders
+here serve the opt-in variants, dK/dV with a ``kv_index``, and the tests.)
 
 A schedule lists the work of one kernel as tiles, sorted by estimated cost, heaviest first:
 
@@ -30,6 +34,7 @@ import torch
 __all__ = [
     "as_int32",
     "cached_schedule",
+    "remember_int32",
     "kv_tile_schedule",
     "q_tile_meta",
     "q_tile_schedule",
@@ -80,6 +85,13 @@ def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.dtype == torch.int32:
         return t
     return _cached((t,), ("int32",), lambda: t.to(torch.int32))
+
+
+def remember_int32(t: torch.Tensor, t32: torch.Tensor) -> None:
+    """Make ``t32`` (an int32 copy of ``t`` written elsewhere, e.g. by the schedule
+    kernel) what :func:`as_int32` returns for ``t`` from now on."""
+    if t.dtype != torch.int32:
+        _cached((t,), ("int32",), lambda: t32)
 
 
 def row_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:
