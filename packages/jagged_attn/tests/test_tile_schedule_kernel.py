@@ -107,3 +107,19 @@ def test_matches_pytorch_builder(data):
            block=data.draw(st.sampled_from([16, 32]), label="block"), kv_tiles=kv_tiles,
            kv_index=kv_index, same=same,
            dtype=data.draw(st.sampled_from([torch.int32, torch.int64]), label="dtype"))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU (not the interpreter)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_large_batches(causal):
+    # thousands of sequences (several steps of the kernel's loops), zeros, long ones
+    g = torch.Generator().manual_seed(1)
+    u = torch.rand(5000, generator=g, dtype=torch.float64)
+    lens = (2048 * u**2.8).floor().long().tolist()  # power law, many zeros and ones
+    lens[17] = 2048
+    for kv_tiles in (False, True):
+        _check(lens, lens, causal=causal, block=128, kv_tiles=kv_tiles, same=True)
+    k_lens = torch.randint(0, 300, (700,), generator=g).tolist()
+    kv_index = torch.randint(0, 700, (5000,), generator=g).tolist()
+    _check(lens, k_lens, causal=causal, block=64, kv_tiles=False, kv_index=kv_index)

@@ -106,3 +106,57 @@ def test_eager_path_equals_custom_op():
         torch.testing.assert_close(
             jagged_attention(q, k, v, off, 13, causal=True, backend="triton"), out, rtol=0, atol=0
         )
+
+
+# ----------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------
+
+GPU = torch.cuda.is_available() and not INTERPRET
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (not the interpreter)")
+@pytest.mark.parametrize("shift", [2, 8])
+def test_gpu_misaligned_inputs(shift):
+    # Shipped configurations (tensor descriptors): misaligned views are copied, the result
+    # and the gradients equal those of aligned inputs bit for bit.
+    lens = [300, 0, 1, 129, 64, 513]
+    off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    shape = (sum(lens), 4, 128)
+    aligned = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    moved = []
+    for t in aligned:
+        buf = torch.empty(t.numel() * 2 + shift + 64, dtype=torch.uint8, device="cuda")
+        moved.append(buf[shift : shift + t.numel() * 2].view(torch.bfloat16).view(shape))
+        moved[-1].copy_(t)
+    assert all(needs_copy(t) for t in moved)
+    leaves_a = [t.clone().requires_grad_() for t in aligned]
+    leaves_m = [t.requires_grad_() for t in moved]
+    out_a = jagged_attention(*leaves_a, off, 513, causal=True)
+    out_m = jagged_attention(*leaves_m, off, 513, causal=True)
+    assert torch.equal(out_a, out_m)
+    do = torch.randn_like(out_a)
+    for a, m in zip(torch.autograd.grad(out_a, leaves_a, do),
+                    torch.autograd.grad(out_m, leaves_m, do)):  # fmt: skip
+        assert torch.equal(a, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (not the interpreter)")
+def test_gpu_eager_path_equals_custom_op():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lens = [300, 0, 1, 129, 64, 513]
+    off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    q, k, v = (torch.randn(sum(lens), 4, 128, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    do = torch.randn(sum(lens), 4, 128, device="cuda").to(torch.bfloat16)
+    out = jagged_attention(q, k, v, off, 513, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    with FlopCounterMode(display=False):
+        out_op = jagged_attention(q, k, v, off, 513, causal=True)
+        grads_op = torch.autograd.grad(out_op, (q, k, v), do)
+    assert torch.equal(out, out_op)
+    for a, b in zip(grads, grads_op):
+        assert torch.equal(a, b)

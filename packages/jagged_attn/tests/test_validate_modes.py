@@ -206,6 +206,26 @@ def _gpu_inputs(lens, heads=2, dim=64, seed=0):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_check_kernel_verdicts():
+    # the one-launch check on the GPU against the PyTorch condition, rule by rule
+    from hyperrec.jagged_attn._triton._checks import values_ok
+
+    cases = [dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4) | kw for kw in REJECT]
+    cases.append(dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4))
+    cases.append(dict(q_off=GOOD, kv_off=torch.tensor([0, 5, 5]), max_q=4, max_kv=5,
+                      kv_index=torch.tensor([0, 0, 1]),
+                      num_targets=torch.tensor([2, 5, 0])))  # fmt: skip
+    for c in cases:
+        c = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+        q_off, kv_off = c["q_off"], c["kv_off"]
+        args = (int(q_off[-1]) if c.get("tq") is None else c["tq"],
+                int(kv_off[-1]) if c.get("tk") is None else c["tk"], q_off, kv_off,
+                c["max_q"], c["max_kv"], c.get("kv_index"), c.get("num_targets"))  # fmt: skip
+        assert bool(values_ok(*args)) == bool(_validate._device_condition(*args)), c
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_default_path_never_syncs():
     lens = [300, 0, 17, 129, 64]
     q, k, v, off = _gpu_inputs(lens)
