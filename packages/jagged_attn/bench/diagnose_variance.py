@@ -25,8 +25,18 @@ number goes to JSON (``--out``), a summary to stdout.
 * ``l2``: with the L2 flushed before every call (``do_bench``) and back-to-back calls.
 * GPU clocks / temperature around the run (if pynvml is present).
 
+Then (section ``fixes``, first in the run) one check per fix of round 2, each with its
+criterion and ``confirmed``: the spread of the GPU's time over fresh instances of the
+quick benchmark's small cases (the do_bench spread was host-bound), the host's time per
+call at each layer (public API, eager path, custom op, launcher; SDPA and a bare Triton
+launch for scale), the default checks' host cost on a new offsets object, and misaligned
+inputs through the public API (copied) against the kernel given them directly.
+
     python bench/diagnose_variance.py --out bench/results          # <= 8 minutes on one H200
     python bench/diagnose_variance.py --out /tmp/d --quick         # <= 3 minutes
+    python bench/diagnose_variance.py --out /tmp/d --fixes-only    # ~1 minute: "fixes" only
+    python bench/diagnose_variance.py --explain RESULT.json --out D  # CPU: per-instance
+                                              # launcher decisions of a benchmark run
 
 (Estimates; no new case starts after ``--budget-min`` minutes, 6 or 2 with ``--quick``, and
 the JSON lists cases left out under ``skipped_for_time``.)
@@ -421,6 +431,9 @@ def check_fixes(args, device: str, timer: Timer) -> dict:
     #    counts) against the GPU's time alone, and the host's time per call.
     host_bound = {}
     for case in cases:
+        warm = instance(case, 99, device)  # compile outside the first-call timings
+        public_fn(case, warm)()
+        del warm
         rows = []
         for seed in range(n_inst):
             inst = instance(case, seed, device)
@@ -646,6 +659,8 @@ def main() -> None:
     parser.add_argument("--budget-min", type=float, default=None,
                         help="start no new case after this many minutes (default 6; 2 with "
                              "--quick)")  # fmt: skip
+    parser.add_argument("--fixes-only", action="store_true",
+                        help="only the checks of the round-2 fixes (~1 minute)")  # fmt: skip
     parser.add_argument("--explain", type=Path, default=None,
                         help="CPU only: explain the per-instance times of this "
                              "bench_attention.py JSON (writes explain_<name>.json)")  # fmt: skip
@@ -709,7 +724,7 @@ def main() -> None:
         fixes["error"] = f"{type(e).__name__}: {e}"[:800]
         print(f"fixes check failed: {fixes['error']}", flush=True)
     save()
-    for case in cases:
+    for case in [] if args.fixes_only else cases:
         if time.perf_counter() - t0 > 60 * budget:
             skipped.append(case.name)
             continue
