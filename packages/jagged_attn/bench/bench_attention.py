@@ -692,6 +692,13 @@ def main() -> None:
         write_result(path, {
             "benchmark": "jagged attention / GDPA, bf16, useful FLOPs (bwd = 2.5x fwd), "
                          f"{args.instances} fresh instances per case",
+            "timing": "<impl>/<pass>_ms: do_bench (L2 flushed; the GPU's wait for the host "
+                      "counts when a call's Python outlasts the flush); <pass>_device_ms: "
+                      "the GPU's time alone (host hidden behind a head start); "
+                      "<pass>_host_us: the host's time to issue one call; "
+                      "hyperrec/<pass>_first_call_ms: wall time of the first call with a new "
+                      "offsets object (schedules + value checks), *_cached_call_ms the next; "
+                      "flex/mask_build_ms: its per-instance block mask (outside its timings)",
             "bf16_matmul_ceiling_tflops": ceiling,
             "hstu_configs_kept": _HSTU.get("configs"),
             "seconds": time.perf_counter() - t_start,
