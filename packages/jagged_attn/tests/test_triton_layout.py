@@ -160,3 +160,121 @@ def test_gpu_eager_path_equals_custom_op():
     assert torch.equal(out, out_op)
     for a, b in zip(grads, grads_op):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------
+# Opt-in direct relaunch (``_triton/_direct.py``): its bookkeeping, on stand-ins for a
+# Triton kernel and its compiled launcher (the real replay is a GPU test)
+# ----------------------------------------------------------------------------------------
+
+
+class _Param:
+    def __init__(self, name, do_not_specialize=False):
+        self.name, self.do_not_specialize = name, do_not_specialize
+
+
+class _FakeKernel:
+    """Parameters (X, n, stride, BLOCK); its binder returns them in that order."""
+
+    def __init__(self, reorder=False):
+        self.params = [_Param("X"), _Param("n", True), _Param("stride"), _Param("BLOCK")]
+
+        def binder(X, n, stride, BLOCK=64, **options):
+            params = dict(X=X, n=n, stride=stride, BLOCK=BLOCK)
+            if reorder:
+                params = dict(n=n, X=X, stride=stride, BLOCK=BLOCK)
+            return params, [], options
+
+        self.device_caches = {0: (None, None, None, None, binder)}
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "md"
+
+    def __init__(self):
+        self.runs = []
+
+    def launch_metadata(self, grid, stream, *values):
+        return None
+
+    def run(self, *launch):
+        self.runs.append(launch)
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    from hyperrec.jagged_attn._triton import _direct
+
+    monkeypatch.setattr(_direct, "_current_device", lambda: 0)
+    monkeypatch.setattr(_direct, "_current_stream", lambda device: "stream")
+    monkeypatch.setattr(_direct, "_hooks", lambda: (None, None))
+    monkeypatch.setattr(_direct, "_CONVENTION", [True])
+    return _direct
+
+
+def test_relauncher_replays_and_falls_back(fake_triton):
+    x = torch.zeros(64)
+    compiled = _FakeCompiled()
+    r = fake_triton.Relauncher(_FakeKernel(), compiled, (x, 7, 32), dict(BLOCK=128), {})
+    assert r.ok
+    y = torch.zeros(32)
+    assert r(5, (y, 2**20, 32))  # new tensor and unspecialised int: replayed
+    assert compiled.runs == [(5, 1, 1, "stream", "fn", "md", None, None, None, y, 2**20, 32, 128)]
+    z = torch.zeros(33)[1:]  # 4 bytes off: Triton would compile another variant
+    assert not r(5, (z, 7, 32))
+    assert not r(5, (y, 7, 48))  # a specialised int changed
+    assert not r(5, (y, 2**31, 32))  # beyond int32: another signature
+    assert len(compiled.runs) == 1
+
+
+def test_relauncher_refuses_what_it_cannot_replay(fake_triton, monkeypatch):
+    x = torch.zeros(64)
+    misaligned = torch.zeros(33)[1:]
+    assert not fake_triton.Relauncher(_FakeKernel(), _FakeCompiled(), (misaligned, 7, 32),
+                                      dict(BLOCK=128), {}).ok  # fmt: skip
+    assert not fake_triton.Relauncher(_FakeKernel(reorder=True), _FakeCompiled(), (x, 7, 32),
+                                      dict(BLOCK=128), {}).ok  # fmt: skip
+    monkeypatch.setattr(fake_triton, "_CONVENTION", [False])
+    assert not fake_triton.Relauncher(_FakeKernel(), _FakeCompiled(), (x, 7, 32),
+                                      dict(BLOCK=128), {}).ok  # fmt: skip
+
+
+def test_run_convention_of_this_triton():
+    # The replayed call is the one this Triton's JITFunction.run makes (read from its
+    # source); a Triton that changed it turns the opt-in off instead of misusing it.
+    import triton
+
+    from hyperrec.jagged_attn._triton._direct import _convention_ok
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if not (3, 6) <= version <= (3, 9):
+        pytest.skip(f"convention only known for Triton 3.6-3.9, got {triton.__version__}")
+    assert _convention_ok()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (not the interpreter)")
+def test_gpu_direct_relaunch_equals_triton_launch(monkeypatch):
+    from hyperrec.jagged_attn._triton._direct import DIRECT_ENV
+
+    lens = [300, 0, 1, 129, 64, 513]
+    off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    q, k, v = (torch.randn(sum(lens), 4, 128, device="cuda").to(torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    do = torch.randn(sum(lens), 4, 128, device="cuda").to(torch.bfloat16)
+
+    def run():
+        out = jagged_attention(q, k, v, off, 513, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    want = run()
+    monkeypatch.setenv(DIRECT_ENV, "1")
+    monkeypatch.setattr(_launch, "_RELAUNCH", {})
+    first = run()  # Triton's launches; relaunchers recorded
+    assert _launch._RELAUNCH and all(r.ok for r in _launch._RELAUNCH.values()), (
+        "this Triton's launch convention is not replayable"
+    )
+    again = run()  # replayed
+    for a, b, c in zip(want, first, again):
+        assert torch.equal(a, b) and torch.equal(a, c)

@@ -20,6 +20,7 @@ import triton
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _configs, _kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
+from hyperrec.jagged_attn._triton._direct import Relauncher, direct_requested
 from hyperrec.jagged_attn._triton._probe import hopper_features
 from hyperrec.jagged_attn._triton._schedule import (
     as_int32,
@@ -181,11 +182,23 @@ def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
 def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig, key, args, kw):
     """Launch ``kernel`` on min(upper bound of work items, programs resident at once)."""
     occ = _OCCUPANCY.get(key, 1)
-    grid = (max(1, min(work_upper_bound, _num_sms(device) * occ)),)
-    compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid0 = max(1, min(work_upper_bound, _num_sms(device) * occ))
+    direct = direct_requested()
+    if direct:
+        relaunch = _RELAUNCH.get(key)
+        if relaunch is not None and relaunch.ok and relaunch(grid0, args):
+            return
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiled = kernel[(grid0,)](*args, **kw, **options)
     if key not in _OCCUPANCY and not interpreting():
         _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, device)
         _COMPILED[key] = compiled
+    if direct and key not in _RELAUNCH and not interpreting():
+        _RELAUNCH[key] = Relauncher(kernel, compiled, args, kw, options)
+
+
+# Opt-in direct relaunches (``_direct.py``), per launch key.
+_RELAUNCH: dict[tuple, Relauncher] = {}
 
 
 # The compiled kernel of each key (for benchmarks: registers, spills, shared memory, IR).
