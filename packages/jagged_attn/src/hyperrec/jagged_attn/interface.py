@@ -30,7 +30,6 @@ from hyperrec.jagged_attn._validate import (
 )
 from hyperrec.jagged_attn.activations import ACTIVATIONS
 from hyperrec.jagged_attn.fp8 import FP8Config, Precision
-from hyperrec.jagged_attn.masks import MaskSpec
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
 __all__ = ["block_attention", "gdpa", "jagged_attention"]
