@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperrec.integration.config import DataConfig, ModelConfig, Preset
-from hyperrec.integration.data import ACTIONS, DENSE_FEATURES, Batch
+from hyperrec.integration.config import DataConfig, DataSchema, ModelConfig, Preset
+from hyperrec.integration.data import Batch
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
 
 __all__ = [
@@ -260,37 +260,40 @@ class GEMModel(nn.Module):
 
     Args:
         model: the network's sizes.
-        data: vocabularies (items, topics/categories) and the history cap.
+        data: the input schema (vocabularies, dense width, history cap, tasks), or a
+            synthetic :class:`~hyperrec.integration.config.DataConfig` (its ``schema``).
         validate: let the attention ops check offsets and maxima (host syncs on GPU).
 
     ``forward(batch)`` returns ``(ctr_logit, cvr_logit)``, float32 ``[C]`` each (one per
-    candidate, in ``batch.candidate_items`` order).
+    candidate, in ``batch.candidate_items`` order); ``cvr_logit`` is ``None`` when the
+    schema has the CTR task only (there is no CVR head then).
     """
 
-    def __init__(self, model: ModelConfig, data: DataConfig, *, validate: bool = True):
+    def __init__(self, model: ModelConfig, data: DataSchema | DataConfig, *, validate: bool = True):
         super().__init__()
-        if not isinstance(model, ModelConfig) or not isinstance(data, DataConfig):
+        if not isinstance(model, ModelConfig) or not isinstance(data, (DataSchema, DataConfig)):
             raise TypeError(
-                "GEMModel expects (model: ModelConfig, data: DataConfig), got "
+                "GEMModel expects (model: ModelConfig, data: DataSchema | DataConfig), got "
                 f"({type(model).__name__}, {type(data).__name__})"
             )
-        self.config, self.data_config = model, data
+        schema = data.schema if isinstance(data, DataConfig) else data
+        self.config, self.schema = model, schema
         d = model.dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
-        self.item_embedding = nn.Embedding(data.num_items, d)
-        self.category_embedding = nn.Embedding(data.num_topics, d)
-        self.action_embedding = nn.Embedding(len(ACTIONS), d)
+        self.item_embedding = nn.Embedding(schema.num_items, d)
+        self.category_embedding = nn.Embedding(schema.num_categories, d)
+        self.action_embedding = nn.Embedding(schema.num_actions, d)
         self.time_embedding = nn.Embedding(model.time_buckets, d)
         self.user_embedding = nn.Embedding(model.user_hash_size, d)
-        self.tag_embedding = nn.EmbeddingBag(data.num_topics, d, mode="mean")
-        self.dense_proj = nn.Linear(len(DENSE_FEATURES), d)
+        self.tag_embedding = nn.EmbeddingBag(schema.num_tags, d, mode="mean")
+        self.dense_proj = nn.Linear(schema.num_dense, d)
         self.token_norm = nn.LayerNorm(d)
         self.seq_layers = nn.ModuleList(
             SequenceBlock(
                 d,
                 model.heads,
-                max_seqlen=data.max_seqlen,
+                max_seqlen=schema.max_seqlen,
                 block_size=model.attn_block_size if i < model.block_attention_layers else 0,
                 activation=model.activation,
                 dropout=model.dropout,
@@ -312,7 +315,7 @@ class GEMModel(nn.Module):
         self.mlp = _mlp([width, *model.mlp_dims], model.dropout)
         top = model.mlp_dims[-1]
         self.ctr_head = TaskHead(top, model.head_dims)
-        self.cvr_head = TaskHead(top, model.head_dims)
+        self.cvr_head = TaskHead(top, model.head_dims) if schema.has_conversion else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -327,23 +330,24 @@ class GEMModel(nn.Module):
         return [m.weight for m in self.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
 
     def check_batch(self, batch: Batch) -> None:
-        """:meth:`Batch.validate` against this model's vocabularies, plus the history cap.
+        """:meth:`Batch.validate` against this model's schema, plus the history cap.
 
         Raises:
             ValueError / TypeError: see :meth:`Batch.validate`; or a history longer than
-                ``DataConfig.max_seqlen``.
+                the schema's ``max_seqlen``.
         """
         if not isinstance(batch, Batch):
             raise TypeError(f"expected a Batch, got {type(batch).__name__}")
-        batch.validate(num_items=self.data_config.num_items, num_topics=self.data_config.num_topics)
-        if batch.max_history_len > self.data_config.max_seqlen:
+        batch.validate(self.schema)
+        if batch.max_history_len > self.schema.max_seqlen:
             raise ValueError(
                 f"Batch.max_history_len = {batch.max_history_len} exceeds the model's "
-                f"DataConfig.max_seqlen = {self.data_config.max_seqlen}"
+                f"DataSchema.max_seqlen = {self.schema.max_seqlen}"
             )
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each."""
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each (the second
+        ``None`` for a CTR-only schema)."""
         b, c, t = batch.num_requests, batch.num_candidates, batch.num_history_events
         if b == 0:
             raise ValueError("batch is empty: it must hold at least one request")
@@ -381,7 +385,7 @@ class GEMModel(nn.Module):
 
         h = self.interaction(self.feature_norm(features))
         h = self.mlp(h)
-        return self.ctr_head(h), self.cvr_head(h)
+        return self.ctr_head(h), (self.cvr_head(h) if self.cvr_head is not None else None)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,13 @@
 """The training loop: data -> model -> ESMM loss -> AdamW, with eval, checkpoints, metrics.
 
+Data comes from any :class:`~hyperrec.integration.data.DataSource`: the one
+``preset.data`` describes (the synthetic generator, or an event log prepared from CSV /
+Parquet files) or one given as ``Trainer(preset, data=...)``. The model is built from
+the source's schema. A finite source is trained for ``TrainConfig.epochs`` passes;
+the validation split is scored every ``eval_every`` steps (early stopping watches it)
+and the test split once, at the end, with the popularity and logistic-regression
+baselines (and the ground truth where the source has one) on the same requests.
+
 One :class:`Trainer` per process. With several ranks (``torchrun`` or an existing
 process group) each rank reads its own requests (no data exchange), the model is
 sharded by :func:`~hyperrec.integration.distributed.parallelize`, and the loss is
@@ -18,11 +26,13 @@ embeddings in ``hyperrec.parallel5d``, behind :func:`build_optimizer`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,26 +45,61 @@ import torch.distributed as dist
 
 from hyperrec.bbs import ImbalanceStats
 from hyperrec.integration._version import __version__
-from hyperrec.integration.baseline import PopularityBaseline
+from hyperrec.integration.baseline import LogisticRegressionBaseline, PopularityBaseline
 from hyperrec.integration.checkpoint import (
+    CheckpointError,
     checkpoint_dir,
     find_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     read_meta,
     save_checkpoint,
+    verify_checkpoint,
 )
-from hyperrec.integration.config import Preset, TrainConfig
-from hyperrec.integration.data import EVAL, SyntheticRecsysData
+from hyperrec.integration.config import (
+    EARLY_STOPPING_METRICS,
+    DataConfig,
+    EventLogConfig,
+    Preset,
+    TrainConfig,
+    check_model_fits,
+)
+from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, DataSource, SyntheticRecsysData
 from hyperrec.integration.distributed import DistributedContext, init_distributed, parallelize
+from hyperrec.integration.faults import (
+    FaultInjector,
+    NonFiniteError,
+    NonFiniteReport,
+    nonfinite_report,
+)
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
 from hyperrec.integration.model import GEMModel, esmm_loss
-from hyperrec.integration.pipeline import TrainStream, default_cost_model
+from hyperrec.integration.pipeline import (
+    RequestOrder,
+    TrainStream,
+    default_cost_model,
+    permute,
+    reshard_streams,
+)
 from hyperrec.integration.progress import ProgressBar
 
-__all__ = ["RunResult", "StepRecord", "Trainer", "build_optimizer", "lr_factor"]
+__all__ = ["RunResult", "StepRecord", "Trainer", "build_optimizer", "lr_factor", "task_loss"]
 
 _EVAL_CHUNK = 1024  # requests per eval forward
 _EMA_BETA = 0.95
+# Fields a resumed run may change: how long and how often, not what is trained.
+_CADENCE = {
+    "steps",
+    "epochs",
+    "eval_every",
+    "ckpt_every",
+    "log_every",
+    "early_stopping_patience",
+    "early_stopping_metric",
+    "nonfinite",
+    "baseline_requests",
+}
+_DATA_EXEMPT = {"path", "cache_dir", "reader", "valid_requests"}
 _HISTORY_KEYS = (
     "step",
     "loss",
@@ -67,6 +112,7 @@ _HISTORY_KEYS = (
     "step_time_s",
     "cost_max_over_mean",
     "arrival_cost_max_over_mean",
+    "skipped",
 )
 
 
@@ -82,6 +128,8 @@ class StepRecord:
     """int64 [B]: the training requests this rank trained on."""
     sub_batches: tuple[int, ...]
     """The global reader sub-batches they came from."""
+    skipped: bool = False
+    """True when the step's update was dropped (non-finite, ``nonfinite="skip"``)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +148,8 @@ class RunResult:
     """The newest checkpoint written by this run, if any."""
     interrupted: bool
     """True when ``stop_after`` ended the run before ``TrainConfig.steps``."""
+    stopped_early: bool = False
+    """True when early stopping ended the run."""
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -134,6 +184,51 @@ def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8)
 
 
+def task_loss(
+    ctr_logit: torch.Tensor,
+    cvr_logit: torch.Tensor | None,
+    click: torch.Tensor,
+    conversion: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (CTR, CTCVR) losses: :func:`~hyperrec.integration.model.esmm_loss`, or the
+    CTR log-loss and a zero when the model is CTR-only (``cvr_logit`` is None)."""
+    if cvr_logit is None:
+        ctr = torch.nn.functional.binary_cross_entropy_with_logits(
+            ctr_logit, click, reduction="sum"
+        )
+        return ctr, torch.zeros_like(ctr)
+    return esmm_loss(ctr_logit, cvr_logit, click, conversion)
+
+
+def _check_out_dir(out_dir: str | Path | None) -> None:
+    if out_dir is None:
+        return
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"out_dir must be a path, got {type(out_dir).__name__}")
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir {str(path)!r} exists and is not a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"out_dir {str(path)!r}: {str(parent)!r} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK) and not path.exists():
+                raise ValueError(f"out_dir {str(path)!r}: {str(parent)!r} is not writable")
+            break
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {str(path)!r} is not writable")
+
+
+def _resume_candidates(resume: str | Path) -> list[Path]:
+    path = Path(resume)
+    found = find_checkpoint(path)  # raises FileNotFoundError for a missing path
+    if found is None:
+        raise ValueError(f"resume={str(resume)!r} holds no complete checkpoint")
+    if found == path:
+        return [path]  # an explicit checkpoint: no fallback
+    return list_checkpoints(path)
+
+
 def _default_out_dir(preset: Preset) -> Path:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{preset.name}-{stamp}"
@@ -154,79 +249,179 @@ class Trainer:
 
     Args:
         preset: the run description.
-        out_dir: run directory (metrics, plot, checkpoints). Default: the directory of
-            the ``resume`` checkpoint's run, else ``runs/<preset>-<timestamp>/``.
-        resume: a checkpoint or run directory to resume from (latest complete step).
+        data: a :class:`~hyperrec.integration.data.DataSource` to train on instead of the
+            one ``preset.data`` describes (``preset.data`` is then not used).
+        out_dir: run directory (metrics, plot, checkpoints, a prepared event log).
+            Default: the directory of the ``resume`` checkpoint's run, else
+            ``runs/<preset>-<timestamp>/``.
+        resume: a checkpoint, or a run directory to resume from its newest complete
+            checkpoint (a corrupt one is reported and the one before it used). Another
+            world size is fine: model and optimizer reshard, and the data position
+            moves with :func:`~hyperrec.integration.pipeline.reshard_streams`.
         device: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
         progress: draw the progress bar on stderr (rank 0).
         on_step: called on every rank after every step with a :class:`StepRecord`.
+        sample_log: append every step's request ids to
+            ``<out_dir>/samples/rank<r>.jsonl`` (an audit trail for fault drills).
 
     Raises:
-        ValueError: the global batch does not split over the world size; ``resume``
-            has no complete checkpoint or another world size; bad device.
+        ValueError: ``out_dir`` is a file or not writable; the global batch does not
+            split over the world size; ``resume`` has no complete checkpoint or was
+            trained with another configuration or other data; a model that does not
+            fit the data's history cap; ``epochs`` with an endless source; bad device.
+        TypeError: ``data`` is not a DataSource.
+        FileNotFoundError: ``resume`` or the event log does not exist.
+        CheckpointError: ``resume`` names a corrupt checkpoint.
     """
 
     def __init__(
         self,
         preset: Preset,
         *,
+        data: DataSource | None = None,
         out_dir: str | Path | None = None,
         resume: str | Path | None = None,
         device: str = "auto",
         progress: bool = True,
         on_step: Callable[[StepRecord], None] | None = None,
+        sample_log: bool = False,
     ):
         if not isinstance(preset, Preset):
             raise TypeError(f"preset must be a Preset, got {type(preset).__name__}")
-        self.preset = preset
+        if data is not None and not isinstance(data, DataSource):
+            raise TypeError(
+                f"data must implement the DataSource protocol (schema, num_requests, "
+                f"history_lengths, batch, truth, state_dict, load_state_dict), got "
+                f"{type(data).__name__}"
+            )
+        # Everything that can be checked without work is checked before any.
+        _check_out_dir(out_dir)
+        candidates = _resume_candidates(resume) if resume is not None else []
         self._created = time.perf_counter()
         self.ctx: DistributedContext = init_distributed(device)
         cfg = preset.train
         if self.ctx.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.sub_batches_per_rank = cfg.sub_batches_per_rank(self.ctx.world_size)
-        ckpt = None
-        if resume is not None:
-            ckpt = find_checkpoint(resume)
-            if ckpt is None:
-                raise ValueError(f"resume={str(resume)!r} holds no complete checkpoint")
         if out_dir is None:
-            out_dir = ckpt.parent.parent if ckpt is not None else _default_out_dir(preset)
+            out_dir = candidates[0].parent.parent if candidates else _default_out_dir(preset)
         self.out_dir = Path(self._broadcast(str(out_dir)))
         self.on_step = on_step
         self.progress_enabled = progress and self.ctx.is_main
+        self.faults = FaultInjector.from_env(self.ctx.rank)
+        self.sample_log = sample_log
 
-        self.data = SyntheticRecsysData(preset.data)
+        self.custom_source = data is not None
+        self.source: DataSource = data if data is not None else self._open_source(preset)
+        self.schema = self.source.schema
+        check_model_fits(preset.model, self.schema.max_seqlen)
+        n_train = self.source.num_requests(TRAIN)
+        if cfg.epochs:
+            if n_train is None:
+                raise ValueError(
+                    "TrainConfig.epochs needs a finite data source (an event log); this "
+                    "one's training split is endless: use TrainConfig.steps"
+                )
+            steps = max(1, math.ceil(cfg.epochs * n_train / cfg.global_batch_size))
+            preset = dataclasses.replace(preset, train=dataclasses.replace(cfg, steps=steps))
+            cfg = preset.train
+        self.preset = preset
+        if self.ctx.is_main:  # only now: a configuration error leaves no empty run directory
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        log_cfg = preset.data if isinstance(preset.data, EventLogConfig) else None
+        shuffle = log_cfg.shuffle if log_cfg is not None and not self.custom_source else True
+        seed = log_cfg.seed if log_cfg is not None and not self.custom_source else cfg.seed
+        self.order = RequestOrder(n_train, shuffle=shuffle, seed=seed)
+        self._eval_ids = {s: self._split_ids(s, log_cfg) for s in (VALID, TEST)}
+
         # Same seed on every rank: sharding splits parameters that start identical. Built on
         # the target device: the big presets' tables would be slow to initialise on a CPU.
         torch.manual_seed(cfg.seed)
         with torch.device(self.ctx.device):
-            model = GEMModel(preset.model, preset.data, validate=cfg.validate_inputs)
+            model = GEMModel(preset.model, self.schema, validate=cfg.validate_inputs)
         self.model = parallelize(model, self.ctx, cfg.sharding)
         # Dropout draws differ per rank (they see different requests anyway).
         torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.stream = TrainStream(
-            self.data,
+        self.stream = self._build_stream()
+        self.popularity = PopularityBaseline(self.schema.num_items)
+        self.auc_window = WindowedAUC(cfg.auc_window)
+        self.step = 0
+        self.history: dict[str, list[Any]] = {k: [] for k in _HISTORY_KEYS}
+        self.evals: list[dict[str, Any]] = []
+        self.test_record: dict[str, Any] | None = None
+        self.nonfinite: list[dict[str, Any]] = []
+        """Reports of non-finite steps (skipped under ``nonfinite="skip"``)."""
+        self.stopped_early = False
+        self.rank_costs: list[list[list[float]]] = []
+        """Per step, per rank: [BBS step cost, arrival-order step cost]."""
+        self.train_time_s = 0.0
+        self._ema = 0.0
+        self._ema_steps = 0
+        self.last_checkpoint: Path | None = None
+        self.resume_notes: list[str] = []
+        """Checkpoints skipped on resume (corrupt) and world-size changes."""
+        if candidates:
+            self._resume(candidates)
+
+    # -- set-up helpers -----------------------------------------------------------------
+    def _open_source(self, preset: Preset) -> DataSource:
+        if isinstance(preset.data, DataConfig):
+            return SyntheticRecsysData(preset.data)
+        from hyperrec.integration.eventlog import EventLogSource, prepare_event_log
+
+        cfg = preset.data
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else self.out_dir / "data"
+        # Rank 0 prepares (or finds a matching preparation); the others wait for it and
+        # raise the same error if it failed.
+        error: BaseException | None = None
+        if self.ctx.is_main:
+            try:
+                prepare_event_log(cfg, cache)
+            except BaseException as err:  # re-raised below, on every rank
+                error = err
+        status = self._broadcast(None if error is None else (type(error), str(error)))
+        if error is not None:
+            raise error
+        if status is not None:
+            raise status[0](status[1])
+        return EventLogSource(cfg, cache)
+
+    def _split_ids(self, split: int, log_cfg: EventLogConfig | None) -> np.ndarray:
+        n = self.source.num_requests(split) or 0
+        limit = log_cfg.valid_requests if (log_cfg is not None and split == VALID) else 0
+        if limit and limit < n:
+            # A fixed pseudo-random subset, the same at every evaluation.
+            return np.sort(permute(np.arange(limit), n, (log_cfg.seed, 0x7A11D)))
+        return np.arange(n, dtype=np.int64)
+
+    def _build_stream(self, backlog: tuple[int, ...] = (), frontier: int = 0) -> TrainStream:
+        cfg = self.preset.train
+        return TrainStream(
+            self.source,
             sub_batch_size=cfg.sub_batch_size,
             sub_batches_per_step=self.sub_batches_per_rank,
             window_steps=cfg.window_steps,
             rank=self.ctx.rank,
             world_size=self.ctx.world_size,
-            cost=default_cost_model(preset.model.dim),
+            cost=default_cost_model(self.preset.model.dim),
+            order=self.order,
+            backlog=backlog,
+            frontier=frontier,
         )
-        self.popularity = PopularityBaseline(preset.data.num_items)
-        self.auc_window = WindowedAUC(cfg.auc_window)
-        self.step = 0
-        self.history: dict[str, list[Any]] = {k: [] for k in _HISTORY_KEYS}
-        self.evals: list[dict[str, Any]] = []
-        self.rank_costs: list[list[list[float]]] = []
-        """Per step, per rank: [BBS step cost, arrival-order step cost]."""
-        self.train_time_s = 0.0
-        self._ema = 0.0
-        self.last_checkpoint: Path | None = None
-        if ckpt is not None:
-            self.load(ckpt)
+
+    def _resume(self, candidates: list[Path]) -> None:
+        for i, path in enumerate(candidates):
+            try:
+                self.load(path)
+                return
+            except CheckpointError as err:
+                if i + 1 == len(candidates):
+                    raise
+                note = f"skipped {path}: {err}; trying {candidates[i + 1]}"
+                self.resume_notes.append(note)
+                if self.ctx.is_main:
+                    print(f"hyperrec-train: warning: {note}", file=sys.stderr)
 
     # -- helpers ------------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -244,7 +439,12 @@ class Trainer:
 
     # -- one step -----------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """Run one optimizer step; returns its metrics (identical on every rank)."""
+        """Run one optimizer step; returns its metrics (identical on every rank).
+
+        A step whose global loss or gradient norm is not finite follows
+        ``TrainConfig.nonfinite``: "stop" raises :class:`NonFiniteError`, "skip" drops
+        the update (``metrics["skipped"]`` is 1.0) and records the report.
+        """
         cfg = self.preset.train
         start = time.perf_counter()
         item = self.stream.next()
@@ -257,7 +457,9 @@ class Trainer:
 
         with self._autocast():
             ctr_logit, cvr_logit = self.model(batch)
-        ctr_sum, ctcvr_sum = esmm_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
+        ctr_sum, ctcvr_sum = task_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
+        if self.faults:
+            ctr_sum = self.faults.poison_loss(step, ctr_sum)
         dev = self.ctx.device
         sums = torch.stack(
             [
@@ -266,6 +468,7 @@ class Trainer:
                 ctcvr_sum.detach().double(),
             ]
         )
+        local_sums = sums.detach().clone() if self.ctx.distributed else sums
         costs = torch.tensor([item.cost, item.arrival_cost], device=dev, dtype=torch.float64)
         if self.ctx.distributed:
             dist.all_reduce(sums)
@@ -276,31 +479,38 @@ class Trainer:
         # Each rank's share of the global mean; FSDP's reduce-scatter averages over ranks.
         loss = (ctr_sum + ctcvr_sum) * (self.ctx.world_size / impressions.float())
         loss.backward()
+        if self.faults:
+            self.faults.poison_grad(step, self.model)
+            self.faults.kill("kill", step)  # mid-step: after backward, before the update
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        grad_norm = self._grad_norm(params)
+        n, ctr_total, ctcvr_total = sums.tolist()
+        loss_value = (ctr_total + ctcvr_total) / n
+        skipped = not (math.isfinite(loss_value) and math.isfinite(float(grad_norm)))
+        if skipped:
+            self._nonfinite_step(step, local_sums, loss_value, float(grad_norm))
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        n, ctr_total, ctcvr_total = sums.tolist()
         rank_costs = costs.reshape(-1, 2).tolist()  # [rank][balanced, arrival order]
         self.rank_costs.append(rank_costs)
         balanced, arrival = ([row[i] for row in rank_costs] for i in (0, 1))
         self.step = step
         self.popularity.update(batch.candidate_items, batch.click, batch.conversion)
-        self.auc_window.update(torch.sigmoid(ctr_logit.detach()), batch.click)
+        if not skipped:  # a NaN score has no rank
+            self.auc_window.update(torch.sigmoid(ctr_logit.detach()), batch.click)
+            self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+            self._ema_steps += 1
         elapsed = time.perf_counter() - start
         self.train_time_s += elapsed
-        loss_value = (ctr_total + ctcvr_total) / n
-        self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+        ema_norm = 1.0 - _EMA_BETA**self._ema_steps
         metrics = {
             "step": step,
             "loss": loss_value,
-            "loss_ema": self._ema / (1.0 - _EMA_BETA**step),
+            "loss_ema": self._ema / ema_norm if self._ema_steps else math.nan,
             "ctr_loss": ctr_total / n,
             "ctr_auc": self.auc_window.compute(),
             "lr": self.optimizer.param_groups[1]["lr"],
@@ -309,7 +519,10 @@ class Trainer:
             "step_time_s": elapsed,
             "cost_max_over_mean": max(balanced) / (sum(balanced) / len(balanced)),
             "arrival_cost_max_over_mean": max(arrival) / (sum(arrival) / len(arrival)),
+            "skipped": float(skipped),
         }
+        if self.sample_log:
+            self._log_samples(step, item, skipped)
         if self.on_step is not None:
             self.on_step(
                 StepRecord(
@@ -317,53 +530,112 @@ class Trainer:
                     loss=loss_value,
                     sample_ids=item.batch.sample_ids.clone(),
                     sub_batches=item.sub_batches,
+                    skipped=skipped,
                 )
             )
         return metrics
 
+    def _grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm before clipping (a plain tensor on every rank)."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _nonfinite_step(
+        self, step: int, local_sums: torch.Tensor, loss: float, grad_norm: float
+    ) -> None:
+        local = local_sums.tolist()
+        report: NonFiniteReport = nonfinite_report(
+            step, self.model, local_loss=local[1] + local[2], loss=loss, grad_norm=grad_norm
+        )
+        self.nonfinite.append(report.as_dict())
+        if self.preset.train.nonfinite == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(report)
+        if self.ctx.is_main:
+            print(f"hyperrec-train: skipped step {step}: {report.message()}", file=sys.stderr)
+
+    def _log_samples(self, step: int, item: Any, skipped: bool) -> None:
+        folder = self.out_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        line = {
+            "step": step,
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "sub_batches": list(item.sub_batches),
+            "ids": item.batch.sample_ids.tolist(),
+            "skipped": skipped,
+        }
+        with open(folder / f"rank{self.ctx.rank}.jsonl", "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
     # -- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """Score the held-out split; returns the record on rank 0 (``{}`` elsewhere).
+    def evaluate(
+        self, split: int = VALID, *, logistic: LogisticRegressionBaseline | None = None
+    ) -> dict[str, Any]:
+        """Score a held-out split; returns the record on rank 0 (``{}`` elsewhere).
 
         The record holds the model's metrics (see
-        :func:`~hyperrec.integration.metrics.task_metrics`) and its held-out loss, plus the
-        same metrics for the popularity baseline (counts so far, all ranks) and for the
-        hidden ground truth (the Bayes-optimal ceiling).
+        :func:`~hyperrec.integration.metrics.task_metrics`: AUC, GAUC over users, NE,
+        calibration, and the CVR metrics when there is a conversion label) and its loss,
+        and under ``"baselines"`` the same metrics of the popularity baseline (counts of
+        the training impressions so far, all ranks), of ``logistic`` when given, and of
+        the ground truth where the source knows it. An empty split gives ``{}``.
+
+        Raises:
+            ValueError: ``split`` is not VALID or TEST.
         """
+        if split not in (VALID, TEST):
+            raise ValueError(f"split must be VALID ({VALID}) or TEST ({TEST}), got {split!r}")
+        ids_all = self._eval_ids[split]
+        if ids_all.size == 0:
+            return {}
         world, rank = self.ctx.world_size, self.ctx.rank
-        total = self.preset.data.eval_requests
         counts = self.popularity.global_counts(self.ctx.device)
         pop_ctr, pop_cvr = PopularityBaseline.rates(counts, self.popularity.prior_strength)
-        local = np.arange(rank, total, world)
+        local = ids_all[rank::world]
         # Every rank runs the same number of forwards (FSDP all-gathers are collective).
-        n_chunks = max(1, math.ceil(math.ceil(total / world) / _EVAL_CHUNK))
+        n_chunks = max(1, math.ceil(math.ceil(ids_all.size / world) / _EVAL_CHUNK))
+        two_tasks = self.schema.has_conversion
+        both = getattr(self.source, "batch_and_truth", None)
         parts: dict[str, list[torch.Tensor]] = {}
         was_training = self.model.training
         self.model.eval()
         try:
             for piece in np.array_split(local, n_chunks):
-                ids = piece if piece.size else np.zeros(1, dtype=np.int64)
-                batch, (true_ctr, true_cvr) = self.data.batch_and_truth(EVAL, ids)
+                ids = piece if piece.size else ids_all[:1]
+                if both is not None:
+                    batch, truth = both(split, ids)
+                else:
+                    batch, truth = self.source.batch(split, ids), self.source.truth(split, ids)
                 with self._autocast():
                     ctr_logit, cvr_logit = self.model(batch.to(self.ctx.device))
                 if not piece.size:
                     continue
-                ctr_sum, ctcvr_sum = esmm_loss(
-                    ctr_logit.cpu(), cvr_logit.cpu(), batch.click, batch.conversion
-                )
+                ctr_logit = ctr_logit.float().cpu()
+                cvr_logit = cvr_logit.float().cpu() if cvr_logit is not None else None
+                ctr_sum, ctcvr_sum = task_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
                 items = batch.candidate_items
-                for key, value in (
-                    ("p_ctr", torch.sigmoid(ctr_logit.float()).cpu()),
-                    ("p_cvr", torch.sigmoid(cvr_logit.float()).cpu()),
-                    ("click", batch.click),
-                    ("conversion", batch.conversion),
-                    ("pop_ctr", pop_ctr[items]),
-                    ("pop_cvr", pop_cvr[items]),
-                    ("true_ctr", true_ctr),
-                    ("true_cvr", true_cvr),
-                    ("loss_sum", (ctr_sum + ctcvr_sum).reshape(1).double()),
-                ):
+                owner = torch.repeat_interleave(
+                    torch.arange(batch.num_requests), batch.candidate_offsets.diff()
+                )
+                values = {
+                    "p_ctr": torch.sigmoid(ctr_logit),
+                    "click": batch.click,
+                    "user": batch.user_ids[owner],
+                    "pop_ctr": pop_ctr[items],
+                    "loss_sum": (ctr_sum + ctcvr_sum).reshape(1).double(),
+                }
+                if two_tasks:
+                    values.update(
+                        p_cvr=torch.sigmoid(cvr_logit),
+                        conversion=batch.conversion,
+                        pop_cvr=pop_cvr[items],
+                    )
+                if logistic is not None:
+                    values["lr_ctr"] = logistic.predict(batch)
+                if truth is not None:
+                    values["true_ctr"], values["true_cvr"] = truth
+                for key, value in values.items():
                     parts.setdefault(key, []).append(value)
         finally:
             self.model.train(was_training)
@@ -376,16 +648,52 @@ class Trainer:
         if not self.ctx.is_main:
             return {}
         allp = {k: torch.cat([g[k] for g in gathered if g]) for k in mine}
-        click, conv = allp["click"], allp["conversion"]
-        record: dict[str, Any] = {
+        click, users = allp["click"], allp["user"]
+        conv = allp.get("conversion")
+
+        def metrics(ctr: str, cvr: str | None) -> dict[str, float]:
+            return task_metrics(
+                allp[ctr], allp[cvr] if cvr and two_tasks else None, click, conv, users
+            )
+
+        baselines = {"popularity": metrics("pop_ctr", "pop_cvr")}
+        if "lr_ctr" in allp:
+            baselines["logistic_regression"] = metrics("lr_ctr", None)
+        if "true_ctr" in allp:
+            baselines["ground_truth"] = metrics("true_ctr", "true_cvr")
+        return {
+            "split": SPLITS[split],
             "step": self.step,
             "loss": float(allp["loss_sum"].sum() / click.numel()),
-            **task_metrics(allp["p_ctr"], allp["p_cvr"], click, conv),
-            "popularity": task_metrics(allp["pop_ctr"], allp["pop_cvr"], click, conv),
-            "ground_truth": task_metrics(allp["true_ctr"], allp["true_cvr"], click, conv),
+            **metrics("p_ctr", "p_cvr"),
+            "baselines": baselines,
+            "requests": int(ids_all.size),
             "impressions": int(click.numel()),
         }
-        return record
+
+    def fit_logistic_baseline(self) -> LogisticRegressionBaseline | None:
+        """Fit the logistic-regression baseline on the first training requests the run
+        read (at most ``TrainConfig.baseline_requests``; rank 0 fits, the others receive
+        the weights). ``None`` when disabled or before any step."""
+        cfg = self.preset.train
+        n = min(self.step * cfg.global_batch_size, cfg.baseline_requests)
+        if self.order.num_requests is not None:
+            n = min(n, self.order.num_requests)
+        if n <= 0:
+            return None
+        lr = LogisticRegressionBaseline(self.schema)
+        state = None
+        if self.ctx.is_main:
+            start = time.perf_counter()
+            ids = self.order(np.arange(n))
+            info = lr.fit(self.source.batch(TRAIN, c) for c in np.array_split(ids, -(-n // 4096)))
+            info["fit_s"] = time.perf_counter() - start
+            self.logistic_info = info
+            state = lr.state_dict()
+        state = self._broadcast(state)
+        if not self.ctx.is_main:
+            lr.load_state_dict(state)
+        return lr
 
     # -- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
@@ -394,6 +702,7 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        step = self.step
         save_checkpoint(
             path,
             model=self.model,
@@ -401,11 +710,15 @@ class Trainer:
             meta={
                 "step": self.step,
                 "preset": self.preset.to_dict(),
+                "source": self.source.state_dict(),
                 "history": self.history,
                 "evals": self.evals,
                 "rank_costs": self.rank_costs,
                 "train_time_s": self.train_time_s,
                 "ema": self._ema,
+                "ema_steps": self._ema_steps,
+                "nonfinite": self.nonfinite,
+                "stopped_early": self.stopped_early,
             },
             rank_state={
                 "stream": self.stream.state_dict(),
@@ -413,6 +726,10 @@ class Trainer:
                 "auc_window": self.auc_window.state_dict(),
             },
             rank_tensors={"popularity": self.popularity.counts},
+            info={"preset": self.preset.to_dict(), "custom_source": self.custom_source},
+            before_commit=(lambda: self.faults.kill("kill_in_checkpoint", step))
+            if self.faults
+            else None,
         )
         self.last_checkpoint = path
         return path
@@ -420,27 +737,44 @@ class Trainer:
     def load(self, path: str | Path) -> None:
         """Restore the state saved by :meth:`save` (collective).
 
+        On another world size the model and optimizer reshard, the data position moves
+        with :func:`~hyperrec.integration.pipeline.reshard_streams` (no request lost or
+        read twice), the popularity counts are summed onto rank 0 and the training-AUC
+        window is rank 0's; dropout RNG streams start afresh.
+
         Raises:
+            CheckpointError: the checkpoint is incomplete or corrupt.
             ValueError: the checkpoint's preset differs in a field that changes the run
-                (anything but steps / eval / checkpoint / logging cadence), or its world
-                size differs.
+                (anything but the cadence: steps, epochs, evaluation, checkpoint,
+                logging, early stopping, non-finite policy, baseline size; for an event
+                log also its path, cache and reader), or it was trained on other data.
         """
-        saved, now = read_meta(path)["preset"], self.preset.to_dict()
-        cadence = {"steps", "eval_every", "ckpt_every", "log_every"}
+        verify_checkpoint(path)
+        saved_meta = read_meta(path)
+        saved, now = saved_meta["preset"], self.preset.to_dict()
         for section in ("data", "model", "train"):
+            if section == "data" and self.custom_source:
+                continue  # the source's own state_dict identifies its data (below)
+            exempt = _CADENCE if section == "train" else _DATA_EXEMPT if section == "data" else ()
             for key, value in now[section].items():
-                if section == "train" and key in cadence:
+                if key in exempt:
                     continue
                 if saved[section].get(key) != value:
                     raise ValueError(
                         f"checkpoint {path} was trained with {section}.{key}="
                         f"{saved[section].get(key)!r}, this run has {value!r}"
                     )
+        if "source" in saved_meta:
+            self.source.load_state_dict(saved_meta["source"])
+        old_world = saved_meta["world_size"]
+        reshard = old_world != self.ctx.world_size
         meta, state = load_checkpoint(
             path,
             model=self.model,
             optimizer=self.optimizer,
             rank_tensors={"popularity": self.popularity.counts},
+            all_ranks=reshard,
+            verify=False,  # verified above
         )
         self.step = meta["step"]
         self.history = meta["history"]
@@ -448,34 +782,66 @@ class Trainer:
         self.rank_costs = meta["rank_costs"]
         self.train_time_s = meta["train_time_s"]
         self._ema = meta["ema"]
-        self.stream.load_state_dict(state["stream"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
-        self.auc_window.load_state_dict(state["auc_window"])
+        self._ema_steps = meta.get("ema_steps", meta["step"])
+        self.nonfinite = meta.get("nonfinite", [])
+        self.stopped_early = meta.get("stopped_early", False)
+        if reshard:
+            streams = [s["stream"] for s, _ in state]
+            backlogs, frontier = reshard_streams(
+                streams,
+                self.source,
+                world_size=self.ctx.world_size,
+                cost=default_cost_model(self.preset.model.dim),
+                order=self.order,
+            )
+            self.stream = self._build_stream(tuple(backlogs[self.ctx.rank]), frontier)
+            if self.ctx.is_main:
+                self.popularity.counts.copy_(sum(t["popularity"] for _, t in state))
+            else:
+                self.popularity.counts.zero_()
+            self.auc_window.load_state_dict(state[0][0]["auc_window"])
+            self.resume_notes.append(
+                f"resharded from {old_world} to {self.ctx.world_size} ranks: "
+                f"{sum(map(len, backlogs))} sub-batches in the backlog, then from {frontier}"
+            )
+        else:
+            self.stream.load_state_dict(state["stream"])
+            torch.set_rng_state(state["rng"]["cpu"])
+            if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
+            self.auc_window.load_state_dict(state["auc_window"])
         self.last_checkpoint = Path(path)
 
     # -- the run ------------------------------------------------------------------------
     def fit(self, *, stop_after: int | None = None, plot: bool = True) -> RunResult:
         """Train to ``TrainConfig.steps`` (or until step ``stop_after``), then report.
 
-        Evaluates every ``eval_every`` steps and at the end, checkpoints every
-        ``ckpt_every`` steps and at the end (when ``ckpt_every > 0``), and on rank 0
-        writes ``metrics.json`` and ``metrics.png`` into the run directory.
+        Validates every ``eval_every`` steps and at the end (early stopping watches these
+        evaluations), checkpoints every ``ckpt_every`` steps and at the end (when
+        ``ckpt_every > 0``), scores the test split once with the baselines, and on rank
+        0 writes ``metrics.json`` and ``metrics.png`` into the run directory.
 
         Args:
-            stop_after: stop after this step as if interrupted (no final eval, no
+            stop_after: stop after this step as if interrupted (no final evaluation, no
                 final checkpoint beyond the periodic ones); for resume tests.
             plot: draw the PNG (matplotlib is imported only then).
+
+        Raises:
+            ValueError: ``stop_after`` is not a positive int.
+            NonFiniteError: a non-finite step under ``nonfinite="stop"``.
         """
         cfg = self.preset.train
-        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
+        if stop_after is not None and (
+            isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1
+        ):
             raise ValueError(f"stop_after must be a positive int, got {stop_after!r}")
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         bar = ProgressBar(cfg.steps, enabled=self.progress_enabled)
         if self.step and self.ctx.is_main:
             bar.write(f"resumed at step {self.step} from {self.last_checkpoint}")
-        while self.step < last:
+            for note in self.resume_notes:
+                bar.write(note)
+        while self.step < last and not self.stopped_early:
             m = self.train_step()
             if m["step"] % cfg.log_every == 0 or m["step"] == cfg.steps:
                 for key in _HISTORY_KEYS:
@@ -485,31 +851,58 @@ class Trainer:
             )
             if cfg.eval_every and m["step"] % cfg.eval_every == 0 and m["step"] != cfg.steps:
                 self._eval_and_log(bar)
-            if cfg.ckpt_every and (m["step"] % cfg.ckpt_every == 0 or m["step"] == cfg.steps):
+            if cfg.ckpt_every and (
+                m["step"] % cfg.ckpt_every == 0 or m["step"] == cfg.steps or self.stopped_early
+            ):
                 self.save()
         bar.close()
-        interrupted = self.step < cfg.steps
-        if not interrupted and (not self.evals or self.evals[-1]["step"] != self.step):
-            self._eval_and_log(bar)
+        interrupted = self.step < cfg.steps and not self.stopped_early
+        if not interrupted:
+            if not self.evals or self.evals[-1]["step"] != self.step:
+                self._eval_and_log(bar)
+            logistic = self.fit_logistic_baseline()
+            record = self.evaluate(TEST, logistic=logistic)
+            if self.ctx.is_main:
+                self.test_record = record or None
         return self._report(interrupted=interrupted, plot=plot)
 
     def _eval_and_log(self, bar: ProgressBar) -> None:
-        record = self.evaluate()
-        if self.ctx.is_main:
+        record = self.evaluate(VALID)
+        stop = False
+        if self.ctx.is_main and record:
             self.evals.append(record)
+            b = record["baselines"]
+            ref = ", ".join(f"{k.replace('_', ' ')} {v['ctr_auc']:.4f}" for k, v in b.items())
+            cvr = f", CVR AUC {record['cvr_auc']:.4f}" if "cvr_auc" in record else ""
             bar.write(
-                f"eval @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
-                f"(popularity {record['popularity']['ctr_auc']:.4f}, "
-                f"ground truth {record['ground_truth']['ctr_auc']:.4f}), "
-                f"CVR AUC {record['cvr_auc']:.4f}, NE {record['ctr_ne']:.4f}"
+                f"validation @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
+                f"({ref}), GAUC {record['ctr_gauc']:.4f}{cvr}, NE {record['ctr_ne']:.4f}"
             )
+            stop = self._should_stop_early()
+            if stop:
+                bar.write(
+                    f"early stopping at step {self.step}: "
+                    f"{self.preset.train.early_stopping_metric} has not improved for "
+                    f"{self.preset.train.early_stopping_patience} evaluations"
+                )
+        self.stopped_early = bool(self._broadcast(stop))
+
+    def _should_stop_early(self) -> bool:
+        cfg = self.preset.train
+        if not cfg.early_stopping_patience:
+            return False
+        best = best_validation(self.evals, cfg.early_stopping_metric)
+        return best is not None and len(self.evals) - 1 - best[0] >= cfg.early_stopping_patience
 
     def _report(self, *, interrupted: bool, plot: bool) -> RunResult:
         if not self.ctx.is_main:
-            return RunResult(self.out_dir, {}, None, None, self.last_checkpoint, interrupted)
+            return RunResult(
+                self.out_dir, {}, None, None, self.last_checkpoint, interrupted, self.stopped_early
+            )
         cfg = self.preset.train
         requests = self.step * cfg.global_batch_size
-        final = self.evals[-1] if self.evals else None
+        test = self.test_record
+        best = best_validation(self.evals, cfg.early_stopping_metric)
         metrics: dict[str, Any] = {
             "preset": self.preset.name,
             "version": __version__,
@@ -518,7 +911,9 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "steps_completed": self.step,
             "interrupted": interrupted,
+            "stopped_early": self.stopped_early,
             "requests_trained": requests,
+            "epochs_trained": self.order.epoch(requests) if self.order.num_requests else None,
             "train_time_s": self.train_time_s,
             # This process only (a resumed run counts from its restart), set-up to report.
             "wall_time_s": time.perf_counter() - self._created,
@@ -526,16 +921,20 @@ class Trainer:
             "peak_memory_gb": torch.cuda.max_memory_allocated(self.ctx.device) / 1e9
             if self.ctx.device.type == "cuda"
             else None,
-            "final": None
-            if final is None
-            else {k: v for k, v in final.items() if k not in ("popularity", "ground_truth")},
-            "baselines": None
-            if final is None
-            else {"popularity": final["popularity"], "ground_truth": final["ground_truth"]},
+            "final": None if test is None else {k: v for k, v in test.items() if k != "baselines"},
+            "baselines": None if test is None else test["baselines"],
+            "logistic_regression_fit": getattr(self, "logistic_info", None),
+            "best_validation": None
+            if best is None
+            else {"step": self.evals[best[0]]["step"], cfg.early_stopping_metric: best[1]},
+            "data": self._data_summary(),
+            "nonfinite_steps": self.nonfinite,
+            "resume_notes": self.resume_notes,
             "bbs": self._bbs_summary(),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "config": self.preset.to_dict(),
             "eval": self.evals,
+            "test": test,
             "history": self.history,
         }
         metrics = _jsonable(metrics)
@@ -548,8 +947,26 @@ class Trainer:
 
             plot_path = plot_metrics(metrics, self.out_dir / "metrics.png")
         return RunResult(
-            self.out_dir, metrics, metrics_path, plot_path, self.last_checkpoint, interrupted
+            self.out_dir,
+            metrics,
+            metrics_path,
+            plot_path,
+            self.last_checkpoint,
+            interrupted,
+            self.stopped_early,
         )
+
+    def _data_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": type(self.source).__name__,
+            "schema": dataclasses.asdict(self.schema),
+            "requests": {name: self.source.num_requests(s) for s, name in SPLITS.items()},
+            "evaluated_requests": {SPLITS[s]: int(v.size) for s, v in self._eval_ids.items()},
+        }
+        info = getattr(self.source, "info", None)
+        if isinstance(info, dict):
+            out["event_log"] = {k: v for k, v in info.items() if k != "key"}
+        return out
 
     def _bbs_summary(self) -> dict[str, Any]:
         """Step-cost balance with BBS and in arrival order, over every step so far.
@@ -565,9 +982,12 @@ class Trainer:
             "sub_batch_size": cfg.sub_batch_size,
             "sub_batches_per_rank_step": self.sub_batches_per_rank,
         }
-        if not self.rank_costs:
+        # Steps of the current world size only (a resume on another one changes the shape).
+        rows = [r for r in self.rank_costs if len(r) == self.ctx.world_size]
+        if not rows:
             return out
-        c = np.asarray(self.rank_costs, dtype=np.float64)  # (steps, ranks, 2)
+        out["steps_counted"] = len(rows)
+        c = np.asarray(rows, dtype=np.float64)  # (steps, ranks, 2)
         for i, name in enumerate(("balanced", "arrival_order")):
             per_step = c[:, :, i]
             out[name] = {
@@ -593,6 +1013,21 @@ def _machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def best_validation(evals: list[dict[str, Any]], metric: str) -> tuple[int, float] | None:
+    """(index into ``evals``, value) of the best finite ``metric`` (the first on ties)."""
+    sign = EARLY_STOPPING_METRICS[metric]
+    best = None
+    for i, e in enumerate(evals):
+        v = e.get(metric)
+        if (
+            isinstance(v, float)
+            and math.isfinite(v)
+            and (best is None or sign * v > sign * best[1])
+        ):
+            best = (i, v)
+    return best
 
 
 def _mean(xs: list[float]) -> float | None:
