@@ -234,7 +234,7 @@ def test_nonfinite_loss_stop_policy_raises_with_step_and_rank(tmp_path, monkeypa
     assert "non-finite loss at step 2" in err and 'nonfinite="stop"' in err
 
 
-def _two_rank_nonfinite(out_dir, spec, policy):
+def _one_nonfinite_run(out_dir, spec, policy):
     os.environ[FAULT_ENV] = spec
     try:
         t = Trainer(_preset(steps=4, ckpt_every=0, nonfinite=policy), out_dir=out_dir,
@@ -248,20 +248,22 @@ def _two_rank_nonfinite(out_dir, spec, policy):
         del os.environ[FAULT_ENV]
 
 
-def test_nonfinite_steps_on_two_ranks_name_the_rank_that_failed(tmp_path):
-    res = run_on_ranks(
-        _two_rank_nonfinite, 2, tmp_path / "a", "nan_loss@step=2,rank=1", "stop", timeout_s=300
+def _two_nonfinite_runs(tmp_path):
+    # Both scenarios in one pair of processes: spawning ranks is the slow part.
+    return (
+        _one_nonfinite_run(tmp_path / "a", "nan_loss@step=2,rank=1", "stop"),
+        _one_nonfinite_run(tmp_path / "b", "nan_grad@step=3,rank=1,module=ctr_head", "skip"),
     )
-    for r in res:  # every rank stops with the same report
-        assert r["step"] == 1 and r["report"]["loss_ranks"] == [1] and r["report"]["rank"] == 1
-        assert "loss non-finite on rank(s) [1]" in r["error"]
-    res = run_on_ranks(
-        _two_rank_nonfinite, 2, tmp_path / "b", "nan_grad@step=3,rank=1,module=ctr_head",
-        "skip", timeout_s=300,
-    )  # fmt: skip
-    for r in res:
-        (report,) = r["nonfinite"]
-        assert r["step"] == 4 and report["step"] == 3 and report["rank"] == 1
+
+
+def test_nonfinite_steps_on_two_ranks_name_the_rank_that_failed(tmp_path):
+    ranks = run_on_ranks(_two_nonfinite_runs, 2, tmp_path, timeout_s=300)
+    for stopped, skipped in ranks:  # every rank reports the same
+        assert stopped["step"] == 1 and stopped["report"]["loss_ranks"] == [1]
+        assert stopped["report"]["rank"] == 1
+        assert "loss non-finite on rank(s) [1]" in stopped["error"]
+        (report,) = skipped["nonfinite"]
+        assert skipped["step"] == 4 and report["step"] == 3 and report["rank"] == 1
         assert report["module"].startswith("ctr_head") and report["grad_ranks"] == [1]
 
 
