@@ -223,9 +223,12 @@ def test_nonfinite_gradient_skip_policy_drops_the_update_and_names_the_module(
 def test_nonfinite_loss_stop_policy_raises_with_step_and_rank(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(FAULT_ENV, "nan_loss@step=2,rank=0")
     trainer = Trainer(_preset(steps=4, ckpt_every=0), out_dir=tmp_path, progress=False)
-    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 2.*rank\(s\) \[0\]"):
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 2.*rank\(s\) \[0\]") as info:
         trainer.fit(plot=False)
     assert trainer.step == 1
+    # The NaN entered through the CTR loss: the CTR head's own output weights are the
+    # first parameters backward reaches (its MLP runs before them in forward).
+    assert info.value.report.module == "ctr_head" and info.value.report.rank == 0
     # The CLI: exit status 1 and the message, no traceback.
     args = ["--preset", "micro", "--steps", "3", "--out", str(tmp_path / "cli"), "--quiet",
             "--no-plot"]  # fmt: skip

@@ -547,17 +547,20 @@ def prepare_event_log(
     user = user[order]
     times = times[order]
     n = n_rows
-    idx = np.arange(n, dtype=np.int64)
+    # Row positions fit int32 below 2^31 events: 4 bytes per event less at each step.
+    pos_dtype = np.int32 if n < 2**31 else np.int64
+    idx = np.arange(n, dtype=pos_dtype)
     new_user = np.empty(n, dtype=bool)
     new_user[0] = True
     np.not_equal(user[1:], user[:-1], out=new_user[1:])
-    user_start = np.maximum.accumulate(np.where(new_user, idx, 0))
+    user_start = np.maximum.accumulate(np.where(new_user, idx, pos_dtype(0)))
     new_time = new_user.copy()
     new_time[1:] |= times[1:] != times[:-1]
-    tie_start = np.maximum.accumulate(np.where(new_time, idx, 0))
+    tie_start = np.maximum.accumulate(np.where(new_time, idx, pos_dtype(0)))
+    del new_time
     prior = (tie_start - user_start).astype(np.int32)  # strictly earlier events of the user
     tie_pos = (idx - tie_start).astype(np.int32)
-    del new_time, tie_start
+    del tie_start
 
     # Splits.
     split = np.zeros(n, dtype=np.int8)

@@ -18,9 +18,10 @@ a restart resumes and finishes.
 
 **Non-finite steps** (:func:`nonfinite_report`): when a step's global loss or gradient
 norm is NaN or Inf, every rank reports whether its own loss was finite and the first
-parameter, in backward order (the reverse of registration order, so the module
-nearest the loss comes first), whose local gradient is non-finite; the report names
-the step, the ranks and that module. With sharded parameters a rank sees only its
+module, in backward order (the reverse of the order in which modules finished their
+forward, recorded once by :class:`ForwardOrder`, so the module nearest the loss comes
+first), whose own parameters have a non-finite local gradient; the report names the
+step, the ranks and that module. With sharded parameters a rank sees only its
 shards *after* the reduce-scatter, so for a non-finite gradient behind a finite loss
 the ranks named are the shard holders, not necessarily the rank whose batch caused it;
 a non-finite loss is always attributed to the ranks that computed it.
@@ -43,6 +44,7 @@ __all__ = [
     "FAULT_KINDS",
     "Fault",
     "FaultInjector",
+    "ForwardOrder",
     "NonFiniteError",
     "NonFiniteReport",
     "nonfinite_report",
@@ -229,10 +231,57 @@ class NonFiniteError(RuntimeError):
         self.report = report
 
 
-def _first_nonfinite(model: nn.Module) -> tuple[int, str] | None:
+class ForwardOrder:
+    """The order in which ``model``'s modules *finish* their forward on the first pass.
+
+    Completion order puts a module after its children, which is where a module's own
+    parameters are usually used (a head's output weight after its MLP), so its reverse
+    is the order gradients arrive in backward. Recorded with hooks that remove
+    themselves when the second pass starts, so later steps pay nothing.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.names: list[str] = []
+        self._passes = 0
+        self._handles = [model.register_forward_pre_hook(self._new_pass)]
+        for name, m in model.named_modules():
+            self._handles.append(m.register_forward_hook(self._hook(name)))
+
+    def _new_pass(self, module: nn.Module, args: Any) -> None:
+        self._passes += 1
+        if self._passes > 1:
+            self.close()
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._passes == 1 and name not in self.names:
+                self.names.append(name)
+
+        return hook
+
+    def close(self) -> None:
+        """Remove the hooks (the order recorded so far is kept)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _backward_order(model: nn.Module, forward: list[str]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters grouped by owning module, modules in reverse forward order (modules that
+    never ran, in reverse registration order, last)."""
+    modules = dict(model.named_modules())
+    ran = [n for n in forward if n in modules]
+    rest = [n for n in reversed(list(modules)) if n not in set(ran)]
+    out = []
+    for name in [*reversed(ran), *rest]:
+        for pname, p in modules[name].named_parameters(recurse=False):
+            out.append((f"{name}.{pname}" if name else pname, p))
+    return out
+
+
+def _first_nonfinite(model: nn.Module, forward: list[str]) -> tuple[int, str] | None:
     """(position in backward order, parameter name) of the first non-finite local grad."""
-    named = list(model.named_parameters())
-    for i, (name, p) in enumerate(reversed(named)):
+    for i, (name, p) in enumerate(_backward_order(model, forward)):
         if p.grad is None:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -242,7 +291,13 @@ def _first_nonfinite(model: nn.Module) -> tuple[int, str] | None:
 
 
 def nonfinite_report(
-    step: int, model: nn.Module, *, local_loss: float, loss: float, grad_norm: float
+    step: int,
+    model: nn.Module,
+    *,
+    local_loss: float,
+    loss: float,
+    grad_norm: float,
+    forward_order: list[str] | None = None,
 ) -> NonFiniteReport:
     """Build the report of a non-finite step (collective under torch.distributed).
 
@@ -251,8 +306,10 @@ def nonfinite_report(
         model: the (possibly sharded) model, gradients still in place.
         local_loss: this rank's own summed loss of the step.
         loss, grad_norm: the global values (identical on every rank).
+        forward_order: module names in forward order (:class:`ForwardOrder`); without
+            it, the reverse of registration order stands in for backward order.
     """
-    mine = (not math.isfinite(local_loss), _first_nonfinite(model))
+    mine = (not math.isfinite(local_loss), _first_nonfinite(model, forward_order or []))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

@@ -68,6 +68,7 @@ from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, DataSource, Sy
 from hyperrec.integration.distributed import DistributedContext, init_distributed, parallelize
 from hyperrec.integration.faults import (
     FaultInjector,
+    ForwardOrder,
     NonFiniteError,
     NonFiniteReport,
     nonfinite_report,
@@ -343,6 +344,8 @@ class Trainer:
         # Dropout draws differ per rank (they see different requests anyway).
         torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
         self.optimizer = build_optimizer(self.model, cfg)
+        # Module order of the first forward pass, for non-finite reports (then no cost).
+        self._forward_order = ForwardOrder(self.model)
         self.stream = self._build_stream()
         self.popularity = PopularityBaseline(self.schema.num_items)
         self.auc_window = WindowedAUC(cfg.auc_window)
@@ -545,7 +548,12 @@ class Trainer:
     ) -> None:
         local = local_sums.tolist()
         report: NonFiniteReport = nonfinite_report(
-            step, self.model, local_loss=local[1] + local[2], loss=loss, grad_norm=grad_norm
+            step,
+            self.model,
+            local_loss=local[1] + local[2],
+            loss=loss,
+            grad_norm=grad_norm,
+            forward_order=self._forward_order.names,
         )
         self.nonfinite.append(report.as_dict())
         if self.preset.train.nonfinite == "stop":
