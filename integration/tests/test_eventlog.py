@@ -353,3 +353,16 @@ def test_example_log_round_trips(tmp_path):
     )  # fmt: skip
     assert src.num_requests(TRAIN) > 0 and src.schema.num_dense == 6
     src.batch(TRAIN, np.arange(src.num_requests(TRAIN))).validate(src.schema)
+
+
+def test_logs_command_writes_an_example_and_prepares_it(tmp_path, capsys):
+    from hyperrec.integration.logs import main as logs_main
+
+    path = tmp_path / "ex.csv"
+    assert logs_main(["example", str(path), "--users", "10", "--events-per-user", "5"]) == 0
+    assert logs_main(["prepare", str(path), "--cache", str(tmp_path / "c"),
+                      "--set", "category_column=category"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{") :])["vocab_sizes"]["category"] > 1
+    assert logs_main(["prepare", str(path), "--cache", str(tmp_path / "c"), "--set", "x=1"]) == 2
+    assert "EventLogConfig has no field 'x'" in capsys.readouterr().err
