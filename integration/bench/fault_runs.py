@@ -49,12 +49,15 @@ def _run(cmd: list[str], env_extra: dict[str, str]) -> tuple[float, subprocess.C
     return time.perf_counter() - t0, proc
 
 
+_DEVICE = ["cpu"]
+
+
 def _train_cmd(preset: str, steps: int, ckpt: int, out: Path, nproc: int, restarts: int) -> list:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(nproc), "--max-restarts", str(restarts), "-m"]  # fmt: skip
     return [*launcher, "hyperrec.integration.train", "--preset", preset, "--steps", str(steps),
             "--ckpt-every", str(ckpt), "--eval-every", "0", "--out", str(out), "--auto-resume",
-            "--sample-log", "--no-plot", "--quiet"]  # fmt: skip
+            "--sample-log", "--no-plot", "--quiet", "--device", _DEVICE[0]]  # fmt: skip
 
 
 def _samples(out: Path) -> tuple[dict, dict]:
@@ -73,7 +76,7 @@ def _params(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
     from hyperrec.integration import Trainer
     from hyperrec.integration.train import preset_of_run
 
-    t = Trainer(preset_of_run(run), resume=run, out_dir=scratch, progress=False)
+    t = Trainer(preset_of_run(run), resume=run, out_dir=scratch, progress=False, device=_DEVICE[0])
     return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
 
 
@@ -82,12 +85,26 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", action="store_true", help="micro preset, a few steps")
     p.add_argument("--workdir")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cpu (gloo; the committed results) or cuda (NCCL: needs 2 GPUs; bitwise "
+        "equality then also needs deterministic kernels)",
+    )
     args = p.parse_args()
+    _DEVICE[0] = args.device
     preset, steps, ckpt = ("micro", 24, 4) if args.smoke else ("tiny", 160, 20)
     kill_step, ckpt_kill = (10, 16) if args.smoke else (70, 100)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fault-runs-"))
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"preset": preset, "steps": steps, "ckpt_every": ckpt, "ranks": 2}
+    report: dict = {
+        "preset": preset,
+        "steps": steps,
+        "ckpt_every": ckpt,
+        "ranks": 2,
+        "device": args.device,
+    }
     try:
         ref = work / "reference"
         wall, _ = _run(_train_cmd(preset, steps, ckpt, ref, 2, 0), {})
@@ -131,7 +148,7 @@ def main() -> None:
         raw = bytearray(victim.read_bytes())
         raw[len(raw) // 3] ^= 0x01
         victim.write_bytes(bytes(raw))
-        t = Trainer(preset_of_run(corrupt), resume=corrupt, progress=False)
+        t = Trainer(preset_of_run(corrupt), resume=corrupt, progress=False, device=args.device)
         report["corrupt"] = {
             "flipped_byte_in": f"{newest.name}/{victim.name}",
             "resumed_from_step": t.step,
