@@ -186,6 +186,19 @@ def test_reshard_streams_loses_and_repeats_no_sub_batch(micro_data, old, new, w)
             seen += list(s.next().sub_batches)
     assert len(seen) == len(set(seen)) == 11 * k_global
     assert set(range(frontier)) <= set(seen)  # everything below the old read position
+    # A second change of world size starts from streams that still hold a backlog.
+    backlogs2, frontier2 = reshard_streams(
+        [s.state_dict() for s in resumed], micro_data, world_size=old,
+        cost=default_cost_model(16),
+    )  # fmt: skip
+    for r in range(old):
+        s = TrainStream(micro_data, sub_batch_size=4, sub_batches_per_step=k_global // old,
+                        window_steps=w, rank=r, world_size=old, cost=default_cost_model(16),
+                        backlog=backlogs2[r], frontier=frontier2)  # fmt: skip
+        for _ in range(12):  # enough to read the whole backlog whatever the window
+            seen += list(s.next().sub_batches)
+    assert len(seen) == len(set(seen)) == 23 * k_global
+    assert set(range(frontier2)) <= set(seen)
     # The new layout survives a checkpoint of its own.
     state = resumed[0].state_dict()
     again = TrainStream(
