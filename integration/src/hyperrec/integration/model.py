@@ -278,6 +278,7 @@ class GEMModel(nn.Module):
             )
         schema = data.schema if isinstance(data, DataConfig) else data
         self.config, self.schema = model, schema
+        self.data_config = data  # as given (kept for callers that read it)
         d = model.dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
