@@ -119,7 +119,15 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     preset = dataclasses.replace(
         preset,
         train=dataclasses.replace(
-            preset.train, steps=steps, warmup_steps=1, eval_every=0, ckpt_every=0, log_every=1
+            preset.train,
+            steps=steps,
+            warmup_steps=1,
+            eval_every=0,
+            ckpt_every=0,
+            log_every=1,
+            # Rows compare the model's configurations; the trainer's logistic-regression
+            # baseline is the same in every row and would only spend the row's budget.
+            baseline_requests=0,
         ),
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,6 +235,18 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _compose(*groups: list[str] | tuple[str, ...]) -> list[str]:
+    """Override lists joined in order, a later value of a field replacing an earlier one
+    (``override`` rejects a field assigned twice; rows switch fields earlier rows set)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for item in group:
+            key = item.partition("=")[0].strip()
+            out.pop(key, None)
+            out[key] = item
+    return list(out.values())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the ablation; returns the result document (also written to ``args.out``)."""
     from hyperrec.testing.bench import machine_info
@@ -251,12 +271,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return settings["budget"] - (time.perf_counter() - t_start)
 
     for row in ROWS:
-        overrides = [*cumulative, *row.overrides]
+        overrides = _compose(cumulative, row.overrides)
         if args.smoke and row.name == "all":
             overrides = [
                 o if o != "train.compile=inductor" else "train.compile=aot_eager" for o in overrides
             ]
-        why = _available(preset_name, [*common, *overrides])
+        why = _available(preset_name, _compose(common, overrides))
         record: dict[str, Any] = {
             "name": row.name,
             "description": row.description,
@@ -274,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         while True:
             spec = {
                 "preset": preset_name,
-                "overrides": [*common, f"train.global_batch_size={batch}", *overrides],
+                "overrides": _compose(common, [f"train.global_batch_size={batch}"], overrides),
                 "warmup": settings["warmup"],
                 "timed": settings["timed"],
                 "device": device,
@@ -306,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if batch != preset_batch and not args.smoke:
         spec = {
             "preset": preset_name,
-            "overrides": [*common, *cumulative],
+            "overrides": _compose(common, cumulative),
             "warmup": settings["warmup"],
             "timed": settings["timed"],
             "device": device,
