@@ -237,6 +237,23 @@ def test_nonfinite_loss_stop_policy_raises_with_step_and_rank(tmp_path, monkeypa
     assert "non-finite loss at step 2" in err and 'nonfinite="stop"' in err
 
 
+def test_stop_in_the_pipelined_loop_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    # No on_step callback: fit overlaps steps, and the check of step 4 happens when its
+    # values are read, after step 5 was queued. The report comes from the per-parameter
+    # flags recorded during step 4 (its gradients are gone by then).
+    monkeypatch.setenv(FAULT_ENV, "nan_grad@step=4,rank=0,module=mlp")
+    trainer = Trainer(_preset(steps=8, ckpt_every=3), out_dir=tmp_path, progress=False)
+    with pytest.raises(NonFiniteError, match="non-finite gradient at step 4") as info:
+        trainer.fit(plot=False)
+    assert trainer.step == 3
+    assert info.value.report.module == "mlp.0" and info.value.report.rank == 0
+    assert info.value.report.parameter == "mlp.0.weight"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003"]
+    monkeypatch.delenv(FAULT_ENV)
+    resumed = Trainer(_preset(steps=8, ckpt_every=3), resume=tmp_path, progress=False)
+    assert resumed.step == 3
+
+
 def _one_nonfinite_run(out_dir, spec, policy):
     os.environ[FAULT_ENV] = spec
     try:

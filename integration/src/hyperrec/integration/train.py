@@ -224,6 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{m['mean_samples_per_s'] or 0:,.0f} requests/s over {m['world_size']} rank(s) "
         f"on {m['device']}",
     ]
+    mfu = m.get("mfu") or {}
+    if mfu.get("tflops_per_gpu"):
+        rate = f"model FLOPs: {mfu['tflops_per_gpu']:.3g} TFLOP/s per device"
+        if mfu.get("mfu") is not None:
+            rate += f", MFU {mfu['mfu']:.1%} of {mfu['peak_tflops']:g} TFLOP/s"
+        lines.append(rate)
     if m["final"]:
         f, b = m["final"], m["baselines"]
         refs = ", ".join(f"{k.replace('_', ' ')} {_fmt(v['ctr_auc'])}" for k, v in b.items())
