@@ -1,7 +1,7 @@
 """Ablation of the GEM-style model's training speed on one GPU, in the GEM paper's style.
 
-    python integration/bench/ablation.py --out integration/results           # one H200, <= 9 min
-    python integration/bench/ablation.py --out integration/results --quick   # <= 4 min
+    python integration/bench/ablation.py --out integration/results           # one H200, <= 10 min
+    python integration/bench/ablation.py --out integration/results --quick   # <= 5 min
     python integration/bench/ablation.py --out /tmp/ablation --smoke         # CPU, < 1 min
     python integration/bench/ablation.py --print integration/results/<file>.json
 
@@ -9,18 +9,25 @@ Rows, each adding one technique to the previous row's configuration (same preset
 initial parameters, batch and number of steps):
 
     naive                   padded PyTorch attention (SDPA; HSTU SiLU attention on padded
-                            tensors), arrival-order batches, PyTorch FSDP2, nn.Linear in bf16
+                            tensors), arrival-order batches, PyTorch FSDP2 on a flat mesh,
+                            nn.Linear in bf16, dense tables with AdamW, no checkpointing
     + jagged kernels        hyperrec.jagged_attn on unpadded tokens (validation moved to
                             data loading: no host sync in the step)
     + BBS                   Base Batch Shuffling (window of 8 steps)
     + MXFP8 MLPs            hyperrec.mxfp8.MXLinear on the interaction MLP's wide layers
-    + hyperrec fully_shard  hyperrec.parallel5d's zero-copy fully_shard instead of FSDP2
-    + autoac                \\
-    + FP8 attention          > recorded as "not available" until integrated
-    + sharded embeddings    /
+    + hyperrec fully_shard  hyperrec.parallel5d's zero-copy fully_shard on its 5-D mesh
+    + autoac                hyperrec.autoac per sequence layer, budget: this GPU's memory
+    + FP8 attention         recorded as "not available" until integrated
+    + sharded embeddings    parallel5d's ShardedEmbeddingCollection + row-wise Adagrad
     all                     every available technique plus the step engineering: one fused
                             embedding lookup, torch.compile'd small-op regions, fused AdamW
     all @ preset batch      "all" at the preset's own batch (the MFU figure of the preset)
+    all @ 3x preset batch   (full mode) "all" at three times that batch: autoac keeps the
+                            step within the GPU's memory by recomputing what does not fit
+
+Each row's overrides are the previous row's plus its own, composed last-wins
+(:func:`compose`: a field set again takes its new value), so a row may switch back a
+field an earlier row set.
 
 Every row trains in a fresh subprocess (clean memory statistics and compile caches; an
 out-of-memory row is recorded, not fatal) with a single-rank process group so that the
@@ -34,8 +41,13 @@ include compilation), model TFLOP/s and MFU (analytic FLOPs, see
 ``hyperrec.integration.flops``) against the datasheet peak and the GEMM rate measured
 on the machine, peak allocated memory, the step-cost spread (what BBS flattens; on one GPU
 it cannot raise throughput: no rank waits for another), held-out AUC after the same steps,
-and ``speedup_vs_naive``. Writes ``ablation_<preset>_<mode>_<date>.json`` and a markdown
-table next to it into ``--out``.
+and ``speedup_vs_naive``. The held-out evaluation is the same for every row: the same
+requests, scored by the jagged attention kernels (the naive row's model is switched to
+them after training; both paths compute the same function with the same parameters,
+tested), so the naive row does not spend minutes padding 8k-token histories for
+evaluation. The naive row's padded attention work is estimated before it runs
+(:func:`naive_estimate`) and recorded with it. Writes
+``ablation_<preset>_<mode>_<date>.json`` and a markdown table next to it into ``--out``.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -65,13 +78,13 @@ class Row:
     name: str
     description: str
     overrides: tuple[str, ...]
-    """Added to the previous row's overrides (cumulative)."""
+    """Composed over the previous row's overrides, last wins (see :func:`compose`)."""
 
 
 ROWS = (
     Row(
         "naive",
-        "padded SDPA / padded HSTU attention, arrival order, FSDP2, bf16 nn.Linear",
+        "padded SDPA / padded HSTU attention, arrival order, FSDP2, bf16 nn.Linear, dense tables",
         (
             "train.impl=naive",
             "train.window_steps=1",
@@ -80,15 +93,19 @@ ROWS = (
             "train.fused_embeddings=false",
             "train.compile=off",
             "train.optimizer_impl=foreach",
+            "train.mesh=flat",
+            "train.sparse=dense",
+            "train.embedding_optimizer=auto",
+            "train.activation_checkpointing=off",
         ),
     ),
     Row("+ jagged kernels", "hyperrec.jagged_attn on unpadded tokens", ("train.impl=hyperrec",)),
     Row("+ BBS", "Base Batch Shuffling, window of 8 steps", ("train.window_steps=8",)),
     Row("+ MXFP8 MLPs", "MXLinear (128-blocks) on the wide MLP layers", ("train.mlp_precision=mxfp8",)),
-    Row("+ hyperrec fully_shard", "zero-copy fully_shard instead of FSDP2", ("train.sharding=hyperrec",)),
-    Row("+ autoac", "per-region activation-checkpointing budgets", ("train.activation_checkpointing=autoac",)),
+    Row("+ hyperrec fully_shard", "zero-copy fully_shard on the 5-D mesh instead of FSDP2", ("train.sharding=hyperrec", "train.mesh=5d")),
+    Row("+ autoac", "per-layer activation checkpointing planned within the GPU's memory", ("train.activation_checkpointing=autoac",)),
     Row("+ FP8 attention", "FP8 jagged attention kernels", ("train.attention_precision=fp8",)),
-    Row("+ sharded embeddings", "row-wise sparse table updates", ("train.embedding_optimizer=sparse",)),
+    Row("+ sharded embeddings", "ShardedEmbeddingCollection + row-wise Adagrad on the big tables", ("train.sparse=sharded",)),
     Row(
         "all",
         "every available technique + fused lookup, compiled small ops, fused AdamW",
@@ -97,39 +114,131 @@ ROWS = (
 )  # fmt: skip
 
 MODES = {
-    # warm-up steps (compilation, caches), timed steps, held-out requests, time budget (s)
-    "full": {"warmup": 3, "timed": 6, "eval": 1024, "budget": 530.0, "row_timeout": 170.0},
-    "quick": {"warmup": 2, "timed": 3, "eval": 512, "budget": 235.0, "row_timeout": 150.0},
+    # warm-up steps (compilation, caches), timed steps, held-out requests, time budget (s),
+    # the per-row limit (the naive row's grows with its estimated step time)
+    "full": {"warmup": 3, "timed": 5, "eval": 1024, "budget": 570.0, "row_timeout": 200.0},
+    "quick": {"warmup": 2, "timed": 3, "eval": 512, "budget": 285.0, "row_timeout": 150.0},
     "smoke": {"warmup": 1, "timed": 2, "eval": 128, "budget": 55.0, "row_timeout": 40.0},
 }
 QUICK_ROWS = ("naive", "+ jagged kernels", "all")
+BIG_BATCH_FACTOR = 3
+"""The full mode's last row trains "all" at this multiple of the preset's batch."""
+
+# What the naive row's time limit assumes (an estimate to size the limit, not a claim):
+_NAIVE_GEMM_TFLOPS = 350.0  # chunked padded bf16 GEMMs: ~35% of an H200's dense peak
+_NAIVE_BYTES_PER_SCORE = 32.0  # elementwise traffic per padded score element and layer
+_NAIVE_COPY_GBPS = 3000.0
+_ROW_STARTUP_S = 60.0  # process, model build, loader workers, first-step kernels
+
+
+def compose(*override_lists: list[str] | tuple[str, ...]) -> list[str]:
+    """Join ``"section.field=value"`` lists, later ones winning: a field assigned again
+    takes its new value (``override`` itself refuses a field assigned twice in one
+    list, so the cumulative rows must be composed, not concatenated). Order: each field
+    where it was last assigned."""
+    out: dict[str, str] = {}
+    for items in override_lists:
+        for item in items:
+            key = item.partition("=")[0].strip()
+            out.pop(key, None)
+            out[key] = item
+    return list(out.values())
+
+
+def row_configs(
+    preset_name: str, common: list[str] | tuple[str, ...] = ()
+) -> list[tuple[Row, list[str], str | None]]:
+    """Each row with its composed overrides and ``None``, or why it is not available.
+
+    A row that is not available is recorded with the overrides it would have had, and
+    the next row builds on the last available one. ``common`` (eval size, CPU settings,
+    ``--set``) is composed last into every row's check.
+    """
+    cumulative: list[str] = []
+    out = []
+    for row in ROWS:
+        overrides = compose(cumulative, row.overrides)
+        why = _available(preset_name, compose(overrides, common))
+        if why is None:
+            cumulative = overrides
+        out.append((row, overrides, why))
+    return out
+
+
+def naive_estimate(preset: Any, batch: int, steps: int) -> dict[str, Any]:
+    """The naive row's padded attention work for its first ``steps`` steps at ``batch``
+    (one rank, arrival order: step ``s`` holds requests ``[s B, (s + 1) B)``), from the
+    data's length law alone, and a rough time per step (see the assumptions above)."""
+    import numpy as np
+
+    from hyperrec.integration import TRAIN, SyntheticRecsysData
+    from hyperrec.integration.flops import model_flops
+    from hyperrec.integration.naive import padded_attention_work
+
+    data, m = SyntheticRecsysData(preset.data), preset.model
+    cands = np.full(batch, (1 + preset.data.max_candidates) / 2)
+    per_step = []
+    for s in range(steps):
+        lens = data.history_lengths(TRAIN, np.arange(s * batch, (s + 1) * batch))
+        work = padded_attention_work(
+            lens,
+            heads=m.heads,
+            head_dim=m.head_dim,
+            full_layers=m.seq_layers - m.block_attention_layers,
+            block_layers=m.block_attention_layers,
+            block_size=m.attn_block_size,
+            pma_queries=m.pma_queries,
+            max_candidates=preset.data.max_candidates,
+        )
+        useful = model_flops(m, preset.data, lens, cands)
+        attention = sum(useful.training.get(k, 0.0) for k in ("attention_full", "attention_block"))
+        naive_flop = useful.total_training - attention + work["hstu"] + work["softmax"]
+        traffic = work["hstu_score_elements"] * (m.seq_layers - m.block_attention_layers)
+        seconds = naive_flop / (_NAIVE_GEMM_TFLOPS * 1e12) + traffic * _NAIVE_BYTES_PER_SCORE / (
+            _NAIVE_COPY_GBPS * 1e9
+        )
+        per_step.append(
+            {
+                "max_len": int(work["max_len"]),
+                "useful_tflop": useful.total_training / 1e12,
+                "padded_hstu_tflop": work["hstu"] / 1e12,
+                "padded_softmax_tflop": work["softmax"] / 1e12,
+                "naive_tflop": naive_flop / 1e12,
+                "estimated_s": seconds,
+            }
+        )
+    return {
+        "batch": batch,
+        "steps": per_step,
+        "estimated_s_total": sum(p["estimated_s"] for p in per_step),
+        "assumptions": f"GEMMs at {_NAIVE_GEMM_TFLOPS:.0f} TFLOP/s; {_NAIVE_BYTES_PER_SCORE:.0f} "
+        f"bytes of elementwise traffic per padded HSTU score element and layer at "
+        f"{_NAIVE_COPY_GBPS:.0f} GB/s; training = forward + recomputed scores + backward",
+    }
 
 
 # -- one row (runs in its own process on the GPU) --------------------------------------------
-def run_row(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one configuration and measure it. ``spec``: preset, overrides, warmup, timed,
-    device. Returns the row's measurements (raises on failure)."""
+def _is_oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
     import torch
 
     from hyperrec.integration import Trainer, get_preset, override
 
     device = spec["device"]
-    preset = override(get_preset(spec["preset"]), list(spec["overrides"]))
-    steps = spec["warmup"] + spec["timed"]
-    preset = dataclasses.replace(
-        preset,
-        train=dataclasses.replace(
-            preset.train,
-            steps=steps,
-            warmup_steps=1,
-            eval_every=0,
-            ckpt_every=0,
-            log_every=1,
-            # Rows compare the model's configurations; the trainer's logistic-regression
-            # baseline is the same in every row and would only spend the row's budget.
-            baseline_requests=0,
-        ),
-    )
+    n = spec["warmup"] + spec["timed"]
+    # One step more than trained: stop_after=n then counts as interrupted, so fit skips
+    # its own evaluation and the row evaluates below with the same code for every row.
+    run = [f"train.steps={n + 1}", "train.warmup_steps=1", "train.eval_every=0",
+           "train.ckpt_every=0", "train.log_every=1", f"train.global_batch_size={batch}",
+           # Rows compare the model's configurations; the trainer's logistic-regression
+           # baseline is the same in every row and would only spend the row's budget.
+           "train.baseline_requests=0"]  # fmt: skip
+    preset = override(get_preset(spec["preset"]), compose(spec["overrides"], run))
     with tempfile.TemporaryDirectory() as tmp:
         single_rank_group(device)
         if device == "cuda":
@@ -137,7 +246,14 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         start = time.perf_counter()
         trainer = Trainer(preset, out_dir=Path(tmp) / "run", device=device, progress=False)
         try:
-            metrics = trainer.fit(plot=False).metrics
+            build_s = time.perf_counter() - start
+            metrics = trainer.fit(stop_after=n, plot=False).metrics
+            trained_s = time.perf_counter() - start
+            # The same held-out evaluation for every row: jagged kernels (the naive path
+            # computes the same function; padding 8k histories would take minutes).
+            trainer.model.set_impl("hyperrec")
+            final = trainer.evaluate()
+            peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
         finally:
             trainer.close()
         wall = time.perf_counter() - start
@@ -148,11 +264,10 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     seconds = float(sum(times))
     per_gpu = sum(tflop) / seconds if seconds else None
     mfu = metrics["mfu"]
-    final = metrics["final"] or {}
     bbs = metrics["bbs"].get("balanced", {})
     return {
-        "global_batch_size": preset.train.global_batch_size,
-        "requests_per_s": preset.train.global_batch_size * len(times) / seconds,
+        "global_batch_size": batch,
+        "requests_per_s": batch * len(times) / seconds,
         "median_step_s": sorted(times)[len(times) // 2],
         "min_step_s": min(times),
         "tflops_per_gpu": per_gpu,
@@ -162,15 +277,47 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         else None,
         "peak_tflops": mfu["peak_tflops"],
         "measured_matmul_tflops": mfu["measured_matmul_tflops"],
-        "peak_memory_gb": metrics["peak_memory_gb"],
+        "peak_memory_gb": peak,
+        "peak_memory_gb_training": metrics["peak_memory_gb"],
         "heldout_ctr_auc": final.get("ctr_auc"),
         "heldout_cvr_auc": final.get("cvr_auc"),
         "heldout_loss": final.get("loss"),
         "train_loss_last": hist["loss"][-1],
         "step_cost_cv": bbs.get("step_cost_cv"),
         "timed_step_s": times,
+        "timed_step_tflop": tflop,
+        "build_s": build_s,
+        "train_s": trained_s,
         "row_wall_s": wall,
     }
+
+
+def run_row(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train one configuration and measure it. ``spec``: preset, overrides, batch,
+    warmup, timed, device and, for the naive row, ``halve_on_oom`` / ``min_batch``: on
+    an out-of-memory error the batch is halved in this process (no new start-up) until
+    it fits. Returns the row's measurements (raises on any other failure)."""
+    import gc
+
+    import torch
+
+    batch, ooms = spec["batch"], []
+    while True:
+        result = None
+        try:
+            result = _train_row(spec, batch)
+        except Exception as err:
+            if not (spec.get("halve_on_oom") and _is_oom(err) and batch // 2 >= spec["min_batch"]):
+                raise
+        if result is not None:
+            return {**result, "oom_at_batch": ooms}
+        # Out of the except block: the exception and the frames holding the failed
+        # trainer's tensors are gone, so their memory can be returned.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        ooms.append(batch)
+        batch //= 2
 
 
 def _row_main(spec_json: str, result: str) -> int:
@@ -178,11 +325,8 @@ def _row_main(spec_json: str, result: str) -> int:
     try:
         out = {"status": "ok", **run_row(spec)}
     except Exception as err:  # recorded in the table; the parent carries on
-        import torch
-
-        oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
         out = {
-            "status": "oom" if oom else "error",
+            "status": "oom" if _is_oom(err) else "error",
             "error": f"{type(err).__name__}: {err}"[:2000],
             "traceback": traceback.format_exc()[-4000:],
         }
@@ -208,12 +352,15 @@ def _launch(spec: dict[str, Any], timeout: float, in_process: bool) -> dict[str,
             return {"status": "ok", **run_row(spec)}
         except Exception as err:
             return {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000]}
+    env = dict(os.environ)
+    # Fewer fragmentation failures near the memory limit, the same for every row.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_row", json.dumps(spec)]
         cmd += ["--_result", str(result)]
         try:
-            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True, env=env)
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "error": f"row exceeded its {timeout:.0f} s budget"}
         if result.exists():
@@ -235,34 +382,27 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _compose(*groups: list[str] | tuple[str, ...]) -> list[str]:
-    """Override lists joined in order, a later value of a field replacing an earlier one
-    (``override`` rejects a field assigned twice; rows switch fields earlier rows set)."""
-    out: dict[str, str] = {}
-    for group in groups:
-        for item in group:
-            key = item.partition("=")[0].strip()
-            out.pop(key, None)
-            out[key] = item
-    return list(out.values())
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the ablation; returns the result document (also written to ``args.out``)."""
+    from hyperrec.integration import get_preset
     from hyperrec.testing.bench import machine_info
 
     mode, settings, device, preset_name = _mode_settings(args)
     if device == "cuda" and not _cuda_available():
         raise SystemExit("the ablation needs a CUDA GPU (use --smoke on a CPU)")
     t_start = time.perf_counter()
-    common = [f"data.eval_requests={settings['eval']}", *args.set]
+    # Every row: the eval size and CPU settings first; --set last, so it wins.
+    common = [f"data.eval_requests={settings['eval']}"]
     if args.smoke:
-        # CPU: no Inductor build (minutes on a CPU); the graph capture still runs.
-        common += ["train.data_workers=1", "train.cpu_threads=1"]
-    from hyperrec.integration import get_preset
-
-    preset_batch = get_preset(preset_name).train.global_batch_size
+        # CPU: no Inductor build (minutes on a CPU; the graph capture still runs); autoac
+        # needs an explicit budget off a GPU.
+        common += ["train.data_workers=1", "train.cpu_threads=1", "train.ac_budget_gb=1"]
+    common += list(args.set)
+    preset = get_preset(preset_name)
+    preset_batch = preset.train.global_batch_size
     batch = args.batch or preset_batch
+    steps = settings["warmup"] + settings["timed"]
+    estimate = naive_estimate(preset, batch, steps)
     rows: list[dict[str, Any]] = []
     cumulative: list[str] = []
     naive_rps = None
@@ -270,13 +410,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def budget_left() -> float:
         return settings["budget"] - (time.perf_counter() - t_start)
 
-    for row in ROWS:
-        overrides = _compose(cumulative, row.overrides)
-        if args.smoke and row.name == "all":
-            overrides = [
-                o if o != "train.compile=inductor" else "train.compile=aot_eager" for o in overrides
-            ]
-        why = _available(preset_name, _compose(common, overrides))
+    def spec_for(overrides: list[str], b: int, **extra: Any) -> dict[str, Any]:
+        final = compose(overrides, common)
+        if args.smoke and "train.compile=inductor" in final:
+            final = compose(final, ["train.compile=aot_eager"])
+        return {"preset": preset_name, "overrides": final, "batch": b,
+                "warmup": settings["warmup"], "timed": settings["timed"], "device": device,
+                **extra}  # fmt: skip
+
+    for row, overrides, why in row_configs(preset_name, common):
         record: dict[str, Any] = {
             "name": row.name,
             "description": row.description,
@@ -291,54 +433,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record.update(status="skipped (--quick)")
             rows.append(record)
             continue
-        while True:
-            spec = {
-                "preset": preset_name,
-                "overrides": _compose(common, [f"train.global_batch_size={batch}"], overrides),
-                "warmup": settings["warmup"],
-                "timed": settings["timed"],
-                "device": device,
-            }
-            timeout = min(settings["row_timeout"], budget_left())
-            if timeout < 20:
-                record.update(status="skipped (time budget)")
-                break
-            out = _launch(spec, timeout, in_process=args.smoke)
-            # The naive row sets the batch every comparable row uses: halve until it fits.
-            if (
-                row.name == "naive"
-                and out["status"] == "oom"
-                and batch > 2 * _sub_batch(preset_name)
-            ):
-                record.setdefault("oom_at_batch", []).append(batch)
-                batch //= 2
-                continue
-            record.update(out)
-            break
-        if record.get("status") == "ok":
-            if row.name == "naive":
+        limit = settings["row_timeout"]
+        extra: dict[str, Any] = {}
+        if row.name == "naive":
+            # The naive row sets the batch of every comparable row: halve until it fits.
+            extra = {"halve_on_oom": True, "min_batch": 2 * preset.train.sub_batch_size}
+            limit = max(limit, _ROW_STARTUP_S + 2.0 * estimate["estimated_s_total"])
+        timeout = min(limit, budget_left())
+        if timeout < 20:
+            record.update(status="skipped (time budget)")
+        else:
+            record.update(_launch(spec_for(overrides, batch, **extra), timeout, args.smoke))
+        if row.name == "naive":
+            if record.get("status") == "ok":
+                batch = record["global_batch_size"]
                 naive_rps = record["requests_per_s"]
+            record["naive_estimate"] = naive_estimate(preset, batch, steps)
+        if record.get("status") == "ok":
             record["speedup_vs_naive"] = record["requests_per_s"] / naive_rps if naive_rps else None
         print(_row_line(record), flush=True)
         rows.append(record)
 
-    # The full stack at the preset's own batch: the preset's MFU figure.
+    # The full stack at the preset's own batch (the preset's MFU figure) and, in full
+    # mode, at a batch only autoac fits: not comparable with the rows above.
+    extra_rows = []
     if batch != preset_batch and not args.smoke:
-        spec = {
-            "preset": preset_name,
-            "overrides": _compose(common, cumulative),
-            "warmup": settings["warmup"],
-            "timed": settings["timed"],
-            "device": device,
-        }
+        extra_rows.append(("all @ preset batch", preset_batch))
+    if mode == "full":
+        extra_rows.append(
+            (f"all @ {BIG_BATCH_FACTOR}x preset batch", BIG_BATCH_FACTOR * preset_batch)
+        )
+    for name, b in extra_rows:
         record = {
-            "name": "all @ preset batch",
-            "description": f"'all' at the preset's batch of {preset_batch}",
+            "name": name,
+            "description": f"'all' at a batch of {b} (the preset's is {preset_batch})",
             "overrides": cumulative,
         }
         timeout = min(settings["row_timeout"], budget_left())
         record.update(
-            _launch(spec, timeout, False) if timeout >= 20 else {"status": "skipped (time budget)"}
+            _launch(spec_for(cumulative, b), timeout, False)
+            if timeout >= 20
+            else {"status": "skipped (time budget)"}
         )
         if record.get("status") == "ok":
             record["speedup_vs_naive"] = None  # a different batch: not comparable
@@ -367,6 +502,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "On one GPU BBS cannot raise throughput (no rank waits for another); its effect "
             "is the step-cost spread (step_cost_cv).",
             "speedup_vs_naive compares requests/s at the same batch, data and steps.",
+            "Held-out AUC: the same requests and evaluation code (jagged kernels) for every "
+            "row; the naive row's model is switched to them after its timed steps.",
+            "Rows run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set.",
         ],
     }  # fmt: skip
     out_dir = Path(args.out)
@@ -378,12 +516,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(markdown(doc))
     print(f"wrote {path} and {path.with_suffix('.md')} in {doc['total_wall_s']:.0f} s")
     return doc
-
-
-def _sub_batch(preset_name: str) -> int:
-    from hyperrec.integration import get_preset
-
-    return get_preset(preset_name).train.sub_batch_size
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -432,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", default=str(RESULTS), help=f"result directory (default {RESULTS})")
-    p.add_argument("--quick", action="store_true", help="fewer steps and rows, <= 4 minutes")
+    p.add_argument("--quick", action="store_true", help="fewer steps and rows, <= 5 minutes")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny preset, < 1 minute")
     p.add_argument("--preset", help="default: gem (smoke: tiny)")
     p.add_argument(

@@ -16,9 +16,17 @@ read) under ``torch.profiler`` with CUDA's sync debug mode set to "warn". The su
   names) and the top kernels;
 - host synchronisation: implicit syncs flagged by the sync debug mode (``.item()``, D2H
   copies to pageable memory, ...), and the CUDA runtime's blocking calls seen by the
-  profiler (stream/device/event synchronize, blocking memcpy). The trainer waits on one
-  event per step on purpose: step n's metrics, read while step n + 1 is queued;
+  profiler (stream/device/event synchronize, blocking memcpy), each with where it came
+  from (the enclosing ops; with ``--stacks`` the Python frames). The trainer waits on
+  one event per step on purpose: step n's metrics, read while step n + 1 is queued;
 - each profiled step's time, model TFLOP/s and MFU.
+
+Device time counts kernels and copies only: the profiler's GPU-side copies of
+``record_function`` ranges (user annotations such as ``Optimizer.step#AdamW.step``) span
+other kernels and are left out (before 2026-12-02 they were counted, e.g. 81 ms of
+"optimizer" time in ``profiles/profile_gem_all_before_2026-12-01.json``). The window
+ends with one ``torch.cuda.synchronize()`` of this script (one ``cudaDeviceSynchronize``
+that is not the trainer's).
 
 Writes ``profile_<preset>_<tag>_<date>.json`` (and the trace with ``--trace``) into ``--out``.
 Takes about a minute on one H200 for the gem preset (model build, warm-up, profiling).
@@ -86,23 +94,49 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _site(e: Any, depth: int = 4) -> str:
+    """Where a runtime call came from: its enclosing ops / Python frames, innermost first
+    (frames inside torch's own modules skipped), joined by " < "."""
+    names, p = [], e.cpu_parent
+    while p is not None and len(names) < depth:
+        name = p.name
+        internal = "torch/" in name and ("profiler" in name or "autograd/" in name)
+        if name and not name.startswith("ProfilerStep") and not internal:
+            names.append(name[:120])
+        p = p.cpu_parent
+    return " < ".join(names) or "(no enclosing op: a direct runtime call)"
+
+
 def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    device = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else []
+    device = []
+    if cuda:
+        # Kernels and copies; not the GPU-side spans of record_function annotations.
+        device = [
+            e
+            for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
     blocking: dict[str, int] = {name: 0 for name in _BLOCKING}
+    sites: dict[str, dict[str, int]] = {}
     for e in events:
         if e.device_type == DeviceType.CPU and e.name in blocking:
             blocking[e.name] += 1
-    out: dict[str, Any] = {"runtime_blocking_calls": blocking}
+            where = sites.setdefault(e.name, {})
+            site = _site(e)
+            where[site] = where.get(site, 0) + 1
+    out: dict[str, Any] = {"runtime_blocking_calls": blocking, "blocking_call_sites": sites}
     if device:
         intervals = [(e.time_range.start, e.time_range.end) for e in device]
         window = max(b for _, b in intervals) - min(a for a, _ in intervals)
         busy = _union_us(intervals)
         by_kernel: dict[str, float] = {}
+        launches: dict[str, int] = {}
         for e in device:
             by_kernel[e.name] = by_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+            launches[e.name] = launches.get(e.name, 0) + 1
         out["gpu"] = {
             "window_ms": window / 1e3,
             "busy_ms": busy / 1e3,
@@ -112,9 +146,10 @@ def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
         }
     else:
         # CPU run: the ops' own (self) CPU time stands in for kernel time.
-        by_kernel = {}
+        by_kernel, launches = {}, {}
         for avg in prof.key_averages():
             by_kernel[avg.key] = by_kernel.get(avg.key, 0.0) + avg.self_cpu_time_total
+            launches[avg.key] = launches.get(avg.key, 0) + avg.count
         out["gpu"] = None
     total = sum(by_kernel.values()) or 1.0
     categories: dict[str, float] = {}
@@ -126,7 +161,13 @@ def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
     }
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
     out["top_kernels"] = [
-        {"name": n[:160], "category": categorize(n), "ms": us / 1e3, "fraction": us / total}
+        {
+            "name": n[:160],
+            "category": categorize(n),
+            "ms": us / 1e3,
+            "fraction": us / total,
+            "launches": launches.get(n, 0),
+        }
         for n, us in top
     ]
     out["time_basis"] = "device kernel time" if device else "CPU self time of ops"
@@ -181,7 +222,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            with torch.profiler.profile(activities=activities) as prof:
+            with torch.profiler.profile(activities=activities, with_stack=args.stacks) as prof:
                 run(args.steps, profiled)
                 if cuda:
                     torch.cuda.synchronize()
@@ -228,8 +269,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         **summary,
         "trace": trace.name if trace else None,
         "notes": "cudaEventSynchronize once per step is the trainer's lagged metrics readout "
-        "(it waits for step n while step n + 1 is queued); any other blocking call or "
-        "implicit sync is a stall of the steady-state step.",
+        "(it waits for step n while step n + 1 is queued); one cudaDeviceSynchronize closes "
+        "the profiled window (this script); any other blocking call or implicit sync is a "
+        "stall of the steady-state step. FillFunctor<int> launches of 256 MB and "
+        "cudaDeviceSynchronize calls come from triton.testing.do_bench (an autotuner "
+        "benchmarking configs: it clears the L2 cache with a 256 MB int fill before every "
+        "timed run and synchronises around them).",
     }
     path = out_dir / f"profile_{name}_{tag}_{stamp}.json"
     path.write_text(json.dumps(jsonable(doc), indent=1) + "\n")
@@ -244,6 +289,9 @@ def _print(doc: dict[str, Any], path: Path) -> None:
               f"({gpu['kernel_launches']} kernels)")  # fmt: skip
     print(f"implicit host syncs: {doc['implicit_host_syncs']['count']}; "
           f"runtime blocking calls: {doc['runtime_blocking_calls']}")  # fmt: skip
+    for name, where in doc["blocking_call_sites"].items():
+        for site, n in sorted(where.items(), key=lambda kv: -kv[1])[:3]:
+            print(f"  {n:4d} x {name} from {site}")
     print(f"time by category ({doc['time_basis']}):")
     for k, v in doc["time_by_category"].items():
         print(f"  {k:<15} {v['ms']:10.2f} ms  {v['fraction']:6.1%}")
@@ -265,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     p.add_argument("--tag", help="name part of the output file (default: default/custom)")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace")
+    p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="record Python stacks: blocking calls are attributed to Python frames "
+        "(slows the host side of the profiled steps)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny preset")
     p.add_argument(
         "--no-group", action="store_true", help="no single-rank process group (no sharding wrapper)"

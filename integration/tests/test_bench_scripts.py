@@ -15,12 +15,14 @@ import profile_step  # noqa: E402
 
 def test_ablation_orchestration(tmp_path, monkeypatch):
     """Rows build on each other, unavailable techniques are recorded and skipped, the
-    naive row halves the batch until it fits, speedups are against naive at one batch."""
+    naive row's batch (halved in its process until it fits) is every comparable row's,
+    speedups are against naive at one batch."""
     calls = []
 
-    def measured(rps, mfu, memory):
+    def measured(rps, mfu, memory, batch):
         return {
             "status": "ok",
+            "global_batch_size": batch,
             "requests_per_s": rps,
             "mfu": mfu,
             "tflops_per_gpu": 989.4 * mfu,
@@ -31,13 +33,11 @@ def test_ablation_orchestration(tmp_path, monkeypatch):
 
     def fake_launch(spec, timeout, in_process):
         calls.append(spec)
-        sizes = [o for o in spec["overrides"] if "global_batch_size" in o]
-        batch = int(sizes[0].split("=")[1]) if sizes else 128  # the gem preset's own
-        if spec["overrides"][-1] == "train.optimizer_impl=foreach":  # the naive row
-            if batch > 32:
-                return {"status": "oom", "error": "CUDA out of memory"}
-            return measured(100.0, 0.05, 120.0)
-        return measured(100.0 + 50 * len(calls), 0.3, 60.0)
+        assert len({o.split("=")[0] for o in spec["overrides"]}) == len(spec["overrides"])
+        if spec.get("halve_on_oom"):  # the naive row: fits at 32
+            assert spec["batch"] == 128 and spec["min_batch"] == 32
+            return {**measured(100.0, 0.05, 120.0, 32), "oom_at_batch": [128, 64]}
+        return measured(100.0 + 50 * len(calls), 0.3, 60.0, spec["batch"])
 
     monkeypatch.setattr(ablation, "_launch", fake_launch)
     monkeypatch.setattr(ablation, "_cuda_available", lambda: True)
@@ -46,26 +46,84 @@ def test_ablation_orchestration(tmp_path, monkeypatch):
     rows = {r["name"]: r for r in doc["rows"]}
     assert doc["global_batch_size"] == 32 and rows["naive"]["oom_at_batch"] == [128, 64]
     assert rows["naive"]["speedup_vs_naive"] == 1.0
+    assert rows["naive"]["naive_estimate"]["batch"] == 32
+    assert rows["naive"]["naive_estimate"]["steps"][0]["padded_hstu_tflop"] > 0
+    assert all(c["batch"] == 32 for c in calls[1:-2])
     assert (
         rows["+ jagged kernels"]["speedup_vs_naive"]
         == rows["+ jagged kernels"]["requests_per_s"] / 100.0
     )
-    for name in ("+ autoac", "+ FP8 attention", "+ sharded embeddings"):
-        assert rows[name]["status"] == "not available"
-        assert "not available yet" in rows[name]["error"]
+    # Rows switch fields an earlier row set: the later value wins.
+    jagged = rows["+ jagged kernels"]["overrides"]
+    assert "train.impl=hyperrec" in jagged and "train.impl=naive" not in jagged
+    assert rows["+ FP8 attention"]["status"] == "not available"
+    assert "not available yet" in rows["+ FP8 attention"]["error"]
+    for name in ("+ autoac", "+ sharded embeddings"):
+        assert rows[name]["status"] == "ok", name
     # "all" carries every earlier available override, none of the unavailable ones.
     all_overrides = rows["all"]["overrides"]
-    assert "train.sharding=hyperrec" in all_overrides and "train.compile=inductor" in all_overrides
-    unavailable = ("activation_checkpointing", "attention_precision", "embedding_optimizer")
-    assert not any(o.split("=")[0].endswith(unavailable) for o in all_overrides)
+    for o in (
+        "train.sharding=hyperrec",
+        "train.mesh=5d",
+        "train.compile=inductor",
+        "train.mlp_precision=mxfp8",
+        "train.activation_checkpointing=autoac",
+        "train.sparse=sharded",
+    ):
+        assert o in all_overrides
+    assert not any(o.startswith("train.attention_precision") for o in all_overrides)
     assert rows["all @ preset batch"]["speedup_vs_naive"] is None
-    assert "train.global_batch_size=32" not in calls[-1]["overrides"]
+    assert calls[-2]["batch"] == 128 and calls[-1]["batch"] == 3 * 128
+    assert rows["all @ 3x preset batch"]["overrides"] == all_overrides
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files[0].startswith("ablation_gem_full_") and files[0].endswith(".json")
     on_disk = json.loads((tmp_path / files[0]).read_text())
     assert [r["name"] for r in on_disk["rows"]] == [r["name"] for r in doc["rows"]]
     table = (tmp_path / files[1]).read_text()
-    assert table.count("\n| ") == len(doc["rows"]) + 1 and "| + autoac | not available |" in table
+    assert table.count("\n| ") == len(doc["rows"]) + 1
+    assert "| + FP8 attention | not available |" in table
+
+
+def test_compose_is_last_wins():
+    assert ablation.compose(["a.x=1", "a.y=2"], ["a.x=3"], [" a.z = 4"]) == [
+        "a.y=2",
+        "a.x=3",
+        " a.z = 4",
+    ]
+    assert ablation.compose() == []
+
+
+@pytest.mark.parametrize("preset", ["gem", "tiny"])
+def test_every_ablation_row_composes_to_a_valid_config(preset):
+    """Each row's composed overrides build a valid preset (or are "not available" for a
+    technique not integrated), with the previous available row's values except the
+    row's own fields."""
+    from hyperrec.integration import get_preset, override
+
+    base = get_preset(preset)
+    previous = None
+    configs = ablation.row_configs(preset, ["data.eval_requests=128"])
+    assert [row.name for row, _, _ in configs] == [row.name for row in ablation.ROWS]
+    for row, overrides, why in configs:
+        keys = [o.partition("=")[0] for o in overrides]
+        assert len(keys) == len(set(keys)), row.name
+        if why is not None:
+            assert "not available yet" in why, (row.name, why)
+            with pytest.raises(ValueError, match="not available yet"):
+                override(base, overrides)
+            continue
+        cfg = override(base, overrides).to_dict()
+        for own in row.overrides:
+            section, _, field = own.partition("=")[0].partition(".")
+            assert str(cfg[section][field]).lower() == own.partition("=")[2].lower(), own
+        if previous is not None:
+            mine = {o.partition("=")[0] for o in row.overrides}
+            for section in ("data", "model", "train"):
+                for field, value in cfg[section].items():
+                    if f"{section}.{field}" not in mine:
+                        assert previous[section][field] == value, (row.name, field)
+        previous = cfg
+    assert previous["train"]["impl"] == "hyperrec" and previous["train"]["compile"] == "inductor"
 
 
 @pytest.mark.parametrize(
@@ -94,3 +152,39 @@ def test_profile_categories(name, category):
 def test_busy_time_is_the_union_of_intervals():
     assert profile_step._union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
     assert profile_step._union_us([]) == 0
+
+
+def test_profile_summary_skips_annotations_and_names_blocking_call_sites():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, device=DeviceType.CUDA, annotation=False, parent=None):
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start, end=end),
+            device_type=device,
+            is_user_annotation=annotation,
+            cpu_parent=parent,
+        )
+
+    bench = ev("triton/testing.py(120): do_bench", 0, 0, device=DeviceType.CPU)
+    events = [
+        ev("_mm_fixup_kernel", 0, 100),
+        ev("FillFunctor<int>", 100, 110),
+        ev("FillFunctor<int>", 120, 130),
+        ev("Optimizer.step#AdamW.step", 0, 1000, annotation=True),  # spans the rest
+        ev("cudaDeviceSynchronize", 0, 1, device=DeviceType.CPU, parent=bench),
+        ev("cudaDeviceSynchronize", 2, 3, device=DeviceType.CPU),
+        ev("cudaEventSynchronize", 4, 5, device=DeviceType.CPU),
+    ]
+    out = profile_step._summarize(SimpleNamespace(events=lambda: events), cuda=True)
+    assert out["gpu"]["window_ms"] == 0.13 and out["gpu"]["kernel_launches"] == 3
+    assert sum(c["ms"] for c in out["time_by_category"].values()) == pytest.approx(0.12)
+    fills = next(k for k in out["top_kernels"] if k["name"] == "FillFunctor<int>")
+    assert fills["launches"] == 2
+    assert out["runtime_blocking_calls"]["cudaDeviceSynchronize"] == 2
+    assert out["blocking_call_sites"]["cudaDeviceSynchronize"] == {
+        "triton/testing.py(120): do_bench": 1,
+        "(no enclosing op: a direct runtime call)": 1,
+    }

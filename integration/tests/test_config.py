@@ -191,3 +191,10 @@ def test_data_schema_is_validated(kwargs, match):
                 dense_features=("x",), max_seqlen=4)  # fmt: skip
     with pytest.raises((ValueError, TypeError), match=match):
         DataSchema(**{**base, **kwargs})
+
+
+def test_big_presets_keep_the_logistic_baseline_small():
+    # It regenerates its requests on the CPU; long histories make the default slow.
+    for name, n in (("h200", 8192), ("gem", 4096)):
+        assert get_preset(name).train.baseline_requests == n
+    assert get_preset("tiny").train.baseline_requests == 65536

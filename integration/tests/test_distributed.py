@@ -15,8 +15,10 @@ def _preset(sharding="hyperrec"):
     micro = get_preset("micro")
     # W = 1: every global step then holds the same requests on any world size (with
     # W > 1 each rank balances its own window, which regroups requests differently).
+    # Dense tables: the single process's default, to compare with (sharded tables on
+    # several ranks are tested in test_wiring.py).
     train = dataclasses.replace(
-        micro.train, steps=8, ckpt_every=4, window_steps=1, sharding=sharding
+        micro.train, steps=8, ckpt_every=4, window_steps=1, sharding=sharding, sparse="dense"
     )
     data = dataclasses.replace(micro.data, eval_requests=512)
     return dataclasses.replace(micro, train=train, data=data)

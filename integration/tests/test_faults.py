@@ -199,17 +199,29 @@ def test_legacy_checkpoints_without_a_manifest_still_load(tmp_path):
 
 
 # -- non-finite loss or gradient -----------------------------------------------------------
+@pytest.mark.parametrize("sparse", ["dense", "sharded"])
 def test_nonfinite_gradient_skip_policy_drops_the_update_and_names_the_module(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, sparse
 ):
     monkeypatch.setenv(FAULT_ENV, "nan_grad@step=3,rank=0,module=mlp")
-    preset = _preset(steps=6, ckpt_every=0, nonfinite="skip")
+    preset = _preset(steps=6, ckpt_every=0, nonfinite="skip", sparse=sparse)
     snapshots = {}
     trainer = Trainer(preset, out_dir=tmp_path, progress=False)
-    trainer.on_step = lambda rec: snapshots.__setitem__(rec.step, (_params(trainer), rec))
+    assert trainer.tables == sparse
+
+    def snap(rec):
+        params = _params(trainer)
+        params.update(
+            {f"sparse_optim.{k}": torch.from_numpy(v) for k, v in _sparse_state(trainer).items()}
+        )
+        snapshots[rec.step] = (params, rec)
+
+    trainer.on_step = snap
     result = trainer.fit(plot=False)
     before, after = snapshots[2][0], snapshots[3][0]
-    assert all(torch.equal(before[k], after[k]) for k in before)  # step 3 changed nothing
+    # Step 3 changed nothing: parameters, sharded rows and their optimizer's states.
+    assert any(k.startswith("sharded.") for k in before) == (sparse == "sharded")
+    assert all(torch.equal(before[k], after[k]) for k in before)
     assert snapshots[3][1].skipped and not snapshots[4][1].skipped
     assert any(not torch.equal(after[k], snapshots[4][0][k]) for k in after)  # training goes on
     (report,) = result.metrics["nonfinite_steps"]
@@ -311,24 +323,42 @@ def _numpy(params):
     return {k: v.numpy() for k, v in params.items()}
 
 
+def _sparse_state(trainer):
+    """The sharded tables' optimizer state as full arrays (collective), or {}."""
+    opt = trainer.sparse_optimizer
+    if opt is None:
+        return {}
+    out = {}
+    for table, entries in opt.state_dict()["state"].items():
+        for k, v in entries.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"{table}.{k}"] = v.detach().clone().numpy()
+    return out
+
+
 def _train_collect(preset, out_dir, resume, stop_after, snapshot_step=0):
-    records, snapshot = [], {}
+    records, snapshot, sparse = [], {}, {}
     t = Trainer(preset, out_dir=out_dir, resume=resume, progress=False)
 
     def on_step(rec):
         records.append(rec)
         if rec.step == snapshot_step:
             snapshot.update(_numpy(_params(t)))  # collective: every rank takes part
+            sparse.update(_sparse_state(t))
 
     t.on_step = on_step
-    start, loaded = t.step, _numpy(_params(t))
+    start, loaded, loaded_sparse = t.step, _numpy(_params(t)), _sparse_state(t)
     moments = [s["exp_avg"] for s in t.optimizer.state_dict()["state"].values()]
     t.fit(stop_after=stop_after, plot=False)
     return {
+        "tables": t.tables,
         "start": start,
         "loaded": loaded,
+        "loaded_sparse": loaded_sparse,
+        "parameters": len(list(t.model.parameters())),
         "optimizer_state": len(moments),
         "snapshot": snapshot,
+        "sparse_snapshot": sparse,
         "sub_batches": [list(r.sub_batches) for r in records],
         "ids": [r.sample_ids.tolist() for r in records],
         "notes": t.resume_notes,
@@ -342,11 +372,16 @@ def _sub_batches_once(segments, frontier_at_least):
     return seen
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path, before, after):
+@pytest.mark.parametrize(
+    ("before", "after", "sparse"), [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "sharded")]
+)
+def test_resume_on_another_world_size(tmp_path, before, after, sparse):
     # W = 2 and a checkpoint at step 3: the interrupted BBS window is re-planned to find
-    # the sub-batches the old ranks had not trained yet.
-    preset = _preset(steps=10, ckpt_every=3, window_steps=2)
+    # the sub-batches the old ranks had not trained yet. Tables: "auto" is sharded on 2
+    # ranks and dense on one process; the resumed run takes the checkpoint's placement,
+    # so 2 -> 1 reshards sharded tables (rows and row-wise Adagrad states), 1 -> 2 dense
+    # ones; "sharded" reshards the collection from 1 to 2 ranks.
+    preset = _preset(steps=10, ckpt_every=3, window_steps=2, sparse=sparse)
     run = tmp_path / "run"
 
     def launch(world, *args):
@@ -358,12 +393,19 @@ def test_resume_on_another_world_size(tmp_path, before, after):
     second = launch(after, preset, run, checkpoint_dir(run, 3), None)  # steps 4-10
     assert all(r["start"] == 3 for r in second)
     assert f"resharded from {before} to {after} ranks" in second[0]["notes"][0]
+    expected = "sharded" if (sparse == "sharded" or before == 2) else "dense"
+    assert {r["tables"] for r in first + second} == {expected}
     # The model arrives intact: what the new ranks loaded is what the old ranks had
-    # after step 3; so does the optimizer's state (one AdamW state per parameter).
+    # after step 3 (sharded tables' rows included); so does the optimizers' state (one
+    # AdamW state per parameter, the row-wise Adagrad states of sharded tables).
     for r in second:
         for k, v in first[0]["snapshot"].items():
             assert np.array_equal(r["loaded"][k], v), k
-        assert r["optimizer_state"] == len(first[0]["snapshot"])
+        assert r["optimizer_state"] == r["parameters"]
+        assert r["loaded_sparse"].keys() == first[0]["sparse_snapshot"].keys()
+        assert bool(r["loaded_sparse"]) == (expected == "sharded")
+        for k, v in first[0]["sparse_snapshot"].items():
+            assert np.array_equal(r["loaded_sparse"][k], v), k
     # Data: steps 1-3 of the old world plus steps 4-10 of the new one train every
     # sub-batch at most once, and every one below the highest old read position.
     old = [r["sub_batches"][:3] for r in first]

@@ -92,3 +92,37 @@ def test_naive_training_follows_the_same_loss_curve(micro, tmp_path):
     np.testing.assert_allclose(fast["history"]["loss"], slow["history"]["loss"], atol=1e-4)
     assert abs(fast["final"]["ctr_auc"] - slow["final"]["ctr_auc"]) < 2e-3
     assert fast["mfu"]["model_tflop_total"] == slow["mfu"]["model_tflop_total"]
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 40, 7])
+def test_padded_attention_work_counts_what_the_naive_kernels_compute(chunk):
+    """The naive row's work estimate against FlopCounterMode on the padded HSTU attention:
+    forward 4 x head_dim per computed score element, training (forward, the recomputed
+    score GEMM, backward) 14 x head_dim; the padded count exceeds the jagged one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lengths = np.array([5, 0, 9, 1, 3])
+    heads, head_dim = 2, 4
+    offsets = torch.from_numpy(np.concatenate([[0], lengths.cumsum()]))
+    t = int(lengths.sum())
+    q, k, v = (torch.randn(t, heads, head_dim, requires_grad=True) for _ in range(3))
+    layout = naive.JaggedLayout.from_offsets(offsets, int(lengths.max()), t)
+    work = naive.padded_attention_work(
+        lengths, heads=heads, head_dim=head_dim, full_layers=1, block_layers=0,
+        block_size=4, pma_queries=0, max_candidates=0, chunk_elements=chunk,
+    )  # fmt: skip
+    kwargs = dict(activation="silu", scale=0.5, output_scale=0.1, chunk_elements=chunk)
+    with FlopCounterMode(display=False) as fwd_only, torch.no_grad():
+        naive.hstu_attention(q, k, v, layout, **kwargs)
+    assert fwd_only.get_total_flops() == work["hstu"] * 4 / 14
+    with FlopCounterMode(display=False) as counter:
+        naive.hstu_attention(q, k, v, layout, **kwargs).sum().backward()
+    assert counter.get_total_flops() == work["hstu"]
+    assert work["max_len"] == 9
+    jagged_pairs = int((lengths * (lengths + 1) // 2).sum()) * heads
+    assert work["hstu_score_elements"] >= 5 * 9 * 9 * heads / 2 > jagged_pairs
+    with pytest.raises(ValueError, match="history_lengths must be non-negative"):
+        naive.padded_attention_work(
+            [-1], heads=1, head_dim=1, full_layers=1, block_layers=0, block_size=1,
+            pma_queries=0, max_candidates=0,
+        )  # fmt: skip

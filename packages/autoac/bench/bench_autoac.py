@@ -24,7 +24,16 @@ Strategies, per model (each a point: measured peak, step time):
 * ``autoac_quant@b``: the same with packed saved activations allowed (MXFP8, FP8, MX4
   where the measured gradient error is within the bound).
 * ``autoac_compiled@b``: autoac's keep/recompute plan applied under ``torch.compile``
-  of each layer (``--full`` budget only).
+  of each layer (full run only: each distinct layer plan is its own compile).
+* ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
+  ``torch_budget@0.5``): the matched-budget comparison.
+* ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
+  gradient-error bound: the activation memory quantized saves alone remove
+  (``activation_reduction_vs_no_ac``: no AC's peak above its start over this one's).
+
+The profiled ends of autoac's model are checked against the measured baselines of the
+same run: if the predicted no-AC or full-recompute peak is off by more than 10%, the
+model's ``autoac.checks`` and the top-level ``WARNINGS`` say so (and the log shouts).
 
 Budgets ``b`` are spread between the measured peaks of ``full_ac`` and ``no_ac``.
 Every timed step uses one of several freshly built input batches; times are the
@@ -35,7 +44,7 @@ predicted peak next to the measured one) goes to ``--out``.
 Usage::
 
     python bench_autoac.py --out DIR            # H200, <= 8 minutes
-    python bench_autoac.py --out DIR --quick    # H200, <= 3 minutes
+    python bench_autoac.py --out DIR --quick    # H200, <= 2.5 minutes
     python bench_autoac.py --out DIR --smoke    # CPU, tiny shapes, checks the code paths
 
 On the CPU (``--smoke``) peaks come from autoac's storage tracker; Dynamo does not
@@ -68,6 +77,12 @@ from torch.utils.checkpoint import (
 from hyperrec import autoac
 
 H200 = {"bf16_tflops": 780.0, "fp8_tflops": 1250.0, "copy_tbps": 4.2}
+#: Seconds a compiled point needs (Inductor compiles one layer graph, shared by every
+#: layer; 18 s for the Llama point on the H200 run of 2026-12-01).
+COMPILE_S = 30.0
+#: Relative error of the profiled no-AC / full-AC peaks against the measured ones above
+#: which the JSON carries a warning (the model is then not to be trusted).
+CHECK_REL = 0.10
 
 
 # --------------------------------------------------------------------------- models
@@ -377,10 +392,11 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     def point(
         method: str,
         setup: Callable[[], Callable[[], None]] | None,
-        need_s: float = 10.0,
+        need_s: float = 5.0,
         **extra,
     ) -> dict | None:
-        # A point starts only with ``need_s`` seconds left (a compile takes ~a minute), so
+        # A point starts only with ``need_s`` seconds left (an eager point takes 1-3 s on
+        # the H200, a compiled one ~20 s: COMPILE_S), so
         # that the whole run ends within its budget.
         if time.monotonic() + (1.0 if args.smoke else need_s) > deadline:
             rows.append({"method": method, "skipped": "time budget", **extra})
@@ -412,12 +428,21 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             log(f"  {method:<24} {res.get('error')}")
         return res
 
+    def budget_point(f: float) -> dict | None:
+        name = "compiled_no_ac" if f == 1.0 else f"torch_budget@{f:g}"
+        return point(
+            name, lambda: torch_budget(case.model, f, backend), need_s=COMPILE_S, fraction=f
+        )
+
     noac = point("no_ac", None)
     full = point("full_ac", lambda: full_ac(case.model))
-    point("op_sac", lambda: op_sac(case.model))
+    osac = point("op_sac", lambda: op_sac(case.model))
     if noac is None or full is None or "peak_bytes" not in noac or "peak_bytes" not in full:
         return {"points": rows, "error": "baselines failed"}
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
+    # The strongest peer first: a compile takes ~20-40 s, and the deadline cuts from
+    # the end (autoac's eager points take ~1 s each after the profile).
+    tb = budget_point(0.5)
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
@@ -438,9 +463,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         info_err = f"{type(exc).__name__}: {exc}"[:500]
     profile_s = time.monotonic() - t0
     if prof is None:
-        for f in (0.5, 1.0, 0.0):
-            name = "compiled_no_ac" if f == 1.0 else f"torch_budget@{f:g}"
-            point(name, lambda f=f: torch_budget(case.model, f, backend), need_s=75.0, fraction=f)
+        if not args.quick:
+            for f in (1.0, 0.0):
+                budget_point(f)
         return {"points": rows, "autoac": {"error": info_err}}
     free = autoac.plan(prof, budget=1e18)
     info = {
@@ -453,21 +478,35 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         "pack_errors": {f"{k[0]}|{k[1]}": v for k, v in prof.pack_errors.items()},
         "pack_costs": prof.pack_costs,
         "ops_per_layer": len(prof.regions[0].ops),
+        "diagnostics": prof.diagnostics,
     }
+    info["checks"] = checks = _model_checks(free, prof, lo, hi)
+    for w in checks["warnings"]:
+        log(f"  !!! WARNING: {w}")
     log(
         f"  profile {profile_s:.1f} s: floor {free.floor / 2**30:.2f} GiB (measured full AC "
         f"{lo / 2**30:.2f}), no AC {free.no_ac_peak / 2**30:.2f} GiB (measured {hi / 2**30:.2f})"
     )
     plans: dict[str, Any] = {}
 
-    def autoac_point(kind: str, f: float) -> None:
+    def autoac_point(kind: str, f: float, matched: dict | None = None) -> None:
+        """``f``: budget as a fraction of the way from full AC's to no AC's measured
+        peak; ``matched``: a peer's point whose measured peak is the budget instead."""
+        name = f"{kind}@{f:g}"
+        extra: dict[str, Any] = {}
+        if matched is not None:
+            if "peak_bytes" not in matched:
+                return
+            f = min(max((matched["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
+            name = f"{kind}@{matched['method']}"
+            extra["matched"] = matched["method"]
         b = lo + f * (hi - lo)
         b_eff = max(b, free.floor)
         t1 = time.monotonic()
         fm = () if kind == "autoac" else None
         p = autoac.plan(prof, budget=b_eff, config=autoac.PlanConfig(formats=fm))
         plan_s = time.monotonic() - t1
-        plans[f"{kind}@{f:g}"] = p.to_dict()
+        plans[name] = p.to_dict()
         handle: list = []
 
         def setup():
@@ -475,8 +514,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return lambda: handle.pop().remove()
 
         point(
-            f"{kind}@{f:g}",
+            name,
             setup,
+            **extra,
             budget_fraction=f,
             budget_bytes=int(b),
             budget_used=int(b_eff),
@@ -490,7 +530,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             modes=[r.mode for r in p.regions],
         )
 
-    def autoac_compiled_point(f: float) -> None:
+    def autoac_compiled_point(f: float, matched: str | None = None) -> None:
         b = max(lo + f * (hi - lo), free.floor)
         p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=()))
         handle: list = []
@@ -508,24 +548,52 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return undo
 
         point(
-            f"autoac_compiled@{f:g}",
+            f"autoac_compiled@{matched or f'{f:g}'}",
             setup,
-            need_s=75.0,
+            need_s=COMPILE_S,
+            **({"matched": matched} if matched else {}),
             budget_fraction=f,
             budget_bytes=int(b),
             predicted_peak=p.predicted_peak,
             predicted_added_ms=p.added_s * 1e3,
         )
 
-    def budget_point(f: float) -> None:
-        name = "compiled_no_ac" if f == 1.0 else f"torch_budget@{f:g}"
-        point(name, lambda: torch_budget(case.model, f, backend), need_s=75.0, fraction=f)
+    def pack_all_point() -> None:
+        """Memory of quantized saves: nothing checkpointed, every saved tensor whose
+        class passed the gradient-error bound packed (the planner's choice aside)."""
+        p = pack_all_plan(prof, free, formats[0])
+        if p is None:
+            rows.append({"method": "pack_all", "skipped": "no packable saved tensor"})
+            return
+        plans["pack_all"] = p.to_dict()
+        handle: list = []
+
+        def setup():
+            handle.append(autoac.apply_plan(case.model, p))
+            return lambda: handle.pop().remove()
+
+        res = point(
+            "pack_all",
+            setup,
+            format=formats[0],
+            packed_ops=sum(map(len, (r.saves for r in p.regions))),
+        )
+        if res is not None and "peak_bytes" in res:
+            # Activation memory: the step's peak above what was allocated before it.
+            act_noac = noac["peak_bytes"] - noac["start_bytes"]
+            act = res["peak_bytes"] - res["start_bytes"]
+            res["activation_bytes"] = act
+            res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
 
     # Most informative points first: the deadline cuts from the end.
-    for f in (0.0, 0.5):
-        autoac_point("autoac", f)
-        autoac_point("autoac_quant", f)
-    budget_point(0.5)
+    autoac_point("autoac", 0.0)
+    autoac_point("autoac", 0.0, matched=tb)
+    autoac_point("autoac_quant", 0.0)
+    autoac_point("autoac", 0.5)
+    autoac_point("autoac_quant", 0.5)
+    if prof.pack_errors:
+        pack_all_point()
+    autoac_point("autoac", 0.0, matched=osac)
     if not args.quick:
         budget_point(1.0)
         budget_point(0.0)
@@ -535,6 +603,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         budget_point(0.25)
         budget_point(0.75)
         autoac_compiled_point(0.5)
+        if tb is not None and "peak_bytes" in tb:
+            f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
+            autoac_compiled_point(f_tb, matched=tb["method"])
     for r in rows:  # ratios against the eager baselines of the same run
         if "time_ms_median" in r:
             r["speedup_vs_full_ac"] = full["time_ms_median"] / r["time_ms_median"]
@@ -545,19 +616,63 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     return {"points": rows, "autoac": info, "plans": plans}
 
 
+def pack_all_plan(prof: Any, free: Any, fmt: str) -> Any:
+    """``free`` (nothing checkpointed) with every saved tensor packed in ``fmt`` where
+    the profile allows ``fmt`` for it; ``None`` if there is none."""
+    import dataclasses
+
+    regions = []
+    for rp, r in zip(prof.regions, free.regions):
+        saves = {o.key: fmt for o in rp.ops if o.needed and fmt in o.formats}
+        regions.append(dataclasses.replace(r, mode="none", saves=saves))
+    if not any(r.saves for r in regions):
+        return None
+    return dataclasses.replace(free, regions=tuple(regions), predicted_peak=-1)
+
+
+def _model_checks(free: Any, prof: Any, lo: int, hi: int) -> dict[str, Any]:
+    """Compare autoac's two ends with the measured baselines of the same run.
+
+    ``free.no_ac_peak`` (no region checkpointed) should match the measured no-AC peak
+    and ``free.floor`` (full recompute) the measured full-AC peak. A large error means
+    the profile missed tensors and every plan below is untrustworthy.
+    """
+    rel_noac = free.no_ac_peak / hi - 1.0
+    rel_floor = free.floor / lo - 1.0
+    warnings: list[str] = []
+    if abs(rel_noac) > CHECK_REL:
+        warnings.append(
+            f"profiled no-AC peak {free.no_ac_peak / 2**30:.2f} GiB vs measured "
+            f"{hi / 2**30:.2f} GiB ({rel_noac:+.0%}): the memory model is wrong on this run"
+        )
+    if abs(rel_floor) > CHECK_REL:
+        warnings.append(
+            f"profiled full-recompute peak {free.floor / 2**30:.2f} GiB vs measured full AC "
+            f"{lo / 2**30:.2f} GiB ({rel_floor:+.0%})"
+        )
+    if any(not r.ops for r in prof.regions if "sac" in r.modes):
+        warnings.append("a checkpointed region has no profiled op: nothing to plan")
+    return {
+        "no_ac_rel_error": rel_noac,
+        "floor_rel_error": rel_floor,
+        "ok": not warnings,
+        "warnings": warnings,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for the JSON result")
-    ap.add_argument("--quick", action="store_true", help="fewer points (<= 3 minutes on an H200)")
+    ap.add_argument("--quick", action="store_true", help="fewer points (<= 2.5 minutes on an H200)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--models", default="hstu,llama")
-    ap.add_argument("--minutes", type=float, default=None, help="time budget (default 7 / 2.5)")
+    ap.add_argument("--minutes", type=float, default=None, help="time budget (default 7 / 1.9)")
     ap.add_argument("--max-grad-error", type=float, default=0.03)
     args = ap.parse_args()
     t_start = time.monotonic()
     # Start-up (imports, CUDA context) and the last point's overrun fit in the rest of
-    # the 3 / 8 minutes.
-    minutes = args.minutes or (2.5 if args.quick else 7.0)
+    # the 2.5 / 8 minutes.
+    minutes = args.minutes or (1.9 if args.quick else 7.0)
     deadline_all = t_start + 60 * minutes
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -590,6 +705,9 @@ def main() -> None:
         except Exception as exc:  # record it; the other model still runs
             log(traceback.format_exc())
             out["models"][name] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+        checks = out["models"][name].get("autoac", {}).get("checks")
+        if checks is not None and checks["warnings"]:
+            out.setdefault("WARNINGS", []).extend(f"{name}: {w}" for w in checks["warnings"])
         del case
         gc.collect()
         if device == "cuda":

@@ -72,3 +72,31 @@ def step_for(x: torch.Tensor):
         return m(x).float().square().mean()
 
     return step
+
+
+def policy_before_op_contexts(policy, allow_cache_entry_mutation=False):
+    """``create_selective_checkpoint_contexts`` as torch <= 2.11 runs it: the policy is
+    asked about an op *before* the op runs (later versions ask after, passing the
+    output). Works on any torch: the decision is taken first, then torch's own caching
+    mode runs the op and is handed that decision."""
+    import torch.utils.checkpoint as ckpt
+
+    class _PolicyFirst(ckpt._CachingTorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            ignored = getattr(ckpt, "SAC_IGNORED_OPS", ())
+            if func in ignored:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            policy_fn = self.policy_fn
+            decided = policy_fn(
+                ckpt.SelectiveCheckpointContext(is_recompute=False), func, *args, **kwargs
+            )
+            self.policy_fn = lambda *a, **k: decided
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.policy_fn = policy_fn
+
+    caching, cached = ckpt.create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation)
+    caching.__class__ = _PolicyFirst
+    return caching, cached

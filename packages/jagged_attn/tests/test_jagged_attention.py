@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jagged_oracle import Call, Mask, grads, make_problem, oracle_attention
@@ -197,3 +198,22 @@ def test_reference_ignores_ambient_autocast(dtype):
     assert inside.dtype == dtype
     torch.testing.assert_close(inside, plain, rtol=0, atol=0)
     torch.testing.assert_close(gq_inside, gq, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_under_non_reentrant_checkpoint(backend):
+    # Non-reentrant checkpointing lets each saved tensor be unpacked once: a backward that
+    # reads ctx.saved_tensors twice fails there (it did in the reference backend).
+    p = make_problem([3, 0, 5], None, heads=2, dim=16, seed=5)
+    dtype = torch.float32 if backend == "torch" else torch.bfloat16
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in p.leaves())
+    offs = p.q_offsets_t
+
+    def fn(q, k, v):
+        return jagged_attention(q, k, v, offs, 5, causal=True, backend=backend)
+
+    g = torch.randn(q.shape[0], q.shape[1], v.shape[2], dtype=dtype)
+    plain = grads(fn(q, k, v), (q, k, v), g)
+    ckpt = torch.utils.checkpoint.checkpoint(fn, q, k, v, use_reentrant=False)
+    for got, want in zip(grads(ckpt, (q, k, v), g), plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -10,9 +10,11 @@
 - Model: :class:`GEMModel` (embeddings, HSTU-style GDPA/block-attention tower, PMA,
   candidate cross attention, DCN-v2, CTR/CVR heads with ESMM, or CTR only).
 - Training: :class:`Trainer` (BBS batching, ``hyperrec.parallel5d.fully_shard`` or FSDP2
-  under torchrun, epochs, validation and early stopping, atomic verified DCP checkpoints
-  with exact resume (also onto another world size), a non-finite-step policy, test
-  evaluation against popularity, logistic regression and the ground truth); CLI
+  on ``hyperrec.parallel5d``'s 5-D mesh (:func:`build_mesh`) under torchrun, sharded
+  embedding tables with lazy row optimizers (:func:`sharded_tables`), ``hyperrec.autoac``
+  per sequence layer, epochs, validation and early stopping, atomic verified DCP
+  checkpoints with exact resume (also onto another world size), a non-finite-step policy,
+  test evaluation against popularity, logistic regression and the ground truth); CLI
   ``hyperrec-train``.
 - Metrics: :func:`auc`, :func:`gauc`, :func:`normalized_entropy`, :func:`calibration`; MFU
   from :func:`model_flops` (analytic FLOPs of a step's jagged lengths).
@@ -44,7 +46,7 @@ from hyperrec.integration.data import (
     DataSource,
     SyntheticRecsysData,
 )
-from hyperrec.integration.distributed import init_distributed, parallelize
+from hyperrec.integration.distributed import build_mesh, init_distributed, parallelize
 from hyperrec.integration.eventlog import (
     EventLogError,
     EventLogSource,
@@ -55,7 +57,7 @@ from hyperrec.integration.faults import NonFiniteError
 from hyperrec.integration.flops import FlopCount, model_flops, peak_tflops
 from hyperrec.integration.loader import StepLoader
 from hyperrec.integration.metrics import auc, calibration, gauc, log_loss, normalized_entropy
-from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory
+from hyperrec.integration.model import GEMModel, esmm_loss, estimate_memory, sharded_tables
 from hyperrec.integration.pipeline import TrainStream
 from hyperrec.integration.trainer import RunResult, StepRecord, Trainer
 
@@ -89,6 +91,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "auc",
+    "build_mesh",
     "calibration",
     "esmm_loss",
     "estimate_memory",
@@ -102,5 +105,6 @@ __all__ = [
     "parallelize",
     "peak_tflops",
     "prepare_event_log",
+    "sharded_tables",
     "write_example_log",
 ]

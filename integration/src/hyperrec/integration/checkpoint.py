@@ -4,13 +4,16 @@ A checkpoint is one directory ``<run>/checkpoints/step_<N>/`` holding:
 
 - ``model`` / ``optim``: from :func:`torch.distributed.checkpoint.state_dict.get_state_dict`,
   so plain modules and FSDP2-sharded ones (DTensor parameters) save the same way and
-  every rank writes only its own shards;
+  every rank writes only its own shards (``optim``: one optimizer or several);
+- ``extra``: other stateful objects by name (e.g. the sharded tables' optimizer, whose
+  states are sharded DTensors but not of any parameter), each its ``state_dict()``,
+  loaded in place and handed back to its ``load_state_dict``;
 - ``meta``: one small object common to all ranks (step, world size, metric history);
 - ``rank<r>``: what differs per rank: the data pipeline's state (the BBS window, the
   reader position), the RNG states (dropout), the popularity counts, the training-AUC
   window. Tensors of known shape stay tensors; the rest is one pickled blob;
 - ``MANIFEST.json``: every file's size and SHA-256, plus a small ``info`` record (the
-  run's preset and data source, readable without DCP).
+  trainer's: the run's preset, data source and table placement, readable without DCP).
 
 **Atomic commit**: the ranks write into ``.step_<N>.partial/``; then each rank hashes
 its share of the files, rank 0 writes the manifest (fsynced) and renames the directory
@@ -25,7 +28,8 @@ directory falls back to the previous complete checkpoint (see the trainer).
 Checkpoints of 0.1.x (no manifest, DCP's ``.metadata`` as the completeness mark) still
 load, unverified.
 
-**World size**: the model and optimizer reshard through DCP. The per-rank data
+**World size**: the model, the optimizers and ``extra`` objects whose states are
+DTensors (the sharded tables' rows and row states) reshard through DCP. The per-rank data
 position does not split, so :func:`load_checkpoint` with ``all_ranks=True`` returns
 every old rank's state for :func:`~hyperrec.integration.pipeline.reshard_streams`.
 """
@@ -131,10 +135,11 @@ def save_checkpoint(
     path: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     meta: dict[str, Any],
     rank_state: dict[str, Any],
     rank_tensors: dict[str, torch.Tensor] | None = None,
+    extra: dict[str, Any] | None = None,
     info: dict[str, Any] | None = None,
     before_commit: Callable[[], None] | None = None,
 ) -> Path:
@@ -144,7 +149,9 @@ def save_checkpoint(
         path: the checkpoint directory; replaced if it exists (a resumed run re-writes
             the steps after its checkpoint; their content is identical).
         model, optimizer: saved through ``get_state_dict`` (sharded DTensors: each rank
-            writes its own pieces, ragged ones through the raggedshard planners).
+            writes its own pieces, ragged ones through the raggedshard planners);
+            ``optimizer`` may be a list.
+        extra: name -> object with ``state_dict()`` / ``load_state_dict()``.
         meta: picklable, identical on every rank; must hold ``"step"``.
         rank_state: picklable state of this rank.
         rank_tensors: this rank's tensors of a shape known before loading.
@@ -176,6 +183,8 @@ def save_checkpoint(
         "meta": pickle.dumps(meta),
         f"rank{_rank()}": {"blob": pickle.dumps(rank_state), "tensors": dict(rank_tensors or {})},
     }
+    if extra:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     writer = dcp.FileSystemWriter(str(partial), overwrite=True)
     with _quiet_single_process():
         dcp.save(
@@ -306,17 +315,21 @@ def load_checkpoint(
     path: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     rank_tensors: dict[str, torch.Tensor] | None = None,
+    extra: dict[str, Any] | None = None,
     all_ranks: bool = False,
     verify: bool = True,
 ) -> tuple[dict[str, Any], Any]:
-    """Load ``path`` into ``model``, ``optimizer`` and ``rank_tensors`` (in place).
+    """Load ``path`` into ``model``, ``optimizer``, ``extra`` and ``rank_tensors`` (in place).
 
     Collective under ``torch.distributed``. ``model`` and ``optimizer`` must be built
     (and parallelised) as when saving, on any world size when ``all_ranks``.
 
     Args:
+        extra: name -> object with ``state_dict()`` / ``load_state_dict()``, as saved;
+            loaded in place where its state is DTensors / tensors (resharded like the
+            model's), then handed to its ``load_state_dict``.
         all_ranks: load on another world size: return every old rank's state and
             tensors instead of this rank's (``rank_tensors`` are then left alone).
         verify: check the files against the manifest first (:func:`verify_checkpoint`).
@@ -349,6 +362,8 @@ def load_checkpoint(
             state[f"rank{r}"] = {"blob": b"", "tensors": tensors}
     else:
         state[f"rank{_rank()}"] = {"blob": b"", "tensors": dict(rank_tensors or {})}
+    if extra:
+        state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     with _quiet_single_process():
         dcp.load(
             state,
@@ -359,6 +374,8 @@ def load_checkpoint(
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state["extra"][name])
     if all_ranks:
         return meta, [
             (pickle.loads(state[f"rank{r}"]["blob"]), state[f"rank{r}"]["tensors"])

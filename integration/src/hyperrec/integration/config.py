@@ -53,13 +53,20 @@ MLP_PRECISIONS = ("bf16", "mxfp8")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
 ATTENTION_PRECISIONS = ("bf16", "fp8")
-EMBEDDING_OPTIMIZERS = ("dense", "sparse")
+MESHES = ("auto", "5d", "flat")
+SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
+EMBEDDING_OPTIMIZERS = ("auto", "adamw", "adagrad", "rowwise_adagrad", "adam")
+DENSE_TABLE_OPTIMIZERS = ("adamw", "adagrad")
+"""Optimizers of dense (``sparse="dense"``) tables: AdamW (with the other parameters'
+moments) or ``torch.optim.Adagrad``."""
+SHARDED_TABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam")
+"""Optimizers of sharded tables (``hyperrec.parallel5d``'s lazy row optimizers):
+``RowWiseAdagrad``, ``LazyAdagrad`` (``torch.optim.Adagrad``'s rule on touched rows) and
+``LazyAdam`` (``torch.optim.SparseAdam``'s)."""
+AC_FORMATS = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4")
 
 NOT_AVAILABLE: dict[tuple[str, str], str] = {
-    ("activation_checkpointing", "autoac"): "hyperrec-autoac's per-region budgets",
     ("attention_precision", "fp8"): "FP8 attention kernels in hyperrec-jagged-attn",
-    ("embedding_optimizer", "sparse"): "sharded tables with fused row-wise updates "
-    "(hyperrec-parallel5d's sparse sharding)",
 }
 """Config values that exist so that runs and ablations can name them, but whose
 implementation has not been integrated yet: choosing one raises a ``ValueError``."""
@@ -99,6 +106,18 @@ def _require_float(
         bracket = "(" if open_low else "["
         raise ValueError(
             f"{type(obj).__name__}.{name} must be in {bracket}{low}, {high}], got {value}"
+        )
+
+
+def _require_float_tuple(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, tuple) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value
+    ):
+        raise TypeError(f"{type(obj).__name__}.{name} must be a tuple of numbers, got {value!r}")
+    if not all(math.isfinite(v) and v >= 0 for v in value):
+        raise ValueError(
+            f"{type(obj).__name__}.{name} must hold finite numbers >= 0, got {value!r}"
         )
 
 
@@ -557,7 +576,9 @@ class TrainConfig:
     step's update (its batch is consumed), records the same report and goes on."""
     baseline_requests: int = 65536
     """Training requests the logistic-regression baseline is fitted on at the end (the
-    first ones the run trained; 0 disables that baseline)."""
+    first ones the run trained; 0 disables that baseline). Regenerating them dominates
+    its cost, which grows with the history length: the ``h200`` and ``gem`` presets use
+    8,192 and 4,096 (seconds on one CPU core), and the ablation rows 0."""
     ckpt_every: int = 0
     """Write a DCP checkpoint every this many steps (0: never)."""
     log_every: int = 1
@@ -606,12 +627,48 @@ class TrainConfig:
     prefetch_batches: int = 2
     """Batches each data worker keeps ready (with ``data_workers > 0``)."""
     activation_checkpointing: str = "off"
-    """"off" or "autoac" (per-region budgets; not available yet)."""
+    """"off" or "autoac": ``hyperrec.autoac`` plans, per sequence layer (each
+    ``SequenceBlock`` is a region), what to keep, recompute or keep quantized so that a
+    training step's peak memory stays within ``ac_budget_gb``, from one profiled step of
+    the heaviest of the first steps' batches; the plan is checkpointed with the run."""
+    ac_budget_gb: float = 0.0
+    """Peak-memory budget of a training step for autoac, in GB (1e9 bytes); 0 means 90% of
+    the GPU's memory (a CPU run needs an explicit budget)."""
+    ac_layer_budgets_gb: tuple[float, ...] = ()
+    """Per sequence layer, the bytes (GB) it may hold from forward to backward (autoac's
+    region budgets; 0: no bound of its own); empty, or one entry per layer."""
+    ac_formats: tuple[str, ...] = ()
+    """Packed formats autoac may keep saved activations in (``mxfp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``, ``mx4``), each only where its measured gradient error is within autoac's
+    bound; empty: keep or recompute only. Packed regions run eagerly."""
     attention_precision: str = "bf16"
     """"bf16" or "fp8" (FP8 attention kernels; not available yet)."""
-    embedding_optimizer: str = "dense"
-    """"dense" (AdamW on dense table gradients) or "sparse" (row-wise updates fused into
-    the lookup's backward on sharded tables; not available yet)."""
+    mesh: str = "auto"
+    """The device mesh: "5d" (``hyperrec.parallel5d.ParallelMesh``: the dense modules are
+    sharded on its dense mesh, ``replicate x fsdp``, the sharded tables on its sparse mesh;
+    built on any world size, a process group of one rank is created when there is none),
+    "flat" (one data-parallel axis over every rank, for comparison) or "auto" ("5d" when a
+    process group exists, e.g. under ``torchrun``; nothing is sharded in a plain single
+    process)."""
+    mesh_replicate: int = 0
+    """Dense replicas of the 5-D mesh (HSDP's outer axis); 0: inferred (FSDP inside a
+    zone of ``HYPERREC_HOSTS_PER_ZONE`` hosts, replicas across zones)."""
+    sparse_replicate: int = 0
+    """Ranks of the 5-D mesh's ``sparse_replicate`` axis: consecutive ranks (one host's
+    GPUs) between which the sharded tables' lookups take their first, NVLink hop; 0: the
+    GPUs per host (``LOCAL_WORLD_SIZE``)."""
+    sparse: str = "auto"
+    """Where the item, category, user and tag tables live: "dense" (parameters of the
+    model, sharded by ``fully_shard`` like any matrix, dense gradients), "sharded"
+    (``hyperrec.parallel5d.ShardedEmbeddingCollection``: every row and its optimizer
+    state on one rank, lazy row-wise updates, no dense gradient) or "auto" (sharded on more
+    than one rank and on a GPU, dense on a single CPU process). The action and time-bucket
+    tables (a few rows) stay dense. Sharded tables take no part in gradient clipping."""
+    embedding_optimizer: str = "auto"
+    """The tables' optimizer: dense tables "adamw" (default) or "adagrad"; sharded tables
+    "rowwise_adagrad" (default: FBGEMM's exact row-wise Adagrad), "adagrad" or "adam"
+    (lazy). "auto" picks the default of the placement. Learning rate ``embedding_lr``,
+    with the warm-up/cosine schedule."""
 
     def __post_init__(self) -> None:
         if self.sharding not in ("hyperrec", "fsdp2"):
@@ -625,6 +682,8 @@ class TrainConfig:
             ("optimizer_impl", OPTIMIZER_IMPLS),
             ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
             ("attention_precision", ATTENTION_PRECISIONS),
+            ("mesh", MESHES),
+            ("sparse", SPARSE_PLACEMENTS),
             ("embedding_optimizer", EMBEDDING_OPTIMIZERS),
         ):
             value = getattr(self, name)
@@ -656,8 +715,11 @@ class TrainConfig:
             ("seed", 0),
             ("data_workers", 0),
             ("prefetch_batches", 1),
+            ("mesh_replicate", 0),
+            ("sparse_replicate", 0),
         ):
             _require_int(self, name, minimum=minimum)
+        self._check_tables_and_ac()
         if self.global_batch_size % self.sub_batch_size:
             raise ValueError(
                 f"TrainConfig.global_batch_size ({self.global_batch_size}) must be a multiple "
@@ -674,6 +736,40 @@ class TrainConfig:
         if not isinstance(self.validate_inputs, bool):
             raise TypeError(
                 f"TrainConfig.validate_inputs must be a bool, got {self.validate_inputs!r}"
+            )
+
+    def _check_tables_and_ac(self) -> None:
+        opt = self.embedding_optimizer
+        for placement, allowed in (
+            ("dense", DENSE_TABLE_OPTIMIZERS),
+            ("sharded", SHARDED_TABLE_OPTIMIZERS),
+        ):
+            if self.sparse == placement and opt != "auto" and opt not in allowed:
+                raise ValueError(
+                    f"TrainConfig.embedding_optimizer={opt!r} does not train "
+                    f"TrainConfig.sparse={placement!r} tables: choose one of {allowed} or 'auto'"
+                )
+        if self.sparse == "auto" and opt not in ("auto", "adagrad"):
+            raise ValueError(
+                f"TrainConfig.embedding_optimizer={opt!r} needs an explicit TrainConfig.sparse "
+                "('dense' or 'sharded'): with 'auto' only 'auto' or 'adagrad' (both exist for "
+                "either placement) are allowed"
+            )
+        _require_float(self, "ac_budget_gb", low=0.0)
+        _require_float_tuple(self, "ac_layer_budgets_gb")
+        if not isinstance(self.ac_formats, tuple) or not all(
+            isinstance(f, str) for f in self.ac_formats
+        ):
+            raise TypeError(
+                f"TrainConfig.ac_formats must be a tuple of strings, got {self.ac_formats!r}"
+            )
+        bad = [f for f in self.ac_formats if f not in AC_FORMATS]
+        if bad:
+            raise ValueError(f"TrainConfig.ac_formats must hold names from {AC_FORMATS}, got {bad}")
+        if self.ac_formats and self.compile != "off":
+            raise ValueError(
+                "TrainConfig.ac_formats needs TrainConfig.compile='off': packed saved "
+                "activations run eagerly"
             )
 
     def sub_batches_per_rank(self, world_size: int) -> int:
@@ -726,6 +822,12 @@ class Preset:
         for name, cls in (("model", ModelConfig), ("train", TrainConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Preset.{name} must be a {cls.__name__}")
+        budgets = self.train.ac_layer_budgets_gb
+        if budgets and len(budgets) != self.model.seq_layers:
+            raise ValueError(
+                f"TrainConfig.ac_layer_budgets_gb must be empty or hold one entry per sequence "
+                f"layer ({self.model.seq_layers}), got {len(budgets)}"
+            )
         check_model_fits(self.model, self.data.max_seqlen, type(self.data).__name__)
 
     def to_dict(self) -> dict[str, Any]:
@@ -959,6 +1061,9 @@ def h200() -> Preset:
             log_every=20,
             auc_window=50,
             validate_inputs=False,
+            # The end-of-run logistic baseline regenerates its requests on the CPU, and
+            # 4k-event histories dominate that: 8,192 requests keep it to seconds.
+            baseline_requests=8192,
         ),
     )
 
@@ -1022,6 +1127,9 @@ def gem() -> Preset:
             mlp_precision="mxfp8",
             optimizer_impl="fused",
             data_workers=8,
+            # As h200's: histories of mean ~800 events make each request costly to
+            # regenerate for the end-of-run logistic baseline; 4,096 keep it to seconds.
+            baseline_requests=4096,
         ),
     )
 
@@ -1072,6 +1180,11 @@ def _parse_value(raw: str, annotation: Any, where: str) -> Any:
             return tuple(int(v) for v in raw.split(",") if v.strip())
         except ValueError:
             raise ValueError(f"{where}: expected comma-separated ints, got {raw!r}") from None
+    if annotation in ("tuple[float, ...]",):
+        try:
+            return tuple(float(v) for v in raw.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"{where}: expected comma-separated numbers, got {raw!r}") from None
     if annotation in ("tuple[str, ...]",):
         return tuple(v.strip() for v in raw.split(",") if v.strip())
     if annotation in ("float | None",):

@@ -1,13 +1,18 @@
-"""Process group, device and the one place where the model is parallelised.
+"""Process group, device, the device mesh and the one place where the model is parallelised.
 
 :func:`init_distributed` works for a plain ``python`` process (world size 1), under
 ``torchrun`` (reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``; NCCL on CUDA, gloo on CPU),
 and inside a process group someone else already created (tests).
 
+:func:`build_mesh` builds ``hyperrec.parallel5d``'s 5-D mesh (``TrainConfig.mesh``) on
+any world size: the dense modules shard on its dense mesh (``replicate x fsdp``), the
+sharded embedding tables on its sparse mesh.
+
 :func:`parallelize` is the one place the model is sharded: ``hyperrec.parallel5d``'s
 zero-copy ``fully_shard`` (default) or PyTorch FSDP2's, with the same units: one per
 sequence layer, the PMA / cross-attention modules, the interaction tower, MLP and heads,
-and the root, which also holds the embedding tables (sharded with everything else).
+and the root, which also holds the dense embedding tables (sharded with everything
+else; sharded tables are not parameters and are left alone).
 """
 
 from __future__ import annotations
@@ -15,12 +20,19 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistributedContext", "init_distributed", "parallelize", "resolve_device"]
+__all__ = [
+    "DistributedContext",
+    "build_mesh",
+    "init_distributed",
+    "parallelize",
+    "resolve_device",
+]
 
 
 @dataclass(frozen=True)
@@ -69,12 +81,15 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
 
 
-def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> DistributedContext:
+def init_distributed(
+    device: str = "auto", *, timeout_s: float = 600.0, single_rank_group: bool = False
+) -> DistributedContext:
     """Join (or create) the default process group and pick this rank's device.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) the group is created with
     NCCL when the device is CUDA and gloo otherwise. An existing default group is used
-    as is. Otherwise the run is single-process.
+    as is. Otherwise the run is single-process, in a process group of one rank (created
+    here, in memory) when ``single_rank_group`` is set (the 5-D mesh needs one).
 
     Raises:
         ValueError: as :func:`resolve_device`.
@@ -112,6 +127,12 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> Distr
             device=dev,
             owns_process_group=True,
         )
+    if single_rank_group:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=True)
     return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=False)
 
 
@@ -137,12 +158,51 @@ def _elastic_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"hyperrec/attempt_{attempt}", store)
 
 
-def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hyperrec") -> nn.Module:
+def build_mesh(ctx: DistributedContext, *, replicate: int = 0, sparse_replicate: int = 0) -> Any:
+    """``hyperrec.parallel5d.ParallelMesh`` of this job, for any world size from 1.
+
+    The topology comes from the launcher's environment (``LOCAL_WORLD_SIZE``: GPUs per
+    host, default every rank on one host; ``HYPERREC_HOSTS_PER_ZONE``) and the process
+    group's world size. ``replicate``: dense replicas (0: FSDP inside a zone);
+    ``sparse_replicate``: the sparse mesh's innermost (NVLink) axis (0: the GPUs per
+    host). Needs a default process group (see :func:`init_distributed`).
+
+    Raises:
+        ValueError: degrees that do not fit the world size or the topology (as
+            ``ParallelMesh``), or no process group.
+    """
+    from hyperrec.parallel5d import ParallelMesh, Topology
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("the 5-D mesh needs a process group: see init_distributed")
+    world = dist.get_world_size()
+    env = {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE") or str(world),
+    }
+    if os.environ.get("HYPERREC_HOSTS_PER_ZONE"):
+        env["HYPERREC_HOSTS_PER_ZONE"] = os.environ["HYPERREC_HOSTS_PER_ZONE"]
+    topology = Topology.from_env(env=env)
+    return ParallelMesh.from_env(
+        replicate=replicate or None,
+        sparse_replicate=sparse_replicate or topology.gpus_per_host,
+        topology=topology,
+        device_type=ctx.device.type,
+        init_process_group=False,
+    )
+
+
+def parallelize(
+    model: nn.Module,
+    ctx: DistributedContext,
+    sharding: str = "hyperrec",
+    mesh: Any = None,
+) -> nn.Module:
     """Shard ``model`` for data-parallel training on ``ctx`` (a no-op without a process group).
 
     ``sharding`` picks ``hyperrec.parallel5d.fully_shard`` ("hyperrec", default) or
     PyTorch's ("fsdp2"). Units: each sequence layer, the PMA and cross-attention modules, the
-    interaction tower + MLP + heads, and the root (embedding tables, norms). Gradients
+    interaction tower + MLP + heads, and the root (dense embedding tables, norms). Gradients
     are averaged over ranks by FSDP's reduce-scatter, so the loss given to ``backward``
     must be the rank's share of the *global* mean (see the trainer).
 
@@ -150,6 +210,8 @@ def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hype
         model: a :class:`~hyperrec.integration.model.GEMModel` on ``ctx.device``, with the
             same initial parameters on every rank.
         ctx: from :func:`init_distributed`.
+        mesh: the ``DeviceMesh`` to shard on (e.g. ``ParallelMesh.dense_mesh``: 1-D FSDP
+            or 2-D ``(replicate, fsdp)`` HSDP); default one flat axis over every rank.
 
     Returns:
         The same module object, sharded in place (parameters become DTensors).
@@ -167,7 +229,8 @@ def parallelize(model: nn.Module, ctx: DistributedContext, sharding: str = "hype
     else:
         raise ValueError(f"sharding must be 'hyperrec' or 'fsdp2', got {sharding!r}")
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
+    if mesh is None:
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))
     for layer in model.seq_layers:
         fully_shard(layer, mesh=mesh)
     for name in ("pma", "cross_attention"):

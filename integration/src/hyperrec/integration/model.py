@@ -72,6 +72,7 @@ __all__ = [
     "estimate_memory",
     "fuse_tables_state_dict",
     "mlp_policy",
+    "sharded_tables",
     "split_tables_state_dict",
 ]
 
@@ -84,6 +85,75 @@ TABLES = (
     "tag_embedding",
 )
 """The model's embedding tables, in the row order of the fused :class:`EmbeddingTables`."""
+
+SHARDED_TABLES = {
+    "item_embedding": "item",
+    "category_embedding": "category",
+    "user_embedding": "user",
+    "tag_embedding": "tag",
+}
+"""The tables a :func:`sharded_tables` collection holds (dense name -> its table name);
+the action and time-bucket tables (a few rows) stay dense."""
+
+
+def sharded_tables(
+    model: ModelConfig,
+    data: DataSchema | DataConfig,
+    *,
+    mesh: Any = None,
+    shard_axis: str | int = -1,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    validate: bool = False,
+) -> Any:
+    """The item, category, user and tag tables as a ``hyperrec.parallel5d``
+    ``ShardedEmbeddingCollection``: every row and its optimizer state on one rank of the
+    job (row-wise blocks; the tables are small enough to go whole on one rank when they
+    fit in 1 MiB), looked up through one deduplicated all-to-all per step and table width.
+
+    Every table uses ``row_order="hashed"``: the synthetic ids (items are ``rank *
+    num_topics + topic``, Zipf users) make the popular rows the low ids, which would
+    otherwise all sit on the first owner. Rows start ``N(0, 1 / table_dim)`` like the
+    dense tables, drawn by the collection's mesh-independent generator (``seed``), so
+    not the dense tables' values; :meth:`GEMModel.load_dense_state_dict` copies a dense
+    model's tables in.
+
+    Features: ``history_items`` and ``candidate_items`` (item), ``history_categories``
+    and ``candidate_categories`` (category), ``users`` (user, one id per request),
+    ``tags`` (tag, mean over each request's bag).
+
+    Args:
+        mesh: ``None`` (the default process group, or one process), a 1-D or 2-D
+            ``DeviceMesh`` (e.g. ``ParallelMesh.sparse_mesh``).
+        shard_axis: the 2-D mesh's first-hop axis (``"sparse_replicate"`` on the 5-D mesh).
+        validate: let the collection check ids and offsets (host syncs; the trainer
+            validates batches on the CPU instead).
+    """
+    from hyperrec.parallel5d import FeatureConfig, ShardedEmbeddingCollection, TableConfig
+
+    rows = _table_rows(model, data)
+    e = model.table_dim
+    tables = [
+        TableConfig(name=short, num_rows=rows[name], dim=e, row_order="hashed")
+        for name, short in SHARDED_TABLES.items()
+    ]
+    features = [
+        FeatureConfig(name="history_items", table="item"),
+        FeatureConfig(name="candidate_items", table="item"),
+        FeatureConfig(name="history_categories", table="category"),
+        FeatureConfig(name="candidate_categories", table="category"),
+        FeatureConfig(name="users", table="user"),
+        FeatureConfig(name="tags", table="tag", pooling="mean"),
+    ]
+    return ShardedEmbeddingCollection(
+        tables,
+        features,
+        mesh=mesh,
+        shard_axis=shard_axis,
+        device=device,
+        seed=seed,
+        validate=validate,
+    )
 
 
 # -- compiled small-op regions ------------------------------------------------------------
@@ -548,6 +618,9 @@ class GEMModel(nn.Module):
             + output projection, the DCN stack).
         mlp_precision: "bf16" or "mxfp8" (the interaction MLP's linears of at least
             4,096 features become ``hyperrec.mxfp8.MXLinear`` with 128-element blocks).
+        sharded: a :func:`sharded_tables` collection holding the item, category, user
+            and tag tables (then ``fused_embeddings`` applies to no table: the action and
+            time-bucket tables stay two small ``nn.Embedding`` s); ``None``: dense tables.
 
     ``forward(batch)`` returns ``(ctr_logit, cvr_logit)``, float32 ``[C]`` each (one per
     candidate, in ``batch.candidate_items`` order); ``cvr_logit`` is ``None`` when the
@@ -568,6 +641,7 @@ class GEMModel(nn.Module):
         fused_embeddings: bool = False,
         compile: str = "off",
         mlp_precision: str = "bf16",
+        sharded: Any = None,
     ):
         super().__init__()
         if not isinstance(model, ModelConfig) or not isinstance(data, (DataSchema, DataConfig)):
@@ -581,6 +655,15 @@ class GEMModel(nn.Module):
         schema = data.schema if isinstance(data, DataConfig) else data
         self.config, self.schema = model, schema
         self.data_config = data  # as given (kept for callers that read it)
+        if sharded is not None:
+            from hyperrec.parallel5d import ShardedEmbeddingCollection
+
+            if not isinstance(sharded, ShardedEmbeddingCollection):
+                raise TypeError(
+                    "sharded must be a ShardedEmbeddingCollection (see sharded_tables), got "
+                    f"{type(sharded).__name__}"
+                )
+            fused_embeddings = False
         self.impl, self.fused_embeddings, self.compile_mode = impl, fused_embeddings, compile
         self.mlp_precision = mlp_precision
         d, e = model.dim, model.table_dim
@@ -594,10 +677,17 @@ class GEMModel(nn.Module):
             # TABLES order, exactly as it fills the fused weight's row ranges, so both
             # layouts start from the same values for the same seed.
             for name in TABLES[:-1]:
-                setattr(self, name, nn.Embedding(rows[name], e, _weight=torch.empty(rows[name], e)))
-            self.tag_embedding = nn.EmbeddingBag(
-                rows["tag_embedding"], e, mode="mean", _weight=torch.empty(rows["tag_embedding"], e)
-            )
+                if sharded is None or name not in SHARDED_TABLES:
+                    w = torch.empty(rows[name], e)
+                    setattr(self, name, nn.Embedding(rows[name], e, _weight=w))
+            if sharded is None:
+                self.tag_embedding = nn.EmbeddingBag(
+                    rows["tag_embedding"],
+                    e,
+                    mode="mean",
+                    _weight=torch.empty(rows["tag_embedding"], e),
+                )
+        self.sharded = sharded
         self.token_proj = nn.Linear(e, d) if e != d else None
         self.candidate_proj = nn.Linear(e, d) if e != d else None
         self.dense_proj = nn.Linear(schema.num_dense, d)
@@ -647,7 +737,12 @@ class GEMModel(nn.Module):
 
     @classmethod
     def from_preset(
-        cls, preset: Preset, *, schema: DataSchema | None = None, validate: bool = True
+        cls,
+        preset: Preset,
+        *,
+        schema: DataSchema | None = None,
+        validate: bool = True,
+        sharded: Any = None,
     ) -> GEMModel:
         """The model of ``preset`` with its ``TrainConfig``'s compute-path switches.
 
@@ -656,6 +751,7 @@ class GEMModel(nn.Module):
                 :class:`~hyperrec.integration.config.DataConfig` knows without reading
                 data (an event log's comes from its prepared source,
                 ``EventLogSource.schema``).
+            sharded: a :func:`sharded_tables` collection, or ``None`` (dense tables).
 
         Raises:
             ValueError: an :class:`~hyperrec.integration.config.EventLogConfig` preset
@@ -677,7 +773,24 @@ class GEMModel(nn.Module):
             fused_embeddings=t.fused_embeddings,
             compile=t.compile,
             mlp_precision=t.mlp_precision,
+            sharded=sharded,
         )
+
+    def set_impl(self, impl: str) -> None:
+        """Switch every attention of the model to ``impl`` ("hyperrec" or "naive") in place.
+
+        Both paths compute the same function with the same parameters (tested), so this
+        changes speed and memory only; the ablation evaluates every row, the naive one
+        included, with the same (jagged) evaluation code this way.
+
+        Raises:
+            ValueError: an unknown ``impl``.
+        """
+        _check_choice("impl", impl, IMPLS)
+        self.impl = impl
+        for m in self.modules():
+            if isinstance(m, SequenceBlock | PMAPooling | CandidateAttention):
+                m.impl = impl
 
     def reset_parameters(self) -> None:
         """Small-normal embeddings (std 1/sqrt(table width)), table by table in
@@ -686,16 +799,52 @@ class GEMModel(nn.Module):
         if self.fused_embeddings:
             tables = self.tables.weight.detach().split(list(self.tables.rows.values()))
         else:
-            tables = [getattr(self, name).weight.detach() for name in TABLES]
+            tables = [getattr(self, name).weight.detach() for name in self._dense_tables()]
         with torch.no_grad():
             for table in tables:
                 nn.init.normal_(table, std=std)
 
+    def _dense_tables(self) -> list[str]:
+        if self.sharded is None:
+            return list(TABLES)
+        return [name for name in TABLES if name not in SHARDED_TABLES]
+
     def embedding_parameters(self) -> list[nn.Parameter]:
-        """The embedding tables' weights (for a separate optimizer group)."""
+        """The dense embedding tables' weights (for a separate optimizer group); sharded
+        tables are not parameters (see ``self.sharded``)."""
         if self.fused_embeddings:
             return [self.tables.weight]
-        return [getattr(self, name).weight for name in TABLES]
+        return [getattr(self, name).weight for name in self._dense_tables()]
+
+    @torch.no_grad()
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a dense model's ``state_dict`` (separate or fused tables) into this model.
+
+        With sharded tables, the item, category, user and tag tables are copied into the
+        collection (each rank keeps its rows; the full tables are read, ``O(T)``: for
+        migrating a dense checkpoint or tests) and everything else is loaded as usual;
+        a dense model loads it as it is (converting the table layout if needed).
+
+        Raises:
+            KeyError / RuntimeError: missing or unexpected entries, as ``load_state_dict``.
+        """
+        state = dict(state)
+        if "tables.weight" in state and not self.fused_embeddings:
+            state = split_tables_state_dict(state, self.config, self.schema)
+        elif self.fused_embeddings and "tables.weight" not in state:
+            state = fuse_tables_state_dict(state)
+        if self.sharded is not None:
+            full = {short: state.pop(f"{name}.weight") for name, short in SHARDED_TABLES.items()}
+            self.sharded.load_full_weights(full)
+            own = {f"sharded.{k}" for k in self.sharded.state_dict()}
+            missing, unexpected = self.load_state_dict(state, strict=False)
+            missing = [k for k in missing if k not in own]
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"load_dense_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+                )
+            return
+        self.load_state_dict(state)
 
     def check_batch(self, batch: Batch) -> None:
         """:meth:`Batch.validate` against this model's schema, plus the history and
@@ -731,6 +880,30 @@ class GEMModel(nn.Module):
         user_rows = batch.user_ids % self.config.user_hash_size
         if self.fused_embeddings:
             return self.tables.lookup(batch, bucket, user_rows)
+        if self.sharded is not None:
+            out = self.sharded(
+                {
+                    "history_items": batch.history_items,
+                    "candidate_items": batch.candidate_items,
+                    "history_categories": batch.history_categories,
+                    "candidate_categories": batch.candidate_categories,
+                    "users": user_rows,
+                    "tags": (batch.tags, batch.tag_offsets),
+                }
+            )
+            tokens = (
+                out["history_items"]
+                + out["history_categories"]
+                + self.action_embedding(batch.history_actions)
+                + self.time_embedding(bucket)
+            )
+            return (
+                tokens,
+                out["candidate_items"],
+                out["candidate_categories"],
+                out["users"],
+                out["tags"],
+            )
         tokens = (
             self.item_embedding(batch.history_items)
             + self.category_embedding(batch.history_categories)
@@ -954,7 +1127,11 @@ def activation_bytes_per_token(
 
 
 def estimate_memory(
-    preset: Preset, *, world_size: int = 1, sample_requests: int = 65536
+    preset: Preset,
+    *,
+    world_size: int = 1,
+    sample_requests: int = 65536,
+    tables: str = "dense",
 ) -> MemoryEstimate:
     """Estimate the training memory of ``preset`` per rank, without allocating it.
 
@@ -962,14 +1139,17 @@ def estimate_memory(
     are :func:`activation_bytes_per_token` times the expected history tokens of a step
     (the mean of the data's length law over ``sample_requests`` requests, times the
     per-rank batch); the candidate-side tower (a few thousand rows) is ignored. Covers
-    the hyperrec path; the naive path adds its padded copies. The state is not sharded
-    (one device); weights, gradients and optimizer state divide by ``world_size`` under
-    FSDP.
+    the hyperrec path; the naive path adds its padded copies. Weights, gradients and
+    optimizer state divide by ``world_size`` under FSDP. ``tables="sharded"``: the item,
+    category, user and tag tables hold their fp32 rows and one float of row-wise
+    Adagrad state per row (no gradient, no AdamW moments), also divided by
+    ``world_size``; the lookups' transient rows are not counted.
 
     Raises:
-        ValueError: ``preset.data`` is an event log (its lengths are in the data, not in
-            a law this function can sample).
+        ValueError: ``tables`` not "dense" or "sharded"; ``preset.data`` is an event log
+            (its lengths are in the data, not in a law this function can sample).
     """
+    _check_choice("tables", tables, ("dense", "sharded"))
     from hyperrec.integration.data import TRAIN, SyntheticRecsysData
 
     if not isinstance(preset.data, DataConfig):
@@ -989,15 +1169,22 @@ def estimate_memory(
     per_token = activation_bytes_per_token(
         preset.model, element_bytes=2, fused_embeddings=preset.train.fused_embeddings
     )
+    state = 16 * params
+    if tables == "sharded":
+        rows = _table_rows(preset.model, preset.data)
+        sharded_rows = sum(rows[name] for name in SHARDED_TABLES)
+        sharded = sharded_rows * preset.model.table_dim
+        state += -16 * sharded + 4 * sharded + 4 * sharded_rows
+        emb -= sharded  # AdamW's table group keeps the two small dense tables only
     # The optimizer groups: embeddings, matrices, vectors; foreach scratch is per group.
-    largest_group = max(emb, params - emb)
+    largest_group = max(emb, params - emb if tables == "dense" else params - emb - sharded)
     temporaries = 4 * largest_group // world_size if preset.train.optimizer_impl == "foreach" else 0
     return MemoryEstimate(
         parameters=params,
-        embedding_parameters=emb,
+        embedding_parameters=emb if tables == "dense" else emb + sharded,
         mean_history_len=mean_len,
         tokens_per_step=tokens,
-        weights_grads_optimizer=16 * params // world_size,
+        weights_grads_optimizer=state // world_size,
         optimizer_temporaries=temporaries,
         activations=int(tokens * per_token),
         activation_bytes_per_token=per_token,

@@ -24,8 +24,11 @@ is ``B * L_max^2`` instead of ``sum(L^2)``; that is the baseline's point.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -36,13 +39,16 @@ __all__ = [
     "block_attention",
     "candidate_attention",
     "hstu_attention",
+    "padded_attention_work",
     "pma_attention",
     "softmax_self_attention",
 ]
 
-SCORE_CHUNK_ELEMENTS = 1 << 27
+SCORE_CHUNK_ELEMENTS = 1 << 28
 """Upper bound on the elements of one query chunk's ``(B, H, chunk, keys)`` score tensor
-in :func:`hstu_attention` (256 MiB in bf16)."""
+in :func:`hstu_attention` (512 MiB in bf16). Each chunk re-reads the keys and values up
+to its last query, so smaller chunks cost memory traffic: at ``B = 64``, 8 heads of 128
+and 8k histories this bound gives chunks of 64 queries (128 chunks a layer)."""
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -258,3 +264,63 @@ def candidate_attention(
         candidates.pad(q), history.pad(k), history.pad(v), history.key_mask(), scale
     )
     return candidates.unpad(out)
+
+
+def padded_attention_work(
+    history_lengths: np.ndarray | Sequence[int],
+    *,
+    heads: int,
+    head_dim: int,
+    full_layers: int,
+    block_layers: int,
+    block_size: int,
+    pma_queries: int,
+    max_candidates: int,
+    chunk_elements: int | None = None,
+) -> dict[str, float]:
+    """Attention work of one naive training step on one rank (padding included).
+
+    What the padded kernels of this module compute for a batch whose requests have
+    ``history_lengths`` (padded to their maximum ``L``), counted as the tensor-core
+    FLOPs of the score and value GEMMs (``4 * head_dim`` per score element and head),
+    forward plus backward:
+
+    - ``hstu``: the HSTU layers' query chunks (each chunk reads the keys up to its last
+      query): the forward's two GEMMs, the score GEMM recomputed in backward (the
+      checkpoint stops recomputing after the last tensor backward needs) and the
+      backward's four: 14 x ``head_dim`` FLOPs per computed score element;
+    - ``softmax``: padded block attention (causal SDPA inside ``block_size`` blocks over
+      ``ceil(L / block_size)`` blocks per request), PMA and the candidate cross attention
+      (``max_candidates`` padded queries per request over ``L`` keys): 3x forward, as
+      the useful count of :mod:`hyperrec.integration.flops`;
+
+    plus ``hstu_score_elements`` (the HSTU score elements of one layer's forward: each
+    is written and read by several elementwise passes, the naive path's memory traffic)
+    and ``max_len``. The padded HSTU work is what the naive baseline pays that the jagged
+    path does not: ``B L^2`` instead of ``sum(L^2)``.
+
+    Raises:
+        ValueError: negative lengths.
+    """
+    lens = np.asarray(history_lengths, dtype=np.int64).reshape(-1)
+    if (lens < 0).any():
+        raise ValueError("history_lengths must be non-negative")
+    b = int(lens.shape[0])
+    n = int(lens.max()) if b else 0
+    if chunk_elements is None:
+        chunk_elements = SCORE_CHUNK_ELEMENTS
+    elements = 0
+    if n:
+        chunk = max(1, min(n, chunk_elements // max(1, b * heads * n)))
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            elements += b * heads * (stop - start) * stop
+    blocks = math.ceil(n / block_size) if n and block_size else 0
+    causal_block = b * blocks * heads * block_size * (block_size + 1) // 2
+    softmax = block_layers * causal_block + b * heads * n * (pma_queries + max_candidates)
+    return {
+        "max_len": float(n),
+        "hstu_score_elements": float(elements),
+        "hstu": 14.0 * head_dim * elements * full_layers,
+        "softmax": 3.0 * 4.0 * head_dim * softmax,
+    }

@@ -22,13 +22,14 @@ work and :meth:`Trainer.finish_step` reads the step's loss, gradient norm and mo
 per-parameter flags recorded during the step; ``"skip"`` must decide before the update
 and so reads the loss and gradient norm once per step (a host synchronisation).
 
-Optimizer: AdamW for everything, in three groups: embedding tables (their own, higher
-learning rate; no weight decay, which would shrink the rows of rare items whenever any
-row is touched), dense matrices (weight decay) and vectors (norms, biases; no decay).
-The tables take dense gradients: sparse gradients do not compose with FSDP2 or the DCP
-state-dict helpers. Production rankers use row-wise Adagrad fused into the embedding
-backward (FBGEMM/TorchRec) for tables of billions of rows; that belongs with sharded
-embeddings in ``hyperrec.parallel5d``, behind :func:`build_optimizer`.
+Optimizers: AdamW for the dense parameters, in groups: dense embedding tables (their
+own, higher learning rate; no weight decay, which would shrink the rows of rare items
+whenever any row is touched), matrices (weight decay) and vectors (norms, biases; no
+decay). The item, category, user and tag tables are either dense parameters (AdamW's
+table group, or ``torch.optim.Adagrad``) or, with ``TrainConfig.sparse="sharded"``, a
+``hyperrec.parallel5d.ShardedEmbeddingCollection`` trained by a lazy row optimizer
+(row-wise Adagrad by default) on the rows' owners: no dense gradient, ``O(T / world)``
+memory (:func:`build_table_optimizer`).
 """
 
 from __future__ import annotations
@@ -60,12 +61,15 @@ from hyperrec.integration.checkpoint import (
     find_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    read_manifest,
     read_meta,
     save_checkpoint,
     verify_checkpoint,
 )
 from hyperrec.integration.config import (
+    DENSE_TABLE_OPTIMIZERS,
     EARLY_STOPPING_METRICS,
+    SHARDED_TABLE_OPTIMIZERS,
     DataConfig,
     EventLogConfig,
     Preset,
@@ -73,7 +77,12 @@ from hyperrec.integration.config import (
     check_model_fits,
 )
 from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, DataSource, SyntheticRecsysData
-from hyperrec.integration.distributed import DistributedContext, init_distributed, parallelize
+from hyperrec.integration.distributed import (
+    DistributedContext,
+    build_mesh,
+    init_distributed,
+    parallelize,
+)
 from hyperrec.integration.faults import (
     FaultInjector,
     ForwardOrder,
@@ -90,7 +99,7 @@ from hyperrec.integration.flops import (
 )
 from hyperrec.integration.loader import LoadedStep, StepLoader, validate_batch
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
-from hyperrec.integration.model import GEMModel, esmm_loss
+from hyperrec.integration.model import GEMModel, esmm_loss, sharded_tables
 from hyperrec.integration.pipeline import (
     RequestOrder,
     TrainStream,
@@ -107,7 +116,9 @@ __all__ = [
     "Trainer",
     "backward_and_update",
     "build_optimizer",
+    "build_table_optimizer",
     "lr_factor",
+    "resolve_tables",
     "task_loss",
 ]
 
@@ -256,30 +267,77 @@ def backward_and_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     grad_clip: float,
+    extra: tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer] = (),
 ) -> torch.Tensor:
     """``loss.backward()``, global gradient-norm clipping (0: measure only), the optimizer
-    step and ``zero_grad``. Returns the pre-clipping gradient norm as a device scalar: no
-    value is read on the host (the steady-state step must not synchronise). The trainer
-    runs the same sequence with its fault hooks and non-finite policy in between."""
+    steps (``optimizer`` and every ``extra`` one, e.g. the tables') and ``zero_grad``.
+    Returns the pre-clipping gradient norm of the model's parameters as a device scalar:
+    no value is read on the host (the steady-state step must not synchronise). Sharded
+    tables are not parameters: their row gradients are neither measured nor clipped. The
+    trainer runs the same sequence with its fault hooks and non-finite policy in between."""
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm, _ = _grad_norms(params)
     if grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for opt in (optimizer, *extra):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return grad_norm
 
 
-def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with groups for embeddings, decayed matrices and undecayed vectors.
+def resolve_tables(
+    cfg: TrainConfig,
+    world_size: int,
+    device: torch.device,
+    *,
+    saved: tuple[str, str] | None = None,
+) -> tuple[str, str]:
+    """``(placement, optimizer)`` of the tables for a run: ``TrainConfig.sparse`` "auto" is
+    "sharded" on more than one rank or on a GPU, "dense" on a single CPU process;
+    ``embedding_optimizer`` "auto" is "adamw" for dense tables, "rowwise_adagrad" for
+    sharded ones. ``saved``: the ``(placement, optimizer)`` of the checkpoint a run
+    resumes from; an "auto" field then takes the checkpoint's value (so a run resumes on
+    another world size or device with the tables it was trained with).
+
+    Raises:
+        ValueError: an optimizer that does not train the resolved placement.
+    """
+    placement = cfg.sparse
+    if placement == "auto":
+        if saved is not None:
+            placement = saved[0]
+        else:
+            placement = "sharded" if world_size > 1 or device.type == "cuda" else "dense"
+    opt = cfg.embedding_optimizer
+    if opt == "auto":
+        if saved is not None and saved[0] == placement:
+            opt = saved[1]
+        else:
+            opt = "adamw" if placement == "dense" else "rowwise_adagrad"
+    allowed = DENSE_TABLE_OPTIMIZERS if placement == "dense" else SHARDED_TABLE_OPTIMIZERS
+    if opt not in allowed:
+        raise ValueError(
+            f"TrainConfig.embedding_optimizer={opt!r} does not train {placement} tables "
+            f"(TrainConfig.sparse={cfg.sparse!r}): choose one of {allowed}"
+        )
+    return placement, opt
+
+
+def build_optimizer(
+    model: GEMModel, cfg: TrainConfig, *, table_optimizer: str = "adamw"
+) -> torch.optim.Optimizer:
+    """AdamW with groups for dense embedding tables, decayed matrices and undecayed vectors.
 
     Call it after :func:`~hyperrec.integration.distributed.parallelize` (sharding
-    replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"``.
-    ``cfg.optimizer_impl="fused"`` uses PyTorch's fused AdamW (one kernel per group, no
-    full-size temporaries; it also runs on ``hyperrec.parallel5d``'s ragged DTensors,
-    where it equals foreach). ``cfg.embedding_optimizer`` is the seam for sparse, row-wise
-    table updates (only ``"dense"`` exists in this release).
+    replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"`` and
+    its role in ``"name"`` ("tables", "matrices", "vectors"). The dense tables join
+    unless ``table_optimizer="adagrad"`` (then :func:`build_table_optimizer`'s Adagrad
+    trains them): with sharded tables under "rowwise_adagrad" or "adam", the action and
+    time-bucket tables (a few dense rows) stay in AdamW's table group. Sharded tables are
+    never parameters. ``cfg.optimizer_impl="fused"`` uses PyTorch's
+    fused AdamW (one kernel per group, no full-size temporaries; it also runs on
+    ``hyperrec.parallel5d``'s ragged DTensors, where it equals foreach).
     """
     embedding = {id(p) for p in model.embedding_parameters()}
     emb, decay, no_decay = [], [], []
@@ -291,10 +349,15 @@ def build_optimizer(model: GEMModel, cfg: TrainConfig) -> torch.optim.Optimizer:
         else:
             no_decay.append(p)
     groups = [
-        {"params": emb, "lr": cfg.embedding_lr, "base_lr": cfg.embedding_lr, "weight_decay": 0.0},
         {"params": decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": 0.0},
     ]
+    groups[0]["name"], groups[1]["name"] = "matrices", "vectors"
+    if table_optimizer != "adagrad" and emb:
+        lr = cfg.embedding_lr
+        groups.insert(
+            0, {"params": emb, "lr": lr, "base_lr": lr, "weight_decay": 0.0, "name": "tables"}
+        )
     fused = True if cfg.optimizer_impl == "fused" else None
     return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8, fused=fused)
 
@@ -334,6 +397,17 @@ def _check_out_dir(out_dir: str | Path | None) -> None:
         raise ValueError(f"out_dir {str(path)!r} is not writable")
 
 
+def _saved_tables(path: Path) -> tuple[str, str]:
+    """``(placement, optimizer)`` of the tables of the checkpoint at ``path``, from its
+    manifest (no collective); checkpoints without them trained dense tables with AdamW."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        manifest = None  # reported when the checkpoint is loaded
+    tables = (manifest or {}).get("info", {}).get("tables") or ("dense", "adamw")
+    return (str(tables[0]), str(tables[1]))
+
+
 def _resume_candidates(resume: str | Path) -> list[Path]:
     path = Path(resume)
     found = find_checkpoint(path)  # raises FileNotFoundError for a missing path
@@ -342,6 +416,41 @@ def _resume_candidates(resume: str | Path) -> list[Path]:
     if found == path:
         return [path]  # an explicit checkpoint: no fallback
     return list_checkpoints(path)
+
+
+def build_table_optimizer(
+    model: GEMModel, cfg: TrainConfig, kind: str
+) -> tuple[torch.optim.Optimizer | None, torch.optim.Optimizer | None]:
+    """``(dense, sharded)`` table optimizers of ``kind`` (see :func:`resolve_tables`).
+
+    ``dense``: ``torch.optim.Adagrad`` over the dense tables when ``kind`` is "adagrad"
+    (AdamW's table group trains them otherwise: ``None``). ``sharded``: for the sharded
+    collection (``model.sharded``), ``hyperrec.parallel5d``'s ``RowWiseAdagrad``,
+    ``LazyAdagrad`` (equal to ``torch.optim.Adagrad`` on the dense gradient) or
+    ``LazyAdam``, updating the touched rows on their owners; ``None`` without one.
+    Learning rate ``cfg.embedding_lr`` (kept in each group's ``"base_lr"``), no weight
+    decay.
+    """
+    dense = sharded = None
+    lr = cfg.embedding_lr
+    tables = model.embedding_parameters()
+    if kind == "adagrad" and tables:
+        dense = torch.optim.Adagrad([{"params": tables, "lr": lr, "base_lr": lr, "name": "tables"}])
+    coll = getattr(model, "sharded", None)
+    if coll is not None:
+        from hyperrec.parallel5d import LazyAdagrad, LazyAdam, RowWiseAdagrad
+
+        if kind == "rowwise_adagrad":
+            sharded = RowWiseAdagrad(coll, lr=lr)
+        elif kind == "adagrad":
+            sharded = LazyAdagrad(coll, lr=lr)
+        elif kind == "adam":
+            sharded = LazyAdam(coll, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+        else:
+            raise ValueError(f"sharded tables take no {kind!r} optimizer")
+        for group in sharded.param_groups:
+            group["base_lr"] = lr
+    return dense, sharded
 
 
 def _default_out_dir(preset: Preset) -> Path:
@@ -381,11 +490,22 @@ class Trainer:
         sample_log: append every step's request ids to
             ``<out_dir>/samples/rank<r>.jsonl`` (an audit trail for fault drills).
 
+    Built from ``preset.train``: the device mesh (``mesh``: ``hyperrec.parallel5d``'s
+    5-D mesh on any world size, or a flat axis), where the tables live (``sparse``: a
+    sharded collection with a lazy row optimizer, or dense parameters) and autoac's plan
+    (``activation_checkpointing="autoac"``: one profiled step of the heaviest of the
+    first steps' batches, at construction; a resumed run takes the checkpointed plan).
+    Attributes ``mesh``, ``tables`` / ``table_optimizer_kind``, ``optimizer`` (AdamW),
+    ``dense_table_optimizer`` / ``sparse_optimizer`` and ``autoac`` expose them.
+
     Raises:
         ValueError: ``out_dir`` is a file or not writable; the global batch does not
             split over the world size; ``resume`` has no complete checkpoint or was
-            trained with another configuration or other data; a model that does not
-            fit the data's history cap; ``epochs`` with an endless source; bad device.
+            trained with another configuration, other data or another table placement;
+            a model that does not fit the data's history cap; ``epochs`` with an endless
+            source; bad device; a mesh that does not fit the world size; an optimizer
+            that does not train the tables' placement; an autoac budget below the step's
+            floor (naming the smallest feasible budget), or none on a CPU.
         TypeError: ``data`` is not a DataSource.
         FileNotFoundError: ``resume`` or the event log does not exist.
         CheckpointError: ``resume`` names a corrupt checkpoint.
@@ -415,8 +535,9 @@ class Trainer:
         _check_out_dir(out_dir)
         candidates = _resume_candidates(resume) if resume is not None else []
         self._created = time.perf_counter()
-        self.ctx: DistributedContext = init_distributed(device)
         cfg = preset.train
+        # The 5-D mesh asks for a process group even on one process (one rank, in memory).
+        self.ctx: DistributedContext = init_distributed(device, single_rank_group=cfg.mesh == "5d")
         if self.ctx.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.sub_batches_per_rank = cfg.sub_batches_per_rank(self.ctx.world_size)
@@ -451,17 +572,55 @@ class Trainer:
         self.order = RequestOrder(n_train, shuffle=shuffle, seed=seed)
         self._eval_ids = {s: self._split_ids(s, log_cfg) for s in (VALID, TEST)}
 
+        grouped = dist.is_available() and dist.is_initialized()
+        self.mesh = None
+        """The ``hyperrec.parallel5d.ParallelMesh`` of the run (``TrainConfig.mesh``), or None."""
+        if cfg.mesh == "5d" or (cfg.mesh == "auto" and grouped):
+            self.mesh = build_mesh(
+                self.ctx, replicate=cfg.mesh_replicate, sparse_replicate=cfg.sparse_replicate
+            )
+        self.tables, self.table_optimizer_kind = resolve_tables(
+            cfg,
+            self.ctx.world_size,
+            self.ctx.device,
+            saved=_saved_tables(candidates[0]) if candidates else None,
+        )
         # Same seed on every rank: sharding splits parameters that start identical. Built on
         # the target device: the big presets' tables would be slow to initialise on a CPU.
         torch.manual_seed(cfg.seed)
+        sharded = None
+        if self.tables == "sharded":
+            sparse_mesh = None if self.mesh is None else self.mesh.sparse_mesh
+            sharded = sharded_tables(
+                preset.model,
+                self.schema,
+                mesh=sparse_mesh,
+                shard_axis="sparse_replicate" if sparse_mesh is not None else -1,
+                device=self.ctx.device,
+                seed=cfg.seed,
+            )
         # The attention ops run without per-call validation (it would synchronise the
         # host every call): batches are validated once, on the CPU, by the loader.
         with torch.device(self.ctx.device):
-            model = GEMModel.from_preset(preset, schema=self.schema, validate=False)
-        self.model = parallelize(model, self.ctx, cfg.sharding)
+            model = GEMModel.from_preset(
+                preset, schema=self.schema, validate=False, sharded=sharded
+            )
+        dense_mesh = None if self.mesh is None else self.mesh.dense_mesh
+        self.model = parallelize(model, self.ctx, cfg.sharding, mesh=dense_mesh)
         # Dropout draws differ per rank (they see different requests anyway).
         torch.manual_seed(cfg.seed + 1 + self.ctx.rank)
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer = build_optimizer(self.model, cfg, table_optimizer=self.table_optimizer_kind)
+        self.dense_table_optimizer, self.sparse_optimizer = build_table_optimizer(
+            self.model, cfg, self.table_optimizer_kind
+        )
+        self._extra_optimizers = [
+            o for o in (self.dense_table_optimizer, self.sparse_optimizer) if o is not None
+        ]
+        self.autoac: Any = None
+        """The ``hyperrec.autoac.AutoAC`` plan in force (``activation_checkpointing="autoac"``)."""
+        if cfg.activation_checkpointing == "autoac" and not candidates:
+            # A resumed run takes the checkpointed plan instead (see load).
+            self._apply_autoac()
         # Module order of the first forward pass, for non-finite reports (then no cost).
         self._forward_order = ForwardOrder(self.model)
         self._param_names = {id(p): name for name, p in self.model.named_parameters()}
@@ -578,6 +737,109 @@ class Trainer:
             return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    # -- activation checkpointing --------------------------------------------------------
+    def _probe_batch(self, steps: int = 16) -> Any:
+        """The heaviest (most history tokens) of this rank's first ``steps`` arrival-order
+        step batches: what autoac profiles, so that its plan holds for the heavy steps
+        (its memory model scales with the tokens). Built from the source directly, in the
+        run's request order: the training stream is not advanced."""
+        cfg = self.preset.train
+        k, world, rank = self.sub_batches_per_rank, self.ctx.world_size, self.ctx.rank
+        best, best_tokens = None, -1
+        for step in range(steps):
+            subs = rank + world * np.arange(step * k, (step + 1) * k)
+            pos = (subs[:, None] * cfg.sub_batch_size + np.arange(cfg.sub_batch_size)).reshape(-1)
+            ids = self.order(pos)
+            tokens = int(self.source.history_lengths(TRAIN, ids).sum())
+            if tokens > best_tokens:
+                best, best_tokens = ids, tokens
+        batch = self.source.batch(TRAIN, best)
+        if cfg.validate_inputs:
+            validate_batch(batch, self.schema)
+        return batch.to(self.ctx.device)
+
+    def _ac_budgets(self) -> tuple[int, dict[str, int]]:
+        cfg = self.preset.train
+        if cfg.ac_budget_gb:
+            budget = int(cfg.ac_budget_gb * 1e9)
+        elif self.ctx.device.type == "cuda":
+            budget = int(0.9 * torch.cuda.get_device_properties(self.ctx.device).total_memory)
+        else:
+            raise ValueError(
+                "TrainConfig.ac_budget_gb must be > 0 off a GPU: autoac needs a peak-memory "
+                "budget (0 means 90% of the GPU's memory)"
+            )
+        regions = {
+            f"seq_layers.{i}": int(gb * 1e9)
+            for i, gb in enumerate(cfg.ac_layer_budgets_gb)
+            if gb > 0
+        }
+        return budget, regions
+
+    def _apply_autoac(self) -> None:
+        """Profile one step of the probe batch and put autoac's plan in force on every
+        sequence layer (collective: every rank runs the same profiled steps)."""
+        from hyperrec import autoac
+
+        cfg = self.preset.train
+        budget, regions = self._ac_budgets()
+        batch = self._probe_batch()
+        n = float(batch.num_candidates)
+
+        def step(model: torch.nn.Module) -> torch.Tensor:
+            with self._autocast():
+                ctr, cvr = model(batch)
+            ctr_sum, ctcvr_sum = task_loss(ctr, cvr, batch.click, batch.conversion)
+            return (ctr_sum + ctcvr_sum) / n
+
+        # FLOP costs on the CPU and on several ranks: measured times vary with the load
+        # (tests would not be reproducible) and from rank to rank (plans would differ).
+        cost = "flops" if self.ctx.device.type == "cpu" or self.ctx.distributed else "time"
+        formats = tuple(cfg.ac_formats)
+        try:
+            self.autoac = autoac.apply(
+                self.model,
+                budget=budget,
+                region_budgets=regions or None,
+                regions=[f"seq_layers.{i}" for i in range(len(self.model.seq_layers))],
+                step_fn=step,
+                formats=formats,
+                profile_config=autoac.ProfileConfig(steps=1, cost=cost, seed=cfg.seed),
+                # The verification replans until packing is within its error bound: a
+                # number of steps that could differ between ranks, whose FSDP collectives
+                # must pair.
+                verify=not (formats and self.ctx.distributed),
+            )
+        except ValueError as err:
+            if str(err).startswith(("budget", "region_budgets")):
+                raise ValueError(
+                    f"TrainConfig.ac_budget_gb={cfg.ac_budget_gb} / ac_layer_budgets_gb="
+                    f"{cfg.ac_layer_budgets_gb} cannot hold this model's step: {err}"
+                ) from err
+            raise
+        # The profiled backwards left row gradients with the sharded tables: drop them.
+        for opt in self._extra_optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def autoac_summary(self) -> dict[str, Any] | None:
+        """The plan in force (per layer: mode, held bytes, added time) and autoac's
+        verification (predicted vs measured peak), or None without autoac."""
+        if self.autoac is None:
+            return None
+        plan = self.autoac.plan
+        return {
+            "budget_gb": None if plan.budget is None else plan.budget / 1e9,
+            "predicted_peak_gb": plan.predicted_peak / 1e9,
+            "no_ac_peak_gb": plan.no_ac_peak / 1e9,
+            "floor_gb": plan.floor / 1e9,
+            "added_s": plan.added_s,
+            "regions": {
+                r.name: {"mode": r.mode, "held_gb": r.held_bytes / 1e9, "added_s": r.added_s}
+                for r in plan.regions
+            },
+            "verification": self.autoac.verification,
+        }
+
     # -- one step -----------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """Run one optimizer step; returns its metrics (identical on every rank).
@@ -616,8 +878,9 @@ class Trainer:
         loaded = self.loader.next()
         batch, host = loaded.batch, loaded.host
         step = self.step + 1
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * lr_factor(step, cfg)
+        for opt in (self.optimizer, *self._extra_optimizers):
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * lr_factor(step, cfg)
         shape = StepShape.from_batch(host)
         flops = model_flops(
             self.preset.model, self.schema, shape.history_lengths, shape.candidate_counts
@@ -669,11 +932,14 @@ class Trainer:
             skipped = not bool(torch.isfinite(global_loss) & torch.isfinite(grad_norm))
         if skipped:
             self._skip_step(step, local_loss, sums, n_local, grad_norm)
-        else:
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        elif cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)
+        # The table optimizers (sharded rows, dense Adagrad) skip with AdamW: zero_grad
+        # drops their row gradients.
+        for opt in (self.optimizer, *self._extra_optimizers):
+            if not skipped:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         readout = torch.cat(
             [sums, grad_norm.detach().double().reshape(1), local_loss, bad.to(sums.device).double()]
         )
@@ -813,7 +1079,7 @@ class Trainer:
             "ctr_loss": ctr_total / n,
             # The exact windowed AUC costs host time: recomputed only on recorded steps.
             "ctr_auc": self._auc(log),
-            "lr": self.optimizer.param_groups[1]["lr"],
+            "lr": next(g["lr"] for g in self.optimizer.param_groups if g["name"] == "matrices"),
             "grad_norm": grad_norm,
             "samples_per_s": cfg.global_batch_size / elapsed if elapsed > 0 else math.nan,
             "step_time_s": elapsed,
@@ -993,7 +1259,8 @@ class Trainer:
         save_checkpoint(
             path,
             model=self.model,
-            optimizer=self.optimizer,
+            optimizer=self._dense_optimizers(),
+            extra=self._checkpointed_objects(),
             meta={
                 "step": self.step,
                 "preset": self.preset.to_dict(),
@@ -1007,14 +1274,21 @@ class Trainer:
                 "ema_steps": self._ema_steps,
                 "nonfinite": self.nonfinite,
                 "stopped_early": self.stopped_early,
+                "tables": [self.tables, self.table_optimizer_kind],
             },
             rank_state={
                 "stream": self.loader.state_dict(),
                 "rng": rng,
                 "auc_window": self.auc_window.state_dict(),
+                # Per rank: each rank profiled its own heaviest batch.
+                "autoac": None if self.autoac is None else self.autoac.state_dict(),
             },
             rank_tensors={"popularity": self.popularity.counts},
-            info={"preset": self.preset.to_dict(), "custom_source": self.custom_source},
+            info={
+                "preset": self.preset.to_dict(),
+                "custom_source": self.custom_source,
+                "tables": [self.tables, self.table_optimizer_kind],
+            },
             before_commit=(lambda: self.faults.kill("kill_in_checkpoint", step))
             if self.faults
             else None,
@@ -1052,6 +1326,15 @@ class Trainer:
                         f"checkpoint {path} was trained with {section}.{key}="
                         f"{saved[section].get(key)!r}, this run has {value!r}"
                     )
+        # Checkpoints before sharded tables (integration 0.2) trained dense tables with AdamW.
+        tables = tuple(saved_meta.get("tables", ("dense", "adamw")))
+        if tables != (self.tables, self.table_optimizer_kind):
+            raise ValueError(
+                f"checkpoint {path} trained {tables[0]} tables with {tables[1]}, this run has "
+                f"{self.tables} tables with {self.table_optimizer_kind} (TrainConfig.sparse="
+                f"{self.preset.train.sparse!r}, embedding_optimizer="
+                f"{self.preset.train.embedding_optimizer!r}; 'auto' takes the checkpoint's)"
+            )
         if "source" in saved_meta:
             self.source.load_state_dict(saved_meta["source"])
         old_world = saved_meta["world_size"]
@@ -1059,11 +1342,14 @@ class Trainer:
         meta, state = load_checkpoint(
             path,
             model=self.model,
-            optimizer=self.optimizer,
+            optimizer=self._dense_optimizers(),
+            extra=self._checkpointed_objects(),
             rank_tensors={"popularity": self.popularity.counts},
             all_ranks=reshard,
             verify=False,  # verified above
         )
+        if self.preset.train.activation_checkpointing == "autoac":
+            self._restore_autoac(None if reshard else state.get("autoac"))
         self.step = meta["step"]
         self.history = meta["history"]
         self.evals = meta["evals"]
@@ -1105,6 +1391,37 @@ class Trainer:
                 torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
             self.auc_window.load_state_dict(state["auc_window"])
         self.last_checkpoint = Path(path)
+
+    def _restore_autoac(self, saved: dict[str, Any] | None) -> None:
+        """Put the checkpointed autoac plan back in force (same world size), or plan anew.
+
+        The saved plan, not a new profile, on the same world size: quantized saves change
+        the numerics, so an exact resume needs the same decisions. On another world size
+        each rank's batch (and so its activation memory) differs from the one the plans
+        were made for: profile again.
+        """
+        if saved is None:
+            if self.autoac is None:
+                self._apply_autoac()
+            return
+        from hyperrec import autoac
+
+        plan = autoac.Plan.from_dict(saved["plan"])
+        if self.autoac is None:
+            self.autoac = autoac.apply_plan(self.model, plan)
+        else:
+            self.autoac.set_plan(plan)
+
+    def _dense_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of parameters (saved through ``get_state_dict``)."""
+        return [self.optimizer] + (
+            [self.dense_table_optimizer] if self.dense_table_optimizer is not None else []
+        )
+
+    def _checkpointed_objects(self) -> dict[str, Any]:
+        """Stateful objects outside the model's parameters: the sharded tables' optimizer
+        (the rows themselves are in the model's ``state_dict``)."""
+        return {"sparse_optim": self.sparse_optimizer} if self.sparse_optimizer is not None else {}
 
     # -- the run ------------------------------------------------------------------------
     def fit(self, *, stop_after: int | None = None, plot: bool = True) -> RunResult:
@@ -1248,6 +1565,12 @@ class Trainer:
             "nonfinite_steps": self.nonfinite,
             "resume_notes": self.resume_notes,
             "bbs": self._bbs_summary(),
+            "parallel": {
+                "mesh": None if self.mesh is None else repr(self.mesh),
+                "tables": self.tables,
+                "embedding_optimizer": self.table_optimizer_kind,
+            },
+            "autoac": self.autoac_summary(),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "config": self.preset.to_dict(),
             "eval": self.evals,

@@ -26,7 +26,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hyperrec.autoac import regions as _regions
-from hyperrec.autoac._exec import RegionDecisions, op_name, run_region, sac_context_fn
+from hyperrec.autoac._exec import (
+    SAC_IGNORED_OPS,
+    RegionDecisions,
+    op_name,
+    run_region,
+    sac_context_fn,
+)
 from hyperrec.autoac._validate import check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
 from hyperrec.autoac.tracker import MemoryTracker
@@ -207,6 +213,9 @@ class Profile:
         pack_costs: ``format -> (seconds per element, seconds per call)`` to pack and
             unpack, and ``(workspace bytes per element)``.
         config: the :class:`ProfileConfig` used.
+        diagnostics: counts that show whether the trace saw what it should: ops per
+            phase, threads per phase (on CUDA the backward runs on a device thread),
+            ops the checkpoint policy numbered per region, recomputed ops per region.
     """
 
     regions: tuple[RegionProfile, ...]
@@ -221,6 +230,7 @@ class Profile:
     pack_errors: dict[tuple[str, str], float]
     pack_costs: dict[str, dict[str, float]]
     config: ProfileConfig = field(repr=False)
+    diagnostics: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def saved_tensors(self) -> list[dict[str, Any]]:
         """One row per op output of every region (what the profiler saw)."""
@@ -300,14 +310,13 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
             finally:
                 tracker.region = prev
 
+        calls = tracker.policy_calls[j]  # type: ignore[attr-defined]
+
         def on_op(func: Any) -> None:
-            last = tracker.ops[-1] if tracker.ops else None
-            if last is not None and last.func is func and last.region == j:
-                n = tracker.ordinals[j]  # type: ignore[attr-defined]
-                last.sac_ordinal = n
-                tracker.ordinals[j] = n + 1  # type: ignore[attr-defined]
-                if last.collective and _mutates(func, last):
-                    tracker.inplace_collective.add(j)  # type: ignore[attr-defined]
+            # Only the sequence of ops the policy saw: torch up to 2.11 asks the policy
+            # *before* the op runs, later versions after it, so the op the tracker
+            # recorded last is not necessarily this one (see _number_policy_ops).
+            calls.append(func)
 
         inner = sac_context_fn(RegionDecisions(mode="sac"), on_op=on_op)
 
@@ -320,6 +329,47 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
         )
 
     return runner
+
+
+def _number_policy_ops(tracker: MemoryTracker) -> None:
+    """Give every forward op of a checkpointed region its ``sac_ordinal``: its position
+    among the ops the selective-checkpoint policy saw (the numbering plan decisions use).
+
+    The policy's calls and the tracker's records are matched in order, op by op. This
+    does not depend on when torch calls the policy (before the op up to torch 2.11,
+    after it since the policy receives ``op_output``); matching on "the op recorded
+    last" did, and on torch 2.11 it numbered nothing: every region looked empty, and
+    the plan predicted the no-checkpoint peak equal to the full-recompute floor.
+
+    Raises:
+        RuntimeError: the policy saw an op the tracker did not record (the two would
+            disagree on what each plan decision refers to).
+    """
+    by_region: dict[int, list[Any]] = defaultdict(list)
+    for o in tracker.ops:
+        if o.phase == "fwd" and o.region >= 0 and o.func not in SAC_IGNORED_OPS:
+            by_region[o.region].append(o)
+    for j, calls in tracker.policy_calls.items():  # type: ignore[attr-defined]
+        i = 0
+        for o in by_region.get(j, ()):
+            if i < len(calls) and o.func is calls[i]:
+                o.sac_ordinal = i
+                i += 1
+                if o.collective and _mutates(o.func, o):
+                    tracker.inplace_collective.add(j)  # type: ignore[attr-defined]
+        if not calls and any(o.new for o in by_region.get(j, ())):
+            raise RuntimeError(
+                f"autoac: region {j} ran under a selective checkpoint and allocated tensors, "
+                "but the checkpoint policy saw no op; this torch version runs selective "
+                "checkpointing in a way autoac does not know"
+            )
+        if i != len(calls):
+            raise RuntimeError(
+                f"autoac: the checkpoint policy of region {j} saw {len(calls)} ops but only "
+                f"{i} match the ops the memory tracker recorded (next unmatched: "
+                f"{op_name(calls[i])}); this torch version runs selective checkpointing "
+                "in a way autoac does not know"
+            )
 
 
 def _mutates(func: Any, rec: Any) -> bool:
@@ -578,7 +628,9 @@ def _pack_costs(
     formats: tuple[str, ...], device: torch.device, dtype: torch.dtype
 ) -> dict[str, dict[str, float]]:
     """Per format: time to pack + unpack a storage (linear in elements) and workspace."""
-    sizes = (1 << 16, 1 << 22) if device.type == "cuda" else (1 << 12, 1 << 16)
+    # Sizes where the per-element cost shows: on the GPU 4M elements still cost little
+    # more than a launch (the H200 run of 2026-12-01 fitted a zero slope there).
+    sizes = (1 << 20, 1 << 25) if device.type == "cuda" else (1 << 12, 1 << 16)
     out: dict[str, dict[str, float]] = {}
     for fmt in formats:
         meas = []
@@ -697,7 +749,7 @@ def _profile(
             set_grads(model, None)
             tracker = MemoryTracker(record_ops=True, time_ops=True, device=device)
             tracker.rc_exit = {}  # type: ignore[attr-defined]
-            tracker.ordinals = defaultdict(int)  # type: ignore[attr-defined]
+            tracker.policy_calls = defaultdict(list)  # type: ignore[attr-defined]
             tracker.inplace_collective = set()  # type: ignore[attr-defined]
             tracker.region_inputs = {}  # type: ignore[attr-defined]
             runner = _recording_runner(tracker, plain)
@@ -710,6 +762,7 @@ def _profile(
                 torch.cuda.reset_peak_memory_stats(device)
             walls.append(_run_step(model, step_fn, tracker))
             tracker.finish()
+            _number_policy_ops(tracker)
             if device.type == "cuda":
                 alloc_peak = int(torch.cuda.max_memory_allocated(device))
             for s in states:
@@ -750,6 +803,21 @@ def _profile(
         pack_errors = _class_errors(model, step_fn, states, regions_p, config, device, ref_grads)
         regions_p = _restrict_formats(regions_p, pack_errors, config.max_grad_error)
     set_grads(model, None)
+    fwd_threads = last.threads.get("fwd", set())
+    diagnostics = {
+        "ops_per_phase": dict(Counter(o.phase for o in last.ops)),
+        "threads_per_phase": {ph: len(ids) for ph, ids in last.threads.items()},
+        "backward_on_other_thread": bool(
+            (last.threads.get("bwd", set()) | last.threads.get("rc", set())) - fwd_threads
+        ),
+        "policy_ops_per_region": [
+            len(last.policy_calls.get(j, ()))  # type: ignore[attr-defined]
+            for j in range(len(names))
+        ],
+        "recompute_ops_per_region": [
+            sum(1 for o in last.ops if o.region == j and o.phase == "rc") for j in range(len(names))
+        ],
+    }
     return Profile(
         regions=regions_p,
         live=live,
@@ -763,6 +831,7 @@ def _profile(
         pack_errors=pack_errors,
         pack_costs=pack_costs,
         config=config,
+        diagnostics=diagnostics,
     )
 
 

@@ -215,6 +215,9 @@ class MemoryTracker(TorchDispatchMode):
         self._cuda_events: list[tuple[int, Any, Any]] = []
         self._active = True
         self._resident = 0
+        #: phase -> ids of the threads its ops ran on (diagnostics: on CUDA the
+        #: autograd engine runs the backward on a device thread of its own).
+        self.threads: dict[str, set[int]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     def _on_free(self, key: int, sid: int) -> None:
@@ -321,6 +324,10 @@ class MemoryTracker(TorchDispatchMode):
             new.append(sid)
             whole = t.storage_offset() == 0 and t.numel() * t.element_size() == st.nbytes()
             outputs.append((tuple(t.shape), t.dtype, whole, t.is_contiguous()))
+        seen = self.threads.get(self.phase)
+        if seen is None:
+            seen = self.threads[self.phase] = set()
+        seen.add(threading.get_ident())
         for sid in in_sids:
             fu = self.storages[sid].first_use
             if self.phase not in fu:

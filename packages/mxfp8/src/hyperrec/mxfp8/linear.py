@@ -10,6 +10,17 @@ Per step (``x``: ``(M, K)`` tokens, ``W``: ``(N, K)``):
 * wgrad ``dW = dY^T x``: both operands are column-wise copies, blocked along the token
   dim, optionally random-Hadamard-transformed (the GEMM divides by ``n``).
 
+The token dim ``M`` is the wgrad GEMM's reduction dim. ``x`` and ``dY`` are padded with
+zero rows to whole 128-blocks before they are quantized (zero rows change no scale and
+add nothing to any product), so that GEMM takes cuBLAS's 1x128 path on Hopper whatever
+the number of tokens; where the Triton kernel runs instead, ``M`` is padded further to
+one of at most eight sizes per power of two, so its tuned configuration is reused from
+step to step instead of re-tuned for every new token count (:func:`padded_rows`).
+
+Under ``torch.autocast`` the GEMMs compute in the autocast dtype, as ``nn.Linear``'s do:
+the output has that dtype, and the input and weight gradients are cast to the input's
+and weight's dtypes (bf16 GEMMs are the ones cuBLAS takes).
+
 An optional ``input_activation`` is fused into the quantization of ``x`` (the producer):
 the layer computes ``act(x) W^T`` and its gradient flows to the pre-activation ``x``.
 """
@@ -20,15 +31,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyperrec.mxfp8 import _cublas
 from hyperrec.mxfp8 import reference as ref
 from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
-from hyperrec.mxfp8.formats import get_format
+from hyperrec.mxfp8.formats import E4M3, get_format
 from hyperrec.mxfp8.gemm import _mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
 from hyperrec.mxfp8.quantize import _mx, _quantize, _seed_tensor
 from hyperrec.mxfp8.tensor import MXTensor
 
-__all__ = ["MXLinear", "mx_linear"]
+__all__ = ["MXLinear", "mx_linear", "padded_rows"]
+
+#: Row buckets per power of two where the Triton GEMM runs (see :func:`padded_rows`).
+ROW_BUCKETS_PER_OCTAVE = 8
+
+
+def padded_rows(m: int, block_size: int, *, cublas: bool) -> int:
+    """Rows (tokens) ``x`` and ``dY`` are zero-padded to before quantization.
+
+    The wgrad GEMM ``dY^T x`` reduces over the rows. With ``cublas`` (its 1x128 path
+    takes the GEMMs) they are padded to whole ``block_size`` blocks: cuBLAS needs the
+    reduction dim to be a multiple of 128, and zero rows add nothing. Otherwise the
+    Triton kernel runs and is tuned per exact reduction size, so the rows are rounded up
+    further, to a multiple of ``max(block_size, 2**floor(log2 m) / 8)``: at most
+    :data:`ROW_BUCKETS_PER_OCTAVE` sizes per power of two, at most 1/8 more rows.
+    """
+    whole = -(-m // block_size) * block_size
+    if cublas or m <= block_size:
+        return whole
+    step = max(block_size, (1 << (m.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
+    return -(-m // step) * step
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    # nn.Linear under autocast computes in the autocast dtype whatever x's dtype is.
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        if dt in (torch.bfloat16, torch.float16):
+            return dt
+    return None
+
+
+def _takes_cublas(p: PrecisionPolicy, impl: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the three GEMMs of a layer go to cuBLAS's 1x128 path (given whole blocks)."""
+    return (
+        impl == "triton"
+        and p.block_size == 128
+        and p.kernel in ("auto", "cublas")
+        and dtype == torch.bfloat16
+        and get_format(p.elem_dtype) is E4M3
+        and get_format(p.grad_dtype) is E4M3
+        and _cublas.blockwise_available(device)
+    )
 
 
 def _pack(t: MXTensor | None) -> tuple:
@@ -55,6 +110,14 @@ class _MXLinearFunction(torch.autograd.Function):
     # them, so the steps below call the quantizer and the GEMM past their checks.
     @staticmethod
     def forward(ctx, x, weight, bias, policy: PrecisionPolicy, activation: str):
+        autocast = _autocast_dtype(x)
+        # The GEMMs take the autocast dtype as their output dtype; nothing inside (the
+        # reference GEMM's FP32 matmul, the pad) may be recast by autocast itself.
+        with torch.autocast(x.device.type, enabled=False):
+            return _MXLinearFunction._forward(ctx, x, weight, bias, policy, activation, autocast)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, policy, activation, autocast):
         p = policy
         k = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -62,24 +125,32 @@ class _MXLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and not p.wgrad_high_precision
         h = p.hadamard if fp8_wgrad else 0
-        # The transform mixes groups of h tokens: pad the token dim with zero rows so every
-        # group is whole (act(0) = 0 for every supported activation).
-        pad = (-m) % h if h else 0
+        impl = resolve_backend(p.backend, x.device)
+        gemm_dtype = x.dtype if autocast is None else autocast
+        # The weight gradient: in the autocast dtype under autocast (nn.Linear's bf16
+        # GEMM, then cast to the weight's dtype), else directly in the weight's dtype.
+        wgrad_dtype = weight.dtype if autocast is None else autocast
+        # Zero rows (act(0) = 0 for every supported activation): whole blocks along the
+        # token dim for the wgrad GEMM (and whole Hadamard groups, which divide a block).
+        pad = 0
+        if fp8_wgrad:
+            cublas = _takes_cublas(p, impl, x.device, gemm_dtype) and wgrad_dtype == gemm_dtype
+            pad = padded_rows(m, p.block_size, cublas=cublas) - m
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
-        impl = resolve_backend(p.backend, x.device)
         fmt, bs, mode = get_format(p.elem_dtype), p.block_size, p.scale_mode
         xr, xc = _quantize(
             x2, None, fmt, bs, mode, True, fp8_wgrad, activation, h, p.hadamard_seed, impl
         )
         wr, wc = _quantize(weight, None, fmt, bs, mode, True, need_dgrad, "none", 0, 0, impl)
-        y = _mm(xr, wr.t(), x.dtype, bias, 1.0, p.kernel, impl)
+        y = _mm(xr, wr.t(), gemm_dtype, bias, 1.0, p.kernel, impl)
         if pad:
             y = y[:m]
         xc_t, wc_t = _pack(xc), _pack(wc)
         keep_x = activation != "none" or (need_wgrad and p.wgrad_high_precision)
         ctx.save_for_backward(x if keep_x else None, *xc_t[:3], *wc_t[:3])
         ctx.meta = (xc_t[3], wc_t[3], m, pad, h, activation, p, x.shape, weight.dtype, impl)
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, wgrad_dtype)
         ctx.has_bias = bias is not None
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -87,6 +158,7 @@ class _MXLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, xc_d, xc_s, xc_f, wc_d, wc_s, wc_f = ctx.saved_tensors
         xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype, impl = ctx.meta
+        x_dtype, b_dtype, wgrad_dtype = ctx.dtypes
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         fp8_wgrad = need_wgrad and not p.wgrad_high_precision
         n = dy.shape[-1]
@@ -116,16 +188,22 @@ class _MXLinearFunction(torch.autograd.Function):
                 dx = dx[:m]
             if activation != "none":
                 dx = _act_backward(x.reshape(m, -1), dx, activation)
+            if dx.dtype != x_dtype:
+                dx = dx.to(x_dtype)
             if dx.shape != x_shape:
                 dx = dx.reshape(x_shape)
         if fp8_wgrad:
             xc = _unpack(xc_d, xc_s, xc_f, xc_meta)
-            dw = _mm(dyc.t(), xc, w_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
+            dw = _mm(dyc.t(), xc, wgrad_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
+            if dw.dtype != w_dtype:
+                dw = dw.to(w_dtype)
         elif need_wgrad:
             a = ref.apply_activation(x.reshape(m, -1), activation).to(dy.dtype)
             dw = (dy2.t() @ a).to(w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
+            if db.dtype != b_dtype:
+                db = db.to(b_dtype)
         return dx, dw, db, None, None
 
 

@@ -54,8 +54,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out):
-    dq, dk, dv = attention_torch_backward(grad_out, *ctx.saved_tensors, *ctx.spec_args)
-    return (dq, dk, dv) + (None,) * (len(ctx.saved_tensors) - 3 + len(ctx.spec_args))
+    # Read saved_tensors once: under non-reentrant checkpointing each saved tensor may be
+    # unpacked only once.
+    saved = ctx.saved_tensors
+    dq, dk, dv = attention_torch_backward(grad_out, *saved, *ctx.spec_args)
+    return (dq, dk, dv) + (None,) * (len(saved) - 3 + len(ctx.spec_args))
 
 
 attention_torch.register_autograd(_backward, setup_context=_setup_context)
