@@ -234,7 +234,10 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
     # One step more than trained: stop_after=n then counts as interrupted, so fit skips
     # its own evaluation and the row evaluates below with the same code for every row.
     run = [f"train.steps={n + 1}", "train.warmup_steps=1", "train.eval_every=0",
-           "train.ckpt_every=0", "train.log_every=1", f"train.global_batch_size={batch}"]  # fmt: skip
+           "train.ckpt_every=0", "train.log_every=1", f"train.global_batch_size={batch}",
+           # Rows compare the model's configurations; the trainer's logistic-regression
+           # baseline is the same in every row and would only spend the row's budget.
+           "train.baseline_requests=0"]  # fmt: skip
     preset = override(get_preset(spec["preset"]), compose(spec["overrides"], run))
     with tempfile.TemporaryDirectory() as tmp:
         single_rank_group(device)
