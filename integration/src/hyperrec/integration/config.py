@@ -52,7 +52,7 @@ COMPILE_MODES = ("off", "inductor", "aot_eager")
 MLP_PRECISIONS = ("bf16", "mxfp8")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
-ATTENTION_PRECISIONS = ("bf16", "fp8")
+ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
 EMBEDDING_OPTIMIZERS = ("auto", "adamw", "adagrad", "rowwise_adagrad", "adam")
@@ -65,9 +65,7 @@ SHARDED_TABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam")
 ``LazyAdam`` (``torch.optim.SparseAdam``'s)."""
 AC_FORMATS = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4")
 
-NOT_AVAILABLE: dict[tuple[str, str], str] = {
-    ("attention_precision", "fp8"): "FP8 attention kernels in hyperrec-jagged-attn",
-}
+NOT_AVAILABLE: dict[tuple[str, str], str] = {}
 """Config values that exist so that runs and ablations can name them, but whose
 implementation has not been integrated yet: choosing one raises a ``ValueError``."""
 
@@ -642,7 +640,10 @@ class TrainConfig:
     ``fp8_e5m2``, ``mx4``), each only where its measured gradient error is within autoac's
     bound; empty: keep or recompute only. Packed regions run eagerly."""
     attention_precision: str = "bf16"
-    """"bf16" or "fp8" (FP8 attention kernels; not available yet)."""
+    """"bf16", "fp8" or "mxfp8": the sequence tower's attention through
+    ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
+    and P quantized online; the backward stays bf16). "mxfp8" is emulated on Hopper (MX
+    scales applied to bf16 operands: slower than bf16). Needs ``impl="hyperrec"``."""
     mesh: str = "auto"
     """The device mesh: "5d" (``hyperrec.parallel5d.ParallelMesh``: the dense modules are
     sharded on its dense mesh, ``replicate x fsdp``, the sharded tables on its sparse mesh;
@@ -694,6 +695,11 @@ class TrainConfig:
                     f"TrainConfig.{name}={value!r} is not available yet: it needs "
                     f"{NOT_AVAILABLE[name, value]}, which this release does not integrate"
                 )
+        if self.impl == "naive" and self.attention_precision != "bf16":
+            raise ValueError(
+                f"TrainConfig.attention_precision={self.attention_precision!r} needs "
+                "impl='hyperrec': the naive padded attention has no low-precision path"
+            )
         if not isinstance(self.fused_embeddings, bool):
             raise TypeError(
                 f"TrainConfig.fused_embeddings must be a bool, got {self.fused_embeddings!r}"

@@ -44,6 +44,7 @@ from torch import nn
 
 from hyperrec.integration import naive
 from hyperrec.integration.config import (
+    ATTENTION_PRECISIONS,
     COMPILE_MODES,
     IMPLS,
     MLP_PRECISIONS,
@@ -262,10 +263,18 @@ class SequenceBlock(nn.Module):
         validate: bool = True,
         impl: str = "hyperrec",
         compile: str = "off",
+        precision: str = "bf16",
     ):
         super().__init__()
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
+        _check_choice("precision", precision, ATTENTION_PRECISIONS)
+        if impl == "naive" and precision != "bf16":
+            raise ValueError(
+                f"precision={precision!r} needs impl='hyperrec': the naive padded attention "
+                "has no low-precision path"
+            )
+        self.precision = precision
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
         self.impl, self.compile_mode = impl, compile
@@ -314,10 +323,19 @@ class SequenceBlock(nn.Module):
                 causal=True,
                 scale=scale,
                 validate=self.validate,
+                precision=self.precision,
             )
         if self.activation == "softmax":
             return jagged_attention(
-                q, k, v, offsets, max_seqlen, causal=True, scale=scale, validate=self.validate
+                q,
+                k,
+                v,
+                offsets,
+                max_seqlen,
+                causal=True,
+                scale=scale,
+                validate=self.validate,
+                precision=self.precision,
             )
         return gdpa(
             q,
@@ -332,6 +350,7 @@ class SequenceBlock(nn.Module):
             causal=True,
             output_scale=1.0 / self.max_seqlen,
             validate=self.validate,
+            precision=self.precision,
         )
 
     def forward(
@@ -618,6 +637,10 @@ class GEMModel(nn.Module):
             + output projection, the DCN stack).
         mlp_precision: "bf16" or "mxfp8" (the interaction MLP's linears of at least
             4,096 features become ``hyperrec.mxfp8.MXLinear`` with 128-element blocks).
+        attention_precision: "bf16", "fp8" or "mxfp8": the sequence tower's attention
+            runs ``hyperrec.jagged_attn``'s ``precision=`` path (block-quantized Q/K/V, P
+            quantized online, bf16 backward); PMA and the candidate attention stay bf16.
+            Needs ``impl="hyperrec"``.
         sharded: a :func:`sharded_tables` collection holding the item, category, user
             and tag tables (then ``fused_embeddings`` applies to no table: the action and
             time-bucket tables stay two small ``nn.Embedding`` s); ``None``: dense tables.
@@ -628,7 +651,8 @@ class GEMModel(nn.Module):
 
     Raises:
         TypeError: configs of the wrong type.
-        ValueError: an unknown ``impl``, ``compile`` or ``mlp_precision``.
+        ValueError: an unknown ``impl``, ``compile``, ``mlp_precision`` or
+            ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``.
     """
 
     def __init__(
@@ -642,6 +666,7 @@ class GEMModel(nn.Module):
         compile: str = "off",
         mlp_precision: str = "bf16",
         sharded: Any = None,
+        attention_precision: str = "bf16",
     ):
         super().__init__()
         if not isinstance(model, ModelConfig) or not isinstance(data, (DataSchema, DataConfig)):
@@ -652,6 +677,12 @@ class GEMModel(nn.Module):
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
         _check_choice("mlp_precision", mlp_precision, MLP_PRECISIONS)
+        _check_choice("attention_precision", attention_precision, ATTENTION_PRECISIONS)
+        if impl == "naive" and attention_precision != "bf16":
+            raise ValueError(
+                f"attention_precision={attention_precision!r} needs impl='hyperrec': the "
+                "naive padded attention has no low-precision path"
+            )
         schema = data.schema if isinstance(data, DataConfig) else data
         self.config, self.schema = model, schema
         self.data_config = data  # as given (kept for callers that read it)
@@ -665,7 +696,7 @@ class GEMModel(nn.Module):
                 )
             fused_embeddings = False
         self.impl, self.fused_embeddings, self.compile_mode = impl, fused_embeddings, compile
-        self.mlp_precision = mlp_precision
+        self.mlp_precision, self.attention_precision = mlp_precision, attention_precision
         d, e = model.dim, model.table_dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
@@ -703,6 +734,7 @@ class GEMModel(nn.Module):
                 validate=validate,
                 impl=impl,
                 compile=compile,
+                precision=attention_precision,
             )
             for i in range(model.seq_layers)
         )
@@ -774,6 +806,7 @@ class GEMModel(nn.Module):
             compile=t.compile,
             mlp_precision=t.mlp_precision,
             sharded=sharded,
+            attention_precision=t.attention_precision,
         )
 
     def set_impl(self, impl: str) -> None:
@@ -787,6 +820,11 @@ class GEMModel(nn.Module):
             ValueError: an unknown ``impl``.
         """
         _check_choice("impl", impl, IMPLS)
+        if impl == "naive" and self.attention_precision != "bf16":
+            raise ValueError(
+                f"set_impl('naive') on a model with attention_precision="
+                f"{self.attention_precision!r}: the naive attention has no low-precision path"
+            )
         self.impl = impl
         for m in self.modules():
             if isinstance(m, SequenceBlock | PMAPooling | CandidateAttention):
