@@ -96,7 +96,17 @@ def gelu_poly(x: torch.Tensor) -> torch.Tensor:
 
     Evaluate it in float32 or wider: ``c_7`` and ``c_8`` underflow in float16, and the
     reference upcasts half-precision scores before any activation.
+
+    Raises:
+        TypeError: ``x`` is not a floating-point tensor.
     """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x must be a floating-point tensor, got {what}")
+    return _gelu_poly(x)
+
+
+def _gelu_poly(x: torch.Tensor) -> torch.Tensor:
     # Clamp before the polynomial so the unselected branch stays finite: x**16 overflows
     # float32 for |x| > 250 and would turn the where() gradient into NaN.
     xc = x.clamp(-GELU_POLY_RANGE, GELU_POLY_RANGE)
@@ -151,7 +161,7 @@ _ELEMENTWISE: dict[str, tuple[_Fn, _Fn]] = {
     "silu": (torch.nn.functional.silu, _silu_derivative),
     "gelu": (_gelu, _gelu_derivative),
     "gelu_tanh": (_gelu_tanh, _gelu_tanh_derivative),
-    "gelu_poly": (gelu_poly, _gelu_poly_derivative),
+    "gelu_poly": (_gelu_poly, _gelu_poly_derivative),
     "relu": (torch.relu, lambda x: (x > 0).to(x.dtype)),
     "sigmoid": (torch.sigmoid, _sigmoid_derivative),
     "identity": (lambda x: x, torch.ones_like),

@@ -36,7 +36,14 @@ __all__ = ["MaskSpec", "allowed", "mask_matrix"]
 
 @dataclass(frozen=True, kw_only=True)
 class MaskSpec:
-    """Which (query, key) pairs of one sequence pair may interact; see the module doc."""
+    """Which (query, key) pairs of one sequence pair may interact; see the module doc.
+
+    Raises:
+        TypeError: a field of the wrong type (``causal``/``block_previous`` not bools, the
+            others not ints).
+        ValueError: a window below -1, a negative ``contextual_len`` or ``block_size``, or
+            ``block_previous=True`` without a ``block_size``.
+    """
 
     causal: bool = False
     """Query at key-timeline position ``e`` sees keys ``j <= e`` only."""
@@ -122,8 +129,12 @@ def mask_matrix(q_len: int, k_len: int, spec: MaskSpec, *, num_targets: int = 0)
     """The ``(q_len, k_len)`` bool mask of one sequence pair (for inspection and docs).
 
     Raises:
+        TypeError: a length or ``num_targets`` that is not an int, or ``spec`` that is not
+            a :class:`MaskSpec`.
         ValueError: a negative length, or ``num_targets`` outside ``[0, k_len]``.
     """
+    if not isinstance(spec, MaskSpec):
+        raise TypeError(f"spec must be a MaskSpec, got {type(spec).__name__}")
     check_int("q_len", q_len, minimum=0)
     check_int("k_len", k_len, minimum=0)
     check_int("num_targets", num_targets, minimum=0)

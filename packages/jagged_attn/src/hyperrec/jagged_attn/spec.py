@@ -29,7 +29,14 @@ NORMALIZATIONS: tuple[str, ...] = ("none", "max_seqlen", "length")
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
-    """The non-tensor arguments of one attention call; see the module doc for the math."""
+    """The non-tensor arguments of one attention call; see the module doc for the math.
+
+    Raises:
+        TypeError: a field of the wrong type (``mask`` not a :class:`MaskSpec`, a scale not
+            a real number, a maximum not an int, a choice not a str).
+        ValueError: a non-finite scale, a negative maximum, or an unknown ``activation`` /
+            ``normalization``.
+    """
 
     scale: float
     """Multiplies the scores ``<q_i, k_j>`` before the activation (HSTU's ``alpha``; the
