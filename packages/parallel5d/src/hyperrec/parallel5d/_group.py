@@ -133,10 +133,9 @@ class ParamGroup:
             views = buf.as_dtensors()
             for i, k in enumerate(members):
                 p = params[k]
+                # Its RaggedShard placement (the buffer layout's) is all that optimizers
+                # need to find which flat elements of the parameter this rank holds.
                 sharded = nn.Parameter(views[i], requires_grad=p.requires_grad)
-                # Which flat elements of the full parameter this rank holds: what
-                # structure-aware optimizers need to find their blocks.
-                sharded._hyperrec_local_range = buf.local_range(i)
                 self.slots.append(
                     _Slot(
                         fqn=fqns[k],

@@ -14,6 +14,7 @@ from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy, resolve_granularity
 from hyperrec.parallel5d._group import ParamGroup
 from hyperrec.parallel5d._state import FSDPState, get_state
+from hyperrec.raggedshard import enable_local_ops
 
 __all__ = ["FSDPModule", "fully_shard", "full_state_dict", "dbuffers"]
 
@@ -63,6 +64,12 @@ def fully_shard(
     them unchanged, and ``module.state_dict()`` returns DTensors that
     ``torch.distributed.checkpoint`` saves and loads across world sizes.
 
+    Process-global side effect: for the optimizer step above to run shard-locally this
+    calls :func:`hyperrec.raggedshard.enable_local_ops`, which installs raggedshard's
+    handlers for pointwise, foreach, fused-optimizer and norm ops on ragged DTensors in
+    DTensor's op table for the rest of the process. Ops on DTensors without a
+    ``RaggedShard`` placement are not affected.
+
     The first ``fully_shard`` module to run forward becomes the root: it owns the
     communication streams, prefetches the next group's all-gather during a group's
     forward (in the previous iteration's order) and the previous group's during backward,
@@ -102,6 +109,9 @@ def fully_shard(
     if not isinstance(mesh, DeviceMesh) or mesh.ndim not in (1, 2):
         raise ValueError("mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh")
     policy = _as_policy(mp_policy)
+    # Explicit and documented above: the sharded parameters must step under stock
+    # torch.optim optimizers and clip_grad_norm_.
+    enable_local_ops()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if mesh.device_type == "cuda"

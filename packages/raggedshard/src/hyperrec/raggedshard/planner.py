@@ -229,9 +229,16 @@ class Layout:
         return min(max(lo, 0), n), min(max(lo + self.shard_numel, 0), n)
 
     def shard_range(self, index: int, rank: int) -> tuple[int, int]:
-        """``[start, end)`` of tensor ``index``'s piece inside ``rank``'s shard storage
-        (empty ``(s, s)`` if the rank holds none of it)."""
+        """``[start, end)`` of tensor ``index``'s piece inside ``rank``'s shard storage:
+        ``0 <= start <= end <= shard_numel``; ``(0, 0)`` if the rank holds none of it.
+
+        With :meth:`rank_range` this is the whole geometry a flat buffer needs: rank
+        ``rank``'s piece of tensor ``index`` is ``shard[start:end]`` and holds the
+        tensor's flat elements ``rank_range(index, rank)``.
+        """
         start, end = self.rank_range(index, rank)
+        if start == end:
+            return 0, 0
         off = self._tensor(index)[0] + start - rank * self.shard_numel
         return off, off + (end - start)
 
