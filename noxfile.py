@@ -14,6 +14,7 @@ so an import the package did not declare fails there.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
@@ -120,6 +121,53 @@ def lint(session: nox.Session) -> None:
     test_cmd = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.+?)\n```", readme, re.S)
     if not test_cmd or test_cmd.group(1).strip() not in ci:
         session.error("README.md's test command and .ci/run disagree")
+    for problem in _dialect_problems():
+        session.error(problem)
+
+
+#: The validation helpers every package's private ``_validate.py`` carries, identical
+#: (see ARCHITECTURE.md, "The dialect").
+SHARED_VALIDATORS = (
+    "_what",
+    "check_int",
+    "check_float",
+    "check_bool",
+    "check_choice",
+    "check_tensor",
+)
+
+
+def _dialect_problems() -> list[str]:
+    """Repository-wide invariants of the dialect that a linter cannot see."""
+    problems = []
+    copies: dict[str, dict[str, str]] = {}
+    for path in sorted(ROOT.glob("packages/*/src/hyperrec/*/_validate.py")):
+        text = path.read_text()
+        funcs = {
+            node.name: ast.get_source_segment(text, node)
+            for node in ast.parse(text).body
+            if isinstance(node, ast.FunctionDef)
+        }
+        copies[str(path.relative_to(ROOT))] = {n: funcs.get(n, "") for n in SHARED_VALIDATORS}
+    for name in SHARED_VALIDATORS:
+        versions = [got[name] for got in copies.values() if got[name]]
+        if not versions:
+            continue
+        # The version most packages carry is the reference; the others are reported.
+        want = max(set(versions), key=versions.count)
+        model = next(w for w, got in copies.items() if got[name] == want)
+        for where, got in copies.items():
+            if got[name] != want:
+                what = "lacks" if not got[name] else "has a different"
+                problems.append(f"{where} {what} {name}: copy it from {model}")
+    # A runtime package never imports the dev-only hyperrec-testing.
+    runtime = [p for p in ROOT.glob("packages/*/src/hyperrec/*") if p.name != "testing"]
+    runtime += list(ROOT.glob("integration/src/hyperrec/*"))
+    for pkg in runtime:
+        for path in pkg.rglob("*.py"):
+            if re.search(r"^\s*(from|import) hyperrec\.testing", path.read_text(), re.M):
+                problems.append(f"{path.relative_to(ROOT)} imports hyperrec.testing (dev-only)")
+    return problems
 
 
 @nox.session(python=PYTHON)

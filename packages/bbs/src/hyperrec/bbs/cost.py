@@ -42,7 +42,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("linear", "quadratic", "constant"):
-            check_float(name, getattr(self, name), nonnegative=True)
+            check_float(name, getattr(self, name), minimum=0)
 
     def sample_costs(self, lengths: Any) -> np.ndarray:
         """Per-sample costs.

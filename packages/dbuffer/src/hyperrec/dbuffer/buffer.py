@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from hyperrec.dbuffer._streams import Pending, on_stream
+from hyperrec.dbuffer._validate import check_int
 from hyperrec.raggedshard import Layout, RaggedShard, from_local, plan_layout
 from hyperrec.raggedshard.reference import layout_violations
 
@@ -93,7 +94,7 @@ class DBuffer:
 
     Raises:
         TypeError: ``shapes`` is not a sequence of shapes; a dtype is not a floating dtype;
-            ``layout`` is not a ``Layout``.
+            a granularity or ``alignment`` is not an int; ``layout`` is not a ``Layout``.
         ValueError: ``granularities``/``names`` of the wrong length, non-positive
             granularity or alignment, a mesh of more than 2 axes; a ``layout`` for other
             numels or another world size, one that breaks the planner's contract, or
@@ -130,13 +131,15 @@ class DBuffer:
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
         given_blocks = granularities is not None
-        granularities = [1] * n if granularities is None else [int(g) for g in granularities]
+        if granularities is None:
+            granularities = [1] * n
+        else:
+            granularities = [
+                check_int(f"granularities[{i}]", g, minimum=1) for i, g in enumerate(granularities)
+            ]
         if len(granularities) != n:
             raise ValueError(f"granularities has {len(granularities)} entries for {n} tensors")
-        if any(g < 1 for g in granularities):
-            raise ValueError(f"granularities must be >= 1, got {granularities}")
-        if not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+        check_int("alignment", alignment, minimum=1)
         self.names = [str(i) for i in range(n)] if names is None else [str(x) for x in names]
         if len(self.names) != n or len(set(self.names)) != n:
             raise ValueError(f"names must be {n} distinct strings, got {names!r}")

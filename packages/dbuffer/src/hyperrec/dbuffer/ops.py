@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from hyperrec.dbuffer._validate import check_float
 from hyperrec.dbuffer.buffer import DBuffer
 
 __all__ = ["clip_grad_norm_", "flat_params", "grad_norm", "zero_grad_"]
@@ -54,10 +55,11 @@ def clip_grad_norm_(
     ``max_norm / (norm + eps)`` clamped to 1), applied as one multiply per buffer.
 
     Raises:
-        ValueError: ``max_norm`` is not positive, or the buffers live on different meshes.
+        TypeError: ``max_norm`` is not a real number.
+        ValueError: ``max_norm`` is not positive and finite, or the buffers live on
+            different meshes.
     """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    check_float("max_norm", max_norm, minimum=0, exclusive=True)
     buffers = _check(buffers)
     norm = grad_norm(buffers)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)

@@ -26,6 +26,7 @@ from hyperrec.mxfp8.formats import get_format
 from hyperrec.mxfp8.gemm import _mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
 from hyperrec.mxfp8.quantize import _mx, _quantize, _seed_tensor
+from hyperrec.mxfp8.reference import Activation
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["MXLinear", "mx_linear"]
@@ -135,7 +136,7 @@ def mx_linear(
     bias: torch.Tensor | None = None,
     *,
     policy: PrecisionPolicy | None = None,
-    input_activation: str = "none",
+    input_activation: Activation = "none",
 ) -> torch.Tensor:
     """``act(x) @ weight.T + bias`` with MX FP8 forward, dgrad and wgrad GEMMs.
 
@@ -198,7 +199,7 @@ class MXLinear(nn.Linear):
         bias: bool = True,
         *,
         policy: PrecisionPolicy | None = None,
-        input_activation: str = "none",
+        input_activation: Activation = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -220,7 +221,7 @@ class MXLinear(nn.Linear):
         linear: nn.Linear,
         policy: PrecisionPolicy | None = None,
         *,
-        input_activation: str = "none",
+        input_activation: Activation = "none",
     ) -> MXLinear:
         """An ``MXLinear`` sharing ``linear``'s parameters (no copy; hooks not carried).
 

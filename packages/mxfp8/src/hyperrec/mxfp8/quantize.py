@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from hyperrec.mxfp8 import _cublas
-from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
+from hyperrec.mxfp8._dispatch import Backend, check_float_tensor, resolve_backend
 from hyperrec.mxfp8._ops import eager_ok, quantize_2d_impl, quantize_2d_op
-from hyperrec.mxfp8.formats import E4M3, ElemFormat, check_scale_mode, get_format
+from hyperrec.mxfp8._validate import check_bool, check_choice
+from hyperrec.mxfp8.formats import E4M3, ElemFormat, ScaleMode, check_scale_mode, get_format
 from hyperrec.mxfp8.hadamard import check_hadamard
-from hyperrec.mxfp8.reference import ACTIVATIONS
+from hyperrec.mxfp8.reference import ACTIVATIONS, Activation
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["BLOCK_SIZES", "mx_quantize", "to_mx"]
@@ -19,19 +20,13 @@ BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    return block_size
+    return int(check_choice("block_size", block_size, BLOCK_SIZES))
 
 
 def _seed_tensor(
     stochastic_rounding: bool, seed: int | torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    if not isinstance(stochastic_rounding, bool):
-        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
-    if not stochastic_rounding:
+    if not check_bool("stochastic_rounding", stochastic_rounding):
         if seed is not None:
             raise ValueError("seed is only used with stochastic_rounding=True")
         return None
@@ -125,11 +120,11 @@ def to_mx(
     *,
     elem_dtype: torch.dtype | str = torch.float8_e4m3fn,
     block_size: int = 32,
-    scale_mode: str = "rceil",
+    scale_mode: ScaleMode = "rceil",
     axis: int = -1,
     stochastic_rounding: bool = False,
     seed: int | torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> MXTensor:
     """Quantize ``x`` to an MX format with blocks of ``block_size`` along ``axis``.
 
@@ -190,15 +185,15 @@ def mx_quantize(
     *,
     elem_dtype: torch.dtype | str = torch.float8_e4m3fn,
     block_size: int = 32,
-    scale_mode: str = "rceil",
+    scale_mode: ScaleMode = "rceil",
     rowwise: bool = True,
     colwise: bool = False,
-    activation: str = "none",
+    activation: Activation = "none",
     hadamard: int = 0,
     hadamard_seed: int = 0,
     stochastic_rounding: bool = False,
     seed: int | torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> tuple[MXTensor | None, MXTensor | None]:
     """Fused quantization of a 2-D ``(M, K)`` tensor: one read, both GEMM layouts.
 

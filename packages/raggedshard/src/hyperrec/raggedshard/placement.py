@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from hyperrec.raggedshard import _collectives as coll
 from hyperrec.raggedshard._geometry import Bounds, prefix_bounds
+from hyperrec.raggedshard._validate import check_int
 from hyperrec.raggedshard.granularity import GranularitySpec, _shape_tuple, block_numel
 
 __all__ = ["RaggedShard"]
@@ -79,10 +80,9 @@ def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
     if isinstance(values, int | str | bytes) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {values!r}")
     out = tuple(values)
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must hold ints, got {values!r}")
-    return out
+    for i, v in enumerate(out):
+        check_int(f"{name}[{i}]", v)
+    return tuple(int(v) for v in out)
 
 
 class RaggedShard(Placement):
@@ -334,12 +334,13 @@ class RaggedShard(Placement):
         """The whole tensor on rank ``owner`` of an axis of ``world_size`` (``dims=()``).
 
         Raises:
-            ValueError: ``owner`` outside ``[0, world_size)``.
+            TypeError: ``owner`` or ``world_size`` is not an int.
+            ValueError: ``world_size < 1`` or ``owner`` outside ``[0, world_size)``.
         """
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not isinstance(owner, int) or not 0 <= owner < world_size:
-            raise ValueError(f"owner must be in [0, {world_size}), got {owner!r}")
+        check_int("world_size", world_size, minimum=1)
+        check_int("owner", owner, minimum=0)
+        if owner >= world_size:
+            raise ValueError(f"owner must be in [0, {world_size}), got {owner}")
         units = [0] * world_size
         units[owner] = 1
         return cls((), units)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hyperrec.raggedshard._validate import check_int
 from hyperrec.raggedshard.placement import RaggedShard
 
 __all__ = ["STRATEGIES", "Layout", "Strategy", "plan_layout"]
@@ -281,9 +282,8 @@ def _as_int_array(values: object, name: str, n: int | None = None) -> np.ndarray
     else:
         if isinstance(values, str | bytes) or not isinstance(values, Sequence):
             raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int | np.integer):
-                raise TypeError(f"{name} must hold ints, got {v!r}")
+        for i, v in enumerate(values):
+            check_int(f"{name}[{i}]", v)
         arr = np.asarray(list(values), dtype=np.int64).reshape(-1)
     if n is not None and len(arr) != n:
         raise ValueError(f"{name} has {len(arr)} entries for {n} tensors")
@@ -633,11 +633,8 @@ def plan_layout(
         g = np.full(len(n), int(granularities), dtype=np.int64)
     else:
         g = _as_int_array(granularities, "granularities", len(n))
-    for name, v in (("world_size", world_size), ("alignment", alignment)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    check_int("world_size", world_size, minimum=1)
+    check_int("alignment", alignment, minimum=1)
     if (n < 0).any():
         raise ValueError(f"numels must be >= 0, got {int(n.min())} at index {int(n.argmin())}")
     if (g < 1).any():

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hyperrec.parallel5d._validate import check_int
 from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
 from hyperrec.parallel5d.optim._local import (
     block_placements,
@@ -88,7 +89,8 @@ class AdamW8bit(ShardedStateOptimizer):
     Raises:
         ValueError: bad hyper-parameters, or a parameter whose piece on some rank starts
             inside a block (shard with ``fully_shard(..., granularity=block_size)``).
-        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``.
+        TypeError: a DTensor parameter sharded other than by ``RaggedShard``/``Replicate``;
+            a ``block_size`` that is not an int.
     """
 
     _FIXED_GROUP_KEYS = ("block_size",)
@@ -186,6 +188,4 @@ class AdamW8bit(ShardedStateOptimizer):
 
 
 def _check_block_size(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    return block_size
+    return check_int("block_size", block_size, minimum=1)
