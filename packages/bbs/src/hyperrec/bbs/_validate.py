@@ -13,7 +13,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
         ValueError: ``value < minimum``.
     """
     if isinstance(value, torch.SymInt):
-        out: Any = value
+        out = cast(int, value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {_what(value)}")
     else:
@@ -68,7 +68,7 @@ def check_float(
         ValueError: NaN or infinite (with ``finite``), or below ``minimum``.
     """
     if isinstance(value, torch.SymFloat | torch.SymInt):
-        out: Any = value
+        out = cast(float, value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_what(value)}")
     else:

@@ -24,7 +24,7 @@ order, among themselves; the next epoch starts normally.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -127,7 +127,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self._set_segments([])
 
     def _set_segments(self, segments: list[tuple[int, int, int, int]]) -> None:
-        self._segments = [tuple(int(v) for v in seg) for seg in segments]
+        self._segments = [(int(a), int(b), int(c), int(d)) for a, b, c, d in segments]
         self._cache = self._order_cache = None
         per_step = self.world_size * self.sub_batches_per_step * self.samples_per_sub_batch
         self._steps = self._epoch_stream().size // per_step if self._segments else self._full_steps
@@ -162,7 +162,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         w0, done = divmod(steps, window)
         w = min(window, total - w0 * window)
 
-        def trained(positions: np.ndarray, per_step: int, plan) -> np.ndarray:
+        def trained(positions: np.ndarray, per_step: int, plan: Callable[..., Any]) -> np.ndarray:
             # Stream positions trained by one plan: `positions` are those it covers (in
             # order), `per_step` its sub-batches a step, `plan` the window planner.
             sb_costs = self._costs[stream[positions]].reshape(-1, s).sum(axis=1)

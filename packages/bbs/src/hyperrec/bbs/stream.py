@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from hyperrec.bbs._source import SourceKind, open_at, source_kind
+from hyperrec.bbs._source import IndexedSource, SourceKind, open_at, source_kind
 from hyperrec.bbs._validate import check_bool, check_int
 from hyperrec.bbs.cost import CostFn, CostModel, checked_cost, resolve_cost_fn
 from hyperrec.bbs.plan import _check_method, plan_partial_window, plan_windows
@@ -90,7 +90,7 @@ class BalancedShuffler(Generic[T]):
 
     def __init__(
         self,
-        source: Iterable[T],
+        source: Iterable[T] | IndexedSource[T],
         *,
         sub_batches_per_step: int,
         window_steps: int,

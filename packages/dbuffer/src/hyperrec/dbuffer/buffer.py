@@ -297,7 +297,7 @@ class DBuffer:
         # in forward are views of it and must read the re-gathered values in backward.
         with (
             on_stream(stream, self.device),
-            torch.autograd._unsafe_preserve_version_counter(self.full),
+            torch.autograd._unsafe_preserve_version_counter(self.full),  # type: ignore[attr-defined]
         ):
             src = self.shard
             if self.param_dtype != self.dtype:
@@ -425,7 +425,7 @@ class DBuffer:
             raise RuntimeError("reduce_grad() without begin_grad(): no gradients to reduce")
         self.wait_reduce()
         S, r, W = self.shard_numel, self.rank, self.world_size
-        g, out = self._grad_full, self._grad_storage()
+        g, out = self.grad_full, self._grad_storage()
         if _alloc(out, S) and self._has_grad:
             raise RuntimeError("grad_shard was released while holding a gradient")
         with on_stream(stream, self.device):
@@ -459,8 +459,9 @@ class DBuffer:
         if self._reduce_pending is not None:
             self._reduce_pending.wait()
             self._reduce_pending = None
-            if not self._grad_full_aliases_shard and not self._grad_full_live:
-                _free(self._grad_full)
+            full = self._grad_full
+            if full is not None and not self._grad_full_aliases_shard and not self._grad_full_live:
+                _free(full)
 
     def discard_grad_full(self) -> None:
         """Drop unreduced gradients (e.g. after an aborted step) and free their storage."""

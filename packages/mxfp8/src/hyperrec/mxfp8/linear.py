@@ -16,6 +16,8 @@ the layer computes ``act(x) W^T`` and its gradient flows to the pre-activation `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,22 +27,27 @@ from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
 from hyperrec.mxfp8.formats import get_format
 from hyperrec.mxfp8.gemm import _mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
-from hyperrec.mxfp8.quantize import _mx, _quantize, _seed_tensor
+from hyperrec.mxfp8.quantize import _mx, _need, _quantize, _seed_tensor
 from hyperrec.mxfp8.reference import Activation
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["MXLinear", "mx_linear"]
 
 
-def _pack(t: MXTensor | None) -> tuple:
+def _pack(t: MXTensor | None) -> tuple[Any, ...]:
     if t is None:
         return (None, None, None, None)
     meta = (t.fmt, t.block_size, t.axis, t.shape, t.orig_dtype)
     return (t.data, t.scale, t.scale_fp32, meta)
 
 
-def _unpack(data, scale, scale_fp32, meta) -> MXTensor | None:
-    return None if meta is None else _mx(data, scale, *meta, scale_fp32)
+def _unpack(
+    data: torch.Tensor, scale: torch.Tensor, scale_fp32: torch.Tensor | None, meta: Any
+) -> MXTensor:
+    if meta is None:
+        raise RuntimeError("backward needs a column-wise copy that forward did not save")
+    fmt, block_size, axis, shape, dtype = meta
+    return _mx(data, scale, fmt, block_size, axis, shape, dtype, scale_fp32)
 
 
 def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
@@ -55,7 +62,14 @@ class _MXLinearFunction(torch.autograd.Function):
     # The policy and the activation were validated when the layer (or mx_linear) took
     # them, so the steps below call the quantizer and the GEMM past their checks.
     @staticmethod
-    def forward(ctx, x, weight, bias, policy: PrecisionPolicy, activation: str):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        policy: PrecisionPolicy,
+        activation: str,
+    ) -> torch.Tensor:
         p = policy
         k = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -74,7 +88,7 @@ class _MXLinearFunction(torch.autograd.Function):
             x2, None, fmt, bs, mode, True, fp8_wgrad, activation, h, p.hadamard_seed, impl
         )
         wr, wc = _quantize(weight, None, fmt, bs, mode, True, need_dgrad, "none", 0, 0, impl)
-        y = _mm(xr, wr.t(), x.dtype, bias, 1.0, p.kernel, impl)
+        y = _mm(_need(xr), _need(wr).t(), x.dtype, bias, 1.0, p.kernel, impl)
         if pad:
             y = y[:m]
         xc_t, wc_t = _pack(xc), _pack(wc)
@@ -85,7 +99,7 @@ class _MXLinearFunction(torch.autograd.Function):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, xc_d, xc_s, xc_f, wc_d, wc_s, wc_f = ctx.saved_tensors
         xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype, impl = ctx.meta
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -112,7 +126,7 @@ class _MXLinearFunction(torch.autograd.Function):
             )
         if need_dgrad:
             wc = _unpack(wc_d, wc_s, wc_f, wc_meta)
-            dx = _mm(dyr, wc, dy.dtype, None, 1.0, p.kernel, impl)
+            dx = _mm(_need(dyr), wc, dy.dtype, None, 1.0, p.kernel, impl)
             if pad:
                 dx = dx[:m]
             if activation != "none":
@@ -121,7 +135,7 @@ class _MXLinearFunction(torch.autograd.Function):
                 dx = dx.reshape(x_shape)
         if fp8_wgrad:
             xc = _unpack(xc_d, xc_s, xc_f, xc_meta)
-            dw = _mm(dyc.t(), xc, w_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
+            dw = _mm(_need(dyc).t(), xc, w_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
         elif need_wgrad:
             a = ref.apply_activation(x.reshape(m, -1), activation).to(dy.dtype)
             dw = (dy2.t() @ a).to(w_dtype)

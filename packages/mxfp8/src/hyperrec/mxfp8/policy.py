@@ -9,7 +9,7 @@ import torch
 
 from hyperrec.mxfp8._dispatch import BACKENDS, Backend
 from hyperrec.mxfp8._validate import check_bool, check_choice, check_int
-from hyperrec.mxfp8.formats import check_scale_mode, get_format
+from hyperrec.mxfp8.formats import ScaleMode, check_scale_mode, get_format
 from hyperrec.mxfp8.gemm import KERNELS, Kernel
 from hyperrec.mxfp8.hadamard import check_hadamard
 
@@ -34,7 +34,7 @@ class PrecisionPolicy:
     """Elements of activations and weights (E4M3 or E5M2)."""
     grad_dtype: torch.dtype = torch.float8_e4m3fn
     """Elements of output gradients dY (E4M3, or E5M2 for more range)."""
-    scale_mode: str = "rceil"
+    scale_mode: ScaleMode = "rceil"
     """``"rceil"`` (round the scale up; nothing saturates) or ``"floor"`` (OCP v1.0)."""
     hadamard: int = 0
     """Random Hadamard transform size (0, 16 or 32) on the wgrad operands (the

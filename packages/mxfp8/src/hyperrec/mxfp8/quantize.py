@@ -75,6 +75,13 @@ def _wants_fp32_scales(fmt: ElemFormat, block_size: int, impl: str, device: torc
     return _cublas.blockwise_available(device)
 
 
+def _need(t: MXTensor | None) -> MXTensor:
+    """A copy the caller asked :func:`_quantize` for (never ``None`` then)."""
+    if t is None:
+        raise RuntimeError("the quantizer did not return a requested copy")
+    return t
+
+
 def _quantize(
     x: torch.Tensor,
     seed: torch.Tensor | None,
@@ -169,11 +176,13 @@ def to_mx(
         row, col = _quantize(
             x, seed_t, fmt, block_size, mode, axis == 1, axis == 0, "none", 0, 0, impl
         )
-        return row if axis == 1 else col
+        return _need(row if axis == 1 else col)
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]
-    q, _ = _quantize(
-        xm.reshape(-1, n), seed_t, fmt, block_size, mode, True, False, "none", 0, 0, impl
+    q = _need(
+        _quantize(
+            xm.reshape(-1, n), seed_t, fmt, block_size, mode, True, False, "none", 0, 0, impl
+        )[0]
     )
     data = q.data.reshape(*lead, q.data.shape[-1]).movedim(-1, axis)
     scale = q.scale.reshape(*lead, q.scale.shape[-1]).movedim(-1, axis)

@@ -310,6 +310,8 @@ def to_mx(
             colwise=True,
             seed=seed,
         )
+        if data is None or scale is None:  # colwise=True always writes both
+            raise RuntimeError("quantize_2d(colwise=True) returned no column-wise copy")
         return data, scale
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]

@@ -40,6 +40,12 @@ class _Slot:
     grad_view: torch.Tensor | None = None  # the grad_full view set as `unsharded.grad`
     written: bool = False  # its gradient landed in grad_full in this accumulation window
 
+    def gathered(self) -> nn.Parameter:
+        """The unsharded parameter (made at the first unshard, before any gradient)."""
+        if self.unsharded is None:
+            raise RuntimeError(f"{self.fqn}: gradients before the first unshard")
+        return self.unsharded
+
 
 @dataclass(eq=False)
 class _Comm:
@@ -241,7 +247,7 @@ class ParamGroup:
                 buf.begin_grad(zero=True)
                 for s in slots:
                     s.grad_view = buf.grad_full_view(s.index)
-                    s.unsharded.grad = s.grad_view
+                    s.gathered().grad = s.grad_view
 
     def _ensure_live(self, b: int) -> DBuffer:
         buf = self.buffers[b]
@@ -327,7 +333,7 @@ class ParamGroup:
                 slots = [s for s in self._slots_of(b) if s.requires_grad]
                 if self._in_place[b]:
                     for s in slots:
-                        s.unsharded.grad = None
+                        s.gathered().grad = None
                         s.grad_view = None
                 else:
                     buf.zero_grad_padding_()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -136,9 +136,9 @@ def fully_shard(
         fqns.append(name)
         regs[id(p)] = []
     for sub in module.modules():
-        for pname, p in sub._parameters.items():
-            if p is not None and id(p) in regs and (sub, pname) not in regs[id(p)]:
-                regs[id(p)].append((sub, pname))
+        for pname, owned in sub._parameters.items():
+            if owned is not None and id(owned) in regs and (sub, pname) not in regs[id(owned)]:
+                regs[id(owned)].append((sub, pname))
     granularities = [resolve_granularity(granularity, f, p) for f, p in zip(fqns, params)]
 
     group = None
@@ -171,13 +171,13 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of `type(self)` (e.g. slicing nn.Sequential):
         # give them the original class, not an unsharded FSDP wrapper.
-        orig = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
+        orig: Any = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
         obj = orig.__new__(orig)
         obj.__init__(*args, **kwargs)
         return obj
 
     def _fsdp_state(self) -> FSDPState:
-        return get_state(self)  # type: ignore[arg-type]
+        return _state_of(cast(nn.Module, self))
 
     def _states(self, recurse: bool) -> Iterator[FSDPState]:
         if not recurse:
@@ -226,11 +226,11 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's forward starts."""
-        self._fsdp_state().forward_prefetch = [_state_of(m) for m in modules]
+        self._fsdp_state().forward_prefetch = [_state_of(cast(nn.Module, m)) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's backward starts."""
-        self._fsdp_state().backward_prefetch = [_state_of(m) for m in modules]
+        self._fsdp_state().backward_prefetch = [_state_of(cast(nn.Module, m)) for m in modules]
 
     @property
     def dbuffers(self) -> list[DBuffer]:

@@ -31,7 +31,8 @@ code computes. The explicit :func:`~hyperrec.raggedshard.ragged_map` /
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -58,10 +59,10 @@ _EXTRA_OPS = (
 )
 
 
-def _local_op_set() -> set:
+def _local_op_set() -> set[torch._ops.OpOverload]:
     from torch.distributed.tensor._ops import _pointwise_ops
 
-    ops = set()
+    ops: set[torch._ops.OpOverload] = set()
     # Upstream keeps these ops in lists, sets and dicts, and moves them between releases:
     # torch 2.11 holds mul_/add_/copy_ only in the dict `linear_pointwise_ops` (op ->
     # linearity), torch 2.13 in lists. Collect from every container kind.
@@ -97,7 +98,7 @@ def _is_scalar_operand(x: DTensor) -> bool:
     return x.dim() == 0 and not _is_ragged(x)
 
 
-def _upstream(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _upstream(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handler = handlers.pop(op)
     try:
@@ -112,11 +113,13 @@ def _to_local(x: object) -> object:
     return x.full_tensor() if _is_scalar_operand(x) else x._local_tensor
 
 
-def _flat(values: object) -> bool:
+def _flat(values: Iterable[object]) -> bool:
     return not any(isinstance(v, list | tuple | dict) for v in values)
 
 
-def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _local_handler(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> object:
     # Pointwise ops of a single-tensor optimizer step arrive here by the dozen per
     # parameter: flat argument lists skip pytree (most of the per-op host cost).
     if _flat(args) and _flat(kwargs.values()):
@@ -140,7 +143,7 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
     return _rewrap(op, args, op(*local_args, **local_kwargs), dts[0])
 
 
-def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -> object:
+def _rewrap(op: torch._ops.OpOverload, args: tuple[Any, ...], out: object, ref: DTensor) -> object:
     """The local result of ``op`` as DTensors laid out like its operands."""
     if op._schema.is_mutable:
         # In-place: the DTensor operands already see the new local values.
@@ -154,7 +157,7 @@ def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -
     return out
 
 
-def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _local_flat(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """:func:`_local_handler` for argument lists without nested containers."""
     ref = None
     for x in (*args, *kwargs.values()):
@@ -200,13 +203,18 @@ def _reduced_norms(tensors: list[DTensor], ord: float, dtype: object) -> list[DT
         for j, i in enumerate(idx):
             value = vals[j].to(local[i].dtype)
             spec = DTensorSpec(
-                mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), value.dtype)
+                mesh,
+                (Replicate(),) * mesh.ndim,
+                tensor_meta=TensorMeta(torch.Size(()), (), value.dtype),
             )
             out[i] = DTensor(value, spec, requires_grad=False)
-    return out
+    # Every index belongs to exactly one group, so every entry is filled.
+    return [o for o in out if o is not None]
 
 
-def _norm_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _norm_handler(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> object:
     # Whole-tensor p-norms (p > 0) of ragged DTensors; anything else goes upstream.
     kw = dict(kwargs)
     if op is torch.ops.aten._foreach_norm.Scalar:
@@ -227,7 +235,7 @@ def _norm_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     return outs if op is torch.ops.aten._foreach_norm.Scalar else outs[0]
 
 
-def _handlers() -> dict:
+def _handlers() -> dict[torch._ops.OpOverload, Any]:
     return DTensor._op_dispatcher._custom_op_handlers
 
 

@@ -108,6 +108,9 @@ class RaggedShard(Placement):
         p.local_shape((6, 4), 2)  # torch.Size([4, 4])
     """
 
+    _dims: tuple[int, ...]
+    _units: tuple[int, ...]
+
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]):
         super().__init__()
         dims_t = _int_tuple(dims, "dims")
@@ -189,7 +192,7 @@ class RaggedShard(Placement):
     def __copy__(self) -> RaggedShard:
         return self
 
-    def __deepcopy__(self, memo: dict) -> RaggedShard:
+    def __deepcopy__(self, memo: dict[int, Any]) -> RaggedShard:
         return self
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:

@@ -516,6 +516,8 @@ def _lay_out(
     if strategy.place is not None:
         offsets = np.asarray(strategy.place(numels, blocks, sizes, s, a), dtype=np.int64)
     else:
+        if seq is None:
+            raise RuntimeError(f"strategy {strategy.name!r} has an order but no sequence")
         offsets = np.zeros(len(numels), dtype=np.int64)
         holes: list[tuple[int, int]] | None = [] if strategy.fill_holes else None
         end = _sequential(seq, s, a, 0, offsets, holes)
@@ -525,17 +527,22 @@ def _lay_out(
     return offsets, int((offsets + numels).max()) if len(numels) else 0
 
 
+#: What every size trial needs: ``(numels, sizes, blocks, world_size, alignment)``.
+_Ctx = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
 class _Candidate:
     """One strategy under search: its cached sequence, last miss, best hit."""
 
     def __init__(self, strategy: Strategy, seq: _Sequence | None):
         self.strategy = strategy
         self.seq = seq
-        self.miss: int | None = None  # largest shard size known not to fit
-        self.need: int | None = None  # the size the last miss asked for
+        # Read only after the first miss (phase 1 tries the lower bound on every candidate).
+        self.miss = 0  # largest shard size known not to fit
+        self.need = 0  # the size the last miss asked for
         self.hit: tuple[int, np.ndarray] | None = None
 
-    def try_size(self, s: int, ctx: tuple) -> bool:
+    def try_size(self, s: int, ctx: _Ctx) -> bool:
         numels, sizes, blocks, world_size, a = ctx
         try:
             out = _lay_out(self.strategy, self.seq, numels, sizes, blocks, s, a, world_size * s)
@@ -547,7 +554,7 @@ class _Candidate:
             if self.hit is None or s < self.hit[0]:
                 self.hit = (s, out[0])
             return True
-        self.miss = s if self.miss is None else max(self.miss, s)
+        self.miss = max(self.miss, s)
         self.need = -(-out[1] // world_size) if out is not None else need
         return False
 
@@ -558,7 +565,7 @@ def _search(
     safe: _ShardSizes,
     cap: int | None,
     tol: int,
-    ctx: tuple,
+    ctx: _Ctx,
 ) -> None:
     """Find the candidate's smallest fitting shard size below ``cap``.
 
@@ -666,9 +673,9 @@ def plan_layout(
             lower_bound_shard_numel=0,
             candidates={},
         )
-    ctx = (n, sizes, blocks, world_size, a)
+    ctx: _Ctx = (n, sizes, blocks, world_size, a)
     cands: list[_Candidate] = []
-    seen_orders: list[np.ndarray] = []
+    seen_orders: list[tuple[np.ndarray, bool]] = []
     for st in chosen:
         if st.applies is not None and not st.applies(n, blocks):
             continue
@@ -685,20 +692,21 @@ def plan_layout(
         cands.append(_Candidate(st, seq))
     # Phase 1: every strategy at the lower bound; the first that fits is optimal.
     for c in cands:
-        if c.try_size(s_lb, ctx):
+        if c.try_size(s_lb, ctx) and c.hit is not None:
             return _layout(n, g, world_size, a, s_lb, c.strategy.name, c.hit[1], s_lb, cands)
     # Phase 2: baselines in full, then the rest most promising first (smallest size asked
     # for), each only below the best so far.
     tol = max(1, total // (world_size * 100_000))  # stop refining below 10 ppm of padding
-    best: _Candidate | None = None
+    best: tuple[str, int, np.ndarray] | None = None  # (strategy, shard size, offsets)
     for c in sorted(cands, key=lambda c: (not c.strategy.baseline, c.need)):
-        cap = None if best is None or c.strategy.baseline else best.hit[0]
+        cap = None if best is None or c.strategy.baseline else best[1]
         _search(c, legal, safe, cap, tol, ctx)
-        if c.hit is not None and (best is None or c.hit[0] < best.hit[0]):
-            best = c
+        if c.hit is not None and (best is None or c.hit[0] < best[1]):
+            best = (c.strategy.name, *c.hit)
     if best is None:
         raise RuntimeError(f"no strategy found a layout: {[c.strategy.name for c in cands]}")
-    return _layout(n, g, world_size, a, best.hit[0], best.strategy.name, best.hit[1], s_lb, cands)
+    name, size, offsets = best
+    return _layout(n, g, world_size, a, size, name, offsets, s_lb, cands)
 
 
 def _layout(

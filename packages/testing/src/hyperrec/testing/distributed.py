@@ -34,8 +34,8 @@ def _worker(
     store_path: str,
     backend: str,
     fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     results: Any,
 ) -> None:
     # One thread per rank: on a 2-core CI machine several ranks would otherwise
@@ -43,7 +43,7 @@ def _worker(
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         try:
             out = fn(*args, **kwargs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 __all__ = [
     "MMConfig",
@@ -147,7 +148,12 @@ _COLWISE_128 = ((128, 128, 4), (128, 128, 8), (128, 256, 8))
 _ROWWISE_CANDIDATES = ((32, 256, 4), (64, 256, 8), (32, 128, 2))
 
 
-def _quantize_minimums(block_size: int, hadamard: int, rowwise: bool, colwise: bool):
+_K = TypeVar("_K", bound=tuple[Any, ...])
+
+
+def _quantize_minimums(
+    block_size: int, hadamard: int, rowwise: bool, colwise: bool
+) -> tuple[int, int]:
     bm_min = max(block_size if colwise else 1, hadamard, 16)
     bk_min = max(block_size if rowwise else 1, 32)
     return bm_min, bk_min
@@ -162,6 +168,7 @@ def quantize_candidates(
     groups along M).
     """
     bm_min, bk_min = _quantize_minimums(block_size, hadamard, rowwise, colwise)
+    shapes: tuple[tuple[int, int, int], ...]
     if not colwise:
         shapes = _ROWWISE_CANDIDATES
     elif bm_min > 64:
@@ -205,7 +212,7 @@ QUANTIZE_TABLE: dict[tuple[str, int, bool, bool, int, int], QuantizeConfig] = {
 }
 
 
-def _nearest(keys: list[tuple], sizes: tuple[int, ...]) -> tuple | None:
+def _nearest(keys: list[_K], sizes: tuple[int, ...]) -> _K | None:
     """The key whose trailing size buckets are closest to ``sizes`` (octaves; ties: the
     first in table order)."""
     best, best_d = None, None
@@ -262,8 +269,10 @@ def mm_candidates(kernel: str, block_size: int) -> list[MMConfig]:
     let two or three CTAs share an SM, so one CTA's FP32 promotion overlaps another's
     tensor-core work."""
 
-    def cfg(m: int, n: int, w: int, s: int, **extra: int) -> MMConfig:
-        return MMConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, **extra)
+    def cfg(
+        m: int, n: int, w: int, s: int, *, sub: int | None = None, block_k: int | None = None
+    ) -> MMConfig:
+        return MMConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, sub=sub, block_k=block_k)
 
     if kernel == "dot_scaled":
         return [cfg(128, 256, 8, 3, block_k=128)]
@@ -286,8 +295,19 @@ def mm_candidates(kernel: str, block_size: int) -> list[MMConfig]:
 _TIMED = f"{_GEMM}: fastest of the candidates ('gemm' section, best_config)"
 
 
-def _mm(m: int, n: int, w: int, s: int, source: str = _TIMED, **extra: int) -> MMConfig:
-    return MMConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, source=source, **extra)
+def _mm(
+    m: int,
+    n: int,
+    w: int,
+    s: int,
+    source: str = _TIMED,
+    *,
+    sub: int | None = None,
+    block_k: int | None = None,
+) -> MMConfig:
+    return MMConfig(
+        block_m=m, block_n=n, num_warps=w, num_stages=s, sub=sub, block_k=block_k, source=source
+    )
 
 
 #: ``(arch, kernel, block_size, m_bucket, n_bucket, k_bucket) -> config``.
@@ -326,15 +346,15 @@ def select_mm_config(
     small shapes; not a performance choice).
     """
     if interpret:
-        extra = {"sub": 2} if kernel == "fixup" else {"block_k": 64}
         return MMConfig(
             block_m=32,
             block_n=32,
             group_m=4,
             num_warps=4,
             num_stages=1,
+            sub=2 if kernel == "fixup" else None,
+            block_k=None if kernel == "fixup" else 64,
             source="unmeasured: interpreter tile",
-            **extra,
         )
     sizes = (size_bucket(m), size_bucket(n), size_bucket(k))
     cls = [key for key in MM_TABLE if key[:3] == (arch, kernel, block_size)]

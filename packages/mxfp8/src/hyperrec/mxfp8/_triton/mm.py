@@ -15,6 +15,8 @@ Blackwell (sm100+), an upcast to BF16 elsewhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -210,7 +212,7 @@ def _mm_upcast_kernel(
         else:
             fa = _e8m0_to_bf16(sa)
             fb = _e8m0_to_bf16(sb)
-            up: tl.constexpr = tl.bfloat16
+            up: tl.constexpr = tl.bfloat16  # type: ignore[no-redef]
         a16 = tl.reshape(
             tl.reshape(a.to(up), [BLOCK_M, NS, 32]) * fa[:, :, None], [BLOCK_M, BLOCK_K]
         )
@@ -308,7 +310,7 @@ def launch_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     alpha: float,
-    config: MMConfig | dict | None = None,
+    config: MMConfig | dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Launch a block-scaled GEMM. ``a`` ``(M, K)`` FP8 with scales ``(M, nbK)``; ``b``
     ``(K, N)`` FP8 with scales ``(nbK, N)``; any strides. Returns ``(M, N)`` ``out_dtype``.
@@ -348,6 +350,7 @@ def launch_mm(
         c.stride(0),
         c.stride(1),
     ]
+    meta: dict[str, Any]
     if kernel == "fixup":
         # EVEN_K must hold for every SUB a table entry or forced config may use (1, 2, 4).
         even = k % (4 * block_size) == 0

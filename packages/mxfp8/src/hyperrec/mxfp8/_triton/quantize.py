@@ -19,6 +19,7 @@ from a committed table by (options, size bucket), not per shape and never by tim
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -306,7 +307,7 @@ def _static(
     hw: bool,
     scale_fp32: bool,
     interp: bool,
-) -> dict:
+) -> dict[str, Any]:
     """Per-option launch constants (built once): the kernel's meta-parameters."""
     add, odd = _scale_constants(fmt.max_value, fmt.emax)
     meta = {
@@ -334,7 +335,9 @@ def _static(
     return meta
 
 
-def _launch(args: list, meta: dict, m: int, k: int, config: tuple[int, int, int]) -> None:
+def _launch(
+    args: list[Any], meta: dict[str, Any], m: int, k: int, config: tuple[int, int, int]
+) -> None:
     bm, bk, warps = config
     grid = (-(-m // bm), -(-k // bk))  # plain ints: triton.cdiv costs microseconds here
     _mx_quantize_2d_kernel[grid](

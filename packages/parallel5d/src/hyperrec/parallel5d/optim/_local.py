@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -71,7 +72,8 @@ def local_range(p: torch.Tensor) -> tuple[int, int]:
     if found is None:
         return 0, p.numel()
     axis, placement = found
-    return _element_bounds(placement, tuple(p.shape))[p.device_mesh.get_local_rank(axis)]
+    mesh = cast(DTensor, p).device_mesh  # only DTensors have a ragged axis
+    return _element_bounds(placement, tuple(p.shape))[mesh.get_local_rank(axis)]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,7 +113,7 @@ def block_placements(p: torch.Tensor, block_size: int) -> tuple[Placement, ...] 
         0 if stop == start else -(-stop // block_size) - start // block_size
         for start, stop in _element_bounds(placement, tuple(p.shape))
     ]
-    out = list(p.placements)
+    out = list(cast(DTensor, p).placements)
     out[axis] = RaggedShard.from_numels((nblocks,), counts)
     return tuple(out)
 
