@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRET, u8
+from mx_helpers import INTERPRET, u8
 
 from hyperrec.mxfp8 import E2M1, MXTensor, mx_quantize, to_mx
 from hyperrec.mxfp8 import reference as ref
