@@ -3,6 +3,7 @@
     nox                      what CI runs: lint, every package's tests, integration, the
                              lowest declared sibling versions, the wheelhouse install check
     nox -s "tests(bbs)"      one package, in its own venv
+    nox -s dev               every package in one venv, the whole suite in one pytest process
     nox -s wheels            every distribution built into dist/ (the wheelhouse)
     nox -s train             the main job: train the GEM-style model's tiny preset
     nox -s simulate          the Base Batch Shuffling load-balance simulation
@@ -384,6 +385,21 @@ def integration(session: nox.Session) -> None:
     _install_local(session, path)
     _check_isolation(session, path, ("test",))
     _pytest(session, path / "tests")
+
+
+@nox.session(python=PYTHON, default=False)
+def dev(session: nox.Session) -> None:
+    """Every package editable in one venv; the whole suite in one pytest process.
+
+    The development loop (CI keeps one venv per package). Extra arguments go to pytest,
+    e.g. ``nox -s dev -- -x -k geometry``.
+    """
+    _link_base(session)
+    dists = _distributions()
+    args = [a for name in sorted(dists) for a in ("-e", str(dists[name]))]
+    session.install("-c", CONSTRAINTS, "--no-build-isolation", *args)
+    tests = [ROOT / "packages", ROOT / "integration"]
+    _pytest(session, tests[0], str(tests[1]))
 
 
 # -- packaging --------------------------------------------------------------------------------
