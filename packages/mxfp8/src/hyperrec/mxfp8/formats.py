@@ -150,5 +150,6 @@ def check_scale_mode(scale_mode: str) -> str:
         TypeError: not a string.
         ValueError: not ``"floor"`` or ``"rceil"``.
     """
-    check_choice("scale_mode", scale_mode, (*SCALE_MODES, *(m.upper() for m in SCALE_MODES)))
-    return scale_mode.lower()
+    if not isinstance(scale_mode, str):
+        raise TypeError(f"scale_mode must be one of {SCALE_MODES}, got {type(scale_mode).__name__}")
+    return str(check_choice("scale_mode", scale_mode.lower(), SCALE_MODES))
