@@ -10,10 +10,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
-from hyperrec.dbuffer._layout import Placement, place, uncovered
 from hyperrec.dbuffer._streams import Pending, on_stream
-from hyperrec.raggedshard import plan_layout
+from hyperrec.dbuffer._validate import check_float, check_int
+from hyperrec.raggedshard import Layout, RaggedShard, from_local, plan_layout
+from hyperrec.raggedshard.reference import layout_violations
 
 __all__ = ["DBuffer"]
 
@@ -56,9 +58,13 @@ def _check_ints(name: str, values: object, *, minimum: int, per_item: bool) -> l
 class DBuffer:
     """A group of tensors laid out in one flat, rank-major buffer planned by raggedshard.
 
-    The buffer holds ``world_size * shard_numel`` elements; rank ``r`` owns elements
-    ``[r * shard_numel, (r + 1) * shard_numel)`` (its *shard*), and tensor ``i`` occupies
-    ``[offset_i, offset_i + numel_i)``. Because the raggedshard planner never lets a shard
+    The geometry is the :class:`hyperrec.raggedshard.Layout` in :attr:`layout` (planned
+    here, or passed in): the buffer holds ``world_size * shard_numel`` elements; rank
+    ``r`` owns elements ``[r * shard_numel, (r + 1) * shard_numel)`` (its *shard*), and
+    tensor ``i`` occupies ``[offsets[i], offsets[i] + numels[i])``. Which elements of a
+    tensor a rank holds, where they sit in its shard and the ``RaggedShard`` placement of
+    its DTensor view are all read from the layout (``rank_range``, ``shard_range``,
+    ``placement``); nothing here re-derives them. Because the planner never lets a shard
     boundary cut a block of ``granularities[i]`` elements, every rank holds whole blocks
     (whole rows, whole 2,048-element quantization blocks, whole matrices...).
 
@@ -92,18 +98,25 @@ class DBuffer:
             device for a CUDA mesh) or the CPU.
         granularities: per tensor, the block size in elements that no shard boundary may
             cut (1 = element-wise, ``shape[1:]`` product = rows, ``numel`` = whole tensor).
-            Default all 1.
+            Default all 1. Not with ``layout``.
         alignment: every tensor starts at a multiple of this many elements. Default 1.
+            Not with ``layout``.
         names: one name per tensor for :meth:`state_dict`. Default ``"0"``, ``"1"``, ...
+        layout: a precomputed layout of these tensors (e.g. planned once for many
+            buffers); default: ``plan_layout(numels, granularities, world_size,
+            alignment=alignment)``. It must be for the shard axis's world size and
+            honour the planner's contract (checked).
 
     Raises:
         TypeError: ``shapes`` is not a sequence of shapes of ints; a dtype is not a
             floating dtype; ``granularities``/``names`` not sequences of ints/strings;
             ``alignment`` not an int; ``mesh`` not a ``DeviceMesh``; ``device`` not a
-            device.
+            device; ``layout`` is not a ``Layout``.
         ValueError: a negative dim, ``granularities``/``names`` of the wrong length,
             non-positive granularity or alignment, duplicate names, an unknown device
-            type, a mesh of more than 2 axes.
+            type, a mesh of more than 2 axes; a ``layout`` for other numels or another
+            world size, one that breaks the planner's contract, or given together with
+            ``granularities``/``alignment``.
     """
 
     def __init__(
@@ -118,6 +131,7 @@ class DBuffer:
         granularities: Sequence[int] | None = None,
         alignment: int = 1,
         names: Sequence[str] | None = None,
+        layout: Layout | None = None,
     ) -> None:
         if isinstance(shapes, torch.Tensor | str) or not isinstance(shapes, Sequence):
             raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
@@ -130,8 +144,7 @@ class DBuffer:
         for i, name in enumerate(names or ()):
             if not isinstance(name, str):
                 raise TypeError(f"names[{i}] must be a str, got {type(name).__name__} {name!r}")
-        if isinstance(alignment, bool) or not isinstance(alignment, int):
-            raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+        check_int("alignment", alignment, minimum=1)
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
         if device is not None:
@@ -155,13 +168,10 @@ class DBuffer:
         ):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        given_blocks = granularities is not None
         granularities = [1] * n if granularities is None else list(granularities)
         if len(granularities) != n:
             raise ValueError(f"granularities has {len(granularities)} entries for {n} tensors")
-        if any(g < 1 for g in granularities):
-            raise ValueError(f"granularities must be >= 1, got {granularities}")
-        if not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"alignment must be a positive int, got {alignment!r}")
         self.names = [str(i) for i in range(n)] if names is None else [str(x) for x in names]
         if len(self.names) != n or len(set(self.names)) != n:
             raise ValueError(f"names must be {n} distinct strings, got {names!r}")
@@ -185,14 +195,20 @@ class DBuffer:
                 device = torch.device(mesh.device_type if mesh is not None else "cpu")
         self.device = torch.device(device)
 
-        # Zero-numel tensors still get a placement (all-empty ranges).
-        self.layout = plan_layout(self.numels, granularities, self.world_size, alignment=alignment)
-        self.shard_numel = int(self.layout.shard_numel)
-        self.placements: list[Placement] = place(
-            self.numels, [int(o) for o in self.layout.offsets], self.shard_numel, self.world_size
-        )
+        if layout is None:
+            # Zero-numel tensors still get a place (all-empty ranges).
+            layout = plan_layout(self.numels, granularities, self.world_size, alignment=alignment)
+        else:
+            _check_layout(layout, self.numels, self.world_size, given_blocks or alignment != 1)
+            self.granularities = [int(g) for g in layout.granularities]
+        self.layout: Layout = layout
+        self.shard_numel = int(layout.shard_numel)
         S, W = self.shard_numel, self.world_size
-        self._gaps = uncovered(self.placements, 0, W * S)
+        # Cached once from the layout: the tensors' offsets in the full buffer and this
+        # rank's piece of each inside its shard.
+        self._offsets = [int(o) for o in layout.offsets]
+        self._local = [layout.shard_range(i, self.rank) for i in range(n)]
+        self._gaps = _padding_ranges(self._offsets, self.numels, W * S)
 
         self.shard = torch.zeros(S, dtype=dtype, device=self.device)
         # With one rank and no cast the full buffer is the shard itself: nothing to
@@ -212,11 +228,8 @@ class DBuffer:
         self._has_grad = False
         self._unshard_pending: Pending | None = None
         self._reduce_pending: Pending | None = None
-        self._full_views = [
-            self.full[p.offset : p.offset + p.numel].view(s)
-            for p, s in zip(self.placements, self.shapes)
-        ]
-        self._shard_views = [self.shard[slice(*p.local(self.rank, S))] for p in self.placements]
+        self._full_views = self._views_of(self.full)
+        self._shard_views = [self.shard[lo:hi] for lo, hi in self._local]
         # Views are made while the storage exists; freeing it afterwards keeps them valid.
         if not self._full_aliases_shard:
             _free(self.full)
@@ -282,7 +295,7 @@ class DBuffer:
             if t.shape != s:
                 raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, expected {tuple(s)}")
         for i, t in enumerate(tensors):
-            lo, hi = self.placements[i].ranges[self.rank]
+            lo, hi = self.local_range(i)
             self._shard_views[i].copy_(t.detach().reshape(-1)[lo:hi])
 
     # ----------------------------------------------------------------------- views
@@ -290,8 +303,15 @@ class DBuffer:
         return len(self.shapes)
 
     def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
-        """``(start, stop)``: the flat elements of tensor ``i`` held by ``rank`` (default: self)."""
-        return self.placements[i].ranges[self.rank if rank is None else rank]
+        """``(start, stop)``: the flat elements of tensor ``i`` held by ``rank`` (default: self).
+
+        The layout's :meth:`~hyperrec.raggedshard.Layout.rank_range`.
+        """
+        return self.layout.rank_range(i, self.rank if rank is None else rank)
+
+    def _views_of(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor (full shape) as a view of a ``(world_size * shard_numel,)`` tensor."""
+        return [full[o : o + n].view(s) for o, n, s in zip(self._offsets, self.numels, self.shapes)]
 
     def shard_view(self, i: int) -> torch.Tensor:
         """1-D view of this rank's piece of tensor ``i`` inside :attr:`shard` (may be empty)."""
@@ -311,7 +331,8 @@ class DBuffer:
         _check_flat(flat, self.shard_numel)
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
-        return flat[slice(*self.placements[i].local(self.rank, self.shard_numel))]
+        lo, hi = self._local[i]
+        return flat[lo:hi]
 
     @property
     def is_unsharded(self) -> bool:
@@ -342,7 +363,7 @@ class DBuffer:
         # in forward are views of it and must read the re-gathered values in backward.
         with (
             on_stream(stream, self.device),
-            torch.autograd._unsafe_preserve_version_counter(self.full),
+            torch.autograd._unsafe_preserve_version_counter(self.full),  # type: ignore[attr-defined]
         ):
             src = self.shard
             if self.param_dtype != self.dtype:
@@ -399,10 +420,7 @@ class DBuffer:
                     dtype=self.reduce_dtype,
                     device=self.device,
                 )
-            self._grad_full_views = [
-                self._grad_full[p.offset : p.offset + p.numel].view(s)
-                for p, s in zip(self.placements, self.shapes)
-            ]
+            self._grad_full_views = self._views_of(self._grad_full)
             if not self._grad_full_aliases_shard:
                 _free(self._grad_full)
         return self._grad_full
@@ -473,7 +491,7 @@ class DBuffer:
             raise RuntimeError("reduce_grad() without begin_grad(): no gradients to reduce")
         self.wait_reduce()
         S, r, W = self.shard_numel, self.rank, self.world_size
-        g, out = self._grad_full, self._grad_storage()
+        g, out = self.grad_full, self._grad_storage()
         if _alloc(out, S) and self._has_grad:
             raise RuntimeError("grad_shard was released while holding a gradient")
         with on_stream(stream, self.device):
@@ -507,8 +525,9 @@ class DBuffer:
         if self._reduce_pending is not None:
             self._reduce_pending.wait()
             self._reduce_pending = None
-            if not self._grad_full_aliases_shard and not self._grad_full_live:
-                _free(self._grad_full)
+            full = self._grad_full
+            if full is not None and not self._grad_full_aliases_shard and not self._grad_full_live:
+                _free(full)
 
     def discard_grad_full(self) -> None:
         """Drop unreduced gradients (e.g. after an aborted step) and free their storage."""
@@ -559,10 +578,9 @@ class DBuffer:
         """
         if not isinstance(other, DBuffer | torch.Tensor):
             raise TypeError(f"other must be a DBuffer or a tensor, got {type(other).__name__}")
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-            raise TypeError(f"alpha must be a float, got {type(alpha).__name__} {alpha!r}")
+        check_float("alpha", alpha, finite=False)
         if isinstance(other, DBuffer):
-            if other.layout != self.layout or other.shapes != self.shapes:
+            if other.shapes != self.shapes or other._offsets != self._offsets:
                 raise ValueError("other must be a DBuffer with the same shapes and layout")
             other = other.shard
         if other.shape != self.shard.shape:
@@ -599,29 +617,36 @@ class DBuffer:
             _all_gather(full, flat.contiguous(), group=self._shard_group)
         else:
             full = flat
-        return [
-            full[p.offset : p.offset + p.numel].view(s).clone()
-            for p, s in zip(self.placements, self.shapes)
-        ]
+        return [v.clone() for v in self._views_of(full)]
 
     # ------------------------------------------------------------------ state dict
+    def placement(self, i: int) -> RaggedShard:
+        """The ``RaggedShard`` of tensor ``i`` on the shard axis (the layout's
+        :meth:`~hyperrec.raggedshard.Layout.placement`)."""
+        return self.layout.placement(i, self.shapes[i])
+
     def as_dtensors(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each tensor's piece of ``flat`` (default :attr:`shard`) as a ragged DTensor view.
 
-        Without a mesh the pieces are plain tensors of the full shapes. Any
+        The placement is :meth:`placement` (``(Replicate(), RaggedShard)`` on an HSDP
+        mesh). Without a mesh the pieces are plain tensors of the full shapes. Any
         ``(shard_numel,)`` tensor works, e.g. a flat optimizer state. No copies.
-        """
-        from hyperrec.dbuffer._ragged import dtensor_view
 
+        Stock ``torch`` ops on these DTensors (an optimizer step, ``clip_grad_norm_``)
+        run shard-locally only under :func:`hyperrec.raggedshard.enable_local_ops` /
+        :func:`hyperrec.raggedshard.local_ops`; this method does not switch them on.
+        """
         flat = self.shard if flat is None else flat
-        out = []
+        out: list[torch.Tensor] = []
         for i, shape in enumerate(self.shapes):
             local = self.flat_view(flat, i)
             if self.mesh is None:
                 out.append(local.view(shape))
-            else:
-                ranges = self.placements[i].ranges
-                out.append(dtensor_view(local, shape, ranges, self.mesh))
+                continue
+            placement = self.placement(i)
+            local = local.view(placement.local_shape(shape, self.rank))
+            placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
+            out.append(from_local(local, self.mesh, placements, shape=shape))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -674,6 +699,41 @@ def _check_flat(flat: object, shard_numel: int) -> torch.Tensor:
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"flat must be a ({shard_numel},) tensor, got {type(flat).__name__}")
     return flat
+
+
+def _check_layout(layout: Any, numels: list[int], world_size: int, overridden: bool) -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a raggedshard Layout, got {type(layout).__name__}")
+    if overridden:
+        raise ValueError("pass either layout or granularities/alignment, not both")
+    if [int(n) for n in layout.numels] != numels:
+        raise ValueError(f"layout is for numels {list(layout.numels)}, these shapes have {numels}")
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"layout is for world_size {layout.world_size}, the shard axis has {world_size} ranks"
+        )
+    bad = layout_violations(
+        [int(o) for o in layout.offsets],
+        numels,
+        [int(g) for g in layout.granularities],
+        int(layout.shard_numel),
+        world_size,
+        int(layout.alignment),
+    )
+    if bad:
+        raise ValueError(f"layout breaks the planner's contract: {'; '.join(bad[:3])}")
+
+
+def _padding_ranges(offsets: list[int], numels: list[int], end: int) -> list[tuple[int, int]]:
+    """Maximal ranges of ``[0, end)`` that hold no tensor (zeroed before a reduction)."""
+    gaps, pos = [], 0
+    for a, b in sorted((o, o + n) for o, n in zip(offsets, numels) if n > 0):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < end:
+        gaps.append((pos, end))
+    return gaps
 
 
 def _copy_into(

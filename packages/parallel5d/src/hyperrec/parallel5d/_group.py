@@ -40,6 +40,12 @@ class _Slot:
     grad_view: torch.Tensor | None = None  # the grad_full view set as `unsharded.grad`
     written: bool = False  # its gradient landed in grad_full in this accumulation window
 
+    def gathered(self) -> nn.Parameter:
+        """The unsharded parameter (made at the first unshard, before any gradient)."""
+        if self.unsharded is None:
+            raise RuntimeError(f"{self.fqn}: gradients before the first unshard")
+        return self.unsharded
+
 
 @dataclass(eq=False)
 class _Comm:
@@ -133,10 +139,9 @@ class ParamGroup:
             views = buf.as_dtensors()
             for i, k in enumerate(members):
                 p = params[k]
+                # Its RaggedShard placement (the buffer layout's) is all that optimizers
+                # need to find which flat elements of the parameter this rank holds.
                 sharded = nn.Parameter(views[i], requires_grad=p.requires_grad)
-                # Which flat elements of the full parameter this rank holds: what
-                # structure-aware optimizers need to find their blocks.
-                sharded._hyperrec_local_range = buf.local_range(i)
                 self.slots.append(
                     _Slot(
                         fqn=fqns[k],
@@ -242,7 +247,7 @@ class ParamGroup:
                 buf.begin_grad(zero=True)
                 for s in slots:
                     s.grad_view = buf.grad_full_view(s.index)
-                    s.unsharded.grad = s.grad_view
+                    s.gathered().grad = s.grad_view
 
     def _ensure_live(self, b: int) -> DBuffer:
         buf = self.buffers[b]
@@ -328,7 +333,7 @@ class ParamGroup:
                 slots = [s for s in self._slots_of(b) if s.requires_grad]
                 if self._in_place[b]:
                     for s in slots:
-                        s.unsharded.grad = None
+                        s.gathered().grad = None
                         s.grad_view = None
                 else:
                     buf.zero_grad_padding_()

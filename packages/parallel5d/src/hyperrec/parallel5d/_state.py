@@ -76,6 +76,20 @@ class FSDPState:
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
 
+    @property
+    def root_state(self) -> FSDPState:
+        """The root's state; set by :meth:`lazy_init`, which the forward hooks run first."""
+        if self.root is None:
+            raise RuntimeError("fully_shard: this module has not run forward yet")
+        return self.root
+
+    @property
+    def shared(self) -> _Comm:
+        """Streams and bookkeeping shared under the root (set by :meth:`lazy_init`)."""
+        if self.comm is None:
+            raise RuntimeError("fully_shard: this module has not run forward yet")
+        return self.comm
+
     # --------------------------------------------------------------- lazy init
     def lazy_init(self) -> None:
         """The first state to run forward becomes the root of every state below it."""
@@ -133,11 +147,11 @@ class FSDPState:
                 self.group.wait_for_unshard()
             return args, kwargs
         self.lazy_init()
-        root = self.root
+        root = self.root_state
         if not root._iter_root_active:
             root._iter_root_active = True
             root._iter_forward_root = self
-            self.comm.forward_order = []
+            self.shared.forward_order = []
             for state in root.all_states:
                 if state.group is not None:
                     state.group.release_dropped_grads()
@@ -151,7 +165,7 @@ class FSDPState:
         for target in self._forward_targets():
             target.unshard()
         group.wait_for_unshard()
-        self.comm.forward_order.append(group)
+        self.shared.forward_order.append(group)
         if torch.is_grad_enabled():
             leaves, spec, idx = _grad_tensors((args, kwargs))
             if idx:
@@ -162,12 +176,12 @@ class FSDPState:
         return args, kwargs
 
     def _forward_targets(self) -> list[ParamGroup]:
-        if not self.comm.overlap:
+        if not self.shared.overlap:
             return []
         if self.forward_prefetch is not None:
             return [s.group for s in self.forward_prefetch if s.group is not None]
         # Default: the group that ran next in the previous iteration.
-        order = self.comm.last_forward_order
+        order = self.shared.last_forward_order
         if self.group in order:
             k = order.index(self.group)
             if k + 1 < len(order):
@@ -185,18 +199,18 @@ class FSDPState:
         if group is not None:
             if group.reshard_after_forward:
                 group.reshard()
-            group.post_forward_index = len(self.comm.post_forward_order)
-            self.comm.post_forward_order.append(group)
+            group.post_forward_index = len(self.shared.post_forward_order)
+            self.shared.post_forward_order.append(group)
             group.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             leaves, _, idx = _grad_tensors(output)
             for i in idx:
                 leaves[i].register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
-        root = self.root
+        root = self.root_state
         if root._iter_root_active and root._iter_forward_root is self:
             root._iter_root_active = False
-            self.comm.last_forward_order = self.comm.forward_order
+            self.shared.last_forward_order = self.shared.forward_order
         if self.mp_policy.output_dtype is not None:
             dtype = self.mp_policy.output_dtype
             output = tree_map(
@@ -216,7 +230,7 @@ class FSDPState:
         if self.training_state == TrainingState.PRE_BACKWARD:
             return grad
         self.training_state = TrainingState.PRE_BACKWARD
-        root = self.root
+        root = self.root_state
         if not root._final_callback_queued:
             root._final_callback_queued = True
             Variable._execution_engine.queue_callback(root._final_callback)
@@ -231,13 +245,13 @@ class FSDPState:
         return grad
 
     def _backward_targets(self) -> list[ParamGroup]:
-        if not self.comm.overlap:
+        if not self.shared.overlap:
             return []
         if self.backward_prefetch is not None:
             return [s.group for s in self.backward_prefetch if s.group is not None]
-        k = self.group.post_forward_index
+        k = self.group.post_forward_index if self.group is not None else None
         if k:
-            return [self.comm.post_forward_order[k - 1]]
+            return [self.shared.post_forward_order[k - 1]]
         return []
 
     def _final_callback(self) -> None:
@@ -254,7 +268,7 @@ class FSDPState:
                 TrainingState.FORWARD,
             ):
                 group.post_backward()
-        self.comm.wait_reduces()
+        self.shared.wait_reduces()
         for state in self.all_states:
             group = state.group
             if group is not None:
@@ -262,5 +276,5 @@ class FSDPState:
                 if group.reshard_after_backward:
                     group.reshard()
             state.training_state = TrainingState.IDLE
-        self.comm.post_forward_order.clear()
+        self.shared.post_forward_order.clear()
         self._final_callback_queued = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,8 @@ from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy, resolve_granularity
 from hyperrec.parallel5d._group import ParamGroup
 from hyperrec.parallel5d._state import FSDPState, get_state
+from hyperrec.parallel5d._validate import check_bool, check_int
+from hyperrec.raggedshard import enable_local_ops
 
 __all__ = ["FSDPModule", "fully_shard", "full_state_dict", "dbuffers"]
 
@@ -87,6 +89,12 @@ def fully_shard(
     them unchanged, and ``module.state_dict()`` returns DTensors that
     ``torch.distributed.checkpoint`` saves and loads across world sizes.
 
+    Process-global side effect: for the optimizer step above to run shard-locally this
+    calls :func:`hyperrec.raggedshard.enable_local_ops`, which installs raggedshard's
+    handlers for pointwise, foreach, fused-optimizer and norm ops on ragged DTensors in
+    DTensor's op table for the rest of the process. Ops on DTensors without a
+    ``RaggedShard`` placement are not affected.
+
     The first ``fully_shard`` module to run forward becomes the root: it owns the
     communication streams, prefetches the next group's all-gather during a group's
     forward (in the previous iteration's order) and the previous group's during backward,
@@ -124,12 +132,8 @@ def fully_shard(
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if get_state(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if isinstance(alignment, bool) or not isinstance(alignment, int):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be a positive int, got {alignment}")
+    check_bool("reshard_after_forward", reshard_after_forward)
+    check_int("alignment", alignment, minimum=1)
     ignored = _ignored_ids(module, ignored_params)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
@@ -139,6 +143,9 @@ def fully_shard(
             f"mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh.ndim} axes"
         )
     policy = _as_policy(mp_policy)
+    # Explicit and documented above: the sharded parameters must step under stock
+    # torch.optim optimizers and clip_grad_norm_.
+    enable_local_ops()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if mesh.device_type == "cuda"
@@ -162,9 +169,9 @@ def fully_shard(
         fqns.append(name)
         regs[id(p)] = []
     for sub in module.modules():
-        for pname, p in sub._parameters.items():
-            if p is not None and id(p) in regs and (sub, pname) not in regs[id(p)]:
-                regs[id(p)].append((sub, pname))
+        for pname, owned in sub._parameters.items():
+            if owned is not None and id(owned) in regs and (sub, pname) not in regs[id(owned)]:
+                regs[id(owned)].append((sub, pname))
     granularities = [resolve_granularity(granularity, f, p) for f, p in zip(fqns, params)]
 
     group = None
@@ -197,13 +204,13 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of `type(self)` (e.g. slicing nn.Sequential):
         # give them the original class, not an unsharded FSDP wrapper.
-        orig = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
+        orig: Any = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
         obj = orig.__new__(orig)
         obj.__init__(*args, **kwargs)
         return obj
 
     def _fsdp_state(self) -> FSDPState:
-        return get_state(self)  # type: ignore[arg-type]
+        return _state_of(cast(nn.Module, self))
 
     def _states(self, recurse: bool) -> Iterator[FSDPState]:
         if not recurse:
@@ -294,6 +301,13 @@ def _check_bools(**flags: Any) -> None:
     for name, v in flags.items():
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {v!r}")
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    state = get_state(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
+    return state
 
 
 def _states_of(modules: Any) -> list[FSDPState]:

@@ -11,21 +11,35 @@ not under autograd) are shard-local norms combined by one all-reduce per mesh ax
 returned replicated, which is what ``torch.nn.utils.clip_grad_norm_`` needs; a 0-dim
 DTensor operand of any layout (e.g. its clip coefficient) takes part as a scalar.
 
-It installs handlers in DTensor's custom-op-handler table, a private upstream hook, so it
-is opt-in and global to the process; ops with no ragged operand, or whose operands do not
-share one layout, fall through to upstream's normal path unchanged. The explicit
-:func:`~hyperrec.raggedshard.ragged_map` / :func:`~hyperrec.raggedshard.ragged_foreach`
-need no hook.
+Scope. The handlers go into DTensor's custom-op-handler table, a private upstream hook
+shared by the whole process, so the switch is explicit and never implied by importing a
+hyperrec package:
+
+- :func:`enable_local_ops` installs them for the rest of the process (what
+  ``hyperrec.parallel5d.fully_shard`` calls, and documents, because the parameters it
+  returns must step under any ``torch.optim`` optimizer);
+- :func:`local_ops` installs them for a ``with`` block only and restores the previous state
+  on exit (for code that steps ragged DTensors it built itself);
+- :func:`local_ops_enabled` reports the state.
+
+Ops with no ragged operand, or whose operands do not share one layout, fall through to
+upstream's normal path unchanged, so the handlers do not change what non-ragged DTensor
+code computes. The explicit :func:`~hyperrec.raggedshard.ragged_map` /
+:func:`~hyperrec.raggedshard.ragged_foreach` need no hook.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from hyperrec.raggedshard.placement import RaggedShard
 
-__all__ = ["enable_local_ops"]
+__all__ = ["enable_local_ops", "local_ops", "local_ops_enabled"]
 
 _INSTALLED = False
 _EXTRA_OPS = (
@@ -45,10 +59,10 @@ _EXTRA_OPS = (
 )
 
 
-def _local_op_set() -> set:
+def _local_op_set() -> set[torch._ops.OpOverload]:
     from torch.distributed.tensor._ops import _pointwise_ops
 
-    ops = set()
+    ops: set[torch._ops.OpOverload] = set()
     # Upstream keeps these ops in lists, sets and dicts, and moves them between releases:
     # torch 2.11 holds mul_/add_/copy_ only in the dict `linear_pointwise_ops` (op ->
     # linearity), torch 2.13 in lists. Collect from every container kind.
@@ -84,7 +98,7 @@ def _is_scalar_operand(x: DTensor) -> bool:
     return x.dim() == 0 and not _is_ragged(x)
 
 
-def _upstream(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _upstream(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handler = handlers.pop(op)
     try:
@@ -99,11 +113,13 @@ def _to_local(x: object) -> object:
     return x.full_tensor() if _is_scalar_operand(x) else x._local_tensor
 
 
-def _flat(values: object) -> bool:
+def _flat(values: Iterable[object]) -> bool:
     return not any(isinstance(v, list | tuple | dict) for v in values)
 
 
-def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _local_handler(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> object:
     # Pointwise ops of a single-tensor optimizer step arrive here by the dozen per
     # parameter: flat argument lists skip pytree (most of the per-op host cost).
     if _flat(args) and _flat(kwargs.values()):
@@ -127,7 +143,7 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
     return _rewrap(op, args, op(*local_args, **local_kwargs), dts[0])
 
 
-def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -> object:
+def _rewrap(op: torch._ops.OpOverload, args: tuple[Any, ...], out: object, ref: DTensor) -> object:
     """The local result of ``op`` as DTensors laid out like its operands."""
     if op._schema.is_mutable:
         # In-place: the DTensor operands already see the new local values.
@@ -141,7 +157,7 @@ def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -
     return out
 
 
-def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _local_flat(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """:func:`_local_handler` for argument lists without nested containers."""
     ref = None
     for x in (*args, *kwargs.values()):
@@ -187,13 +203,18 @@ def _reduced_norms(tensors: list[DTensor], ord: float, dtype: object) -> list[DT
         for j, i in enumerate(idx):
             value = vals[j].to(local[i].dtype)
             spec = DTensorSpec(
-                mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), value.dtype)
+                mesh,
+                (Replicate(),) * mesh.ndim,
+                tensor_meta=TensorMeta(torch.Size(()), (), value.dtype),
             )
             out[i] = DTensor(value, spec, requires_grad=False)
-    return out
+    # Every index belongs to exactly one group, so every entry is filled.
+    return [o for o in out if o is not None]
 
 
-def _norm_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+def _norm_handler(
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> object:
     # Whole-tensor p-norms (p > 0) of ragged DTensors; anything else goes upstream.
     kw = dict(kwargs)
     if op is torch.ops.aten._foreach_norm.Scalar:
@@ -214,18 +235,59 @@ def _norm_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     return outs if op is torch.ops.aten._foreach_norm.Scalar else outs[0]
 
 
-def enable_local_ops() -> None:
-    """Run pointwise, foreach and fused-optimizer ops on ragged DTensors shard-locally.
+def _handlers() -> dict[torch._ops.OpOverload, Any]:
+    return DTensor._op_dispatcher._custom_op_handlers
 
-    Idempotent and process-global (see the module docstring). Call it once before an
-    optimizer steps ragged-DTensor parameters.
-    """
+
+def _install() -> None:
     global _INSTALLED
-    if _INSTALLED:
-        return
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = _handlers()
     for op in _local_op_set():
         handlers.setdefault(op, _local_handler)
     for op in (torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default):
         handlers.setdefault(op, _norm_handler)
     _INSTALLED = True
+
+
+def _uninstall() -> None:
+    global _INSTALLED
+    handlers = _handlers()
+    # Only our own entries: a handler someone else registered for the same op stays.
+    for op in [op for op, h in handlers.items() if h in (_local_handler, _norm_handler)]:
+        del handlers[op]
+    _INSTALLED = False
+
+
+def enable_local_ops() -> None:
+    """Run pointwise, foreach and fused-optimizer ops on ragged DTensors shard-locally.
+
+    Idempotent and process-global: the handlers stay installed until the process ends
+    (see the module docstring for their scope; :func:`local_ops` limits them to a block).
+    Call it once before a stock optimizer steps ragged-DTensor parameters or
+    ``torch.nn.utils.clip_grad_norm_`` runs on them.
+    """
+    if not _INSTALLED:
+        _install()
+
+
+def local_ops_enabled() -> bool:
+    """Whether the shard-local handlers of :func:`enable_local_ops` are installed."""
+    return _INSTALLED
+
+
+@contextlib.contextmanager
+def local_ops() -> Iterator[None]:
+    """:func:`enable_local_ops` for a ``with`` block only.
+
+    On exit the handlers are removed again if they were not installed on entry (an
+    :func:`enable_local_ops` call inside the block is undone too); nested blocks and an
+    earlier :func:`enable_local_ops` keep them installed.
+    """
+    was_installed = _INSTALLED
+    if not was_installed:
+        _install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            _uninstall()
