@@ -108,22 +108,27 @@ def _local_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> obje
     # parameter: flat argument lists skip pytree (most of the per-op host cost).
     if _flat(args) and _flat(kwargs.values()):
         return _local_flat(op, args, kwargs)
-    from torch.utils._pytree import tree_flatten, tree_map
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
     leaves, _ = tree_flatten((args, kwargs))
     dts = [x for x in leaves if isinstance(x, DTensor) and not _is_scalar_operand(x)]
     plain = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
     foreach = op.name().startswith(("aten::_foreach_", "aten::_fused_"))
-    local_ok = any(_is_ragged(d) for d in dts) and (
-        foreach
-        or (
-            all(p.dim() == 0 for p in plain)
-            and all(d.placements == dts[0].placements and d.shape == dts[0].shape for d in dts)
-        )
-    )
+    same_layout = all(d.placements == dts[0].placements and d.shape == dts[0].shape for d in dts)
+    local_ok = any(_is_ragged(d) for d in dts) and (foreach or same_layout)
     if not local_ok:
         return _upstream(op, args, kwargs)
-    local_args, local_kwargs = tree_map(_to_local, (args, kwargs))
+    call = (args, kwargs)
+    if not foreach and any(p.dim() != 0 for p in plain):
+        # Plain operands count as replicated only under implicit_replication().
+        from hyperrec.raggedshard._implicit import localize
+
+        flat, spec = tree_flatten(call)
+        flat = localize(flat, dts[0])
+        if flat is None:
+            return _upstream(op, args, kwargs)
+        call = tree_unflatten(flat, spec)
+    local_args, local_kwargs = tree_map(_to_local, call)
     return _rewrap(op, args, op(*local_args, **local_kwargs), dts[0])
 
 
@@ -144,6 +149,7 @@ def _rewrap(op: torch._ops.OpOverload, args: tuple, out: object, ref: DTensor) -
 def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     """:func:`_local_handler` for argument lists without nested containers."""
     ref = None
+    plain = False
     for x in (*args, *kwargs.values()):
         if isinstance(x, DTensor):
             if _is_scalar_operand(x):
@@ -153,10 +159,22 @@ def _local_flat(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
             elif x.placements != ref.placements or x.shape != ref.shape:
                 return _upstream(op, args, kwargs)
         elif isinstance(x, torch.Tensor) and x.dim() != 0:
-            return _upstream(op, args, kwargs)
+            plain = True
     if ref is None or not _is_ragged(ref):
         return _upstream(op, args, kwargs)
-    out = op(*[_to_local(a) for a in args], **{k: _to_local(v) for k, v in kwargs.items()})
+    call_args, call_kwargs = list(args), dict(kwargs)
+    if plain:
+        # Plain operands count as replicated only under implicit_replication().
+        from hyperrec.raggedshard._implicit import localize
+
+        call_args = localize(call_args, ref)
+        values = localize(list(call_kwargs.values()), ref)
+        if call_args is None or values is None:
+            return _upstream(op, args, kwargs)
+        call_kwargs = dict(zip(call_kwargs, values))
+    out = op(
+        *[_to_local(a) for a in call_args], **{k: _to_local(v) for k, v in call_kwargs.items()}
+    )
     return _rewrap(op, args, out, ref)
 
 
