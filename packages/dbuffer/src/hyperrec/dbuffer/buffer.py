@@ -631,7 +631,9 @@ class DBuffer:
                 scatter = options.reduce_scatter or _reduce_scatter_call
                 group = options.group or self._shard_group
                 scatter(output_tensor=mine, input_tensor=g, group=group, op=rs_op)
-            elif options.divide_factor is not None:
+            elif options.divide_factor is not None and pre is None and post is None:
+                # No reduce-scatter to pre-multiply in; with a pre/post split those
+                # divisions make the factor already (FSDP2 2.13 divides twice here).
                 mine.div_(options.divide_factor)
             if self._replicate_group is not None:
                 if not options.all_reduce:

@@ -113,6 +113,15 @@ def resync_group(group: ParamGroup, *, partial_ok: bool = True) -> None:
         stale = [not _aliases(p, s, buf) for p, s in zip(current, slots)]
         if not any(stale) or (partial_ok and not all(stale)):
             continue
+        devices = {(p._local_tensor if isinstance(p, DTensor) else p).device for p in current}
+        if any(d.type != buf.shard.device.type for d in devices):
+            _views_into(group, b, buf, current)  # put the old parameters back
+            where = "the host (CPUOffloadPolicy)" if group.offload else f"{buf.device}"
+            raise RuntimeError(
+                f"fully_shard keeps these sharded parameters on {where}; moving them to "
+                f"{sorted(str(d) for d in devices)} is not supported (the mesh's device runs "
+                "the collectives): shard the model on a mesh of that device instead"
+            )
         pieces = [_local_piece(p, buf, s.index) for p, s in zip(current, slots)]
         dtypes = {p.dtype for p in pieces if p is not None} or {buf.dtype}
         if len(dtypes) != 1:
@@ -123,15 +132,6 @@ def resync_group(group: ParamGroup, *, partial_ok: bool = True) -> None:
         dtype = dtypes.pop()
         if not dtype.is_floating_point:
             raise TypeError(f"fully_shard parameters must stay floating point, got {dtype}")
-        devices = {p.device for p in pieces if p is not None}
-        if any(d.type != buf.shard.device.type for d in devices):
-            _views_into(group, b, buf, current)  # put the old parameters back
-            where = "the host (CPUOffloadPolicy)" if group.offload else f"{buf.device}"
-            raise RuntimeError(
-                f"fully_shard keeps these sharded parameters on {where}; moving them to "
-                f"{sorted(str(d) for d in devices)} is not supported (the mesh's device runs "
-                "the collectives): shard the model on a mesh of that device instead"
-            )
         policy = group.mp_policy
         param_dtype = policy.param_dtype or dtype
         new = DBuffer(

@@ -554,10 +554,12 @@ def dbuffers(module: nn.Module) -> list[DBuffer]:
     Use with :func:`hyperrec.dbuffer.flat_params` for fused single-kernel optimizer
     steps, or :func:`hyperrec.dbuffer.clip_grad_norm_`.
     """
-    out = []
+    out, seen = [], set()
     for m in module.modules():
         state = get_state(m)
-        if state is not None and state.group is not None:
+        # A grouped fully_shard([a, b]) shares one state between its modules.
+        if state is not None and state.group is not None and id(state) not in seen:
+            seen.add(id(state))
             out.extend(state.group.buffers)
     return out
 
@@ -571,14 +573,18 @@ def full_state_dict(
     """
     out: dict[str, torch.Tensor] = {}
     prefixes = {id(m): n for n, m in module.named_modules()}
+    seen: set[int] = set()
     for m in module.modules():
         state = get_state(m)
-        if state is None or state.group is None:
+        if state is None or state.group is None or id(state) in seen:
             continue
-        prefix = prefixes[id(m)]
+        seen.add(id(state))
         gathered = [buf.gather_full() for buf in state.group.buffers]
         for s in state.group.slots:
-            key = f"{prefix}.{s.fqn}" if prefix else s.fqn
+            # Named after the module that registers it (grouped calls span modules).
+            owner, pname = s.registrations[0]
+            prefix = prefixes.get(id(owner), "")
+            key = f"{prefix}.{pname}" if prefix else pname
             out[key] = gathered[s.buffer][s.index].to(device)
     for name, p in module.named_parameters():
         if name not in out and not hasattr(p, "placements"):

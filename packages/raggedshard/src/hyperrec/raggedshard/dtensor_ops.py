@@ -34,6 +34,7 @@ _EXTRA_OPS = (
     "empty_like.default",
     "full_like.default",
     "clone.default",
+    "_to_copy.default",  # .to(dtype/device): elementwise, keeps the layout (no gather)
     "copy_.default",
     "detach.default",
     "_fused_adam_.default",
