@@ -530,7 +530,7 @@ def sc_ragged_reductions(api, mesh):
                 logs += [_full(p.sum(0)), _full(p.mean()), _full(p.norm())]
                 logs += [_full(torch.linalg.vector_norm(p, 3.0, dim=-1)), _full(p.amax())]
                 with implicit_replication():
-                    p.add_(torch.full(p.shape, 0.01 * (step + 1)))
+                    p.add_(torch.full(p.shape, 0.01 * (step + 1), device=p.to_local().device))
     return losses + [float(t.sum()) for t in logs], model
 
 
@@ -665,8 +665,13 @@ def _compare(runs: dict, init: dict, tol: float | None) -> dict:
     }
 
 
-def _run_scenarios(names: list[str], mesh_shape: tuple[int, ...], exact: bool) -> dict:
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("r", "s")[-len(mesh_shape) :])
+def _run_scenarios(
+    names: list[str], mesh_shape: tuple[int, ...], exact: bool, device: str = "cpu"
+) -> dict:
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    # Inputs are made on the CPU: both libraries' roots move them to the mesh's device.
+    mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=("r", "s")[-len(mesh_shape) :])
     results = {}
     for name in names:
         fn = globals()[name]
@@ -680,9 +685,13 @@ def _run_scenarios(names: list[str], mesh_shape: tuple[int, ...], exact: bool) -
     return results
 
 
-def _spawn(world: int, names: list[str], mesh_shape: tuple[int, ...], exact: bool) -> dict:
-    per_rank = run_on_ranks(_run_scenarios, world, names, mesh_shape, exact, timeout_s=600)
-    return per_rank
+def _spawn(
+    world: int, names: list[str], mesh_shape: tuple[int, ...], exact: bool, device: str = "cpu"
+) -> list[dict]:
+    backend = "nccl" if device == "cuda" else "gloo"
+    return run_on_ranks(
+        _run_scenarios, world, names, mesh_shape, exact, device, backend=backend, timeout_s=600
+    )
 
 
 def _check(per_rank: list[dict]) -> None:
@@ -718,3 +727,15 @@ def test_fsdp2_scenarios_four_ranks():
         "sc_dp_mesh_dims_flattened",
     ]
     _check(_spawn(4, names, (2, 2), exact=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_fsdp2_scenarios_on_two_gpus():
+    """The two-rank scenarios over NCCL on two GPUs: side streams, prefetching, pinned
+    host memory for CPU offload; GPU kernels for another shard layout may round
+    differently, so the comparison is to fp32 rounding."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    names = [f.__name__ for f in SCENARIOS_2]
+    _check(_spawn(2, names, (2,), exact=False, device="cuda"))

@@ -163,6 +163,11 @@ class FSDPState:
 
         return tree_map(cast, args), tree_map(cast, kwargs)
 
+    def _to_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != self.device:
+            return x.to(self.device)
+        return x
+
     def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         if dtype is None:
@@ -222,6 +227,9 @@ class FSDPState:
             for state in root.all_states:
                 if state.group is not None:
                     state.group.release_dropped_grads()
+            if self.device.type != "cpu":
+                # As FSDP2's root: inputs go to the mesh's device (as DDP does).
+                args, kwargs = tree_map(self._to_device, (args, kwargs))
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         group = self.group
@@ -342,8 +350,11 @@ class FSDPState:
         if self.backward_prefetch is not None:
             return [s.group for s in self.backward_prefetch if s.group is not None]
         k = self.group.post_forward_index
-        if k:
-            return [self.comm.post_forward_order[k - 1]]
+        order = self.comm.post_forward_order
+        # Roots sharing one context (share_comm_ctx) clear the shared order at their own
+        # backward's end: an index may point past it.
+        if k and k - 1 < len(order) and order[k - 1] is not self.group:
+            return [order[k - 1]]
         return []
 
     def _final_callback(self) -> None:

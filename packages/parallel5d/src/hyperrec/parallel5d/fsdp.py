@@ -157,14 +157,22 @@ def fully_shard(
     # Parameters already owned by a nested fully_shard are skipped.
     nested: set[int] = set()
     subtree: list[nn.Module] = []
+    seen_modules: set[int] = set()
     for m in modules:
         for sub in m.modules():
-            if sub not in subtree:
+            if id(sub) not in seen_modules:
+                seen_modules.add(id(sub))
                 subtree.append(sub)
     for sub in subtree:
         state = get_state(sub)
         if state is not None and state.group is not None:
             nested.update(id(s.sharded) for s in state.group.slots)
+    # Module buffers (running statistics...) go to the mesh's device, as FSDP2 moves them
+    # (parameters are copied into the flat buffers there); nested calls moved theirs.
+    for sub in subtree:
+        for name, b in list(sub._buffers.items()):
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
     params: list[nn.Parameter] = []
     fqns: list[str] = []
