@@ -652,6 +652,9 @@ class DBuffer:
                 if options.hook is not None:
                     with on_stream(options.hook_stream, self.device):
                         options.hook(mine)
+                    if options.hook_stream is not None and self.device.type == "cuda":
+                        # What follows (division, landing) runs after the hook's work.
+                        torch.cuda.current_stream().wait_stream(options.hook_stream)
                 if post is not None and post != 1:
                     mine.div_(post)
                 if not aliased:
