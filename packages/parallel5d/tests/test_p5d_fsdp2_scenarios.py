@@ -534,6 +534,19 @@ def sc_ragged_reductions(api, mesh):
     return losses + [float(t.sum()) for t in logs], model
 
 
+def sc_post_optim_event(api, mesh):
+    """CUDA only: the next forward's gathers wait on an event recorded after the step."""
+    model = _new(Tower)
+    _shard_tower(api, model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def after_step(optimizer, args, kwargs) -> None:
+        model.set_post_optim_event(torch.cuda.current_stream().record_event())
+
+    opt.register_step_post_hook(after_step)
+    return _train(model, opt), model
+
+
 def sc_reshard_int(api, mesh):
     """reshard_after_forward=2 on 4 ranks: backward gathers over pairs of ranks."""
     model = _new(Tower)
@@ -737,5 +750,5 @@ def test_fsdp2_scenarios_on_two_gpus():
     differently, so the comparison is to fp32 rounding."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    names = [f.__name__ for f in SCENARIOS_2]
+    names = [f.__name__ for f in SCENARIOS_2] + ["sc_post_optim_event"]
     _check(_spawn(2, names, (2,), exact=False, device="cuda"))
