@@ -665,6 +665,24 @@ SCENARIOS_2 = [
 TOLERANCE = {"sc_reshard_true_bf16": 1e-6, "sc_ragged_reductions": 1e-6}
 
 
+def _fsdp2_has(name: str) -> bool:
+    """Whether the installed torch's FSDP2 has what scenario ``name`` exercises (the GPU
+    machine runs torch 2.11; CPU CI 2.13, which has everything)."""
+    import torch.distributed.fsdp as f
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    needs = {
+        "sc_reset_iter_state": hasattr(f.FSDPModule, "reset_iter_state"),
+        "sc_share_comm_ctx": hasattr(f, "share_comm_ctx"),
+        # Grouped calls whose modules do not all run: FSDP2 finishes them at the root.
+        "sc_chunked_head": hasattr(_fsdp_state.FSDPState, "_force_complete_incomplete_states"),
+        "sc_double_partial_forward": hasattr(
+            _fsdp_state.FSDPState, "_force_complete_incomplete_states"
+        ),
+    }
+    return needs.get(name, True)
+
+
 def _compare(runs: dict, init: dict, tol: float | None) -> dict:
     (l2, p2), (lh, ph) = runs["fsdp2"], runs["hyperrec"]
     return {
@@ -687,6 +705,9 @@ def _run_scenarios(
     mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=("r", "s")[-len(mesh_shape) :])
     results = {}
     for name in names:
+        if not _fsdp2_has(name):
+            results[name] = {"skipped": True}
+            continue
         fn = globals()[name]
         runs = {}
         for impl in ("fsdp2", "hyperrec"):
@@ -707,10 +728,14 @@ def _spawn(
     )
 
 
-def _check(per_rank: list[dict]) -> None:
+def _check(per_rank: list[dict], allow_skips: bool = False) -> None:
     bad = []
     for rank, res in enumerate(per_rank):
         for name, r in res.items():
+            if r.get("skipped"):
+                if not allow_skips:
+                    bad.append((rank, name, "this torch's FSDP2 lacks the feature"))
+                continue
             tol = r["tol"]
             ok = r["same_names"] and r["moved"] > 1e-3
             if tol is None:
@@ -751,4 +776,4 @@ def test_fsdp2_scenarios_on_two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     names = [f.__name__ for f in SCENARIOS_2] + ["sc_post_optim_event"]
-    _check(_spawn(2, names, (2,), exact=False, device="cuda"))
+    _check(_spawn(2, names, (2,), exact=False, device="cuda"), allow_skips=True)
