@@ -234,6 +234,22 @@ def test_unshard_handle_and_functions():
         handle.wait()  # twice is harmless
         model.reshard()
         assert model.unshard() is None
+        sd = model.state_dict()  # reshards first, as FSDP2: DTensors, never gathered views
+        assert all(isinstance(v, DTensor) for v in sd.values())
+        assert isinstance(model[0].weight, DTensor)
+        model.unshard()
+        model.load_state_dict(sd)
+        assert isinstance(model[0].weight, DTensor)
+        # assign=True replaces the parameters: the buffer is rebuilt around the new values.
+        new = {k: v * 2 for k, v in sd.items()}
+        want = [v.to_local().clone() for v in new.values()]
+        model.load_state_dict(new, assign=True)
+        buf = model.dbuffers[0]
+        for p, w in zip(model.parameters(), want):
+            assert torch.equal(p.to_local(), w)
+            assert (
+                p.to_local().untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr()
+            )
         model.reshard()
         with pytest.raises(TypeError, match="async_op"):
             model.unshard(async_op="yes")

@@ -91,6 +91,15 @@ class FSDPState:
         self.post_optim_event: Any = None
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
+        if group is not None:
+            # state_dict() / load_state_dict() always see the sharded parameters (the
+            # root keeps its gathered ones after forward by default), as in FSDP2.
+            owners = {id(m): m for s in group.slots for m, _ in s.registrations}
+            for owner in owners.values():
+                owner.register_state_dict_pre_hook(self._to_sharded_hook)
+                owner._register_load_state_dict_pre_hook(self._to_sharded_hook)
+                # load_state_dict(assign=True) replaces parameters: rebuild around them.
+                owner.register_load_state_dict_post_hook(self._resync_hook)
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, prepend=False)
@@ -104,6 +113,14 @@ class FSDPState:
                     prepend=False,
                     always_call=True,
                 )
+
+    def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
+        self.group.reshard()
+
+    def _resync_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        from hyperrec.parallel5d._convert import resync_group
+
+        resync_group(self.group, partial_ok=False)
 
     # --------------------------------------------------------------- lazy init
     def lazy_init(self) -> None:
