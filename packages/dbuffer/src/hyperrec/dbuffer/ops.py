@@ -44,7 +44,11 @@ def grad_norm(buffers: Iterable[DBuffer]) -> torch.Tensor:
         b.wait_reduce()
     sq = torch.stack([b.grad_norm_sq() for b in buffers]).sum()
     if buffers[0].world_size > 1:
+        # Offloaded (host) gradients: the collective runs on the buffers' device.
+        home = sq.device
+        sq = sq.to(buffers[0].device)
         dist.all_reduce(sq, group=buffers[0]._shard_group)
+        sq = sq.to(home)
     return sq.sqrt()
 
 

@@ -11,6 +11,9 @@
 - :func:`enable_local_ops` (explicit, process-global) and :func:`local_ops` (a ``with``
   block): stock pointwise/foreach/fused-optimizer ATen ops on ragged DTensors run
   shard-locally, so ``torch.optim`` works on them unchanged.
+- Reductions (:mod:`hyperrec.raggedshard.reductions`, installed on import): ``sum``,
+  ``mean``, p-norms, ``amax``/``amin``, ``any``/``all`` of ragged DTensors equal the
+  same ops on the full tensors, without gathering them.
 - DCP: :class:`RaggedSavePlanner`, :class:`RaggedLoadPlanner`, :func:`checkpointable`.
 - :mod:`hyperrec.raggedshard.reference`: the single-process spec used by the tests.
 """
@@ -33,6 +36,9 @@ from hyperrec.raggedshard.redistribute import (
     from_local,
     redistribute,
 )
+from hyperrec.raggedshard.reductions import install as _install_reductions
+
+_install_reductions()
 
 __all__ = [
     "STRATEGIES",
