@@ -140,3 +140,61 @@ def test_h200_preset_fills_one_h200():
 def test_tiny_is_small():
     est = estimate_memory(get_preset("tiny"))
     assert est.parameters < 1_000_000 and est.total < 1e8
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_json(name):
+    import json
+
+    from hyperrec.integration import Preset
+
+    preset = get_preset(name)
+    assert Preset.from_dict(json.loads(json.dumps(preset.to_dict()))) == preset
+
+
+def test_event_log_presets_override_and_round_trip():
+    import json
+
+    from hyperrec.integration import EventLogConfig, Preset
+
+    tiny = get_preset("tiny")
+    log = dataclasses.replace(tiny, data=EventLogConfig(path="events.csv", max_seqlen=64))
+    changed = override(
+        log,
+        ["data.rating_threshold=4", "data.dense_columns=price,age", "data.shuffle=false",
+         "train.epochs=3", "train.early_stopping_patience=2"],
+    )  # fmt: skip
+    assert changed.data.rating_threshold == 4.0 and changed.data.dense_columns == ("price", "age")
+    assert changed.data.shuffle is False and changed.train.epochs == 3
+    assert override(changed, ["data.rating_threshold=none"]).data.rating_threshold is None
+    back = Preset.from_dict(json.loads(json.dumps(changed.to_dict())))
+    assert back == changed and back.to_dict()["data"]["source"] == "event_log"
+    with pytest.raises(ValueError, match="attn_block_size"):
+        dataclasses.replace(tiny, data=EventLogConfig(path="e.csv", max_seqlen=8))
+    with pytest.raises(ValueError, match="has no field"):
+        Preset.from_dict({**tiny.to_dict(), "model": {**tiny.to_dict()["model"], "depth": 2}})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tasks": ("cvr",)}, "DataSchema.tasks"),
+        ({"num_items": 0}, "DataSchema.num_items"),
+        ({"actions": ()}, "at least one action"),
+        ({"dense_features": ("a", 3)}, "dense_features"),
+    ],
+)
+def test_data_schema_is_validated(kwargs, match):
+    from hyperrec.integration import DataSchema
+
+    base = dict(num_items=4, num_categories=2, num_tags=2, actions=("a",),
+                dense_features=("x",), max_seqlen=4)  # fmt: skip
+    with pytest.raises((ValueError, TypeError), match=match):
+        DataSchema(**{**base, **kwargs})
+
+
+def test_big_presets_keep_the_logistic_baseline_small():
+    # It regenerates its requests on the CPU; long histories make the default slow.
+    for name, n in (("h200", 8192), ("gem", 4096)):
+        assert get_preset(name).train.baseline_requests == n
+    assert get_preset("tiny").train.baseline_requests == 65536

@@ -110,8 +110,9 @@ def test_activation_estimate_equals_the_saved_tensors(micro, embedding_dim, pma,
 def test_speed_switches_validate_and_unavailable_ones_say_so(micro):
     p = override(micro, ["train.impl=naive", "train.compile=aot_eager", "train.data_workers=2"])
     assert (p.train.impl, p.train.compile, p.train.data_workers) == ("naive", "aot_eager", 2)
-    with pytest.raises(ValueError, match="TrainConfig.attention_precision='fp8' is not available"):
-        TrainConfig(steps=1, global_batch_size=32, attention_precision="fp8")
+    assert TrainConfig(steps=1, global_batch_size=32, attention_precision="fp8")
+    with pytest.raises(ValueError, match="attention_precision='fp8' needs impl='hyperrec'"):
+        TrainConfig(steps=1, global_batch_size=32, attention_precision="fp8", impl="naive")
     with pytest.raises(ValueError, match="TrainConfig.impl must be one of"):
         TrainConfig(steps=1, global_batch_size=32, impl="fast")
     with pytest.raises(ValueError, match="TrainConfig.mlp_precision must be one of"):

@@ -64,5 +64,7 @@ def test_two_ranks_match_one_rank_and_resume_exactly(tmp_path, sharding):
         assert r0["final"][key] == pytest.approx(one["final"][key], rel=1e-4, abs=1e-5), key
     assert r0["final"]["impressions"] == one["final"]["impressions"]
 
-    with pytest.raises(ValueError, match="written by 2 ranks but this run has 1"):
-        Trainer(preset, resume=tmp_path / "two", progress=False)
+    # Another world size reshards (test_faults checks what arrives); the data position
+    # is moved, not refused.
+    one_rank = Trainer(preset, resume=tmp_path / "two", progress=False)
+    assert one_rank.step == 8 and "resharded from 2 to 1 ranks" in one_rank.resume_notes[0]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperrec.integration import auc, calibration, log_loss, normalized_entropy
+from hyperrec.integration import auc, calibration, gauc, log_loss, normalized_entropy
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
 
 
@@ -110,3 +110,40 @@ def test_windowed_auc_forgets_old_chunks():
     assert w.compute() == 1.0
     with pytest.raises(ValueError, match="window"):
         WindowedAUC(0)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 5)), min_size=1, max_size=60
+    )
+)
+def test_gauc_is_the_impression_weighted_mean_of_per_user_pairwise_aucs(rows):
+    scores = torch.tensor([float(s) for s, _, _ in rows])
+    labels = torch.tensor([float(y) for _, y, _ in rows])
+    users = torch.tensor([u for _, _, u in rows])
+    num = den = 0.0
+    for u in set(users.tolist()):
+        idx = [i for i, x in enumerate(users.tolist()) if x == u]
+        ys = [labels[i].item() for i in idx]
+        if 0 < sum(ys) < len(ys):  # users with one class have no AUC
+            num += brute_force_auc([scores[i].item() for i in idx], ys) * len(idx)
+            den += len(idx)
+    got = gauc(scores, labels, users)
+    if den == 0:
+        assert math.isnan(got)
+    else:
+        assert got == pytest.approx(num / den, abs=1e-12)
+
+
+def test_gauc_bad_input_and_task_metrics_without_cvr():
+    s, y = torch.tensor([0.1, 0.9]), torch.tensor([0.0, 1.0])
+    with pytest.raises(ValueError, match="gauc: groups must be integers"):
+        gauc(s, y, torch.tensor([0.5, 1.5]))
+    with pytest.raises(ValueError, match="gauc: groups must be integers of the scores' shape"):
+        gauc(s, y, torch.tensor([1]))
+    with pytest.raises(TypeError, match="gauc: groups must be a tensor"):
+        gauc(s, y, [1, 2])
+    out = task_metrics(s, None, y, None, torch.tensor([3, 3]))
+    assert set(out) == {"ctr_auc", "ctr_gauc", "ctr_ne", "ctr_calibration"}
+    assert out["ctr_gauc"] == 1.0

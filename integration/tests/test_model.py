@@ -94,7 +94,7 @@ def test_check_batch_rejects_bad_data(micro, micro_data):
         model.check_batch(dataclasses.replace(batch, candidate_items=items))
     longer = dataclasses.replace(micro.data, max_seqlen=64)
     long_batch = SyntheticRecsysData(longer).batch(TRAIN, np.arange(400))
-    with pytest.raises(ValueError, match="exceeds the model's DataConfig.max_seqlen"):
+    with pytest.raises(ValueError, match="exceeds the model's DataSchema.max_seqlen"):
         model.check_batch(long_batch)
     with pytest.raises(TypeError, match="expected a Batch"):
         model.check_batch({"items": items})  # type: ignore[arg-type]

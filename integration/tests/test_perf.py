@@ -220,3 +220,45 @@ def test_resume_is_exact_with_data_workers_reading_ahead(micro, tmp_path):
     assert [r.loss for r in second] == [r.loss for r in full[4:]]
     for x, y in zip(second, full[4:]):
         assert torch.equal(x.sample_ids, y.sample_ids)
+
+
+def test_the_pipelined_loop_trains_what_the_stepwise_loop_does(micro, tmp_path):
+    """``fit`` overlaps steps when no ``on_step`` callback is set and finishes each step
+    first when one is: the same losses, metrics and parameters either way."""
+    from hyperrec.integration import Trainer
+
+    train = dataclasses.replace(micro.train, steps=6, ckpt_every=3, eval_every=3)
+    preset = dataclasses.replace(micro, train=train)
+    records = []
+    a = Trainer(preset, out_dir=tmp_path / "a", progress=False)
+    b = Trainer(preset, out_dir=tmp_path / "b", progress=False, on_step=records.append)
+    ma, mb = a.fit(plot=False).metrics, b.fit(plot=False).metrics
+    assert ma["history"]["loss"] == mb["history"]["loss"] == [r.loss for r in records]
+    assert ma["history"]["skipped"] == [0.0] * 6
+    assert ma["final"] == mb["final"] and ma["eval"] == mb["eval"]
+    for (name, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(x, y), name
+
+
+def test_a_naive_model_of_a_ctr_only_schema_counts_one_head(micro):
+    """The merged model: a schema without conversions (no CVR head) on the naive path,
+    and the FLOP count follows it."""
+    from hyperrec.integration.flops import model_flops
+
+    schema = dataclasses.replace(micro.data.schema, tasks=("ctr",))
+    torch.manual_seed(0)
+    model = GEMModel(micro.model, schema, impl="naive")
+    assert model.cvr_head is None
+    batch = SyntheticRecsysData(micro.data).batch(TRAIN, np.arange(16))
+    ctr, cvr = model(batch)
+    assert cvr is None and ctr.shape == (batch.num_candidates,)
+    lens, cands = batch.history_offsets.diff().numpy(), batch.candidate_offsets.diff().numpy()
+    both = model_flops(micro.model, micro.data, lens, cands)
+    one = model_flops(micro.model, schema, lens, cands)
+    assert one.forward["heads"] == both.forward["heads"] / 2
+    assert {k: v for k, v in one.forward.items() if k != "heads"} == {
+        k: v for k, v in both.forward.items() if k != "heads"
+    }
+    narrow = dataclasses.replace(schema, max_candidates=1)
+    with pytest.raises(ValueError, match="DataSchema.max_candidates = 1"):
+        validate_batch(batch, narrow)

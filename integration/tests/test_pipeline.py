@@ -1,9 +1,17 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyperrec.integration import TrainStream
 from hyperrec.integration.data import TRAIN
-from hyperrec.integration.pipeline import SubBatchReader, default_cost_model
+from hyperrec.integration.pipeline import (
+    RequestOrder,
+    SubBatchReader,
+    default_cost_model,
+    permute,
+    reshard_streams,
+)
 
 
 def _stream(data, *, rank=0, world=1, k=3, w=4, s=8):
@@ -129,3 +137,78 @@ def test_state_from_another_layout_is_rejected(micro_data):
 def test_bad_stream_arguments(micro_data, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _stream(micro_data, **kwargs)
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 5000), st.integers(0, 2**32))
+def test_permute_is_a_bijection_of_the_range(n, seed):
+    out = permute(np.arange(n), n, (seed, 7))
+    assert np.array_equal(np.sort(out), np.arange(n))
+    # The same key gives the same order, element by element.
+    pick = np.array([0, n - 1, n // 2])
+    assert np.array_equal(permute(pick, n, (seed, 7)), out[pick])
+
+
+def test_request_order_visits_each_request_once_per_epoch():
+    order = RequestOrder(10, shuffle=True, seed=3)
+    ids = order(np.arange(35))
+    for e in range(3):
+        assert sorted(ids[10 * e : 10 * e + 10].tolist()) == list(range(10))
+    assert ids[:10].tolist() != ids[10:20].tolist()  # a fresh order each epoch
+    assert RequestOrder(10, shuffle=False)(np.arange(12)).tolist() == [*range(10), 0, 1]
+    assert RequestOrder(None)(np.arange(5)).tolist() == list(range(5))
+    assert order.epoch(25) == 2.5
+    with pytest.raises(ValueError, match="training split is empty"):
+        RequestOrder(0)
+
+
+@pytest.mark.parametrize(("old", "new", "w"), [(2, 3, 4), (3, 1, 2), (1, 4, 3), (4, 2, 1)])
+def test_reshard_streams_loses_and_repeats_no_sub_batch(micro_data, old, new, w):
+    k_global = 12  # sub-batches per global step: divisible by every world size here
+    seen = []
+    streams = [_stream(micro_data, rank=r, world=old, k=k_global // old, w=w, s=4)
+               for r in range(old)]  # fmt: skip
+    for s in streams:
+        for _ in range(5):  # 5 steps: in the middle of a window for most W
+            seen += list(s.next().sub_batches)
+    backlogs, frontier = reshard_streams(
+        [s.state_dict() for s in streams], micro_data, world_size=new, cost=default_cost_model(16)
+    )
+    assert max(map(len, backlogs)) - min(map(len, backlogs)) <= 1
+    resumed = [
+        TrainStream(micro_data, sub_batch_size=4, sub_batches_per_step=k_global // new,
+                    window_steps=w, rank=r, world_size=new, cost=default_cost_model(16),
+                    backlog=backlogs[r], frontier=frontier)
+        for r in range(new)
+    ]  # fmt: skip
+    for s in resumed:
+        for _ in range(6):
+            seen += list(s.next().sub_batches)
+    assert len(seen) == len(set(seen)) == 11 * k_global
+    assert set(range(frontier)) <= set(seen)  # everything below the old read position
+    # A second change of world size starts from streams that still hold a backlog.
+    backlogs2, frontier2 = reshard_streams(
+        [s.state_dict() for s in resumed], micro_data, world_size=old,
+        cost=default_cost_model(16),
+    )  # fmt: skip
+    for r in range(old):
+        s = TrainStream(micro_data, sub_batch_size=4, sub_batches_per_step=k_global // old,
+                        window_steps=w, rank=r, world_size=old, cost=default_cost_model(16),
+                        backlog=backlogs2[r], frontier=frontier2)  # fmt: skip
+        for _ in range(12):  # enough to read the whole backlog whatever the window
+            seen += list(s.next().sub_batches)
+    assert len(seen) == len(set(seen)) == 23 * k_global
+    assert set(range(frontier2)) <= set(seen)
+    # The new layout survives a checkpoint of its own.
+    state = resumed[0].state_dict()
+    again = TrainStream(
+        micro_data,
+        sub_batch_size=4,
+        sub_batches_per_step=k_global // new,
+        window_steps=w,
+        rank=0,
+        world_size=new,
+        cost=default_cost_model(16),
+    )
+    again.load_state_dict(state)
+    assert again.next().sub_batches == resumed[0].next().sub_batches

@@ -1,12 +1,14 @@
 """Progress bar, plot, popularity baseline and checkpoint discovery."""
 
+import dataclasses
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from hyperrec.integration import PopularityBaseline
+from hyperrec.integration import TRAIN, LogisticRegressionBaseline, PopularityBaseline, auc
 from hyperrec.integration.checkpoint import checkpoint_dir, find_checkpoint
 from hyperrec.integration.distributed import resolve_device
 from hyperrec.integration.plot import plot_metrics
@@ -91,3 +93,33 @@ def test_resolve_device():
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_logistic_regression_baseline_learns_ids_and_round_trips(micro_data):
+    def rigged(ids):
+        # Clicks decided by the user id alone: a per-user weight must find it.
+        b = micro_data.batch(TRAIN, ids)
+        owner = torch.repeat_interleave(torch.arange(b.num_requests), b.candidate_offsets.diff())
+        click = (b.user_ids[owner] % 2 == 0).float()
+        return dataclasses.replace(b, click=click, conversion=torch.zeros_like(click))
+
+    lr = LogisticRegressionBaseline(micro_data.schema)
+    info = lr.fit(rigged(np.arange(i, i + 256)) for i in range(0, 2048, 256))
+    assert info["impressions"] > 2048 and info["train_log_loss"] < 0.5
+    held_out = rigged(np.arange(5000, 5400))
+    p = lr.predict(held_out)
+    assert p.dtype == torch.float64 and bool(((p > 0) & (p < 1)).all())
+    assert auc(p, held_out.click) > 0.8
+    assert torch.equal(lr.ids["user"], torch.unique(lr.ids["user"]))  # sorted, no repeats
+    other = LogisticRegressionBaseline(micro_data.schema)
+    other.load_state_dict(lr.state_dict())
+    assert torch.equal(other.predict(held_out), p)
+    # An id never seen while fitting contributes nothing (the prior mean, 0).
+    items = held_out.candidate_items
+    unseen = lr.predict(dataclasses.replace(held_out, candidate_items=items + 10**9))
+    also_unseen = lr.predict(dataclasses.replace(held_out, candidate_items=items * 0 - 1))
+    assert torch.equal(unseen, also_unseen)
+    with pytest.raises(ValueError, match="at least one impression"):
+        LogisticRegressionBaseline(micro_data.schema).fit([])
+    with pytest.raises(TypeError, match="DataSchema"):
+        LogisticRegressionBaseline(micro_data.config)  # type: ignore[arg-type]

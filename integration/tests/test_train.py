@@ -92,7 +92,8 @@ def test_cli_stops_resumes_and_prints_paths(tmp_path, capsys):
     assert "stopped 4 steps" in out and f"metrics: {tmp_path / 'metrics.json'}" in out
     assert main(["--preset", "micro", "--steps", "6", "--resume", str(tmp_path), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "trained 6 steps" in out and "held-out CTR AUC" in out
+    assert "trained 6 steps" in out and "test CTR AUC" in out and "logistic regression" in out
+    assert "model FLOPs:" in out
     assert f"plot:    {tmp_path / 'metrics.png'}" in out
     assert json.loads((tmp_path / "metrics.json").read_text())["steps_completed"] == 6
 

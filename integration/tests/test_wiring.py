@@ -40,6 +40,11 @@ def test_table_placement_and_optimizer_resolve(micro):
     assert resolve_tables(adagrad, 4, cpu) == ("sharded", "adagrad")
     dense = dataclasses.replace(t, sparse="dense")
     assert resolve_tables(dense, 8, cuda) == ("dense", "adamw")
+    # Resuming: "auto" takes the checkpoint's placement and optimizer; explicit values stay.
+    saved = ("sharded", "adam")
+    assert resolve_tables(t, 1, cpu, saved=saved) == saved
+    assert resolve_tables(t, 2, cpu, saved=("dense", "adagrad")) == ("dense", "adagrad")
+    assert resolve_tables(dense, 2, cpu, saved=saved) == ("dense", "adamw")
     with pytest.raises(ValueError, match="embedding_optimizer='rowwise_adagrad' does not train"):
         override(micro, ["train.sparse=dense", "train.embedding_optimizer=rowwise_adagrad"])
     with pytest.raises(ValueError, match="embedding_optimizer='adamw' does not train"):
@@ -98,6 +103,9 @@ def test_sharded_rowwise_adagrad_resumes_exactly_on_the_5d_mesh(micro, tmp_path)
     first = Trainer(p, out_dir=tmp_path, progress=False)
     assert first.mesh is not None and first.tables == "sharded"
     assert type(first.sparse_optimizer).__name__ == "RowWiseAdagrad"
+    # The small dense tables (actions, time buckets) are trained too: by AdamW.
+    adamw = {id(q) for g in first.optimizer.param_groups for q in g["params"]}
+    assert all(id(q) in adamw for q in first.model.parameters())
     losses = _losses(first)
     assert not dist.is_initialized()  # the trainer's own group is gone
     again = Trainer(p, resume=checkpoint_dir(tmp_path, 3), progress=False)
@@ -191,7 +199,7 @@ def test_two_ranks_sharded_tables_5d_mesh_and_autoac_match_one_process(micro, tm
     """Two gloo ranks with the defaults of a multi-rank run (5-D mesh, sharded tables with
     row-wise Adagrad) and autoac: the same losses as one process with the same config
     (sharded tables start from the same rows on any world size), each rank holding half
-    the rows; exact resume on two ranks."""
+    the rows; exact resume on two ranks, and the same losses resumed on one process."""
     p = _micro(
         micro,
         "train.window_steps=1",
@@ -210,3 +218,13 @@ def test_two_ranks_sharded_tables_5d_mesh_and_autoac_match_one_process(micro, tm
     np.testing.assert_allclose(two[0]["loss"], one["loss"], rtol=1e-5, atol=1e-6)
     assert one["resumed"] == one["loss"][3:]
     assert two[0]["resumed"] == two[0]["loss"][3:]
+    # One process resumes the two ranks' checkpoint: the sharded tables (rows and
+    # row-wise Adagrad states) reshard, autoac plans afresh (each rank's batch changed).
+    t = Trainer(p, resume=checkpoint_dir(tmp_path / "two", 3), progress=False)
+    try:
+        assert t.tables == "sharded" and t.autoac is not None
+        assert "resharded from 2 to 1 ranks" in t.resume_notes[0]
+        losses = t.fit(plot=False).metrics["history"]["loss"]
+    finally:
+        t.close()
+    np.testing.assert_allclose(losses, one["loss"], rtol=1e-5, atol=1e-6)

@@ -3,10 +3,30 @@
 Every case is timed on ``--instances`` (default 10) freshly built instances: new lengths
 drawn from the case's distribution (seed = instance number), new offsets tensor, new q, k,
 v and gradient tensors. Each implementation is warmed on the instance (compile, schedule,
-checks) and then timed with ``triton.testing.do_bench`` (median of CUDA-event timings, L2
-cleared between calls); the JSON keeps every instance's median and, per case, the median
-and minimum over instances and the spread (max / min of the per-instance TFLOP/s). The
-issue it answers: throughput that moved by up to 2x between instances of one case.
+checks) and then timed two ways, both with L2 cleared before every call:
+
+* ``<pass>_ms``: ``triton.testing.do_bench`` (median of CUDA-event timings). When the host
+  needs longer to issue a call than the GPU needs to flush L2, the GPU waits for the host
+  and the wait is counted: a call whose kernels are shorter than its Python is timed by
+  the host (and its noise). That is what a host-bound training step sees.
+* ``<pass>_device_ms``: the GPU's time alone: the GPU gets a head start (a sleep kernel)
+  long enough for the host to issue every repetition, so the events see the kernels back
+  to back (``device_and_host``); ``<pass>_host_us`` is the host's time to issue one call.
+  That is what a step whose host runs ahead of the GPU sees, and the fair kernel-to-kernel
+  comparison.
+
+Per-instance setup is outside both: FlexAttention's block mask (its build time is
+recorded per instance, ``flex/mask_build_ms``) and our schedules and value checks, which
+are built at the first call with a new offsets object (recorded per instance as
+``hyperrec/fwd_first_call_ms`` and ``hyperrec/fwd_bwd_first_call_ms``, wall time from an
+idle GPU, next to the same call again, ``*_cached_call_ms``). In training the offsets are
+new at every step, and every attention layer of the step shares them: the first layer
+pays the first call, the others the cached one.
+
+The JSON keeps every instance's numbers and, per case, the median and minimum over
+instances and the spread (max / min of the per-instance TFLOP/s). The issue it answers:
+throughput that moved by up to 2x between instances of one case. (The cause, in the
+2026-12-01 run: the quick cases were host-bound; see ``diagnose_variance.py --explain``.)
 
 Implementations, in the same process on the same instance:
 
@@ -133,6 +153,73 @@ def bench_ms(fn, device: str = "cuda") -> float:
     return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
+_FLUSH: dict[str, torch.Tensor] = {}
+# A 1 ms head start is ~2e6 cycles of the sleep kernel at the H200's 1.98 GHz boost clock;
+# at lower clocks the sleep only lasts longer.
+_CYCLES_PER_S = 2.0e9
+
+
+def device_and_host(fn, reps: int = 10, device: str = "cuda") -> dict:
+    """Median GPU time per call with the host's work hidden, and the host's time per call.
+
+    ``do_bench`` (``bench_ms``) measures from an event recorded after the L2 flush to one
+    after the call: when the host needs longer to issue the call than the GPU needs for
+    the flush, the GPU idles and the idle time is counted, so a call whose kernels are
+    shorter than its Python is timed by the host's speed (and its noise). Here the GPU is
+    first given a head start (a sleep kernel long enough for the host to issue every
+    repetition), then each repetition flushes L2 and is bracketed by events as in
+    ``do_bench``: the events see the kernels back to back, never the host. The host's
+    time to issue each call (``host_us``) is measured meanwhile; ``host_hidden`` is False
+    if the head start ran out before the host was done (the device time is then an upper
+    bound).
+    """
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return dict(device_ms=ms, host_us=ms * 1e3, host_hidden=True)
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
+    flush = _FLUSH["buf"]
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):  # host time per repetition, to size the head start
+        flush.zero_()
+        fn()
+    per_rep = (time.perf_counter() - t0) / 3
+    torch.cuda.synchronize()
+    head_start = reps * per_rep * 2 + 2e-3
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    host = []
+    torch.cuda._sleep(int(head_start * _CYCLES_PER_S))
+    t_issue = time.perf_counter()
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        t = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t)
+        ends[i].record()
+    issued = time.perf_counter() - t_issue
+    torch.cuda.synchronize()
+    return dict(device_ms=statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)),
+                host_us=statistics.median(host) * 1e6, host_hidden=issued < head_start)  # fmt: skip
+
+
+def first_call_ms(fn, device: str = "cuda") -> float:
+    """Wall time of one call, host and device, from an idle GPU to its end (a fresh
+    offsets object's first call includes its schedule and value checks)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def matmul_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -205,6 +292,30 @@ def impl_hyperrec(case, q, k, v, do, offsets, lens, backend="auto"):
     return fwd, fwd_bwd, fwd
 
 
+def first_calls_hyperrec(case, q, k, v, do, offsets, lens, backend="auto") -> dict:
+    """The first forward and fwd+bwd with a new offsets object (its schedules and value
+    checks are built in the call), and the same calls again (cached), wall time each."""
+    from hyperrec.jagged_attn import gdpa, jagged_attention
+
+    def call(q, k, v, off):
+        if case.kind == "softmax":
+            return jagged_attention(q, k, v, off, case.max_len, causal=case.causal,
+                                    backend=backend)  # fmt: skip
+        return gdpa(q, k, v, off, off, case.max_len, case.max_len, causal=True,
+                    normalization="max_seqlen", scale=1 / math.sqrt(case.head_dim),
+                    backend=backend)  # fmt: skip
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    device = q.device.type
+    out = {}
+    for key, fn in (("fwd", lambda o: call(q, k, v, o)),
+                    ("fwd_bwd", lambda o: torch.autograd.grad(call(*leaves, o), leaves, do))):  # fmt: skip
+        run = partial(fn, offsets.clone())  # a new offsets object
+        out[f"{key}_first_call_ms"] = first_call_ms(run, device)
+        out[f"{key}_cached_call_ms"] = first_call_ms(run, device)
+    return out
+
+
 # Opt-in packed-rows forward (KernelConfig.pack_rows) on cases of short sequences: the
 # shipped tiles, and 64-row tiles.
 PACKED_MAX_LEN = 128
@@ -271,6 +382,7 @@ def impl_flex(case, q, k, v, do, offsets, lens, info, flex_compiled):
     if gpu:
         torch.cuda.synchronize()
     info.setdefault("flex_mask_build_s", []).append(time.perf_counter() - t0)
+    info["_last_mask_build_ms"] = (time.perf_counter() - t0) * 1e3
     qf, kf, vf, dof = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, do))
     leaves = [t.detach().clone().requires_grad_() for t in (qf, kf, vf)]
 
@@ -438,12 +550,23 @@ def run_case(case: Case, args, device: str, flex_compiled) -> dict:
             except Exception as e:
                 info["results"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:400]
                 continue
+            if name in ("flex", "flex_static"):  # its per-instance setup, outside the timing
+                inst[f"{name}/mask_build_ms"] = info.pop("_last_mask_build_ms", None)
+            if name == "hyperrec":  # ours: a new offsets object builds schedules and checks
+                try:
+                    firsts = first_calls_hyperrec(
+                        case, *inputs[2:], inputs[1], lens, "triton" if device != "cuda" else "auto"
+                    )
+                    inst.update({f"hyperrec/{k}": v for k, v in firsts.items()})
+                except Exception as e:
+                    info["results"].setdefault(name, {})["first_call_error"] = str(e)[:400]
             for key, fn, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, 3.5)):
                 try:
                     fn()  # compile / tune / build schedules outside the timing
                     if device == "cuda":
                         torch.cuda.synchronize()
                     ms = bench_ms(fn, device)
+                    dev = device_and_host(fn, device=device)
                 except Exception as e:
                     err = f"{type(e).__name__}: {e}"[:400]
                     info["results"].setdefault(name, {})[f"{key}_error"] = err
@@ -451,7 +574,12 @@ def run_case(case: Case, args, device: str, flex_compiled) -> dict:
                         traceback.print_exc()
                     continue
                 inst[f"{name}/{key}_ms"] = ms
-                timings.setdefault(name, {}).setdefault(key, []).append(mult * flops / ms * 1e-9)
+                inst[f"{name}/{key}_device_ms"] = dev["device_ms"]
+                inst[f"{name}/{key}_host_us"] = dev["host_us"]
+                inst[f"{name}/{key}_host_hidden"] = dev["host_hidden"]
+                by = timings.setdefault(name, {})
+                by.setdefault(key, []).append(mult * flops / ms * 1e-9)
+                by.setdefault(f"{key}_device", []).append(mult * flops / dev["device_ms"] * 1e-9)
         if "hyperrec" in outs:  # same math: the outputs agree to bf16 rounding
             info["max_abs_diff_vs_hyperrec"] = {
                 n: float((o - outs["hyperrec"]).abs().max()) for n, o in outs.items()
@@ -465,10 +593,15 @@ def run_case(case: Case, args, device: str, flex_compiled) -> dict:
         res = info["results"].setdefault(name, {})
         for key, values in by_pass.items():
             res[f"{key}_tflops"] = _stats(values)
+        for key in ("fwd", "fwd_bwd"):
+            host = [i[f"{name}/{key}_host_us"] for i in info["instances"]
+                    if f"{name}/{key}_host_us" in i]  # fmt: skip
+            if host:
+                res[f"{key}_host_us"] = _stats(host)
     ours = timings.get("hyperrec", {})
     for peer in ("flex", "flex_static", "sdpa_padded", "hstu_triton", "hyperrec_packed",
                  "hyperrec_packed_m64"):  # fmt: skip
-        for key in ("fwd", "fwd_bwd"):
+        for key in ("fwd", "fwd_bwd", "fwd_device", "fwd_bwd_device"):
             theirs = timings.get(peer, {}).get(key)
             if ours.get(key) and theirs:
                 n = len(theirs)  # flex_static ran on the first instances only
@@ -490,7 +623,9 @@ def print_table(cases: list[dict], ceiling: float | None) -> None:
         s = r.get(name, {}).get(f"{key}_ratio_hyperrec_over_peer")
         return f"{s['median']:5.2f}" if s else "    -"
 
-    for key in ("fwd", "fwd_bwd"):
+    print("'fwd'/'fwd_bwd': do_bench per call (the host's issue time counts where it exceeds "
+          "the GPU's); '_device': the GPU's time alone (host hidden)")  # fmt: skip
+    for key in ("fwd", "fwd_device", "fwd_bwd", "fwd_bwd_device"):
         print(f"\n{key}: {'case':32s} {'hyperrec':>19s} {'flex':>19s} {'sdpa_padded':>19s}"
               f"  ours/flex ours/flex_static ours/pad ours/hstu")  # fmt: skip
         for c in cases:
@@ -557,6 +692,13 @@ def main() -> None:
         write_result(path, {
             "benchmark": "jagged attention / GDPA, bf16, useful FLOPs (bwd = 2.5x fwd), "
                          f"{args.instances} fresh instances per case",
+            "timing": "<impl>/<pass>_ms: do_bench (L2 flushed; the GPU's wait for the host "
+                      "counts when a call's Python outlasts the flush); <pass>_device_ms: "
+                      "the GPU's time alone (host hidden behind a head start); "
+                      "<pass>_host_us: the host's time to issue one call; "
+                      "hyperrec/<pass>_first_call_ms: wall time of the first call with a new "
+                      "offsets object (schedules + value checks), *_cached_call_ms the next; "
+                      "flex/mask_build_ms: its per-instance block mask (outside its timings)",
             "bf16_matmul_ceiling_tflops": ceiling,
             "hstu_configs_kept": _HSTU.get("configs"),
             "seconds": time.perf_counter() - t_start,

@@ -8,10 +8,16 @@ public forward in two regimes:
   offsets: the device checks ran at the first call and are cached);
 * ``fresh``: new offsets objects every call (a new batch at every call: the device checks,
   and the kernels' tile schedules, run every time; the copy that makes the new object is
-  in every mode's time).
+  in every mode's time);
+* ``step12``: a model step: one new offsets object shared by 12 calls (12 attention layers
+  of one batch; the checks and schedules run at the first, the others hit the caches),
+  reported per call (the step's time / 12).
 
-Reports the median time per call (``triton.testing.do_bench``) and the ratios to
-``validate=False``; the target is the default within 5% of ``validate=False``.
+Reports the median time per call (``triton.testing.do_bench``, ``ms``; the host's time
+counts where it exceeds the GPU's), the GPU's time alone (``device_ms``: the host's issue
+time hidden, see ``bench_attention.device_and_host``) and the host's time to issue a call
+(``host_us``), and the ratios of the default and of ``"full"`` to ``validate=False``;
+the target is the default within 5% of ``validate=False``.
 
     python bench/bench_validate.py --out bench/results        # ~1 minute on one H200
     python bench/bench_validate.py --out /tmp/x --quick       # 2 cases, ~30 s
@@ -32,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
-from bench_attention import lengths  # noqa: E402
+from bench_attention import device_and_host, lengths  # noqa: E402
 
 # (name, kind, distribution, batch, max length, heads, head dim)
 CASES = [
@@ -85,21 +91,34 @@ def run_case(case, device: str, reps: int) -> dict:
                      heads=heads, head_dim=dim, tokens=t, ms={})  # fmt: skip
     for mode in MODES:
         _call(kind, q, k, v, off, max_len, targets, mode)  # compile, fill the caches
-    for regime in ("same", "fresh"):
+    row["device_ms"], row["host_us"] = {}, {}
+    for regime, per_fn in (("same", 1), ("fresh", 1), ("step12", 12)):
         for mode in MODES:
             if regime == "same":
 
                 def fn(mode=mode):
                     return _call(kind, q, k, v, off, max_len, targets, mode)
-            else:
+            elif regime == "fresh":
 
                 def fn(mode=mode):
                     return _call(kind, q, k, v, off.clone(), max_len, targets, mode)
+            else:
 
-            row["ms"][f"{regime}/{mode}"] = _time_ms(fn, device, reps)
-        base = row["ms"][f"{regime}/False"]
-        row[f"{regime}_default_over_none"] = row["ms"][f"{regime}/True"] / base
-        row[f"{regime}_full_over_none"] = row["ms"][f"{regime}/full"] / base
+                def fn(mode=mode):
+                    step = off.clone()
+                    return [_call(kind, q, k, v, step, max_len, targets, mode)
+                            for _ in range(12)]  # fmt: skip
+
+            name = f"{regime}/{mode}"
+            row["ms"][name] = _time_ms(fn, device, reps) / per_fn
+            dev = device_and_host(fn, device=device)
+            row["device_ms"][name] = dev["device_ms"] / per_fn
+            row["host_us"][name] = dev["host_us"] / per_fn
+        for what in ("ms", "device_ms", "host_us"):
+            suffix = "" if what == "ms" else f"_{what}"
+            base = row[what][f"{regime}/False"]
+            row[f"{regime}_default_over_none{suffix}"] = row[what][f"{regime}/True"] / base
+            row[f"{regime}_full_over_none{suffix}"] = row[what][f"{regime}/full"] / base
     return row
 
 
@@ -123,11 +142,15 @@ def main() -> None:
     for case in cases:
         rows.append(run_case(case, device, reps))
         r = rows[-1]
-        print(f"{r['name']:36s} same: default/none {r['same_default_over_none']:.3f} "
-              f"full/none {r['same_full_over_none']:.3f} | fresh: default/none "
-              f"{r['fresh_default_over_none']:.3f} full/none {r['fresh_full_over_none']:.3f} "
-              f"| none {r['ms']['same/False']:.3f} ms", flush=True)  # fmt: skip
-    worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"]) for r in rows)
+        print(f"{r['name']:36s} default/none: same {r['same_default_over_none']:.3f} "
+              f"fresh {r['fresh_default_over_none']:.3f} step12 "
+              f"{r['step12_default_over_none']:.3f} (device {r['same_default_over_none_device_ms']:.3f}"
+              f"/{r['fresh_default_over_none_device_ms']:.3f}"
+              f"/{r['step12_default_over_none_device_ms']:.3f}) | full/none fresh "
+              f"{r['fresh_full_over_none']:.3f} | none {r['ms']['same/False']:.3f} ms, host "
+              f"{r['host_us']['same/False']:.0f} us/call", flush=True)  # fmt: skip
+    worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"],
+                    r["step12_default_over_none"]) for r in rows)  # fmt: skip
     suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
     path = write_result(args.out / f"validate_{suffix}.json", {
         "benchmark": "jagged_attn input checks: validate=True (default) / 'full' / False, "

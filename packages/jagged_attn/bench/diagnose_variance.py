@@ -25,8 +25,18 @@ number goes to JSON (``--out``), a summary to stdout.
 * ``l2``: with the L2 flushed before every call (``do_bench``) and back-to-back calls.
 * GPU clocks / temperature around the run (if pynvml is present).
 
+Then (section ``fixes``, first in the run) one check per fix of round 2, each with its
+criterion and ``confirmed``: the spread of the GPU's time over fresh instances of the
+quick benchmark's small cases (the do_bench spread was host-bound), the host's time per
+call at each layer (public API, eager path, custom op, launcher; SDPA and a bare Triton
+launch for scale), the default checks' host cost on a new offsets object, and misaligned
+inputs through the public API (copied) against the kernel given them directly.
+
     python bench/diagnose_variance.py --out bench/results          # <= 8 minutes on one H200
     python bench/diagnose_variance.py --out /tmp/d --quick         # <= 3 minutes
+    python bench/diagnose_variance.py --out /tmp/d --fixes-only    # ~1 minute: "fixes" only
+    python bench/diagnose_variance.py --explain RESULT.json --out D  # CPU: per-instance
+                                              # launcher decisions of a benchmark run
 
 (Estimates; no new case starts after ``--budget-min`` minutes, 6 or 2 with ``--quick``, and
 the JSON lists cases left out under ``skipped_for_time``.)
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -370,6 +381,295 @@ def summary(r: dict) -> str:
     )  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------
+# The fixes of round 2, each checked on the GPU (section "fixes" of the JSON)
+# ---------------------------------------------------------------------------------------
+
+# The two quick-benchmark cases that lost to FlexAttention with a 2x spread (2026-12-01).
+FIX_CASES = [
+    Case("u-B64-L1024-H4-D128", "uniform", 64, 1024, 4, 128),
+    Case("tiny-u-B2048-L64-H4-D128", "uniform", 2048, 64, 4, 128),
+]
+SMOKE_FIX_CASES = [Case("smoke-u-B3-L40-H1-D16", "uniform", 3, 40, 1, 16)]
+
+
+def public_fn(case: Case, inst: dict, *, validate=True, off=None, qkv=None):
+    """The public forward on an instance (the path the benchmark times)."""
+    from hyperrec.jagged_attn import jagged_attention
+
+    q, k, v = qkv if qkv is not None else (inst["q"], inst["k"], inst["v"])
+    off = inst["off"] if off is None else off
+    backend = "auto" if q.device.type == "cuda" else "triton"
+    return lambda: jagged_attention(q, k, v, off, case.max_len, causal=case.causal,
+                                    validate=validate, backend=backend)  # fmt: skip
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) / min(values) if min(values) > 0 else float("inf")
+
+
+def _misaligned(t: torch.Tensor, shift: int) -> torch.Tensor:
+    buf = torch.empty(t.numel() * t.element_size() + shift + 64, dtype=torch.uint8,
+                      device=t.device)  # fmt: skip
+    view = buf[shift : shift + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return view.copy_(t)
+
+
+def check_fixes(args, device: str, timer: Timer) -> dict:
+    """One GPU check per fix; each entry says what it measured and ``confirmed``."""
+    from bench_attention import device_and_host, first_call_ms
+
+    from hyperrec.jagged_attn._opschema import AttentionCall
+    from hyperrec.jagged_attn._triton._launch import attention_forward
+    from hyperrec.jagged_attn._triton.ops import attention_triton, attention_triton_fwd
+
+    cases = SMOKE_FIX_CASES if args.smoke else FIX_CASES
+    n_inst = 2 if args.smoke else 5
+    out: dict = {}
+
+    # 1. The 2x spread came from host-bound timing: per fresh instance, do_bench (host
+    #    counts) against the GPU's time alone, and the host's time per call.
+    host_bound = {}
+    for case in cases:
+        warm = instance(case, 99, device)  # compile outside the first-call timings
+        public_fn(case, warm)()
+        del warm
+        rows = []
+        for seed in range(n_inst):
+            inst = instance(case, seed, device)
+            fn = public_fn(case, inst)
+            first = first_call_ms(fn, device)  # schedules + checks for this offsets object
+            ms = timer(fn)
+            dh = device_and_host(fn, device=device)
+            rows.append(dict(seed=seed, flops=inst["flops"], first_call_ms=first, ms=ms,
+                             tflops=inst["flops"] / ms * 1e-9, **dh,
+                             device_tflops=inst["flops"] / dh["device_ms"] * 1e-9))  # fmt: skip
+            del inst
+        spread_dev = _spread([r["device_tflops"] for r in rows])
+        host = statistics.median(r["host_us"] for r in rows)
+        dev = statistics.median(r["device_ms"] for r in rows) * 1e3
+        host_bound[case.name] = dict(
+            instances=rows, spread_do_bench=_spread([r["tflops"] for r in rows]),
+            spread_device=spread_dev, host_us_median=host, device_us_median=dev,
+            criterion="GPU-time spread <= 1.10 over fresh instances",
+            confirmed=spread_dev <= 1.10,
+        )  # fmt: skip
+    out["host_bound_timing"] = host_bound
+
+    # 2. Host time per call, by layer: public API (default checks, and none), the eager
+    #    path below it, the custom op, the launcher; a torch op and one small Triton launch
+    #    for scale.
+    case = cases[0]
+    inst = instance(case, 0, device)
+    call = call_of(spec_of(case, case.max_len), inst["q"], inst["k"], inst["v"], inst["off"])
+    op_args = call.op_args()
+    from hyperrec.jagged_attn._triton._checks import values_ok
+
+    off = inst["off"]
+    pad = torch.zeros(1, case.heads, 64, case.head_dim, device=device, dtype=torch.bfloat16)
+    layers = {
+        "public_default": public_fn(case, inst),
+        "public_validate_false": public_fn(case, inst, validate=False),
+        "eager_path": lambda: attention_triton(*op_args),
+        "custom_op": lambda: attention_triton_fwd(*op_args),
+        "launcher": lambda: attention_forward(call),
+        "torch_sdpa_64_tokens": lambda: torch.nn.functional.scaled_dot_product_attention(
+            pad, pad, pad),
+        "triton_launch_small_kernel": lambda: values_ok(
+            inst["q"].shape[0], inst["q"].shape[0], off, off, case.max_len, case.max_len,
+            None, None),
+    }  # fmt: skip
+    for fn in layers.values():
+        fn()
+    host_us = {name: device_and_host(fn, device=device)["host_us"] for name, fn in layers.items()}
+    # the opt-in direct relaunch (_triton/_direct.py): the public call with it
+    from hyperrec.jagged_attn._triton._direct import DIRECT_ENV
+
+    before = os.environ.get(DIRECT_ENV)
+    os.environ[DIRECT_ENV] = "1"
+    try:
+        fn = layers["public_default"]
+        fn()  # records the relaunchers
+        host_us["public_default_direct_launch"] = device_and_host(fn, device=device)["host_us"]
+        from hyperrec.jagged_attn._triton import _launch as launch_module
+
+        host_us["direct_launch_replayable"] = float(
+            bool(launch_module._RELAUNCH) and all(r.ok for r in launch_module._RELAUNCH.values())
+        )
+    finally:
+        if before is None:
+            os.environ.pop(DIRECT_ENV, None)
+        else:
+            os.environ[DIRECT_ENV] = before
+    out["host_us_per_call"] = dict(
+        case=case.name, **host_us,
+        criterion="the public call's host time below its GPU time at this case",
+        device_us=host_bound[case.name]["device_us_median"],
+        confirmed=host_us["public_default"] < host_bound[case.name]["device_us_median"],
+    )  # fmt: skip
+
+    # 3. A new offsets object (a new batch): first call (schedules + value checks) against
+    #    the cached call, with the default checks and without; the checks' share.
+    fresh: dict = {}
+    for validate in (True, False):
+        firsts, cached, hosts = [], [], []
+        for _ in range(n_inst):
+            fn = public_fn(case, inst, validate=validate, off=off.clone())
+            firsts.append(first_call_ms(fn, device))
+            cached.append(first_call_ms(fn, device))
+        # host time of a call with a new offsets object each time (the clone is in both)
+        hosts.append(device_and_host(lambda v=validate: public_fn(
+            case, inst, validate=v, off=off.clone())(), device=device)["host_us"])  # fmt: skip
+        fresh[str(validate)] = dict(first_call_ms=statistics.median(firsts),
+                                    cached_call_ms=statistics.median(cached),
+                                    fresh_call_host_us=hosts[0])  # fmt: skip
+    check_us = fresh["True"]["fresh_call_host_us"] - fresh["False"]["fresh_call_host_us"]
+    out["fresh_offsets"] = dict(
+        case=case.name, **fresh, checks_host_us=check_us,
+        checks_over_device_time=check_us / host_bound[case.name]["device_us_median"],
+        criterion="the default checks cost <= 5% of the call's GPU time on a new batch",
+        confirmed=check_us <= 0.05 * host_bound[case.name]["device_us_median"],
+    )  # fmt: skip
+
+    # 4. Misaligned q/k/v (8 bytes off): the public API copies them (the launcher, given
+    #    them directly, shows the slow kernel variant they used to get).
+    moved = tuple(_misaligned(inst[n], 8) for n in ("q", "k", "v"))
+    timings = {
+        "aligned_public": public_fn(case, inst),
+        "misaligned_public": public_fn(case, inst, qkv=moved),
+        "misaligned_launcher": lambda: attention_forward(AttentionCall(
+            q=moved[0], k=moved[1], v=moved[2], q_offsets=off, kv_offsets=off, kv_index=None,
+            num_targets=None, spec=call.spec)),
+    }  # fmt: skip
+    align = {}
+    for name, fn in timings.items():
+        fn()
+        align[name] = device_and_host(fn, device=device)["device_ms"]
+    ref = timings["aligned_public"]()
+    exact = bool(torch.equal(timings["misaligned_public"](), ref))
+    ratio = align["misaligned_public"] / align["aligned_public"]
+    out["misaligned_inputs"] = dict(
+        case=case.name, device_ms=align, misaligned_over_aligned=ratio,
+        misaligned_launcher_over_aligned=align["misaligned_launcher"] / align["aligned_public"],
+        same_output=exact,
+        criterion="misaligned within 1.6x of aligned (three copies), below the kernel's "
+                  "own misaligned time, same output",
+        confirmed=exact and ratio <= 1.6 and align["misaligned_public"]
+        < align["misaligned_launcher"],
+    )  # fmt: skip
+    return out
+
+
+def fixes_summary(f: dict) -> str:
+    hb = "; ".join(f"{n}: GPU spread {r['spread_device']:.2f} (do_bench {r['spread_do_bench']:.2f}), "
+                   f"host {r['host_us_median']:.0f} us vs GPU {r['device_us_median']:.0f} us"
+                   for n, r in f["host_bound_timing"].items())  # fmt: skip
+    h = f["host_us_per_call"]
+    fo = f["fresh_offsets"]
+    m = f["misaligned_inputs"]
+    return (f"fixes: {hb}\n  host us/call: " + ", ".join(
+        f"{k}={v:.0f}" for k, v in h.items() if isinstance(v, float)) +
+        f"\n  new offsets: first call {fo['True']['first_call_ms']:.2f} ms vs cached "
+        f"{fo['True']['cached_call_ms']:.2f}; checks {fo['checks_host_us']:.0f} us host "
+        f"({fo['checks_over_device_time']:.1%} of the GPU time)\n  misaligned: "
+        f"{m['misaligned_over_aligned']:.2f}x aligned (kernel alone "
+        f"{m['misaligned_launcher_over_aligned']:.2f}x), same output {m['same_output']}\n"
+        f"  confirmed: " + str({k: v.get("confirmed") if "confirmed" in v else
+                              {n: r["confirmed"] for n, r in v.items()}
+                              for k, v in f.items()}))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# --explain: what the launcher does for each instance of a committed benchmark run (CPU)
+# ---------------------------------------------------------------------------------------
+
+
+def _corr(xs: list[float], ys: list[float]) -> float | None:
+    import statistics
+
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    return statistics.correlation(xs, ys)
+
+
+# The forward kernel's integer arguments (launcher order) and whether Triton specialises
+# them (a value divisible by 16, or equal to 1, selects another compiled variant).
+def _fwd_int_args(tokens: int, heads: int, head_dim: int) -> dict[str, int]:
+    hd = heads * head_dim
+    return dict(stride_qt=hd, stride_qh=head_dim, stride_kt=hd, stride_kh=head_dim,
+                stride_vt=hd, stride_vh=head_dim, stride_ot=hd, stride_oh=head_dim,
+                stride_lh=tokens, n_q_rows=tokens, n_kv_rows=tokens)  # fmt: skip
+
+
+def explain_instances(result: dict, num_sms: int = 132, programs_per_sm: int = 1) -> dict:
+    """For every instance of a ``bench_attention.py`` result: what the launcher chose and
+    computed (configuration, length bucket, tiles, work items, persistent grid, rounds,
+    static load imbalance, the specialisation key of the forward's integer arguments) and
+    the correlation of each quantity with the measured per-instance times. CPU only: the
+    lengths are regenerated with the benchmark's own generator from the recorded seeds."""
+    from hyperrec.jagged_attn._triton import _configs, _kernels
+    from hyperrec.jagged_attn._triton._schedule import work_upper_bound
+
+    not_specialised = set(_kernels.FWD_NOT_SPECIALISED)
+    cases = []
+    for c in result["cases"]:
+        case = Case(**{k: c[k] for k in ("name", "dist", "batch", "max_len", "heads",
+                                          "head_dim", "causal", "kind")})  # fmt: skip
+        causal = case.causal or case.kind != "softmax"
+        cfg = _configs.select_config(_configs.config_key(
+            "fwd", "sm90", case.head_dim, case.kind == "softmax", causal, case.max_len))  # fmt: skip
+        rows = []
+        for inst in c["instances"]:
+            lens = lengths(case.dist, case.batch, case.max_len, inst["seed"])
+            tokens = int(lens.sum())
+            assert tokens == inst["tokens"], "the generator no longer reproduces the run"
+            tiles = int(((lens + cfg.block_m - 1) // cfg.block_m).sum())
+            items = tiles * case.heads
+            bound = work_upper_bound(tokens, case.batch, cfg.block_m) * case.heads
+            grid = max(1, min(bound, num_sms * programs_per_sm))
+            ints = _fwd_int_args(tokens, case.heads, case.head_dim)
+            spec_key = tuple((n, v % 16 == 0, v == 1) for n, v in ints.items()
+                             if n not in not_specialised)  # fmt: skip
+            pred = predicted_imbalance(case, dict(off=_offsets(lens), lens=lens), cfg, grid)
+            row = dict(seed=inst["seed"], tokens=tokens, flops_fwd=inst["flops_fwd"],
+                       max_len=int(lens.max()),
+                       bucket=_configs.config_key("fwd", "sm90", case.head_dim, True, causal,
+                                                  case.max_len)[-1],
+                       tiles=tiles, work_items=items, work_upper_bound=bound, grid=grid,
+                       rounds=-(-items // grid), static_max_over_mean=pred["static_max_over_mean"],
+                       tokens_mod_16=tokens % 16, specialisation_key=str(spec_key))  # fmt: skip
+            row.update({k: v for k, v in inst.items() if k.endswith("_ms")})
+            rows.append(row)
+        timed = sorted({k for r in rows for k in r if k.endswith("_ms")})
+        numeric = ("tokens", "flops_fwd", "tiles", "work_items", "rounds",
+                   "static_max_over_mean", "tokens_mod_16")  # fmt: skip
+        corr = {t: {q: _corr([float(r[q]) for r in rows], [r[t] for r in rows])
+                    for q in numeric} for t in timed}  # fmt: skip
+        ms = [r["hyperrec/fwd_ms"] for r in rows if "hyperrec/fwd_ms" in r]
+        # host-bound timings share the host's noise: compare ours with every other column
+        between = {t: _corr([r["hyperrec/fwd_ms"] for r in rows], [r[t] for r in rows])
+                   for t in timed if t != "hyperrec/fwd_ms"} if ms else {}  # fmt: skip
+        cases.append(dict(
+            name=case.name, shipped_fwd_config=asdict(cfg), instances=rows,
+            distinct=dict(config=1, bucket=len({r["bucket"] for r in rows}),
+                          specialisation_key=len({r["specialisation_key"] for r in rows}),
+                          grid=len({r["grid"] for r in rows})),
+            correlation_with_time=corr,
+            correlation_hyperrec_fwd_ms_with=between,
+            hyperrec_fwd_ms=dict(min=min(ms), max=max(ms)) if ms else None,
+            gflop_fwd=dict(min=min(r["flops_fwd"] for r in rows) * 1e-9,
+                           max=max(r["flops_fwd"] for r in rows) * 1e-9),
+        ))  # fmt: skip
+    return dict(source_machine=result.get("machine"), num_sms=num_sms,
+                programs_per_sm=programs_per_sm, cases=cases)  # fmt: skip
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    off = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    off[1:] = lens.cumsum(0)
+    return off
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
@@ -378,9 +678,32 @@ def main() -> None:
     parser.add_argument("--budget-min", type=float, default=None,
                         help="start no new case after this many minutes (default 6; 2 with "
                              "--quick)")  # fmt: skip
+    parser.add_argument("--fixes-only", action="store_true",
+                        help="only the checks of the round-2 fixes (~1 minute)")  # fmt: skip
+    parser.add_argument("--explain", type=Path, default=None,
+                        help="CPU only: explain the per-instance times of this "
+                             "bench_attention.py JSON (writes explain_<name>.json)")  # fmt: skip
     args = parser.parse_args()
     budget = args.budget_min if args.budget_min is not None else (2.0 if args.quick else 6.0)
     from hyperrec.testing import write_result
+
+    if args.explain is not None:
+        import json
+
+        report = explain_instances(json.loads(args.explain.read_text()))
+        for c in report["cases"]:
+            corr = c["correlation_with_time"].get("hyperrec/fwd_ms", {})
+            print(f"{c['name']}: hyperrec fwd {c['hyperrec_fwd_ms']} ms, "
+                  f"{c['gflop_fwd']['min']:.1f}-{c['gflop_fwd']['max']:.1f} GFLOP; distinct "
+                  f"{c['distinct']}; corr(fwd ms, .) "
+                  f"{ {k: None if v is None else round(v, 2) for k, v in corr.items()} }")  # fmt: skip
+        path = write_result(args.out / f"explain_{args.explain.stem}.json", {
+            "benchmark": f"per-instance launcher decisions for {args.explain.name} "
+                         "(computed on the CPU from the recorded seeds)",
+            **report,
+        })  # fmt: skip
+        print(f"wrote {path}")
+        return
 
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -399,12 +722,9 @@ def main() -> None:
     path = args.out / f"diagnose_variance_{suffix}.json"
     state_before = gpu_state() if device == "cuda" else {}
     skipped = []
-    for case in cases:
-        if time.perf_counter() - t0 > 60 * budget:
-            skipped.append(case.name)
-            continue
-        results.append(run_case(case, args, device, timer, log))
-        print(summary(results[-1]), flush=True)
+    fixes: dict = {}
+
+    def save():
         write_result(path, {
             "benchmark": "jagged_attn forward: variance between fresh instances, by hypothesis",
             "device": device,
@@ -412,8 +732,24 @@ def main() -> None:
             "gpu_state_after": gpu_state() if device == "cuda" else {},
             "seconds": time.perf_counter() - t0,
             "skipped_for_time": skipped,
+            "fixes": fixes,
             "cases": results,
         })  # fmt: skip
+
+    try:
+        fixes.update(check_fixes(args, device, timer))
+        print(fixes_summary(fixes), flush=True)
+    except Exception as e:  # recorded; the hypothesis cases still run
+        fixes["error"] = f"{type(e).__name__}: {e}"[:800]
+        print(f"fixes check failed: {fixes['error']}", flush=True)
+    save()
+    for case in [] if args.fixes_only else cases:
+        if time.perf_counter() - t0 > 60 * budget:
+            skipped.append(case.name)
+            continue
+        results.append(run_case(case, args, device, timer, log))
+        print(summary(results[-1]), flush=True)
+        save()
     print(f"{time.perf_counter() - t0:.0f}s; wrote {path}")
 
 

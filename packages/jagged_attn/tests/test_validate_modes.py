@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyperrec.jagged_attn import _validate, gdpa, jagged_attention
 from hyperrec.jagged_attn._validate import Names, run_value_checks, value_check_mode
@@ -66,23 +68,23 @@ def _device_check(q_off, kv_off, max_q, max_kv, *, kv_index=None, num_targets=No
 GOOD = torch.tensor([0, 3, 3, 7])
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(q_off=torch.tensor([1, 3, 7]), tq=7),  # does not start at 0
-        dict(q_off=torch.tensor([0, 5, 3, 7])),  # decreases
-        dict(q_off=GOOD, tq=8),  # does not end at the token count
-        dict(kv_off=torch.tensor([0, 4, 2, 7])),
-        dict(kv_off=GOOD, tk=6),
-        dict(max_q=3),  # a sequence longer than max_seqlen_q
-        dict(max_kv=3),
-        dict(kv_index=torch.tensor([0, 3, 1])),  # out of [0, Bk)
-        dict(kv_index=torch.tensor([0, -1, 1])),
-        dict(num_targets=torch.tensor([1, -1, 0])),  # negative
-        dict(num_targets=torch.tensor([0, 1, 0])),  # more targets than keys
-        dict(num_targets=torch.tensor([0, 0, 5]), kv_index=torch.tensor([0, 1, 0])),
-    ],
-)
+REJECT = [
+    dict(q_off=torch.tensor([1, 3, 7]), tq=7),  # does not start at 0
+    dict(q_off=torch.tensor([0, 5, 3, 7])),  # decreases
+    dict(q_off=GOOD, tq=8),  # does not end at the token count
+    dict(kv_off=torch.tensor([0, 4, 2, 7])),
+    dict(kv_off=GOOD, tk=6),
+    dict(max_q=3),  # a sequence longer than max_seqlen_q
+    dict(max_kv=3),
+    dict(kv_index=torch.tensor([0, 3, 1])),  # out of [0, Bk)
+    dict(kv_index=torch.tensor([0, -1, 1])),
+    dict(num_targets=torch.tensor([1, -1, 0])),  # negative
+    dict(num_targets=torch.tensor([0, 1, 0])),  # more targets than keys
+    dict(num_targets=torch.tensor([0, 0, 5]), kv_index=torch.tensor([0, 1, 0])),
+]
+
+
+@pytest.mark.parametrize("kwargs", REJECT)
 def test_device_condition_rejects(kwargs):
     args = dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4) | kwargs
     q_off, kv_off = args.pop("q_off"), args.pop("kv_off")
@@ -97,6 +99,73 @@ def test_device_condition_accepts_valid_input():
     _device_check(torch.tensor([0]), torch.tensor([0]), 0, 0)  # an empty batch
     _device_check(torch.tensor([0, 0]), torch.tensor([0, 0]), 0, 0,
                   num_targets=torch.tensor([0]))  # fmt: skip
+
+
+# The one-kernel flag of CUDA calls (``_triton/_checks.py``), run by the interpreter on CPU
+# tensors: the same verdicts as the PyTorch-op condition, rule by rule and on random input.
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1"
+)
+
+
+def _kernel_verdict(q_off, kv_off, max_q, max_kv, *, kv_index=None, num_targets=None, tq=None,
+                    tk=None) -> bool:  # fmt: skip
+    from hyperrec.jagged_attn._triton._checks import values_ok
+
+    tq = int(q_off[-1]) if tq is None else tq
+    tk = int(kv_off[-1]) if tk is None else tk
+    args = (tq, tk, q_off, kv_off, max_q, max_kv, kv_index, num_targets)
+    got = bool(values_ok(*args))
+    assert got == bool(_validate._device_condition(*args))
+    return got
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kwargs", REJECT)
+def test_check_kernel_rejects(kwargs):
+    args = dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4) | kwargs
+    q_off, kv_off = args.pop("q_off"), args.pop("kv_off")
+    assert not _kernel_verdict(q_off, kv_off, args.pop("max_q"), args.pop("max_kv"), **args)
+
+
+@needs_interpreter
+def test_check_kernel_accepts_valid_input():
+    assert _kernel_verdict(GOOD, GOOD, 4, 4)
+    assert _kernel_verdict(GOOD, GOOD.to(torch.int32), 4, 4)
+    assert _kernel_verdict(GOOD, torch.tensor([0, 5, 5]), 4, 5, kv_index=torch.tensor([0, 0, 1]),
+                           num_targets=torch.tensor([2, 5, 0]))  # fmt: skip
+    assert _kernel_verdict(torch.tensor([0]), torch.tensor([0]), 0, 0)  # an empty batch
+    assert _kernel_verdict(torch.tensor([0, 0]), torch.tensor([0, 0]), 0, 0,
+                           num_targets=torch.tensor([0]))  # fmt: skip
+
+
+@needs_interpreter
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_check_kernel_matches_torch_condition(data):
+    n = data.draw(st.integers(0, 6), label="B")
+    lens = data.draw(st.lists(st.integers(-2, 6), min_size=n, max_size=n), label="lengths")
+    q_off = torch.tensor([0, *torch.tensor(lens, dtype=torch.long).cumsum(0).tolist()])
+    q_off[0] = data.draw(st.sampled_from([0, 0, 0, 1]), label="first")
+    same = data.draw(st.booleans(), label="self-attention")
+    use_map = not same and data.draw(st.booleans(), label="map")
+    n_kv = data.draw(st.integers(0, 4), label="Bk") if use_map else n
+    k_lens = data.draw(st.lists(st.integers(-1, 6), min_size=n_kv, max_size=n_kv))
+    kv_off = q_off if same else torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()])
+    kv_index = None
+    if use_map:
+        kv_index = torch.tensor(data.draw(st.lists(st.integers(-1, n_kv), min_size=n,
+                                                   max_size=n)), dtype=torch.long)  # fmt: skip
+    targets = None
+    if data.draw(st.booleans(), label="targets"):
+        targets = torch.tensor(data.draw(st.lists(st.integers(-1, 7), min_size=n, max_size=n)),
+                               dtype=torch.int32)  # fmt: skip
+    tq = int(q_off[-1]) + data.draw(st.sampled_from([0, 0, 0, 1]), label="tq shift")
+    tk = int(kv_off[-1])
+    max_q = data.draw(st.integers(0, 7), label="max_q")
+    max_kv = data.draw(st.integers(0, 7), label="max_kv")
+    _kernel_verdict(q_off, kv_off, max_q, max_kv, kv_index=kv_index, num_targets=targets,
+                    tq=tq, tk=tk)  # fmt: skip
 
 
 def test_device_checks_run_once_per_tensor_version(monkeypatch):
@@ -133,6 +202,26 @@ def _gpu_inputs(lens, heads=2, dim=64, seed=0):
                for _ in range(3))  # fmt: skip
     off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
     return q, k, v, off
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_check_kernel_verdicts():
+    # the one-launch check on the GPU against the PyTorch condition, rule by rule
+    from hyperrec.jagged_attn._triton._checks import values_ok
+
+    cases = [dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4) | kw for kw in REJECT]
+    cases.append(dict(q_off=GOOD, kv_off=GOOD, max_q=4, max_kv=4))
+    cases.append(dict(q_off=GOOD, kv_off=torch.tensor([0, 5, 5]), max_q=4, max_kv=5,
+                      kv_index=torch.tensor([0, 0, 1]),
+                      num_targets=torch.tensor([2, 5, 0])))  # fmt: skip
+    for c in cases:
+        c = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+        q_off, kv_off = c["q_off"], c["kv_off"]
+        args = (int(q_off[-1]) if c.get("tq") is None else c["tq"],
+                int(kv_off[-1]) if c.get("tk") is None else c["tk"], q_off, kv_off,
+                c["max_q"], c["max_kv"], c.get("kv_index"), c.get("num_targets"))  # fmt: skip
+        assert bool(values_ok(*args)) == bool(_validate._device_condition(*args)), c
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Distributed checkpoints (``torch.distributed.checkpoint``) that resume a run exactly.
 
-A checkpoint is one DCP directory ``<run>/checkpoints/step_<N>/`` holding:
+A checkpoint is one directory ``<run>/checkpoints/step_<N>/`` holding:
 
 - ``model`` / ``optim``: from :func:`torch.distributed.checkpoint.state_dict.get_state_dict`,
   so plain modules and FSDP2-sharded ones (DTensor parameters) save the same way and
@@ -11,20 +11,40 @@ A checkpoint is one DCP directory ``<run>/checkpoints/step_<N>/`` holding:
 - ``meta``: one small object common to all ranks (step, world size, metric history);
 - ``rank<r>``: what differs per rank: the data pipeline's state (the BBS window, the
   reader position), the RNG states (dropout), the popularity counts, the training-AUC
-  window. Tensors of known shape stay tensors; the rest is one pickled blob.
+  window. Tensors of known shape stay tensors; the rest is one pickled blob;
+- ``MANIFEST.json``: every file's size and SHA-256, plus a small ``info`` record (the
+  trainer's: the run's preset, data source and table placement, readable without DCP).
 
-DCP writes ``.metadata`` last, so a directory with it is complete; :func:`find_checkpoint`
-ignores partial ones (a run killed while saving resumes from the previous checkpoint).
-Exact resume needs the same world size (per-rank data state does not re-split), which
-:func:`load_checkpoint` enforces.
+**Atomic commit**: the ranks write into ``.step_<N>.partial/``; then each rank hashes
+its share of the files, rank 0 writes the manifest (fsynced) and renames the directory
+to ``step_<N>`` (fsynced), and only then do the ranks go on. A run killed while saving
+leaves a ``.partial`` directory that nothing reads (the next save replaces it); a
+``step_<N>`` directory always had a complete manifest when it was renamed.
+**Verification**: :func:`verify_checkpoint` checks every file against the manifest
+(missing, truncated or changed files raise :class:`CheckpointError` naming the file);
+:func:`load_checkpoint` verifies before reading, and :func:`list_checkpoints` /
+:func:`find_checkpoint` skip directories that cannot be complete, so a resume from a run
+directory falls back to the previous complete checkpoint (see the trainer).
+Checkpoints of 0.1.x (no manifest, DCP's ``.metadata`` as the completeness mark) still
+load, unverified.
+
+**World size**: the model, the optimizers and ``extra`` objects whose states are
+DTensors (the sharded tables' rows and row states) reshard through DCP. The per-rank data
+position does not split, so :func:`load_checkpoint` with ``all_ranks=True`` returns
+every old rank's state for :func:`~hyperrec.integration.pipeline.reshard_streams`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
 import pickle
 import re
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +56,27 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hyperrec.raggedshard import RaggedLoadPlanner, RaggedSavePlanner
 
-__all__ = ["checkpoint_dir", "find_checkpoint", "load_checkpoint", "read_meta", "save_checkpoint"]
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "checkpoint_dir",
+    "find_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_manifest",
+    "read_meta",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "MANIFEST.json"
+"""Name of the manifest file of a checkpoint directory."""
+_MANIFEST_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete, truncated or corrupt."""
 
 
 def _distributed() -> bool:
@@ -67,6 +105,32 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
 
 
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(
     path: str | Path,
     *,
@@ -76,11 +140,14 @@ def save_checkpoint(
     rank_state: dict[str, Any],
     rank_tensors: dict[str, torch.Tensor] | None = None,
     extra: dict[str, Any] | None = None,
+    info: dict[str, Any] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
-    """Write a checkpoint to ``path`` (collective: every rank calls it).
+    """Write a checkpoint to ``path`` atomically (collective: every rank calls it).
 
     Args:
-        path: the checkpoint directory (created).
+        path: the checkpoint directory; replaced if it exists (a resumed run re-writes
+            the steps after its checkpoint; their content is identical).
         model, optimizer: saved through ``get_state_dict`` (sharded DTensors: each rank
             writes its own pieces, ragged ones through the raggedshard planners);
             ``optimizer`` may be a list.
@@ -88,6 +155,10 @@ def save_checkpoint(
         meta: picklable, identical on every rank; must hold ``"step"``.
         rank_state: picklable state of this rank.
         rank_tensors: this rank's tensors of a shape known before loading.
+        info: JSON-ready, identical on every rank: stored in the manifest, readable
+            with :func:`read_manifest` without loading anything else.
+        before_commit: called on every rank after the files are written and before
+            the manifest and the rename (fault-injection tests kill a rank there).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -98,6 +169,12 @@ def save_checkpoint(
     if not isinstance(meta.get("step"), int):
         raise ValueError("meta must hold the int 'step' of the checkpoint")
     path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    if _rank() == 0:
+        if partial.exists():  # left by a run killed while saving
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     meta = {**meta, "world_size": _world()}
     state = {
@@ -108,22 +185,119 @@ def save_checkpoint(
     }
     if extra:
         state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
-    # A resumed run re-writes the steps after its checkpoint; their content is identical,
-    # so overwriting is intended (DCP warns about it even when asked to).
-    writer = dcp.FileSystemWriter(str(path), overwrite=True)
-    with _quiet_single_process(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+    writer = dcp.FileSystemWriter(str(partial), overwrite=True)
+    with _quiet_single_process():
         dcp.save(
             state, storage_writer=writer, planner=RaggedSavePlanner(), no_dist=not _distributed()
         )
+    # dcp.save returns once every rank's files and the metadata are written.
+    names = sorted(p.name for p in partial.iterdir() if p.is_file())
+    mine = {
+        n: [(partial / n).stat().st_size, _sha256(partial / n)] for n in names[_rank() :: _world()]
+    }
+    hashed: dict[str, list[Any]] = {}
+    for part in _all_gather(mine):
+        hashed.update(part)
+    if before_commit is not None:
+        before_commit()
+    if _rank() == 0:
+        manifest = {
+            "format": _MANIFEST_FORMAT,
+            "step": meta["step"],
+            "world_size": _world(),
+            "files": {n: {"bytes": hashed[n][0], "sha256": hashed[n][1]} for n in names},
+            "info": info or {},
+        }
+        with open(partial / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(partial)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            path.rename(old)
+        partial.rename(path)
+        _fsync_dir(path.parent)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
     return path
+
+
+def read_manifest(path: str | Path) -> dict[str, Any] | None:
+    """The manifest of the checkpoint at ``path``, or ``None`` for a 0.1.x checkpoint.
+
+    Raises:
+        CheckpointError: no manifest and no DCP metadata (not a complete checkpoint), or
+            an unreadable manifest.
+    """
+    path = Path(path)
+    m = path / MANIFEST
+    if not m.is_file():
+        if (path / ".metadata").is_file():
+            return None
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {MANIFEST} (was the run killed "
+            "while writing it?)"
+        )
+    try:
+        manifest = json.loads(m.read_text())
+        if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(manifest["files"], dict):
+            raise ValueError(f"unknown manifest format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {MANIFEST}: {err}") from None
+    return manifest
+
+
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, Any] | None:
+    """Check every file of the checkpoint at ``path`` against its manifest.
+
+    Collective under ``torch.distributed`` when ``checksums`` (each rank hashes a share
+    of the files; every rank raises the same error).
+
+    Args:
+        checksums: also compare SHA-256 digests (reads every byte); else sizes only.
+
+    Returns:
+        The manifest (``None`` for an unverifiable 0.1.x checkpoint).
+
+    Raises:
+        CheckpointError: incomplete (no manifest), a file missing, truncated or grown,
+            or with another digest; the message names the checkpoint and the file.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        return None
+    problems: list[str] = []
+    names = sorted(manifest["files"])
+    for n in names:
+        want = manifest["files"][n]
+        f = path / n
+        if not f.is_file():
+            problems.append(f"file {n} is missing")
+        elif f.stat().st_size != want["bytes"]:
+            problems.append(
+                f"file {n} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+            )
+    if checksums and not problems:
+        for n in names[_rank() :: _world()]:
+            if _sha256(path / n) != manifest["files"][n]["sha256"]:
+                problems.append(f"file {n} does not match its SHA-256 in the manifest")
+        problems = [p for part in _all_gather(problems) for p in part]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(sorted(problems))}")
+    return manifest
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The ``meta`` object of the checkpoint at ``path`` (plus ``"world_size"``).
 
     Reads only that entry, so a caller can check compatibility before building
-    anything. Collective under ``torch.distributed``.
+    anything. Collective under ``torch.distributed``. Verify the checkpoint first
+    (:func:`verify_checkpoint`): a corrupt file may fail here obscurely.
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
@@ -144,35 +318,50 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     rank_tensors: dict[str, torch.Tensor] | None = None,
     extra: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    all_ranks: bool = False,
+    verify: bool = True,
+) -> tuple[dict[str, Any], Any]:
     """Load ``path`` into ``model``, ``optimizer``, ``extra`` and ``rank_tensors`` (in place).
 
     Collective under ``torch.distributed``. ``model`` and ``optimizer`` must be built
-    (and parallelised) exactly as when saving.
+    (and parallelised) as when saving, on any world size when ``all_ranks``.
+
+    Args:
+        extra: name -> object with ``state_dict()`` / ``load_state_dict()``, as saved;
+            loaded in place where its state is DTensors / tensors (resharded like the
+            model's), then handed to its ``load_state_dict``.
+        all_ranks: load on another world size: return every old rank's state and
+            tensors instead of this rank's (``rank_tensors`` are then left alone).
+        verify: check the files against the manifest first (:func:`verify_checkpoint`).
 
     Returns:
-        ``(meta, rank_state)`` as given to :func:`save_checkpoint`.
+        ``(meta, rank_state)`` as given to :func:`save_checkpoint`; with ``all_ranks``,
+        ``(meta, [(rank_state, rank_tensors) of old rank 0, 1, ...])``.
 
     Raises:
+        CheckpointError: incomplete or corrupt (with ``verify``).
         FileNotFoundError: ``path`` is not a complete checkpoint.
-        ValueError: it was written by a different world size.
+        ValueError: written by another world size (without ``all_ranks``).
     """
     path = Path(path)
+    if verify:
+        verify_checkpoint(path)
     # The world size is checked before touching the model: a mismatch would otherwise
     # surface as an obscure missing-key error for another rank's state.
     meta = read_meta(path)
-    if meta["world_size"] != _world():
+    if meta["world_size"] != _world() and not all_ranks:
         raise ValueError(
             f"checkpoint {path} was written by {meta['world_size']} ranks but this run has "
             f"{_world()}: exact resume (data order, BBS windows) needs the same world size"
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    key = f"rank{_rank()}"
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        key: {"blob": b"", "tensors": dict(rank_tensors or {})},
-    }
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if all_ranks:
+        for r in range(meta["world_size"]):
+            tensors = {k: torch.empty_like(t) for k, t in (rank_tensors or {}).items()}
+            state[f"rank{r}"] = {"blob": b"", "tensors": tensors}
+    else:
+        state[f"rank{_rank()}"] = {"blob": b"", "tensors": dict(rank_tensors or {})}
     if extra:
         state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     with _quiet_single_process():
@@ -187,6 +376,12 @@ def load_checkpoint(
     )
     for name, obj in (extra or {}).items():
         obj.load_state_dict(state["extra"][name])
+    if all_ranks:
+        return meta, [
+            (pickle.loads(state[f"rank{r}"]["blob"]), state[f"rank{r}"]["tensors"])
+            for r in range(meta["world_size"])
+        ]
+    key = f"rank{_rank()}"
     if rank_tensors:
         for name, t in rank_tensors.items():
             loaded = state[key]["tensors"][name]
@@ -195,12 +390,16 @@ def load_checkpoint(
     return meta, pickle.loads(state[key]["blob"])
 
 
-def find_checkpoint(path: str | Path) -> Path | None:
-    """Resolve ``path`` to a complete checkpoint directory.
+def _looks_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file() or (path / ".metadata").is_file()
 
-    ``path`` may be a checkpoint (``.../step_00000100``), a run directory or its
-    ``checkpoints/`` folder; for the latter two the highest complete step is returned,
-    or None when there is none.
+
+def list_checkpoints(path: str | Path) -> list[Path]:
+    """Checkpoints of a run directory (or its ``checkpoints/``), newest first.
+
+    Only directories that can be complete (a manifest, or a 0.1.x ``.metadata``) are
+    listed; ``.partial`` directories of an interrupted save never are. Whether their
+    files are intact is for :func:`verify_checkpoint`.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -208,12 +407,31 @@ def find_checkpoint(path: str | Path) -> Path | None:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such checkpoint or run directory: {path}")
-    if (path / ".metadata").is_file():
-        return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not root.is_dir():
+        return []
     done = [
         (int(m.group(1)), p)
         for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / ".metadata").is_file()
+        if (m := _STEP_DIR.match(p.name)) and _looks_complete(p)
     ]
-    return max(done)[1] if done else None
+    return [p for _, p in sorted(done, reverse=True)]
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """Resolve ``path`` to a checkpoint directory.
+
+    ``path`` may be a checkpoint (``.../step_00000100``), a run directory or its
+    ``checkpoints/`` folder; for the latter two the newest checkpoint that can be
+    complete is returned (see :func:`list_checkpoints`), or None when there is none.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such checkpoint or run directory: {path}")
+    if _looks_complete(path):
+        return path
+    found = list_checkpoints(path)
+    return found[0] if found else None

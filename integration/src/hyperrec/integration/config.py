@@ -1,11 +1,15 @@
 """Configs as code: frozen, keyword-only dataclasses and the named presets.
 
-A run is described by one :class:`Preset` = :class:`DataConfig` (the synthetic world)
-+ :class:`ModelConfig` (the network) + :class:`TrainConfig` (optimisation, batching,
-checkpointing). Every field is validated when the dataclass is built, so a bad value
-fails at construction with a ``ValueError``/``TypeError`` that names the field, not
-deep inside a training step. Derive variants with :func:`dataclasses.replace` (which
-re-validates) or :func:`override` (``"model.dim=64"`` strings, as the CLI does).
+A run is described by one :class:`Preset` = a data source (:class:`DataConfig`, the
+synthetic world, or :class:`EventLogConfig`, interaction logs on disk) +
+:class:`ModelConfig` (the network) + :class:`TrainConfig` (optimisation, batching,
+checkpointing). What the model needs to know about its input (vocabulary sizes, dense
+width, tasks) is a :class:`DataSchema`, which every data source reports: for the
+generator it follows from the :class:`DataConfig`; for a log it comes from the data.
+Every field is validated when the dataclass is built, so a bad value fails at
+construction with a ``ValueError``/``TypeError`` that names the field, not deep inside
+a training step. Derive variants with :func:`dataclasses.replace` (which re-validates)
+or :func:`override` (``"model.dim=64"`` strings, as the CLI does).
 
 Presets (:data:`PRESETS`):
 
@@ -28,8 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ACTIONS",
+    "DENSE_FEATURES",
     "PRESETS",
+    "TASKS",
     "DataConfig",
+    "DataSchema",
+    "EventLogConfig",
     "ModelConfig",
     "Preset",
     "TrainConfig",
@@ -43,7 +52,7 @@ COMPILE_MODES = ("off", "inductor", "aot_eager")
 MLP_PRECISIONS = ("bf16", "mxfp8")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
-ATTENTION_PRECISIONS = ("bf16", "fp8")
+ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
 EMBEDDING_OPTIMIZERS = ("auto", "adamw", "adagrad", "rowwise_adagrad", "adam")
@@ -56,11 +65,25 @@ SHARDED_TABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam")
 ``LazyAdam`` (``torch.optim.SparseAdam``'s)."""
 AC_FORMATS = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4")
 
-NOT_AVAILABLE: dict[tuple[str, str], str] = {
-    ("attention_precision", "fp8"): "FP8 attention kernels in hyperrec-jagged-attn",
-}
+NOT_AVAILABLE: dict[tuple[str, str], str] = {}
 """Config values that exist so that runs and ablations can name them, but whose
 implementation has not been integrated yet: choosing one raises a ``ValueError``."""
+
+ACTIONS = ("view", "click", "conversion", "skip")
+"""History action types of the synthetic generator; the index is the id in
+``Batch.history_actions``."""
+
+DENSE_FEATURES = (
+    "log_history_length",
+    "history_click_rate",
+    "user_ctr_estimate",
+    "hour_sin",
+    "hour_cos",
+)
+"""Names of the synthetic generator's ``Batch.dense`` columns."""
+
+TASKS = (("ctr",), ("ctr", "cvr"))
+"""Task sets a model can train: CTR alone, or CTR and CVR (ESMM)."""
 
 
 def _require_int(obj: Any, name: str, *, minimum: int) -> None:
@@ -110,13 +133,89 @@ def _require_dims(obj: Any, name: str) -> None:
         )
 
 
+def _require_choice(obj: Any, name: str, choices: tuple[Any, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+def _require_str(obj: Any, name: str, *, empty: bool = False) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, str):
+        raise TypeError(f"{type(obj).__name__}.{name} must be a str, got {value!r}")
+    if not empty and not value:
+        raise ValueError(f"{type(obj).__name__}.{name} must not be empty")
+
+
+def _require_names(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(
+            f"{type(obj).__name__}.{name} must be a tuple of non-empty strs, got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSchema:
+    """What the model needs to know about its input, whatever produced it.
+
+    Every data source reports one (``source.schema``): the synthetic generator derives it
+    from its :class:`DataConfig`, the event-log reader from the log (vocabulary sizes
+    after id remapping, the dense columns, whether there is a conversion label). The
+    model's tables and input widths are built from it, never from a generator's knobs.
+    """
+
+    num_items: int
+    """Rows of the item table: item ids (history and candidates) lie in ``[0, num_items)``."""
+    num_categories: int
+    """Rows of the item-category table: category ids lie in ``[0, num_categories)``."""
+    num_tags: int
+    """Rows of the pooled multi-hot user feature ("tags"): ids in ``[0, num_tags)``."""
+    actions: tuple[str, ...]
+    """Names of the history action types; ``Batch.history_actions`` indexes them."""
+    dense_features: tuple[str, ...]
+    """Names of the columns of ``Batch.dense`` (its width is their number)."""
+    max_seqlen: int
+    """Longest history of a request (the cap every source applies)."""
+    tasks: tuple[str, ...] = ("ctr", "cvr")
+    """``("ctr",)``: click only; ``("ctr", "cvr")``: click and conversion (ESMM)."""
+    max_candidates: int = 1
+    """Most candidates of one request (an event log: 1). The naive baseline pads each
+    request's candidates to it (a static shape, so its step needs no host sync)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_items", "num_categories", "num_tags", "max_seqlen", "max_candidates"):
+            _require_int(self, name, minimum=1)
+        _require_names(self, "actions")
+        _require_names(self, "dense_features")
+        if not self.actions:
+            raise ValueError("DataSchema.actions must name at least one action")
+        _require_choice(self, "tasks", TASKS)
+
+    @property
+    def num_actions(self) -> int:
+        """``len(actions)``."""
+        return len(self.actions)
+
+    @property
+    def num_dense(self) -> int:
+        """``len(dense_features)``: the width of ``Batch.dense``."""
+        return len(self.dense_features)
+
+    @property
+    def has_conversion(self) -> bool:
+        """True when the CVR task (a conversion label) exists."""
+        return "cvr" in self.tasks
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """The synthetic world: vocabularies, length/popularity distributions, ground truth.
+    """The synthetic generator: vocabularies, length/popularity laws, hidden ground truth.
 
     Samples are *requests*: one user, that user's jagged history and 1 to
     ``max_candidates`` candidate items with click / conversion labels drawn from a hidden
     ground-truth model. Every sample is a pure function of ``(seed, split, index)``.
+    The model's input sizes are :attr:`schema` (derived from these fields).
 
     Raises:
         TypeError: a field of the wrong type (the message names ``DataConfig.<field>``).
@@ -200,6 +299,132 @@ class DataConfig:
             _require_float(self, name, low=0.0, high=100.0)
         for name in ("base_ctr_logit", "base_cvr_logit"):
             _require_float(self, name, low=-20.0, high=20.0)
+
+    @property
+    def schema(self) -> DataSchema:
+        """The model-facing schema of the generated data (CTR and CVR labels)."""
+        return DataSchema(
+            num_items=self.num_items,
+            num_categories=self.num_topics,
+            num_tags=self.num_topics,
+            actions=ACTIONS,
+            dense_features=DENSE_FEATURES,
+            max_seqlen=self.max_seqlen,
+            tasks=("ctr", "cvr"),
+            max_candidates=self.max_candidates,
+        )
+
+
+SPLIT_MODES = ("time", "user")
+TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+LOG_FORMATS = ("auto", "csv", "parquet")
+CSV_READERS = ("auto", "pyarrow", "python")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventLogConfig:
+    """Interaction logs on disk (CSV or Parquet files) as the data source.
+
+    One row per event: a user, an item, a timestamp and a label (or a rating turned
+    into a label by ``rating_threshold``); optionally an item category, categorical user
+    features, numeric columns and a conversion label. Every event becomes one request:
+    its item is the candidate, and its history is the same user's *strictly earlier*
+    events (events sharing its timestamp are not in it), the latest ``max_seqlen`` of
+    them. See :mod:`hyperrec.integration.eventlog` for the full contract.
+    """
+
+    path: str
+    """A ``.csv`` or ``.parquet`` file, or a directory of them (read in name order)."""
+    max_seqlen: int = 64
+    """History cap: a request keeps the latest ``max_seqlen`` earlier events of its user
+    (older ones are dropped). The CLI's ``--data`` takes the preset's cap."""
+    user_column: str = "user_id"
+    """Column of user ids (any integers or strings)."""
+    item_column: str = "item_id"
+    """Column of item ids (any integers or strings)."""
+    time_column: str = "timestamp"
+    """Column of numeric event times (integers or floats, in ``time_unit``)."""
+    time_unit: str = "s"
+    """Unit of ``time_column``: "s", "ms", "us" or "ns"."""
+    label_column: str = "label"
+    """Click label column: 0 or 1, or a rating when ``rating_threshold`` is set."""
+    rating_threshold: float | None = None
+    """When set, the label is ``label_column >= rating_threshold`` (ratings as clicks)."""
+    conversion_column: str = ""
+    """Optional second label (0/1, only where the label is 1): trains CTR and CVR (ESMM).
+    Empty: CTR only."""
+    category_column: str = ""
+    """Optional item-category column (any integers or strings)."""
+    user_feature_columns: tuple[str, ...] = ()
+    """Optional categorical user features (pooled, one id per column and request)."""
+    dense_columns: tuple[str, ...] = ()
+    """Optional numeric features of the event, standardised with the training split's
+    mean and standard deviation; NaN or Inf is an error."""
+    split: str = "time"
+    """"time": one global cutoff in time (the last ``test_fraction`` of events by time is
+    test, the ``valid_fraction`` before it validation); "user": the same fractions of
+    each user's own events, latest last."""
+    valid_fraction: float = 0.1
+    """Share of events in the validation split."""
+    test_fraction: float = 0.1
+    """Share of events in the test split."""
+    valid_requests: int = 0
+    """Score at most this many validation requests per evaluation (a fixed random
+    subset); 0: all. The test split is always scored in full."""
+    shuffle: bool = True
+    """Visit the training requests in a fresh pseudo-random order every epoch (False:
+    in time order)."""
+    seed: int = 0
+    """Seed of the epoch orders and of the validation subset."""
+    format: str = "auto"
+    """"csv", "parquet" or "auto" (by file extension)."""
+    reader: str = "auto"
+    """CSV parser: "pyarrow" (fast, needs pyarrow), "python" (standard library) or
+    "auto" (pyarrow when installed)."""
+    cache_dir: str = ""
+    """Where the prepared (sorted, remapped, memory-mapped) log and its vocabulary are
+    written; empty: ``<run dir>/data``. A matching preparation there is reused."""
+
+    def __post_init__(self) -> None:
+        _require_str(self, "path")
+        for name in ("user_column", "item_column", "time_column", "label_column"):
+            _require_str(self, name)
+        for name in ("conversion_column", "category_column", "cache_dir"):
+            _require_str(self, name, empty=True)
+        for name in ("user_feature_columns", "dense_columns"):
+            _require_names(self, name)
+        _require_int(self, "max_seqlen", minimum=1)
+        _require_int(self, "valid_requests", minimum=0)
+        _require_int(self, "seed", minimum=0)
+        _require_choice(self, "time_unit", tuple(TIME_UNITS))
+        _require_choice(self, "split", SPLIT_MODES)
+        _require_choice(self, "format", LOG_FORMATS)
+        _require_choice(self, "reader", CSV_READERS)
+        if not isinstance(self.shuffle, bool):
+            raise TypeError(f"EventLogConfig.shuffle must be a bool, got {self.shuffle!r}")
+        if self.rating_threshold is not None:
+            _require_float(self, "rating_threshold", low=-math.inf)
+        _require_float(self, "valid_fraction", low=0.0, high=1.0)
+        _require_float(self, "test_fraction", low=0.0, high=1.0)
+        if self.valid_fraction + self.test_fraction >= 1.0:
+            raise ValueError(
+                f"EventLogConfig.valid_fraction + test_fraction must be < 1, got "
+                f"{self.valid_fraction} + {self.test_fraction}"
+            )
+        columns = self.columns()
+        seen: set[str] = set()
+        for c in columns:
+            if c in seen:
+                raise ValueError(f"EventLogConfig names the column {c!r} twice")
+            seen.add(c)
+
+    def columns(self) -> tuple[str, ...]:
+        """Every column the reader needs, required ones first."""
+        out = [self.user_column, self.item_column, self.time_column, self.label_column]
+        for c in (self.conversion_column, self.category_column):
+            if c:
+                out.append(c)
+        return (*out, *self.user_feature_columns, *self.dense_columns)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +517,10 @@ class ModelConfig:
         return self.embedding_dim or self.dim
 
 
+EARLY_STOPPING_METRICS = {"ctr_auc": 1.0, "ctr_gauc": 1.0, "ctr_ne": -1.0, "loss": -1.0}
+"""Validation metrics early stopping can watch, with +1 where higher is better."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Optimisation, batching (BBS), evaluation and checkpointing.
@@ -306,7 +535,8 @@ class TrainConfig:
     """
 
     steps: int
-    """Optimizer steps of the run (also the length of the LR schedule)."""
+    """Optimizer steps of the run (also the length of the LR schedule); replaced by the
+    step count of ``epochs`` passes when ``epochs > 0``."""
     global_batch_size: int
     """Requests per optimizer step over all ranks; a multiple of ``sub_batch_size``."""
     sub_batch_size: int = 32
@@ -324,8 +554,29 @@ class TrainConfig:
     """Linear warm-up steps, followed by cosine decay to 10% of the peak."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables clipping)."""
+    epochs: int = 0
+    """Passes over a finite training split (an event log); 0: train ``steps`` steps. The
+    run then takes ``ceil(epochs * train_requests / global_batch_size)`` steps (the last
+    step may reach into the next pass by less than one batch)."""
     eval_every: int = 0
-    """Evaluate on the held-out split every this many steps (0: only at the end)."""
+    """Evaluate on the validation split every this many steps (0: only at the end). The
+    test split is scored once, at the end of the run."""
+    early_stopping_patience: int = 0
+    """Stop when this many validation evaluations in a row did not improve on the best
+    ``early_stopping_metric`` (0: never stop early)."""
+    early_stopping_metric: str = "ctr_auc"
+    """Validation metric of early stopping: "ctr_auc", "ctr_gauc" (higher is better),
+    "ctr_ne" or "loss" (lower is better)."""
+    nonfinite: str = "stop"
+    """Policy for a step whose loss or gradient norm is NaN or Inf: "stop" raises
+    :class:`~hyperrec.integration.faults.NonFiniteError` naming the step, the ranks and
+    the first module (in backward order) with a non-finite gradient; "skip" drops that
+    step's update (its batch is consumed), records the same report and goes on."""
+    baseline_requests: int = 65536
+    """Training requests the logistic-regression baseline is fitted on at the end (the
+    first ones the run trained; 0 disables that baseline). Regenerating them dominates
+    its cost, which grows with the history length: the ``h200`` and ``gem`` presets use
+    8,192 and 4,096 (seconds on one CPU core), and the ablation rows 0."""
     ckpt_every: int = 0
     """Write a DCP checkpoint every this many steps (0: never)."""
     log_every: int = 1
@@ -389,7 +640,10 @@ class TrainConfig:
     ``fp8_e5m2``, ``mx4``), each only where its measured gradient error is within autoac's
     bound; empty: keep or recompute only. Packed regions run eagerly."""
     attention_precision: str = "bf16"
-    """"bf16" or "fp8" (FP8 attention kernels; not available yet)."""
+    """"bf16", "fp8" or "mxfp8": the sequence tower's attention through
+    ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
+    and P quantized online; the backward stays bf16). "mxfp8" is emulated on Hopper (MX
+    scales applied to bf16 operands: slower than bf16). Needs ``impl="hyperrec"``."""
     mesh: str = "auto"
     """The device mesh: "5d" (``hyperrec.parallel5d.ParallelMesh``: the dense modules are
     sharded on its dense mesh, ``replicate x fsdp``, the sharded tables on its sparse mesh;
@@ -441,6 +695,11 @@ class TrainConfig:
                     f"TrainConfig.{name}={value!r} is not available yet: it needs "
                     f"{NOT_AVAILABLE[name, value]}, which this release does not integrate"
                 )
+        if self.impl == "naive" and self.attention_precision != "bf16":
+            raise ValueError(
+                f"TrainConfig.attention_precision={self.attention_precision!r} needs "
+                "impl='hyperrec': the naive padded attention has no low-precision path"
+            )
         if not isinstance(self.fused_embeddings, bool):
             raise TypeError(
                 f"TrainConfig.fused_embeddings must be a bool, got {self.fused_embeddings!r}"
@@ -451,7 +710,10 @@ class TrainConfig:
             ("sub_batch_size", 1),
             ("window_steps", 1),
             ("warmup_steps", 0),
+            ("epochs", 0),
             ("eval_every", 0),
+            ("early_stopping_patience", 0),
+            ("baseline_requests", 0),
             ("ckpt_every", 0),
             ("log_every", 1),
             ("auc_window", 1),
@@ -473,6 +735,8 @@ class TrainConfig:
             _require_float(self, name, low=0.0, high=10.0, open_low=True)
         _require_float(self, "weight_decay", low=0.0, high=1.0)
         _require_float(self, "grad_clip", low=0.0)
+        _require_choice(self, "early_stopping_metric", tuple(EARLY_STOPPING_METRICS))
+        _require_choice(self, "nonfinite", ("stop", "skip"))
         if self.amp not in ("auto", "bf16", "off"):
             raise ValueError(f"TrainConfig.amp must be 'auto', 'bf16' or 'off', got {self.amp!r}")
         if not isinstance(self.validate_inputs, bool):
@@ -543,8 +807,8 @@ class Preset:
 
     name: str
     """Short name (used in the default output directory)."""
-    data: DataConfig
-    """The synthetic world."""
+    data: DataConfig | EventLogConfig
+    """The data source: the synthetic generator or an event log on disk."""
     model: ModelConfig
     """The network."""
     train: TrainConfig
@@ -556,7 +820,12 @@ class Preset:
         for name in ("name", "description"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"Preset.{name} must be a str, got {getattr(self, name)!r}")
-        for name, cls in (("data", DataConfig), ("model", ModelConfig), ("train", TrainConfig)):
+        if not isinstance(self.data, (DataConfig, EventLogConfig)):
+            raise TypeError(
+                f"Preset.data must be a DataConfig or an EventLogConfig, got "
+                f"{type(self.data).__name__}"
+            )
+        for name, cls in (("model", ModelConfig), ("train", TrainConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Preset.{name} must be a {cls.__name__}")
         budgets = self.train.ac_layer_budgets_gb
@@ -565,15 +834,63 @@ class Preset:
                 f"TrainConfig.ac_layer_budgets_gb must be empty or hold one entry per sequence "
                 f"layer ({self.model.seq_layers}), got {len(budgets)}"
             )
-        if self.model.block_attention_layers and self.model.attn_block_size > self.data.max_seqlen:
-            raise ValueError(
-                f"ModelConfig.attn_block_size ({self.model.attn_block_size}) exceeds "
-                f"DataConfig.max_seqlen ({self.data.max_seqlen}): block attention would be full"
-            )
+        check_model_fits(self.model, self.data.max_seqlen, type(self.data).__name__)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict of every field (``data["source"]`` names the data source)."""
+        out = dataclasses.asdict(self)
+        is_log = isinstance(self.data, EventLogConfig)
+        out["data"]["source"] = "event_log" if is_log else "synthetic"
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Preset:
+        """The preset :meth:`to_dict` described (as read back from JSON).
+
+        Raises:
+            ValueError / TypeError: a missing section, an unknown field or a bad value.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"a preset dict must be a dict, got {type(d).__name__}")
+        for section in ("data", "model", "train"):
+            if not isinstance(d.get(section), dict):
+                raise ValueError(f"a preset dict needs a {section!r} section")
+        data = dict(d["data"])
+        source = data.pop("source", "event_log" if "path" in data else "synthetic")
+        data_cls = EventLogConfig if source == "event_log" else DataConfig
+        return cls(
+            name=str(d.get("name", "preset")),
+            description=str(d.get("description", "")),
+            data=_build(data_cls, data),
+            model=_build(ModelConfig, d["model"]),
+            train=_build(TrainConfig, d["train"]),
+        )
+
+
+def check_model_fits(model: ModelConfig, max_seqlen: int, where: str = "DataSchema") -> None:
+    """Check ``model`` against the history cap ``max_seqlen`` of its data.
+
+    Raises:
+        ValueError: block attention with blocks longer than the longest history.
+    """
+    if model.block_attention_layers and model.attn_block_size > max_seqlen:
+        raise ValueError(
+            f"ModelConfig.attn_block_size ({model.attn_block_size}) exceeds "
+            f"{where}.max_seqlen ({max_seqlen}): block attention would be full"
+        )
+
+
+def _build(cls: Any, values: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}")
+    kw = {}
+    for name, value in values.items():
+        if isinstance(value, list) and str(fields[name].type).startswith("tuple"):
+            value = tuple(value)
+        kw[name] = value
+    return cls(**kw)
 
 
 def micro() -> Preset:
@@ -750,6 +1067,9 @@ def h200() -> Preset:
             log_every=20,
             auc_window=50,
             validate_inputs=False,
+            # The end-of-run logistic baseline regenerates its requests on the CPU, and
+            # 4k-event histories dominate that: 8,192 requests keep it to seconds.
+            baseline_requests=8192,
         ),
     )
 
@@ -813,6 +1133,9 @@ def gem() -> Preset:
             mlp_precision="mxfp8",
             optimizer_impl="fused",
             data_workers=8,
+            # As h200's: histories of mean ~800 events make each request costly to
+            # regenerate for the end-of-run logistic baseline; 4,096 keep it to seconds.
+            baseline_requests=4096,
         ),
     )
 
@@ -870,6 +1193,10 @@ def _parse_value(raw: str, annotation: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected comma-separated numbers, got {raw!r}") from None
     if annotation in ("tuple[str, ...]",):
         return tuple(v.strip() for v in raw.split(",") if v.strip())
+    if annotation in ("float | None",):
+        if raw.lower() in ("", "none"):
+            return None
+        return _parse_value(raw, float, where)
     return raw
 
 

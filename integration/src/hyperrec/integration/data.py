@@ -1,23 +1,19 @@
-"""Synthetic ranking data with a hidden ground truth, and the jagged :class:`Batch`.
+"""The data-source protocol, the jagged :class:`Batch`, and the synthetic generator.
 
-Each sample is a *request*: a user, that user's history of events (item, action,
-timestamp; jagged, power-law length) and 1 to ``max_candidates`` candidate items with a
-click label and a conversion label. Labels come from a fixed hidden model in which
-personalisation dominates, so a model that reads the history beats item popularity:
+**The protocol** (:class:`DataSource`): what the trainer calls to get data. A source
+serves *requests* (one user, that user's jagged history, one or more candidate items
+with labels) by split and index: ``batch(split, ids)`` for any ids, in any order, on any
+rank, the same every time. Random access is what lets ranks read disjoint shards
+without communicating, Base Batch Shuffling plan steps from ``history_lengths`` alone,
+and a resumed run replay exactly what it would have read. Two sources implement it:
+:class:`SyntheticRecsysData` below and
+:class:`~hyperrec.integration.eventlog.EventLogSource` (CSV / Parquet interaction logs).
 
-- items belong to topics (``topic = item % num_topics``); an item's latent vector is its
-  topic's random unit centroid plus item-specific noise;
-- a user has two favourite topics (long-term preference) and each request has a
-  *session topic* that dominates the most recent events (short-term interest);
-- the true click logit of a candidate ``c`` is::
-
-      base + interest_strength * <I, v_c> + preference_strength * <p_user, v_c>
-           + item_bias[c] + user_bias + noise
-
-  where ``I`` is the history's mean item latent weighted by action (view 0.5, click 1,
-  conversion 2, skip -1) and recency ``exp(-age / 1 h)``;
-- a conversion needs a click; its logit is ``base_cvr + 2 <I, v_c> + cvr_bias[c] + noise``.
-
+**The generator**: each sample is a *request*: a user, that user's history of events
+(item, action, timestamp; jagged, power-law length) and 1 to ``max_candidates``
+candidate items with a click label and a conversion label. Labels come from a fixed
+hidden model in which personalisation dominates, so a model that reads the history
+beats item popularity:
 Determinism: every random quantity is a counter-based hash of ``(seed, split, field,
 sample index, position)`` (splitmix64), so any sample can be regenerated alone, in any
 batch composition, on any rank, with no state and no communication. This is what
@@ -26,44 +22,95 @@ makes resume exact and lets ranks generate their own shards.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from hyperrec.integration.config import DataConfig
+from hyperrec.integration.config import ACTIONS, DENSE_FEATURES, DataConfig, DataSchema
 
 __all__ = [
     "ACTIONS",
     "DENSE_FEATURES",
     "EVAL",
+    "SPLITS",
+    "TEST",
     "TRAIN",
+    "VALID",
     "Batch",
+    "DataSource",
     "SyntheticRecsysData",
 ]
 
 TRAIN = 0
-"""Split id of the training stream (indices 0, 1, 2, ... without end)."""
-EVAL = 1
-"""Split id of the held-out evaluation set (indices ``0 .. eval_requests - 1``)."""
+"""Split id of the training requests."""
+VALID = 1
+"""Split id of the validation requests (scored every ``eval_every`` steps)."""
+EVAL = VALID
+"""The validation split's former name (the generator's held-out set)."""
+TEST = 2
+"""Split id of the test requests (scored once, at the end of a run)."""
+SPLITS = {TRAIN: "train", VALID: "validation", TEST: "test"}
+"""Split id -> name."""
 
-ACTIONS = ("view", "click", "conversion", "skip")
-"""History action types; the index is the id in ``Batch.history_actions``."""
+
+@runtime_checkable
+class DataSource(Protocol):
+    """What the trainer needs from a data source (a structural type: no base class).
+
+    Requests are addressed by ``(split, index)``, ``split`` in :data:`SPLITS` and
+    ``0 <= index < num_requests(split)``. Every method must be deterministic: the same
+    ids give the same :class:`Batch` on every call, rank and process. The trainer owns
+    the *position* in the data (the epoch, the next sub-batch of every rank, the Base
+    Batch Shuffling window); it checkpoints that with the model, so a resumed run
+    continues with exactly the requests an uninterrupted one would have read, for any
+    source. A source's own :meth:`state_dict` identifies its data, so that resuming
+    against other data fails instead of silently training on it.
+    """
+
+    @property
+    def schema(self) -> DataSchema:
+        """Vocabulary sizes, dense width, history cap and tasks (the model is built from it)."""
+        ...
+
+    def num_requests(self, split: int) -> int | None:
+        """Requests in ``split``; ``None`` for an endless training stream."""
+        ...
+
+    def history_lengths(self, split: int, ids: np.ndarray) -> np.ndarray:
+        """int64 [len(ids)] history lengths (cheap: Base Batch Shuffling costs steps by them)."""
+        ...
+
+    def batch(self, split: int, ids: np.ndarray) -> Batch:
+        """The requests ``ids`` of ``split`` as one CPU :class:`Batch` (``sample_ids = ids``)."""
+        ...
+
+    def truth(self, split: int, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """True (P(click), P(conversion | click)) per candidate where the source knows them
+        (a generator), else ``None``: the ground-truth row is reported only when it exists."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What identifies this source's data (picklable); saved with every checkpoint."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check (or restore) a state saved by :meth:`state_dict`.
+
+        Raises:
+            ValueError: the state describes other data.
+        """
+        ...
+
+
 _ACTION_WEIGHT = np.array([0.5, 1.0, 2.0, -1.0])
 # Events on a topic the user likes are clicked/converted more and skipped less; this
 # is what makes the action feature informative.
 _ACTION_P_LIKED = np.array([0.35, 0.40, 0.15, 0.10])
 _ACTION_P_OTHER = np.array([0.55, 0.12, 0.03, 0.30])
-
-DENSE_FEATURES = (
-    "log_history_length",
-    "history_click_rate",
-    "user_ctr_estimate",
-    "hour_sin",
-    "hour_cos",
-)
-"""Names of the columns of ``Batch.dense``."""
 
 _EPOCH = 1_700_000_000  # request timestamps start here (seconds)
 _SECONDS_PER_REQUEST = 7
@@ -153,6 +200,7 @@ class Batch:
     """A batch of ``B`` requests in jagged layout (all tensors on one device).
 
     ``T`` = total history events, ``C`` = total candidates, ``G`` = total user tags.
+    Vocabularies and widths are the source's :class:`~hyperrec.integration.config.DataSchema`.
     Offsets are int64, length ``B + 1``, start at 0, non-decreasing; request ``b`` owns
     rows ``offsets[b]:offsets[b + 1]`` of its jagged fields. Histories are in
     chronological order (oldest first).
@@ -161,35 +209,37 @@ class Batch:
     sample_ids: torch.Tensor
     """int64 [B]: index of each request in its split (for exact-resume bookkeeping)."""
     user_ids: torch.Tensor
-    """int64 [B]: raw user ids (the model hashes them into its table)."""
+    """int64 [B]: non-negative user ids (the model hashes them into its table; GAUC
+    groups impressions by them)."""
     request_time: torch.Tensor
     """int64 [B]: request timestamp, seconds."""
     dense: torch.Tensor
-    """float32 [B, len(DENSE_FEATURES)]: dense features, see :data:`DENSE_FEATURES`."""
+    """float32 [B, schema.num_dense]: dense features (the generator's: :data:`DENSE_FEATURES`)."""
     tag_offsets: torch.Tensor
     """int64 [B + 1]: offsets of the multi-hot user-tag feature."""
     tags: torch.Tensor
-    """int64 [G]: user-tag ids in ``[0, num_topics)``."""
+    """int64 [G]: user-tag ids in ``[0, schema.num_tags)``."""
     history_offsets: torch.Tensor
     """int64 [B + 1]: offsets of the history events."""
     history_items: torch.Tensor
-    """int64 [T]: item ids in ``[0, num_items)``."""
+    """int64 [T]: item ids in ``[0, schema.num_items)``."""
     history_categories: torch.Tensor
-    """int64 [T]: the category (topic) of each history item, in ``[0, num_topics)``."""
+    """int64 [T]: the category of each history item, in ``[0, schema.num_categories)``."""
     history_actions: torch.Tensor
-    """int64 [T]: action ids in ``[0, len(ACTIONS))``."""
+    """int64 [T]: action ids in ``[0, schema.num_actions)``."""
     history_time: torch.Tensor
     """int64 [T]: event timestamps, seconds, <= the request's ``request_time``."""
     candidate_offsets: torch.Tensor
     """int64 [B + 1]: offsets of the candidates (every request has at least one)."""
     candidate_items: torch.Tensor
-    """int64 [C]: candidate item ids in ``[0, num_items)``."""
+    """int64 [C]: candidate item ids in ``[0, schema.num_items)``."""
     candidate_categories: torch.Tensor
-    """int64 [C]: the category (topic) of each candidate, in ``[0, num_topics)``."""
+    """int64 [C]: the category of each candidate, in ``[0, schema.num_categories)``."""
     click: torch.Tensor
     """float32 [C]: click label in {0, 1}."""
     conversion: torch.Tensor
-    """float32 [C]: conversion label in {0, 1}; 1 only where ``click`` is 1."""
+    """float32 [C]: conversion label in {0, 1}; 1 only where ``click`` is 1 (all 0 for a
+    CTR-only source)."""
     max_history_len: int
     """Longest history in the batch (a host int, so attention needs no device sync)."""
 
@@ -216,8 +266,19 @@ class Batch:
             kw[f.name] = v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
         return Batch(**kw)
 
-    def validate(self, *, num_items: int, num_topics: int) -> None:
+    def validate(
+        self,
+        schema: DataSchema | None = None,
+        *,
+        num_items: int | None = None,
+        num_topics: int | None = None,
+    ) -> None:
         """Check structure, ranges and finiteness; costs a few host syncs on GPU.
+
+        Args:
+            schema: the vocabularies and dense width to check against. Without it,
+                ``num_items`` and ``num_topics`` (categories and tags) give the
+                vocabularies and the synthetic generator's actions and dense width apply.
 
         Raises:
             ValueError: empty batch; offsets of the wrong length, not starting at 0, not
@@ -227,6 +288,19 @@ class Batch:
                 conversion without a click; ``max_history_len`` not the true maximum.
             TypeError: a field with the wrong dtype or rank.
         """
+        if schema is None:
+            if num_items is None or num_topics is None:
+                raise TypeError("validate needs a schema, or num_items and num_topics")
+            schema = DataSchema(
+                num_items=num_items,
+                num_categories=num_topics,
+                num_tags=num_topics,
+                actions=ACTIONS,
+                dense_features=DENSE_FEATURES,
+                max_seqlen=max(1, self.max_history_len),
+            )
+        elif not isinstance(schema, DataSchema):
+            raise TypeError(f"schema must be a DataSchema, got {type(schema).__name__}")
         b = self.num_requests
         if b == 0:
             raise ValueError("batch is empty: it must hold at least one request")
@@ -243,9 +317,9 @@ class Batch:
         for name in ("user_ids", "request_time"):
             if getattr(self, name).shape[0] != b:
                 raise ValueError(f"Batch.{name} has {getattr(self, name).shape[0]} rows, not B={b}")
-        if tuple(self.dense.shape) != (b, len(DENSE_FEATURES)):
+        if tuple(self.dense.shape) != (b, schema.num_dense):
             raise ValueError(
-                f"Batch.dense must have shape ({b}, {len(DENSE_FEATURES)}), "
+                f"Batch.dense must have shape ({b}, {schema.num_dense}), "
                 f"got {tuple(self.dense.shape)}"
             )
         jagged = (
@@ -280,12 +354,12 @@ class Batch:
         if bool((self.candidate_offsets.diff() == 0).any()):
             raise ValueError("every request needs at least one candidate (Batch.candidate_offsets)")
         for name, high in (
-            ("history_items", num_items),
-            ("candidate_items", num_items),
-            ("history_actions", len(ACTIONS)),
-            ("history_categories", num_topics),
-            ("candidate_categories", num_topics),
-            ("tags", num_topics),
+            ("history_items", schema.num_items),
+            ("candidate_items", schema.num_items),
+            ("history_actions", schema.num_actions),
+            ("history_categories", schema.num_categories),
+            ("candidate_categories", schema.num_categories),
+            ("tags", schema.num_tags),
         ):
             v = getattr(self, name)
             if v.numel() and (int(v.min()) < 0 or int(v.max()) >= high):
@@ -307,6 +381,13 @@ class Batch:
             raise ValueError("Batch.conversion is 1 where click is 0 (a conversion needs a click)")
 
 
+def _check_split(split: Any) -> None:
+    if isinstance(split, bool) or split not in SPLITS:
+        raise ValueError(
+            f"split must be TRAIN ({TRAIN}), VALID ({VALID}) or TEST ({TEST}), got {split!r}"
+        )
+
+
 def _segment_ids(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(owner row of every jagged element, its position inside its row)."""
     lengths = np.diff(offsets)
@@ -318,7 +399,10 @@ def _segment_ids(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class SyntheticRecsysData:
     """Generator of requests and their ground truth for one :class:`DataConfig`.
 
-    Stateless apart from a few small tables built from ``config.seed``; thread-safe.
+    A :class:`DataSource`: the training split is endless (``num_requests(TRAIN)`` is
+    ``None``); validation and test hold ``config.eval_requests`` requests each; the
+    ground truth is known (:meth:`truth`). Stateless apart from a few small tables
+    built from ``config.seed``; thread-safe.
     """
 
     def __init__(self, config: DataConfig):
@@ -368,6 +452,43 @@ class SyntheticRecsysData:
         other = self._popular_topic(u_topic)
         return np.where(u < p_session, session, np.where(u < p_session + p_favourite, fav, other))
 
+    # -- the DataSource protocol --------------------------------------------------------
+    @property
+    def schema(self) -> DataSchema:
+        """The config's schema (CTR and CVR labels)."""
+        return self.config.schema
+
+    def num_requests(self, split: int) -> int | None:
+        """``None`` for :data:`TRAIN` (endless), ``eval_requests`` for the held-out splits.
+
+        Raises:
+            ValueError: unknown split.
+        """
+        _check_split(split)
+        return None if split == TRAIN else self.config.eval_requests
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"source": "synthetic", "config": {...}}``: the generator's whole definition."""
+        return {"source": "synthetic", "config": dataclasses.asdict(self.config)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Check that ``state`` describes this generator.
+
+        Raises:
+            ValueError: another source or another config (the differing fields are named).
+        """
+        if not isinstance(state, dict) or state.get("source") != "synthetic":
+            raise ValueError(
+                f"the saved data source is not the synthetic generator: {state!r:.200}"
+            )
+        mine = dataclasses.asdict(self.config)
+        diff = sorted(k for k in mine if state["config"].get(k) != mine[k])
+        if diff:
+            raise ValueError(
+                "the saved synthetic data differs in "
+                + ", ".join(f"{k}={state['config'].get(k)!r} (now {mine[k]!r})" for k in diff)
+            )
+
     # -- requests -----------------------------------------------------------------------
     def history_lengths(self, split: int, ids: np.ndarray) -> np.ndarray:
         """int64 history length of each request ``ids`` of ``split`` (cheap: for BBS costs)."""
@@ -378,10 +499,10 @@ class SyntheticRecsysData:
         return np.minimum(c.min_seqlen + np.floor(extra), c.max_seqlen).astype(np.int64)
 
     def batch(self, split: int, ids: np.ndarray | list[int]) -> Batch:
-        """The requests ``ids`` of ``split`` (:data:`TRAIN` or :data:`EVAL`) as a CPU batch.
+        """The requests ``ids`` of ``split`` (:data:`TRAIN`, :data:`VALID`, :data:`TEST`).
 
         Raises:
-            ValueError: empty ``ids``, negative ids, eval ids past ``eval_requests``,
+            ValueError: empty ``ids``, negative ids, held-out ids past ``eval_requests``,
                 unknown split.
         """
         return self._generate(split, ids)[0]
@@ -402,15 +523,17 @@ class SyntheticRecsysData:
 
     def _generate(self, split: int, ids) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
-        if split not in (TRAIN, EVAL):
-            raise ValueError(f"split must be TRAIN ({TRAIN}) or EVAL ({EVAL}), got {split!r}")
+        _check_split(split)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("ids is empty: a batch needs at least one request")
         if ids.min() < 0:
             raise ValueError("ids must be non-negative")
-        if split == EVAL and ids.max() >= c.eval_requests:
-            raise ValueError(f"eval ids must be < eval_requests ({c.eval_requests})")
+        if split != TRAIN and ids.max() >= c.eval_requests:
+            raise ValueError(
+                f"{SPLITS[split]} ids must be < eval_requests ({c.eval_requests}), "
+                f"got {int(ids.max())}"
+            )
         s = c.seed
         b = ids.shape[0]
 

@@ -108,10 +108,19 @@ def init_distributed(
     if world > 1:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(
-            backend="nccl" if dev.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        store = _elastic_attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=world,
+                timeout=timeout,
+            )
         return DistributedContext(
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
@@ -125,6 +134,28 @@ def init_distributed(
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=True)
     return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=False)
+
+
+def _elastic_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under ``torchrun --max-restarts``: the agent's store, prefixed by the attempt.
+
+    A restarted attempt reuses the elastic agent's store, where the previous attempt's
+    process-group keys (peer addresses) are still present; with gloo the new workers
+    then try to connect to dead peers and hang (seen with torch 2.13 and
+    ``--standalone``). A key prefix per attempt keeps each attempt's rendezvous apart.
+    None outside torchelastic (the default ``env://`` initialisation is used).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"hyperrec/attempt_{attempt}", store)
 
 
 def build_mesh(ctx: DistributedContext, *, replicate: int = 0, sparse_replicate: int = 0) -> Any:
@@ -207,6 +238,7 @@ def parallelize(
         if sub is not None:
             fully_shard(sub, mesh=mesh)
     for sub in (model.interaction, model.mlp, model.ctr_head, model.cvr_head):
-        fully_shard(sub, mesh=mesh)
+        if sub is not None:  # no CVR head for a CTR-only schema
+            fully_shard(sub, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

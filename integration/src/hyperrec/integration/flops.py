@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hyperrec.integration.config import DataConfig, ModelConfig
-from hyperrec.integration.data import DENSE_FEATURES, Batch
+from hyperrec.integration.config import DataConfig, DataSchema, ModelConfig
+from hyperrec.integration.data import Batch
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -185,7 +185,7 @@ class _Counter:
 
 def model_flops(
     model: ModelConfig,
-    data: DataConfig,
+    data: DataSchema | DataConfig,
     history_lengths: np.ndarray | Sequence[int],
     candidate_counts: np.ndarray | Sequence[int],
 ) -> FlopCount:
@@ -195,7 +195,8 @@ def model_flops(
     ``sequence_linear`` (each layer's ``4d`` projection and output projection),
     ``attention_block`` / ``attention_full`` (the sequence layers' attention),
     ``pma``, ``cross_attention`` (projections and attention), ``dense_features``,
-    ``dcn``, ``mlp``, ``heads``.
+    ``dcn``, ``mlp``, ``heads`` (one head per task of ``data``'s schema: CTR, and CVR
+    where the data has conversions).
 
     Raises:
         ValueError: lengths and counts of different sizes, or negative values.
@@ -209,6 +210,7 @@ def model_flops(
         )
     if (lens < 0).any() or (cands < 0).any():
         raise ValueError("history_lengths and candidate_counts must be non-negative")
+    schema = data.schema if isinstance(data, DataConfig) else data
     d, e = model.dim, model.table_dim
     b, t, c = lens.shape[0], float(lens.sum()), float(cands.sum())
     f = _Counter()
@@ -232,7 +234,7 @@ def model_flops(
     f.gemm("cross_attention", t, d, 2 * d)
     f.attention("cross_attention", int((cands * lens).sum()), d)
     f.gemm("cross_attention", c, d, d)
-    f.gemm("dense_features", b, len(DENSE_FEATURES), d, input_grad=False)
+    f.gemm("dense_features", b, schema.num_dense, d, input_grad=False)
     width = 4 * e + (3 if model.pma_queries else 2) * d
     for _ in range(model.cross_layers):
         r = model.cross_rank
@@ -245,14 +247,14 @@ def model_flops(
     for k_in, n_out in zip(widths[:-1], widths[1:]):
         f.gemm("mlp", c, k_in, n_out)
     head = [model.mlp_dims[-1], *model.head_dims]
-    for _ in range(2):  # CTR and CVR
+    for _ in schema.tasks:  # CTR, and CVR when the data has conversions
         for k_in, n_out in zip(head[:-1], head[1:]):
             f.gemm("heads", c, k_in, n_out)
         f.gemm("heads", c, head[-1], 1)
     return FlopCount(forward=f.forward, training=f.training)
 
 
-def batch_flops(model: ModelConfig, data: DataConfig, batch: Batch) -> FlopCount:
+def batch_flops(model: ModelConfig, data: DataSchema | DataConfig, batch: Batch) -> FlopCount:
     """:func:`model_flops` of a CPU ``batch``."""
     shape = StepShape.from_batch(batch)
     return model_flops(model, data, shape.history_lengths, shape.candidate_counts)

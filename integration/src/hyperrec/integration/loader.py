@@ -3,8 +3,10 @@
 The training step must not wait for its input. :class:`StepLoader` takes the BBS plans of
 a :class:`~hyperrec.integration.pipeline.TrainStream` (which requests each step trains
 on; cheap, decided in the main process so the stream stays checkpointable) and builds
-the batches in ``torch.utils.data.DataLoader`` worker processes (the synthetic
-generator is a pure function of the request index, so a worker needs nothing else).
+the batches in ``torch.utils.data.DataLoader`` worker processes (a
+:class:`~hyperrec.integration.data.DataSource` serves any request ids in any process:
+the synthetic generator is a pure function of the request index, an event log a
+memory-mapped file, so a worker needs nothing else).
 Each batch is validated once, there, on the CPU (:func:`validate_batch`: offsets, id
 ranges, NaN, the history cap), so the model can call its attention ops without
 validation and the device step never reads device values. On CUDA the batch comes back
@@ -28,27 +30,41 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hyperrec.integration.config import DataConfig
-from hyperrec.integration.data import TRAIN, Batch, SyntheticRecsysData
+from hyperrec.integration.config import DataConfig, DataSchema
+from hyperrec.integration.data import TRAIN, Batch, DataSource
 from hyperrec.integration.pipeline import StepPlan, TrainStream
 
 __all__ = ["LoadedStep", "StepLoader", "validate_batch"]
 
 
-def validate_batch(batch: Batch, data: DataConfig) -> None:
-    """:meth:`Batch.validate` against ``data``'s vocabularies, plus the history cap.
+def validate_batch(batch: Batch, data: DataSchema | DataConfig) -> None:
+    """:meth:`Batch.validate` against ``data``'s schema, plus the history and candidate caps.
 
     Meant for CPU batches at loading time (on device tensors it would synchronise).
 
+    Args:
+        batch: the batch.
+        data: the source's :class:`~hyperrec.integration.config.DataSchema` (or a
+            synthetic ``DataConfig``, whose ``schema`` is used; messages name what was
+            given).
+
     Raises:
         ValueError / TypeError: see :meth:`Batch.validate`; or a history longer than
-            ``data.max_seqlen``.
+            ``max_seqlen``, or a request with more than ``max_candidates`` candidates.
     """
-    batch.validate(num_items=data.num_items, num_topics=data.num_topics)
-    if batch.max_history_len > data.max_seqlen:
+    where = type(data).__name__
+    schema = data.schema if isinstance(data, DataConfig) else data
+    batch.validate(schema)
+    if batch.max_history_len > schema.max_seqlen:
         raise ValueError(
             f"Batch.max_history_len = {batch.max_history_len} exceeds "
-            f"DataConfig.max_seqlen = {data.max_seqlen}"
+            f"{where}.max_seqlen = {schema.max_seqlen}"
+        )
+    most = int(batch.candidate_offsets.diff().max()) if batch.num_requests else 0
+    if most > schema.max_candidates:
+        raise ValueError(
+            f"Batch.candidate_offsets: a request has {most} candidates, more than "
+            f"{where}.max_candidates = {schema.max_candidates}"
         )
 
 
@@ -74,14 +90,15 @@ class _Built:
 class _PlanDataset(Dataset):
     """Item ``(seq, plan)`` -> the plan's batch, validated when asked."""
 
-    def __init__(self, data: SyntheticRecsysData, validate: bool):
+    def __init__(self, data: DataSource, validate: bool):
         self.data, self.validate = data, validate
+        self.schema = data.schema
 
     def __getitem__(self, item: tuple[int, StepPlan]) -> _Built:  # type: ignore[override]
         seq, plan = item
         batch = self.data.batch(TRAIN, plan.requests)
         if self.validate:
-            validate_batch(batch, self.data.config)
+            validate_batch(batch, self.schema)
         return _Built(seq, plan, batch)
 
 

@@ -1,4 +1,4 @@
-"""Ranking metrics: exact AUC, normalised entropy, calibration, and a sliding-window AUC.
+"""Ranking metrics: exact AUC, GAUC, normalised entropy, calibration, a sliding-window AUC.
 
 All functions take 1-D tensors of equal length, compute in float64 on the CPU and return
 Python floats. Probabilities are clamped to ``[1e-7, 1 - 1e-7]`` inside log-losses.
@@ -15,6 +15,7 @@ __all__ = [
     "WindowedAUC",
     "auc",
     "calibration",
+    "gauc",
     "log_loss",
     "normalized_entropy",
     "task_metrics",
@@ -136,48 +137,142 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
     return float(p.sum()) / positives if positives > 0 else math.nan
 
 
+def gauc(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> float:
+    """Group AUC: the AUC within each group (user), averaged with impression weights.
+
+    ``sum_g n_g AUC_g / sum_g n_g`` over the groups that hold both a positive and a
+    negative (others have no AUC and are left out), with ``n_g`` the group's
+    impressions. Each ``AUC_g`` is exact with ties counted one half, as :func:`auc`.
+    O(n log n).
+
+    Args:
+        scores: [n] real scores.
+        labels: [n] values in {0, 1}.
+        groups: [n] integer group ids (e.g. user ids).
+
+    Returns:
+        The GAUC, or NaN when no group holds both classes.
+
+    Raises:
+        TypeError: non-tensor inputs.
+        ValueError: as :func:`auc`; ``groups`` of another shape or not integers.
+    """
+    s, y = _pair(scores, labels, "gauc")
+    if not torch.is_tensor(groups):
+        raise TypeError("gauc: groups must be a tensor")
+    if groups.shape != scores.shape or groups.dtype.is_floating_point or groups.is_complex():
+        raise ValueError(
+            f"gauc: groups must be integers of the scores' shape {tuple(scores.shape)}, got "
+            f"{groups.dtype} {tuple(groups.shape)}"
+        )
+    if s.numel() == 0:
+        return math.nan
+    g = groups.detach().to("cpu", torch.int64)
+    # Sort by (group, score): stable sorts, the last key first.
+    order = torch.argsort(s, stable=True)
+    order = order[torch.argsort(g[order], stable=True)]
+    g, s, y = g[order], s[order], y[order]
+    n = g.numel()
+    idx = torch.arange(n, dtype=torch.float64)
+    new_group = torch.ones(n, dtype=torch.bool)
+    new_group[1:] = g[1:] != g[:-1]
+    new_run = new_group.clone()
+    new_run[1:] |= s[1:] != s[:-1]
+    group_id = new_group.cumsum(0) - 1
+    run_id = new_run.cumsum(0) - 1
+    group_start = idx[new_group][group_id]
+    run_first = idx[new_run]
+    run_last = torch.cat([run_first[1:] - 1.0, torch.tensor([n - 1.0], dtype=torch.float64)])
+    # 1-based rank inside the group, ties sharing the mean of the ranks they span.
+    rank = (run_first[run_id] + run_last[run_id]) / 2.0 - group_start + 1.0
+    ng = int(group_id[-1]) + 1
+    pos = torch.zeros(ng, dtype=torch.float64).index_add_(0, group_id, y)
+    size = torch.zeros(ng, dtype=torch.float64).index_add_(0, group_id, torch.ones_like(y))
+    rank_pos = torch.zeros(ng, dtype=torch.float64).index_add_(0, group_id, rank * y)
+    neg = size - pos
+    ok = (pos > 0) & (neg > 0)
+    if not bool(ok.any()):
+        return math.nan
+    per_group = (rank_pos[ok] - pos[ok] * (pos[ok] + 1.0) / 2.0) / (pos[ok] * neg[ok])
+    return float((per_group * size[ok]).sum() / size[ok].sum())
+
+
 def task_metrics(
-    p_ctr: torch.Tensor, p_cvr: torch.Tensor, click: torch.Tensor, conversion: torch.Tensor
+    p_ctr: torch.Tensor,
+    p_cvr: torch.Tensor | None,
+    click: torch.Tensor,
+    conversion: torch.Tensor | None,
+    users: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Metrics of both tasks from per-impression predictions and labels (all [n]).
+    """Metrics of the tasks from per-impression predictions and labels (all [n]).
 
     CTR metrics are over every impression. CVR (P(conversion | click)) metrics are over
     clicked impressions only, the population where the task is defined; CTCVR metrics
     score ``p_ctr * p_cvr`` against conversions over every impression (the ESMM view).
 
+    Args:
+        p_ctr, click: CTR predictions and labels.
+        p_cvr, conversion: CVR predictions and conversion labels; ``None`` for a
+            CTR-only model (the CVR entries are then left out).
+        users: int [n] user of each impression, for ``ctr_gauc``; ``None`` leaves it out.
+
     Returns:
-        ``{"ctr_auc", "ctr_ne", "ctr_calibration", "cvr_auc", "cvr_ne", "ctcvr_auc"}``
-        (NaN where a population lacks a class).
+        ``{"ctr_auc", "ctr_gauc", "ctr_ne", "ctr_calibration", "cvr_auc", "cvr_ne",
+        "ctcvr_auc"}`` as available (NaN where a population lacks a class).
 
     Raises:
-        TypeError: non-tensor or complex inputs.
+        TypeError: non-tensor or complex inputs (``conversion`` None while ``p_cvr`` is
+            given).
         ValueError: inputs not 1-D of one length, non-finite predictions, predictions
-            outside [0, 1], labels not in {0, 1}. All checked before any metric.
+            outside [0, 1], labels not in {0, 1}, ``users`` not integers of that length.
+            All checked before any metric.
     """
     _pair(p_ctr, click, "task_metrics", "p_ctr", "click")
-    _pair(p_cvr, conversion, "task_metrics", "p_cvr", "conversion")
-    if p_ctr.shape != p_cvr.shape:
-        raise ValueError(
-            f"task_metrics: p_ctr and p_cvr must have one length, got {tuple(p_ctr.shape)} "
-            f"and {tuple(p_cvr.shape)}"
-        )
-    for arg, p in (("p_ctr", p_ctr), ("p_cvr", p_cvr)):
+    probs = [("p_ctr", p_ctr)]
+    if p_cvr is not None:
+        if conversion is None:
+            raise TypeError(
+                "task_metrics: conversion must be a tensor when p_cvr is given, got None"
+            )
+        _pair(p_cvr, conversion, "task_metrics", "p_cvr", "conversion")
+        if p_ctr.shape != p_cvr.shape:
+            raise ValueError(
+                f"task_metrics: p_ctr and p_cvr must have one length, got "
+                f"{tuple(p_ctr.shape)} and {tuple(p_cvr.shape)}"
+            )
+        probs.append(("p_cvr", p_cvr))
+    for arg, p in probs:
         if bool(((p < 0) | (p > 1)).any()):
             raise ValueError(f"task_metrics: {arg} must lie in [0, 1]")
+    if users is not None:
+        if not torch.is_tensor(users):
+            raise TypeError(f"task_metrics: users must be a tensor, got {type(users).__name__}")
+        if users.shape != p_ctr.shape or users.dtype.is_floating_point or users.is_complex():
+            raise ValueError(
+                f"task_metrics: users must be integers of p_ctr's shape {tuple(p_ctr.shape)}, "
+                f"got {users.dtype} {tuple(users.shape)}"
+            )
+    out = {
+        "ctr_auc": auc(p_ctr, click),
+        "ctr_ne": normalized_entropy(p_ctr, click),
+        "ctr_calibration": calibration(p_ctr, click),
+    }
+    if users is not None:
+        out["ctr_gauc"] = gauc(p_ctr, click, users)
+    if p_cvr is None or conversion is None:
+        return out
     clicked = click.detach().to("cpu") == 1
     cvr_scores, cvr_labels = (
         p_cvr.detach().to("cpu")[clicked],
         conversion.detach().to("cpu")[clicked],
     )
     has_clicks = bool(clicked.any())
-    return {
-        "ctr_auc": auc(p_ctr, click),
-        "ctr_ne": normalized_entropy(p_ctr, click),
-        "ctr_calibration": calibration(p_ctr, click),
-        "cvr_auc": auc(cvr_scores, cvr_labels) if has_clicks else math.nan,
-        "cvr_ne": normalized_entropy(cvr_scores, cvr_labels) if has_clicks else math.nan,
-        "ctcvr_auc": auc(p_ctr * p_cvr, conversion),
-    }
+    out.update(
+        cvr_auc=auc(cvr_scores, cvr_labels) if has_clicks else math.nan,
+        cvr_ne=normalized_entropy(cvr_scores, cvr_labels) if has_clicks else math.nan,
+        ctcvr_auc=auc(p_ctr * p_cvr, conversion),
+    )
+    return out
 
 
 class WindowedAUC:

@@ -44,14 +44,17 @@ from torch import nn
 
 from hyperrec.integration import naive
 from hyperrec.integration.config import (
+    ATTENTION_PRECISIONS,
     COMPILE_MODES,
     IMPLS,
     MLP_PRECISIONS,
     DataConfig,
+    DataSchema,
+    EventLogConfig,
     ModelConfig,
     Preset,
 )
-from hyperrec.integration.data import ACTIONS, DENSE_FEATURES, Batch
+from hyperrec.integration.data import Batch
 from hyperrec.integration.naive import JaggedLayout
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
 
@@ -96,7 +99,7 @@ the action and time-bucket tables (a few rows) stay dense."""
 
 def sharded_tables(
     model: ModelConfig,
-    data: DataConfig,
+    data: DataSchema | DataConfig,
     *,
     mesh: Any = None,
     shard_axis: str | int = -1,
@@ -260,10 +263,18 @@ class SequenceBlock(nn.Module):
         validate: bool = True,
         impl: str = "hyperrec",
         compile: str = "off",
+        precision: str = "bf16",
     ):
         super().__init__()
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
+        _check_choice("precision", precision, ATTENTION_PRECISIONS)
+        if impl == "naive" and precision != "bf16":
+            raise ValueError(
+                f"precision={precision!r} needs impl='hyperrec': the naive padded attention "
+                "has no low-precision path"
+            )
+        self.precision = precision
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
         self.impl, self.compile_mode = impl, compile
@@ -312,10 +323,19 @@ class SequenceBlock(nn.Module):
                 causal=True,
                 scale=scale,
                 validate=self.validate,
+                precision=self.precision,
             )
         if self.activation == "softmax":
             return jagged_attention(
-                q, k, v, offsets, max_seqlen, causal=True, scale=scale, validate=self.validate
+                q,
+                k,
+                v,
+                offsets,
+                max_seqlen,
+                causal=True,
+                scale=scale,
+                validate=self.validate,
+                precision=self.precision,
             )
         return gdpa(
             q,
@@ -330,6 +350,7 @@ class SequenceBlock(nn.Module):
             causal=True,
             output_scale=1.0 / self.max_seqlen,
             validate=self.validate,
+            precision=self.precision,
         )
 
     def forward(
@@ -514,14 +535,15 @@ class TaskHead(nn.Module):
         return (self.mlp(h) @ self.weight.to(h.dtype)).float() + self.bias
 
 
-def _table_rows(model: ModelConfig, data: DataConfig) -> dict[str, int]:
+def _table_rows(model: ModelConfig, data: DataSchema | DataConfig) -> dict[str, int]:
+    schema = data.schema if isinstance(data, DataConfig) else data
     return {
-        "item_embedding": data.num_items,
-        "category_embedding": data.num_topics,
-        "action_embedding": len(ACTIONS),
+        "item_embedding": schema.num_items,
+        "category_embedding": schema.num_categories,
+        "action_embedding": schema.num_actions,
         "time_embedding": model.time_buckets,
         "user_embedding": model.user_hash_size,
-        "tag_embedding": data.num_topics,
+        "tag_embedding": schema.num_tags,
     }
 
 
@@ -600,7 +622,8 @@ class GEMModel(nn.Module):
 
     Args:
         model: the network's sizes.
-        data: vocabularies (items, topics/categories) and the history cap.
+        data: the input schema (vocabularies, dense width, history cap, tasks), or a
+            synthetic :class:`~hyperrec.integration.config.DataConfig` (its ``schema``).
         validate: let the attention ops check offsets and maxima (host syncs on GPU).
             The trainer validates each batch once on the CPU instead and passes False.
         impl: "hyperrec" (:mod:`hyperrec.jagged_attn` on jagged tokens) or "naive"
@@ -614,22 +637,28 @@ class GEMModel(nn.Module):
             + output projection, the DCN stack).
         mlp_precision: "bf16" or "mxfp8" (the interaction MLP's linears of at least
             4,096 features become ``hyperrec.mxfp8.MXLinear`` with 128-element blocks).
+        attention_precision: "bf16", "fp8" or "mxfp8": the sequence tower's attention
+            runs ``hyperrec.jagged_attn``'s ``precision=`` path (block-quantized Q/K/V, P
+            quantized online, bf16 backward); PMA and the candidate attention stay bf16.
+            Needs ``impl="hyperrec"``.
         sharded: a :func:`sharded_tables` collection holding the item, category, user
             and tag tables (then ``fused_embeddings`` applies to no table: the action and
             time-bucket tables stay two small ``nn.Embedding`` s); ``None``: dense tables.
 
     ``forward(batch)`` returns ``(ctr_logit, cvr_logit)``, float32 ``[C]`` each (one per
-    candidate, in ``batch.candidate_items`` order).
+    candidate, in ``batch.candidate_items`` order); ``cvr_logit`` is ``None`` when the
+    schema has the CTR task only (there is no CVR head then).
 
     Raises:
         TypeError: configs of the wrong type.
-        ValueError: an unknown ``impl``, ``compile`` or ``mlp_precision``.
+        ValueError: an unknown ``impl``, ``compile``, ``mlp_precision`` or
+            ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``.
     """
 
     def __init__(
         self,
         model: ModelConfig,
-        data: DataConfig,
+        data: DataSchema | DataConfig,
         *,
         validate: bool = True,
         impl: str = "hyperrec",
@@ -637,17 +666,26 @@ class GEMModel(nn.Module):
         compile: str = "off",
         mlp_precision: str = "bf16",
         sharded: Any = None,
+        attention_precision: str = "bf16",
     ):
         super().__init__()
-        if not isinstance(model, ModelConfig) or not isinstance(data, DataConfig):
+        if not isinstance(model, ModelConfig) or not isinstance(data, (DataSchema, DataConfig)):
             raise TypeError(
-                "GEMModel expects (model: ModelConfig, data: DataConfig), got "
+                "GEMModel expects (model: ModelConfig, data: DataSchema | DataConfig), got "
                 f"({type(model).__name__}, {type(data).__name__})"
             )
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
         _check_choice("mlp_precision", mlp_precision, MLP_PRECISIONS)
-        self.config, self.data_config = model, data
+        _check_choice("attention_precision", attention_precision, ATTENTION_PRECISIONS)
+        if impl == "naive" and attention_precision != "bf16":
+            raise ValueError(
+                f"attention_precision={attention_precision!r} needs impl='hyperrec': the "
+                "naive padded attention has no low-precision path"
+            )
+        schema = data.schema if isinstance(data, DataConfig) else data
+        self.config, self.schema = model, schema
+        self.data_config = data  # as given (kept for callers that read it)
         if sharded is not None:
             from hyperrec.parallel5d import ShardedEmbeddingCollection
 
@@ -658,17 +696,17 @@ class GEMModel(nn.Module):
                 )
             fused_embeddings = False
         self.impl, self.fused_embeddings, self.compile_mode = impl, fused_embeddings, compile
-        self.mlp_precision = mlp_precision
+        self.mlp_precision, self.attention_precision = mlp_precision, attention_precision
         d, e = model.dim, model.table_dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
+        rows = _table_rows(model, schema)
         if fused_embeddings:
-            self.tables = EmbeddingTables(_table_rows(model, data), e)
+            self.tables = EmbeddingTables(rows, e)
         else:
             # Uninitialised here (no RNG drawn): reset_parameters fills every table in
             # TABLES order, exactly as it fills the fused weight's row ranges, so both
             # layouts start from the same values for the same seed.
-            rows = _table_rows(model, data)
             for name in TABLES[:-1]:
                 if sharded is None or name not in SHARDED_TABLES:
                     w = torch.empty(rows[name], e)
@@ -683,19 +721,20 @@ class GEMModel(nn.Module):
         self.sharded = sharded
         self.token_proj = nn.Linear(e, d) if e != d else None
         self.candidate_proj = nn.Linear(e, d) if e != d else None
-        self.dense_proj = nn.Linear(len(DENSE_FEATURES), d)
+        self.dense_proj = nn.Linear(schema.num_dense, d)
         self.token_norm = nn.LayerNorm(d)
         self.seq_layers = nn.ModuleList(
             SequenceBlock(
                 d,
                 model.heads,
-                max_seqlen=data.max_seqlen,
+                max_seqlen=schema.max_seqlen,
                 block_size=model.attn_block_size if i < model.block_attention_layers else 0,
                 activation=model.activation,
                 dropout=model.dropout,
                 validate=validate,
                 impl=impl,
                 compile=compile,
+                precision=attention_precision,
             )
             for i in range(model.seq_layers)
         )
@@ -714,7 +753,7 @@ class GEMModel(nn.Module):
         self.mlp = _mlp([width, *model.mlp_dims], model.dropout)
         top = model.mlp_dims[-1]
         self.ctr_head = TaskHead(top, model.head_dims)
-        self.cvr_head = TaskHead(top, model.head_dims)
+        self.cvr_head = TaskHead(top, model.head_dims) if schema.has_conversion else None
         self.reset_parameters()
         if mlp_precision == "mxfp8":
             from hyperrec.mxfp8 import convert
@@ -729,19 +768,45 @@ class GEMModel(nn.Module):
         return 4 * model.table_dim + (3 if model.pma_queries else 2) * model.dim
 
     @classmethod
-    def from_preset(cls, preset: Preset, *, validate: bool = True, sharded: Any = None) -> GEMModel:
-        """The model of ``preset`` with its ``TrainConfig``'s compute-path switches
-        (``sharded``: a :func:`sharded_tables` collection, or dense tables)."""
+    def from_preset(
+        cls,
+        preset: Preset,
+        *,
+        schema: DataSchema | None = None,
+        validate: bool = True,
+        sharded: Any = None,
+    ) -> GEMModel:
+        """The model of ``preset`` with its ``TrainConfig``'s compute-path switches.
+
+        Args:
+            schema: the input schema; default: ``preset.data``'s, which only a synthetic
+                :class:`~hyperrec.integration.config.DataConfig` knows without reading
+                data (an event log's comes from its prepared source,
+                ``EventLogSource.schema``).
+            sharded: a :func:`sharded_tables` collection, or ``None`` (dense tables).
+
+        Raises:
+            ValueError: an :class:`~hyperrec.integration.config.EventLogConfig` preset
+                without ``schema``.
+        """
+        if schema is None:
+            if isinstance(preset.data, EventLogConfig):
+                raise ValueError(
+                    "GEMModel.from_preset: an event-log preset needs schema= (the prepared "
+                    "log's EventLogSource.schema)"
+                )
+            schema = preset.data.schema
         t = preset.train
         return cls(
             preset.model,
-            preset.data,
+            schema,
             validate=validate,
             impl=t.impl,
             fused_embeddings=t.fused_embeddings,
             compile=t.compile,
             mlp_precision=t.mlp_precision,
             sharded=sharded,
+            attention_precision=t.attention_precision,
         )
 
     def set_impl(self, impl: str) -> None:
@@ -755,6 +820,11 @@ class GEMModel(nn.Module):
             ValueError: an unknown ``impl``.
         """
         _check_choice("impl", impl, IMPLS)
+        if impl == "naive" and self.attention_precision != "bf16":
+            raise ValueError(
+                f"set_impl('naive') on a model with attention_precision="
+                f"{self.attention_precision!r}: the naive attention has no low-precision path"
+            )
         self.impl = impl
         for m in self.modules():
             if isinstance(m, SequenceBlock | PMAPooling | CandidateAttention):
@@ -798,7 +868,7 @@ class GEMModel(nn.Module):
         """
         state = dict(state)
         if "tables.weight" in state and not self.fused_embeddings:
-            state = split_tables_state_dict(state, self.config, self.data_config)
+            state = split_tables_state_dict(state, self.config, self.schema)
         elif self.fused_embeddings and "tables.weight" not in state:
             state = fuse_tables_state_dict(state)
         if self.sharded is not None:
@@ -815,19 +885,27 @@ class GEMModel(nn.Module):
         self.load_state_dict(state)
 
     def check_batch(self, batch: Batch) -> None:
-        """:meth:`Batch.validate` against this model's vocabularies, plus the history cap.
+        """:meth:`Batch.validate` against this model's schema, plus the history and
+        candidate caps.
 
         Raises:
             ValueError / TypeError: see :meth:`Batch.validate`; or a history longer than
-                ``DataConfig.max_seqlen``.
+                the schema's ``max_seqlen``, or a request with more candidates than its
+                ``max_candidates``.
         """
         if not isinstance(batch, Batch):
             raise TypeError(f"expected a Batch, got {type(batch).__name__}")
-        batch.validate(num_items=self.data_config.num_items, num_topics=self.data_config.num_topics)
-        if batch.max_history_len > self.data_config.max_seqlen:
+        batch.validate(self.schema)
+        if batch.max_history_len > self.schema.max_seqlen:
             raise ValueError(
                 f"Batch.max_history_len = {batch.max_history_len} exceeds the model's "
-                f"DataConfig.max_seqlen = {self.data_config.max_seqlen}"
+                f"DataSchema.max_seqlen = {self.schema.max_seqlen}"
+            )
+        most = int(batch.candidate_offsets.diff().max())
+        if most > self.schema.max_candidates:
+            raise ValueError(
+                f"Batch.candidate_offsets: a request has {most} candidates, more than the "
+                f"model's DataSchema.max_candidates = {self.schema.max_candidates}"
             )
 
     def _lookups(
@@ -878,11 +956,12 @@ class GEMModel(nn.Module):
             self.tag_embedding(batch.tags, batch.tag_offsets[:-1]),
         )
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each.
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of P(click) and P(conversion | click), float32 ``[C]`` each (the second
+        ``None`` for a CTR-only schema).
 
         Reads no device values (no host synchronisation): every size comes from tensor
-        shapes and ``batch.max_history_len``.
+        shapes, ``batch.max_history_len`` and the schema's ``max_candidates``.
         """
         b, c, t = batch.num_requests, batch.num_candidates, batch.num_history_events
         if b == 0:
@@ -900,7 +979,7 @@ class GEMModel(nn.Module):
             history = JaggedLayout(b, max_len, h_owner, pos, h_off.diff())
             c_pos = torch.arange(c, device=dev) - batch.candidate_offsets[:-1][c_owner]
             candidates = JaggedLayout(
-                b, self.data_config.max_candidates, c_owner, c_pos,
+                b, self.schema.max_candidates, c_owner, c_pos,
                 batch.candidate_offsets.diff(),
             )  # fmt: skip
         proj = self.token_proj
@@ -929,7 +1008,7 @@ class GEMModel(nn.Module):
 
         h = self.interaction(self.feature_norm(features))
         h = self.mlp(h)
-        return self.ctr_head(h), self.cvr_head(h)
+        return self.ctr_head(h), (self.cvr_head(h) if self.cvr_head is not None else None)
 
 
 def mlp_policy() -> Any:
@@ -960,7 +1039,7 @@ def fuse_tables_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def split_tables_state_dict(
-    state: dict[str, torch.Tensor], model: ModelConfig, data: DataConfig
+    state: dict[str, torch.Tensor], model: ModelConfig, data: DataSchema | DataConfig
 ) -> dict[str, torch.Tensor]:
     """The inverse of :func:`fuse_tables_state_dict` (needs the configs for the row counts).
 
@@ -1105,10 +1184,17 @@ def estimate_memory(
     ``world_size``; the lookups' transient rows are not counted.
 
     Raises:
-        ValueError: ``tables`` not "dense" or "sharded".
+        ValueError: ``tables`` not "dense" or "sharded"; ``preset.data`` is an event log
+            (its lengths are in the data, not in a law this function can sample).
     """
     _check_choice("tables", tables, ("dense", "sharded"))
     from hyperrec.integration.data import TRAIN, SyntheticRecsysData
+
+    if not isinstance(preset.data, DataConfig):
+        raise ValueError(
+            "estimate_memory needs a synthetic preset (preset.data a DataConfig), got "
+            f"{type(preset.data).__name__}"
+        )
 
     with torch.device("meta"):
         model = GEMModel(preset.model, preset.data, fused_embeddings=preset.train.fused_embeddings)

@@ -1,10 +1,14 @@
 """The training data pipeline: reader sub-batches -> Base Batch Shuffling -> batches.
 
-The training split is an endless sequence of requests ``0, 1, 2, ...`` cut into reader
-sub-batches of ``sub_batch_size`` requests; sub-batch ``j`` holds requests
-``[j * S, (j + 1) * S)``. Rank ``r`` of ``R`` reads sub-batches ``r, r + R, r + 2R, ...``
-(its n-th local sub-batch is global sub-batch ``r + n R``), so ranks never exchange data
-and together cover every request exactly once.
+The training split is read as an endless sequence of *positions* ``0, 1, 2, ...`` cut
+into reader sub-batches of ``sub_batch_size``; sub-batch ``j`` holds positions
+``[j * S, (j + 1) * S)``. A :class:`RequestOrder` maps positions to request ids: the
+identity for an endless source (the synthetic generator), and for a finite one (a log
+of ``N`` requests) epoch ``p // N``'s pseudo-random permutation of ``[0, N)`` (or time
+order), so a sub-batch may straddle two epochs and every request is read once per
+epoch. Rank ``r`` of ``R`` reads sub-batches ``r, r + R, r + 2R, ...`` (its n-th local
+sub-batch is global sub-batch ``r + n R``), so ranks never exchange data and together
+cover every position exactly once.
 
 Each rank balances its own steps with :class:`hyperrec.bbs.BalancedShuffler`: the
 sub-batches of ``window_steps`` consecutive steps are pooled and dealt so that every
@@ -14,27 +18,111 @@ most ``window_steps - 1`` steps away from its arrival-order step. The reader is 
 endless index-only source (``__getitem__``, no length), which the shuffler resumes by
 index: its checkpointed position is all a resumed run needs to replay exactly the same
 batches, and nothing before the interrupted window is read again.
+
+Resuming on another world size (:func:`reshard_streams`): the sub-batches every old
+rank had not yet trained (the rest of its interrupted window and everything after it)
+are collected from the old ranks' states; those below the highest old read position
+form a *backlog* dealt round-robin to the new ranks, which read it first and then
+continue with the usual stride from that position. No sub-batch is lost or read twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hyperrec.bbs import BalancedShuffler, CostModel
-from hyperrec.integration.data import TRAIN, Batch, SyntheticRecsysData
+from hyperrec.integration.data import TRAIN, Batch, DataSource, _hash
 
 __all__ = [
+    "RequestOrder",
     "StepBatch",
     "StepPlan",
     "SubBatch",
     "SubBatchReader",
     "TrainStream",
     "default_cost_model",
+    "permute",
+    "reshard_streams",
 ]
+
+_FEISTEL_ROUNDS = 4
+
+
+def permute(i: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
+    """A pseudo-random bijection of ``[0, n)`` applied to ``i`` (int64 array in ``[0, n)``).
+
+    A 4-round balanced Feistel network over the smallest even number of bits covering
+    ``n``, with cycle walking (values outside ``[0, n)`` are permuted again until they
+    fall inside), keyed by ``key`` through splitmix64: O(1) memory whatever ``n``, so a
+    log of 10^8 events needs no permutation array per epoch.
+    """
+    i = np.asarray(i, dtype=np.int64)
+    if n <= 1:
+        return i.copy()
+    bits = max(2, int(n - 1).bit_length())
+    bits += bits % 2
+    half = bits // 2
+    mask = np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    key = tuple(int(k) for k in key)
+    out = i.astype(np.uint64)
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():
+        v = out[todo]
+        left, right = v >> shift, v & mask
+        for r in range(_FEISTEL_ROUNDS):
+            left, right = right, left ^ (_hash(*key, r, right) & mask)
+        out[todo] = (left << shift) | right
+        todo[todo] = out[todo] >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+class RequestOrder:
+    """Training-stream position -> request id of the training split.
+
+    Args:
+        num_requests: size of the training split; ``None`` for an endless source
+            (position ``p`` is request ``p``).
+        shuffle: a fresh pseudo-random order every epoch (else ``0..N-1`` each epoch).
+        seed: the orders' seed.
+
+    Raises:
+        ValueError: ``num_requests`` below 1.
+    """
+
+    def __init__(self, num_requests: int | None = None, *, shuffle: bool = True, seed: int = 0):
+        if num_requests is not None and (
+            isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
+        ):
+            raise ValueError(
+                f"num_requests must be a positive int or None, got {num_requests!r} "
+                "(the training split is empty)"
+            )
+        self.num_requests, self.shuffle, self.seed = num_requests, shuffle, seed
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """int64 request ids of int64 ``positions`` (>= 0)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        n = self.num_requests
+        if n is None:
+            return positions.copy()
+        epoch, i = np.divmod(positions, n)
+        if not self.shuffle:
+            return i
+        out = np.empty_like(i)
+        for e in np.unique(epoch).tolist():
+            sel = epoch == e
+            out[sel] = permute(i[sel], n, (self.seed, 0x0EC0, e))
+        return out
+
+    def epoch(self, position: int) -> float:
+        """Epochs completed at stream position ``position`` (fractional); 0 when endless."""
+        return 0.0 if self.num_requests is None else position / self.num_requests
 
 
 def default_cost_model(dim: int) -> CostModel:
@@ -52,16 +140,19 @@ class SubBatch:
     """One reader sub-batch: which requests, and their history lengths (for the cost)."""
 
     index: int
-    """Global sub-batch index ``j`` (requests ``[j * S, (j + 1) * S)``)."""
+    """Global sub-batch index ``j`` (stream positions ``[j * S, (j + 1) * S)``)."""
     requests: np.ndarray
-    """int64 [S]: the request indices."""
+    """int64 [S]: the request ids (of the training split) at those positions."""
     lengths: np.ndarray
     """int64 [S]: their history lengths."""
 
 
 class SubBatchReader:
-    """Rank ``rank``'s endless stream of sub-batches: item ``n`` is global sub-batch
-    ``rank + n R``.
+    """Rank ``rank``'s endless stream of sub-batches.
+
+    Item ``n`` is global sub-batch ``backlog[n]`` for ``n < len(backlog)`` and
+    ``frontier + rank + (n - len(backlog)) R`` after it (``backlog`` is empty and
+    ``frontier`` 0 unless the run was resumed on another world size).
 
     Index-only on purpose: ``__getitem__`` without ``__len__`` or ``__iter__``, so
     :class:`~hyperrec.bbs.BalancedShuffler` reads it as ``reader[0], reader[1], ...``
@@ -69,11 +160,28 @@ class SubBatchReader:
     """
 
     def __init__(
-        self, data: SyntheticRecsysData, *, sub_batch_size: int, rank: int, world_size: int
+        self,
+        data: DataSource,
+        *,
+        sub_batch_size: int,
+        rank: int,
+        world_size: int,
+        order: RequestOrder | None = None,
+        backlog: Sequence[int] = (),
+        frontier: int = 0,
     ):
         self.data = data
         self.sub_batch_size = sub_batch_size
         self.rank, self.world_size = rank, world_size
+        self.order = order if order is not None else RequestOrder(None)
+        self.backlog = tuple(int(j) for j in backlog)
+        self.frontier = int(frontier)
+
+    def global_index(self, n: int) -> int:
+        """Global sub-batch index of local item ``n``."""
+        if n < len(self.backlog):
+            return self.backlog[n]
+        return self.frontier + self.rank + (n - len(self.backlog)) * self.world_size
 
     def __getitem__(self, n: int) -> SubBatch:
         """Sub-batch ``n`` of this rank.
@@ -83,8 +191,9 @@ class SubBatchReader:
         """
         if n < 0:
             raise IndexError(f"sub-batch index must be >= 0, got {n}")
-        j = self.rank + n * self.world_size
-        requests = np.arange(j * self.sub_batch_size, (j + 1) * self.sub_batch_size)
+        j = self.global_index(n)
+        positions = np.arange(j * self.sub_batch_size, (j + 1) * self.sub_batch_size)
+        requests = self.order(positions)
         return SubBatch(j, requests, self.data.history_lengths(TRAIN, requests))
 
 
@@ -121,13 +230,17 @@ class TrainStream:
     """This rank's stream of training batches, balanced by BBS; checkpointable.
 
     Args:
-        data: the synthetic data generator.
+        data: the data source (its training split).
         sub_batch_size: requests per reader sub-batch (>= 1).
         sub_batches_per_step: sub-batches per step on this rank (>= 1).
         window_steps: BBS window W (>= 1; 1 = arrival order).
         rank, world_size: this rank and the number of ranks.
         cost: the BBS cost model of one request's history length (default:
             :func:`default_cost_model` of width 64).
+        order: stream position -> request id (default: the identity, for an endless
+            source; see :class:`RequestOrder`).
+        backlog, frontier: sub-batches to read first and where the stride starts (from
+            :func:`reshard_streams` after a change of world size).
 
     Raises:
         ValueError / TypeError: a size below 1 or ``rank`` outside ``[0, world_size)``.
@@ -135,7 +248,7 @@ class TrainStream:
 
     def __init__(
         self,
-        data: SyntheticRecsysData,
+        data: DataSource,
         *,
         sub_batch_size: int,
         sub_batches_per_step: int,
@@ -143,6 +256,9 @@ class TrainStream:
         rank: int = 0,
         world_size: int = 1,
         cost: CostModel | None = None,
+        order: RequestOrder | None = None,
+        backlog: Sequence[int] = (),
+        frontier: int = 0,
     ):
         for name, value in (("sub_batch_size", sub_batch_size), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,7 +268,13 @@ class TrainStream:
         self.data = data
         self.cost = cost if cost is not None else default_cost_model(64)
         self.reader = SubBatchReader(
-            data, sub_batch_size=sub_batch_size, rank=rank, world_size=world_size
+            data,
+            sub_batch_size=sub_batch_size,
+            rank=rank,
+            world_size=world_size,
+            order=order,
+            backlog=backlog,
+            frontier=frontier,
         )
         self.shuffler = BalancedShuffler(
             self.reader,
@@ -190,15 +312,21 @@ class TrainStream:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The shuffler's position plus this stream's layout (ints only)."""
-        return {"shuffler": self.shuffler.state_dict(), **self._layout()}
+        """The shuffler's position, the backlog / frontier and this stream's layout."""
+        return {
+            "shuffler": self.shuffler.state_dict(),
+            "backlog": list(self.reader.backlog),
+            "frontier": self.reader.frontier,
+            **self._layout(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a position saved by :meth:`state_dict`.
 
         Raises:
             ValueError: the state was saved with another sub-batch size, step size,
-                window, rank or world size (its positions would mean other requests).
+                window, rank or world size (its positions would mean other requests;
+                :func:`reshard_streams` moves positions to another world size).
         """
         saved = {k: state.get(k) for k in self._layout()}
         if saved != self._layout():
@@ -206,7 +334,10 @@ class TrainStream:
                 f"stream state was saved with {saved}, this stream has {self._layout()}"
             )
         # States of 0.1.0 also hold "steps", a step count that only the arrival-cost
-        # recomputation needed; it is ignored, so their checkpoints still resume.
+        # recomputation needed; it is ignored, so their checkpoints still resume. States
+        # before 0.1.3 have no backlog (none existed).
+        self.reader.backlog = tuple(int(j) for j in state.get("backlog", ()))
+        self.reader.frontier = int(state.get("frontier", 0))
         self.shuffler.load_state_dict(state["shuffler"])
         self._it = None
 
@@ -218,3 +349,71 @@ class TrainStream:
             "rank": self.reader.rank,
             "world_size": self.reader.world_size,
         }
+
+
+def reshard_streams(
+    states: Sequence[dict[str, Any]],
+    data: DataSource,
+    *,
+    world_size: int,
+    cost: CostModel | None = None,
+    order: RequestOrder | None = None,
+) -> tuple[list[list[int]], int]:
+    """Move the training position of ``len(states)`` old ranks to ``world_size`` new ones.
+
+    Args:
+        states: every old rank's :meth:`TrainStream.state_dict`, in rank order.
+        data, cost, order: as the old streams had them (the interrupted BBS windows are
+            re-planned from the sub-batches' costs to tell which were already trained).
+        world_size: the new number of ranks.
+
+    Returns:
+        ``(backlogs, frontier)``: new rank ``r`` builds its :class:`TrainStream` with
+        ``backlog=backlogs[r]`` and ``frontier``. Together the new ranks read every
+        sub-batch the old ranks had not trained, exactly once.
+
+    Raises:
+        ValueError: no states, or states that are not ranks ``0..R-1`` of one layout.
+    """
+    if not states:
+        raise ValueError("states must hold the stream state of every old rank")
+    old_world = states[0]["world_size"]
+    if sorted(s["rank"] for s in states) != list(range(old_world)) or any(
+        s["world_size"] != old_world or s["sub_batch_size"] != states[0]["sub_batch_size"]
+        for s in states
+    ):
+        raise ValueError(
+            f"states must be ranks 0..{old_world - 1} of one stream layout, got "
+            f"{[(s['rank'], s['world_size']) for s in states]}"
+        )
+    untrained: set[int] = set()
+    starts: list[int] = []
+    for state in states:
+        old = TrainStream(
+            data,
+            sub_batch_size=state["sub_batch_size"],
+            sub_batches_per_step=state["sub_batches_per_step"],
+            window_steps=state["window_steps"],
+            rank=state["rank"],
+            world_size=old_world,
+            cost=cost,
+            order=order,
+        )
+        old.load_state_dict(state)
+        sh = old.shuffler.state_dict()
+        k, w = state["sub_batches_per_step"], state["window_steps"]
+        next_read = sh["window_start"]
+        if sh["steps_done_in_window"]:
+            # The rest of the interrupted window, re-planned exactly as the old rank would.
+            rest = itertools.islice(iter(old.shuffler), w - sh["steps_done_in_window"])
+            untrained.update(sb.index for step in rest for sb in step)
+            next_read += w * k
+        backlog = old.reader.backlog
+        untrained.update(backlog[next_read:])
+        stride_from = max(0, next_read - len(backlog))
+        starts.append(old.reader.frontier + state["rank"] + stride_from * old_world)
+    frontier = max(starts)
+    for start in starts:
+        untrained.update(range(start, frontier, old_world))
+    ordered = sorted(untrained)
+    return [ordered[r::world_size] for r in range(world_size)], frontier

@@ -1,4 +1,4 @@
-"""The end-of-run figure: loss, AUC and throughput against the step.
+"""The end-of-run figure: loss, AUC, NE / calibration, throughput and MFU against the step.
 
 matplotlib is imported inside :func:`plot_metrics` (with the non-interactive Agg
 backend), so training never pays for it until the run is over.
@@ -26,13 +26,25 @@ def _rolling_median(ys: list[float], k: int) -> list[float]:
     return np.median(np.lib.stride_tricks.sliding_window_view(padded, k), axis=1).tolist()
 
 
+def _reference_lines(ax: Any, baselines: dict[str, Any], key: str) -> None:
+    styles = {"popularity": ":", "logistic_regression": "-.", "ground_truth": "--"}
+    for name, style in styles.items():
+        value = (baselines.get(name) or {}).get(key)
+        if isinstance(value, float) and math.isfinite(value):
+            ax.axhline(
+                value, ls=style, color="grey", lw=1.0, label=f"{name.replace('_', ' ')} (test)"
+            )
+
+
 def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     """Draw ``metrics`` (the run's metrics JSON, as a dict) into a PNG at ``path``.
 
-    Panels: training loss (per step) with held-out loss; training CTR AUC (window over
-    recent steps) with held-out CTR/CVR AUC and the popularity and ground-truth AUCs as
-    reference lines; samples per second; model FLOPs utilisation (MFU against the
-    device's datasheet peak; on a CPU, which has none, the model TFLOP/s instead).
+    Panels: training loss (per step and smoothed) with the validation loss; AUC
+    (training AUC over recent steps, validation CTR AUC, GAUC and CVR AUC, the test
+    AUC of the model and of the baselines as reference lines); validation normalised
+    entropy and calibration (with the test baselines' NE); samples per second; model
+    FLOPs utilisation (MFU against the device's datasheet peak; on a CPU, which has
+    none, the model TFLOP/s instead).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -51,42 +63,56 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
         raise ValueError("metrics['history']['step'] is empty: nothing to plot")
     evals = metrics.get("eval") or []
     baselines = metrics.get("baselines") or {}
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    final = metrics.get("final") or {}
+    es = [e["step"] for e in evals]
+    fig, axes = plt.subplots(2, 3, figsize=(19, 8.4))
+    source = (metrics.get("data") or {}).get("source", "")
     title = f"{metrics.get('preset', '?')} preset, {metrics.get('world_size', 1)} rank(s)"
-    fig.suptitle(title)
+    fig.suptitle(f"{title}, {source}" if source else title)
 
-    ax = axes[0]
+    ax = axes[0, 0]
     ax.plot(*_finite(steps, hist.get("loss", [])), lw=0.8, alpha=0.5, label="train (step)")
     if hist.get("loss_ema"):
         ax.plot(*_finite(steps, hist["loss_ema"]), lw=1.6, label="train (EMA)")
     if evals:
-        ax.plot(
-            *_finite([e["step"] for e in evals], [e.get("loss") for e in evals]),
-            "o-",
-            label="held-out",
-        )
+        ax.plot(*_finite(es, [e.get("loss") for e in evals]), "o-", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("CTR + CTCVR log-loss per impression")
+    ax.set_ylabel("log-loss per impression (CTR + CTCVR)")
     ax.set_title("loss")
     ax.legend()
 
-    ax = axes[1]
+    ax = axes[0, 1]
     ax.plot(*_finite(steps, hist.get("ctr_auc", [])), lw=1.0, label="train CTR (recent steps)")
     if evals:
-        es = [e["step"] for e in evals]
-        ax.plot(*_finite(es, [e.get("ctr_auc") for e in evals]), "o-", label="held-out CTR")
-        ax.plot(*_finite(es, [e.get("cvr_auc") for e in evals]), "s-", label="held-out CVR")
-    styles = {"popularity": ":", "ground_truth": "--"}
-    for name, style in styles.items():
-        value = (baselines.get(name) or {}).get("ctr_auc")
-        if isinstance(value, float) and math.isfinite(value):
-            ax.axhline(value, ls=style, color="grey", label=f"{name} CTR")
+        ax.plot(*_finite(es, [e.get("ctr_auc") for e in evals]), "o-", label="validation CTR")
+        ax.plot(*_finite(es, [e.get("ctr_gauc") for e in evals]), "^-", label="validation GAUC")
+        if any("cvr_auc" in e for e in evals):
+            ax.plot(*_finite(es, [e.get("cvr_auc") for e in evals]), "s-", label="validation CVR")
+    value = final.get("ctr_auc")
+    if isinstance(value, float) and math.isfinite(value):
+        ax.axhline(value, color="black", lw=1.0, label="model (test)")
+    _reference_lines(ax, baselines, "ctr_auc")
     ax.set_xlabel("step")
     ax.set_ylabel("AUC")
-    ax.set_title("AUC")
+    ax.set_title("AUC (reference lines: test split)")
     ax.legend(fontsize="small", loc="lower right")
 
-    ax = axes[2]
+    ax = axes[1, 0]
+    if evals:
+        ax.plot(*_finite(es, [e.get("ctr_ne") for e in evals]), "o-", label="validation CTR NE")
+        ax.plot(
+            *_finite(es, [e.get("ctr_calibration") for e in evals]),
+            "s-",
+            label="validation calibration",
+        )
+    _reference_lines(ax, baselines, "ctr_ne")
+    ax.axhline(1.0, color="black", lw=0.6, alpha=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("NE (lower is better); calibration (1 is calibrated)")
+    ax.set_title("normalised entropy and calibration (lines: test NE)")
+    ax.legend(fontsize="small")
+
+    ax = axes[0, 2]
     xs, ys = _finite(steps, hist.get("samples_per_s", []))
     ax.plot(xs, ys, lw=0.6, alpha=0.4, label="per step")
     if len(ys) >= 5:
@@ -98,7 +124,7 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     ax.set_ylabel("requests / s (all ranks)")
     ax.set_title("throughput")
 
-    ax = axes[3]
+    ax = axes[1, 1]
     xs, ys = _finite(steps, hist.get("mfu", []))
     if ys:
         ax.plot(xs, [100.0 * y for y in ys], lw=1.0, label="MFU per step")
@@ -113,10 +139,11 @@ def plot_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     if ys:
         ax.legend(fontsize="small")
     ax.set_xlabel("step")
+    axes[1, 2].axis("off")
 
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

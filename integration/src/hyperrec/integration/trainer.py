@@ -1,10 +1,26 @@
 """The training loop: data -> model -> ESMM loss -> AdamW, with eval, checkpoints, metrics.
 
+Data comes from any :class:`~hyperrec.integration.data.DataSource`: the one
+``preset.data`` describes (the synthetic generator, or an event log prepared from CSV /
+Parquet files) or one given as ``Trainer(preset, data=...)``. The model is built from
+the source's schema. A finite source is trained for ``TrainConfig.epochs`` passes;
+the validation split is scored every ``eval_every`` steps (early stopping watches it)
+and the test split once, at the end, with the popularity and logistic-regression
+baselines (and the ground truth where the source has one) on the same requests.
+
 One :class:`Trainer` per process. With several ranks (``torchrun`` or an existing
 process group) each rank reads its own requests (no data exchange), the model is
 sharded by :func:`~hyperrec.integration.distributed.parallelize`, and the loss is
 normalised by the *global* number of impressions of the step (one all-reduce), so a
 run computes the same gradients on any world size for the same global batch.
+
+The step reads no device value on the host: a :class:`~hyperrec.integration.loader.StepLoader`
+builds, validates and copies batches ahead, :meth:`Trainer.launch_step` queues the device
+work and :meth:`Trainer.finish_step` reads the step's loss, gradient norm and model FLOPs
+(for MFU) after the next step is queued. The non-finite policy fits that pipeline:
+``nonfinite="stop"`` is checked when the values are read, one step later, from
+per-parameter flags recorded during the step; ``"skip"`` must decide before the update
+and so reads the loss and gradient norm once per step (a host synchronisation).
 
 Optimizers: AdamW for the dense parameters, in groups: dense embedding tables (their
 own, higher learning rate; no weight decay, which would shrink the rows of rare items
@@ -19,11 +35,13 @@ memory (:func:`build_table_optimizer`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,26 +54,41 @@ import torch.distributed as dist
 
 from hyperrec.bbs import ImbalanceStats
 from hyperrec.integration._version import __version__
-from hyperrec.integration.baseline import PopularityBaseline
+from hyperrec.integration.baseline import LogisticRegressionBaseline, PopularityBaseline
 from hyperrec.integration.checkpoint import (
+    CheckpointError,
     checkpoint_dir,
     find_checkpoint,
+    list_checkpoints,
     load_checkpoint,
+    read_manifest,
     read_meta,
     save_checkpoint,
+    verify_checkpoint,
 )
 from hyperrec.integration.config import (
     DENSE_TABLE_OPTIMIZERS,
+    EARLY_STOPPING_METRICS,
     SHARDED_TABLE_OPTIMIZERS,
+    DataConfig,
+    EventLogConfig,
     Preset,
     TrainConfig,
+    check_model_fits,
 )
-from hyperrec.integration.data import EVAL, SyntheticRecsysData
+from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, DataSource, SyntheticRecsysData
 from hyperrec.integration.distributed import (
     DistributedContext,
     build_mesh,
     init_distributed,
     parallelize,
+)
+from hyperrec.integration.faults import (
+    FaultInjector,
+    ForwardOrder,
+    NonFiniteError,
+    NonFiniteReport,
+    nonfinite_report,
 )
 from hyperrec.integration.flops import (
     FlopCount,
@@ -67,7 +100,13 @@ from hyperrec.integration.flops import (
 from hyperrec.integration.loader import LoadedStep, StepLoader, validate_batch
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
 from hyperrec.integration.model import GEMModel, esmm_loss, sharded_tables
-from hyperrec.integration.pipeline import TrainStream, default_cost_model
+from hyperrec.integration.pipeline import (
+    RequestOrder,
+    TrainStream,
+    default_cost_model,
+    permute,
+    reshard_streams,
+)
 from hyperrec.integration.progress import ProgressBar
 
 __all__ = [
@@ -80,11 +119,28 @@ __all__ = [
     "build_table_optimizer",
     "lr_factor",
     "resolve_tables",
+    "task_loss",
 ]
 
 _EVAL_CHUNK = 1024  # requests per eval forward
 _EVAL_PADDED_TOKENS = 1 << 21  # ... and at most this many requests x history cap
 _EMA_BETA = 0.95
+# Fields a resumed run may change: how long and how often, not what is trained.
+_CADENCE = {
+    "steps",
+    "epochs",
+    "eval_every",
+    "ckpt_every",
+    "log_every",
+    "early_stopping_patience",
+    "early_stopping_metric",
+    "nonfinite",
+    "baseline_requests",
+    # How batches are built, not which: the loader delivers the same batches either way.
+    "data_workers",
+    "prefetch_batches",
+}
+_DATA_EXEMPT = {"path", "cache_dir", "reader", "valid_requests"}
 _HISTORY_KEYS = (
     "step",
     "loss",
@@ -100,6 +156,7 @@ _HISTORY_KEYS = (
     "step_tflop",
     "tflops_per_gpu",
     "mfu",
+    "skipped",
 )
 
 
@@ -115,6 +172,8 @@ class StepRecord:
     """int64 [B]: the training requests this rank trained on."""
     sub_batches: tuple[int, ...]
     """The global reader sub-batches they came from."""
+    skipped: bool = False
+    """True when the step's update was dropped (non-finite, ``nonfinite="skip"``)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +192,8 @@ class RunResult:
     """The newest checkpoint written by this run, if any."""
     interrupted: bool
     """True when ``stop_after`` ended the run before ``TrainConfig.steps``."""
+    stopped_early: bool = False
+    """True when early stopping ended the run."""
 
 
 @dataclass
@@ -143,10 +204,14 @@ class PendingStep:
     step: int
     loaded: LoadedStep
     flops: FlopCount
-    readout: torch.Tensor  # float64 [(n,) ctr sum, ctcvr sum, grad norm], host (pinned)
+    # float64, host (pinned on CUDA): [(n,) ctr sum, ctcvr sum (global), gradient norm,
+    # this rank's own loss sum, then 1.0 per parameter whose local gradient is non-finite]
+    readout: torch.Tensor
     preds: torch.Tensor  # float32 [C] P(click), host
     rank_costs: torch.Tensor | list[list[float]]  # per rank: cost, arrival cost, FLOPs
     n_local: int
+    param_names: list[str]  # the parameters the readout's flags refer to, in order
+    skipped: bool  # the update was dropped (nonfinite="skip", decided in launch_step)
     start: Any  # CUDA event, or host time
     end: Any  # CUDA event, or host time
     previous_end: Any  # the previous step's end event when steps ran back to back
@@ -168,6 +233,35 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _grad_norms(params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global L2 norm of the gradients of ``params``, bool [P]: whether each parameter's
+    local gradient, its shard under sharding, holds a NaN or Inf).
+
+    Both stay on the device: nothing is read on the host. The total equals
+    ``torch.nn.utils.get_total_norm`` (a plain tensor also for DTensor gradients); the
+    per-parameter norms it is made of give the flags for free, so a non-finite step can
+    name its first bad module after the gradients are gone (:meth:`Trainer.finish_step`).
+    """
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.zeros(()), torch.zeros(0, dtype=torch.bool)
+    norms: list[Any] = [None] * len(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        if type(g) is torch.Tensor and g.device.type in ("cpu", "cuda"):
+            groups.setdefault((g.device, g.dtype), []).append(i)
+        else:  # DTensor shards (and meta tensors): one norm each, as get_total_norm does
+            norms[i] = torch.linalg.vector_norm(g)
+    for idx in groups.values():
+        for i, n in zip(idx, torch._foreach_norm([grads[i] for i in idx])):
+            norms[i] = n
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    local = torch.stack([n.to_local() if hasattr(n, "to_local") else n for n in norms])
+    return total, ~torch.isfinite(local)
+
+
 def backward_and_update(
     loss: torch.Tensor,
     model: torch.nn.Module,
@@ -179,36 +273,48 @@ def backward_and_update(
     steps (``optimizer`` and every ``extra`` one, e.g. the tables') and ``zero_grad``.
     Returns the pre-clipping gradient norm of the model's parameters as a device scalar:
     no value is read on the host (the steady-state step must not synchronise). Sharded
-    tables are not parameters: their row gradients are neither measured nor clipped."""
+    tables are not parameters: their row gradients are neither measured nor clipped. The
+    trainer runs the same sequence with its fault hooks and non-finite policy in between."""
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm, _ = _grad_norms(params)
     if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, grad_clip, grad_norm)
     for opt in (optimizer, *extra):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return grad_norm
 
 
-def resolve_tables(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[str, str]:
+def resolve_tables(
+    cfg: TrainConfig,
+    world_size: int,
+    device: torch.device,
+    *,
+    saved: tuple[str, str] | None = None,
+) -> tuple[str, str]:
     """``(placement, optimizer)`` of the tables for a run: ``TrainConfig.sparse`` "auto" is
     "sharded" on more than one rank or on a GPU, "dense" on a single CPU process;
     ``embedding_optimizer`` "auto" is "adamw" for dense tables, "rowwise_adagrad" for
-    sharded ones.
+    sharded ones. ``saved``: the ``(placement, optimizer)`` of the checkpoint a run
+    resumes from; an "auto" field then takes the checkpoint's value (so a run resumes on
+    another world size or device with the tables it was trained with).
 
     Raises:
         ValueError: an optimizer that does not train the resolved placement.
     """
     placement = cfg.sparse
     if placement == "auto":
-        placement = "sharded" if world_size > 1 or device.type == "cuda" else "dense"
+        if saved is not None:
+            placement = saved[0]
+        else:
+            placement = "sharded" if world_size > 1 or device.type == "cuda" else "dense"
     opt = cfg.embedding_optimizer
     if opt == "auto":
-        opt = "adamw" if placement == "dense" else "rowwise_adagrad"
+        if saved is not None and saved[0] == placement:
+            opt = saved[1]
+        else:
+            opt = "adamw" if placement == "dense" else "rowwise_adagrad"
     allowed = DENSE_TABLE_OPTIMIZERS if placement == "dense" else SHARDED_TABLE_OPTIMIZERS
     if opt not in allowed:
         raise ValueError(
@@ -225,9 +331,11 @@ def build_optimizer(
 
     Call it after :func:`~hyperrec.integration.distributed.parallelize` (sharding
     replaces the parameter objects). Each group's peak rate is kept in ``"base_lr"`` and
-    its role in ``"name"`` ("tables", "matrices", "vectors"). The dense tables join only
-    with ``table_optimizer="adamw"`` (else :func:`build_table_optimizer` trains them);
-    sharded tables are never parameters. ``cfg.optimizer_impl="fused"`` uses PyTorch's
+    its role in ``"name"`` ("tables", "matrices", "vectors"). The dense tables join
+    unless ``table_optimizer="adagrad"`` (then :func:`build_table_optimizer`'s Adagrad
+    trains them): with sharded tables under "rowwise_adagrad" or "adam", the action and
+    time-bucket tables (a few dense rows) stay in AdamW's table group. Sharded tables are
+    never parameters. ``cfg.optimizer_impl="fused"`` uses PyTorch's
     fused AdamW (one kernel per group, no full-size temporaries; it also runs on
     ``hyperrec.parallel5d``'s ragged DTensors, where it equals foreach).
     """
@@ -245,13 +353,69 @@ def build_optimizer(
         {"params": no_decay, "lr": cfg.lr, "base_lr": cfg.lr, "weight_decay": 0.0},
     ]
     groups[0]["name"], groups[1]["name"] = "matrices", "vectors"
-    if table_optimizer == "adamw" and emb:
+    if table_optimizer != "adagrad" and emb:
         lr = cfg.embedding_lr
         groups.insert(
             0, {"params": emb, "lr": lr, "base_lr": lr, "weight_decay": 0.0, "name": "tables"}
         )
     fused = True if cfg.optimizer_impl == "fused" else None
     return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-8, fused=fused)
+
+
+def task_loss(
+    ctr_logit: torch.Tensor,
+    cvr_logit: torch.Tensor | None,
+    click: torch.Tensor,
+    conversion: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (CTR, CTCVR) losses: :func:`~hyperrec.integration.model.esmm_loss`, or the
+    CTR log-loss and a zero when the model is CTR-only (``cvr_logit`` is None)."""
+    if cvr_logit is None:
+        ctr = torch.nn.functional.binary_cross_entropy_with_logits(
+            ctr_logit, click, reduction="sum"
+        )
+        return ctr, torch.zeros_like(ctr)
+    return esmm_loss(ctr_logit, cvr_logit, click, conversion)
+
+
+def _check_out_dir(out_dir: str | Path | None) -> None:
+    if out_dir is None:
+        return
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"out_dir must be a path, got {type(out_dir).__name__}")
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir {str(path)!r} exists and is not a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"out_dir {str(path)!r}: {str(parent)!r} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK) and not path.exists():
+                raise ValueError(f"out_dir {str(path)!r}: {str(parent)!r} is not writable")
+            break
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {str(path)!r} is not writable")
+
+
+def _saved_tables(path: Path) -> tuple[str, str]:
+    """``(placement, optimizer)`` of the tables of the checkpoint at ``path``, from its
+    manifest (no collective); checkpoints without them trained dense tables with AdamW."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        manifest = None  # reported when the checkpoint is loaded
+    tables = (manifest or {}).get("info", {}).get("tables") or ("dense", "adamw")
+    return (str(tables[0]), str(tables[1]))
+
+
+def _resume_candidates(resume: str | Path) -> list[Path]:
+    path = Path(resume)
+    found = find_checkpoint(path)  # raises FileNotFoundError for a missing path
+    if found is None:
+        raise ValueError(f"resume={str(resume)!r} holds no complete checkpoint")
+    if found == path:
+        return [path]  # an explicit checkpoint: no fallback
+    return list_checkpoints(path)
 
 
 def build_table_optimizer(
@@ -309,12 +473,22 @@ class Trainer:
 
     Args:
         preset: the run description.
-        out_dir: run directory (metrics, plot, checkpoints). Default: the directory of
-            the ``resume`` checkpoint's run, else ``runs/<preset>-<timestamp>/``.
-        resume: a checkpoint or run directory to resume from (latest complete step).
+        data: a :class:`~hyperrec.integration.data.DataSource` to train on instead of the
+            one ``preset.data`` describes (``preset.data`` is then not used).
+        out_dir: run directory (metrics, plot, checkpoints, a prepared event log).
+            Default: the directory of the ``resume`` checkpoint's run, else
+            ``runs/<preset>-<timestamp>/``.
+        resume: a checkpoint, or a run directory to resume from its newest complete
+            checkpoint (a corrupt one is reported and the one before it used). Another
+            world size is fine: model and optimizer reshard, and the data position
+            moves with :func:`~hyperrec.integration.pipeline.reshard_streams`.
         device: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
         progress: draw the progress bar on stderr (rank 0).
-        on_step: called on every rank after every step with a :class:`StepRecord`.
+        on_step: called on every rank after every step with a :class:`StepRecord`. With
+            a callback, :meth:`fit` finishes each step before launching the next (no
+            overlap), so the callback sees the model exactly as its step left it.
+        sample_log: append every step's request ids to
+            ``<out_dir>/samples/rank<r>.jsonl`` (an audit trail for fault drills).
 
     Built from ``preset.train``: the device mesh (``mesh``: ``hyperrec.parallel5d``'s
     5-D mesh on any world size, or a flat axis), where the tables live (``sparse``: a
@@ -325,26 +499,41 @@ class Trainer:
     ``dense_table_optimizer`` / ``sparse_optimizer`` and ``autoac`` expose them.
 
     Raises:
-        ValueError: the global batch does not split over the world size; ``resume``
-            has no complete checkpoint, another world size or another configuration; bad
-            device; a mesh that does not fit the world size; an optimizer that does not
-            train the tables' placement; an autoac budget below the step's floor (naming
-            the smallest feasible budget), or none on a CPU.
+        ValueError: ``out_dir`` is a file or not writable; the global batch does not
+            split over the world size; ``resume`` has no complete checkpoint or was
+            trained with another configuration, other data or another table placement;
+            a model that does not fit the data's history cap; ``epochs`` with an endless
+            source; bad device; a mesh that does not fit the world size; an optimizer
+            that does not train the tables' placement; an autoac budget below the step's
+            floor (naming the smallest feasible budget), or none on a CPU.
+        TypeError: ``data`` is not a DataSource.
+        FileNotFoundError: ``resume`` or the event log does not exist.
+        CheckpointError: ``resume`` names a corrupt checkpoint.
     """
 
     def __init__(
         self,
         preset: Preset,
         *,
+        data: DataSource | None = None,
         out_dir: str | Path | None = None,
         resume: str | Path | None = None,
         device: str = "auto",
         progress: bool = True,
         on_step: Callable[[StepRecord], None] | None = None,
+        sample_log: bool = False,
     ):
         if not isinstance(preset, Preset):
             raise TypeError(f"preset must be a Preset, got {type(preset).__name__}")
-        self.preset = preset
+        if data is not None and not isinstance(data, DataSource):
+            raise TypeError(
+                f"data must implement the DataSource protocol (schema, num_requests, "
+                f"history_lengths, batch, truth, state_dict, load_state_dict), got "
+                f"{type(data).__name__}"
+            )
+        # Everything that can be checked without work is checked before any.
+        _check_out_dir(out_dir)
+        candidates = _resume_candidates(resume) if resume is not None else []
         self._created = time.perf_counter()
         cfg = preset.train
         # The 5-D mesh asks for a process group even on one process (one rank, in memory).
@@ -352,18 +541,37 @@ class Trainer:
         if self.ctx.device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.sub_batches_per_rank = cfg.sub_batches_per_rank(self.ctx.world_size)
-        ckpt = None
-        if resume is not None:
-            ckpt = find_checkpoint(resume)
-            if ckpt is None:
-                raise ValueError(f"resume={str(resume)!r} holds no complete checkpoint")
         if out_dir is None:
-            out_dir = ckpt.parent.parent if ckpt is not None else _default_out_dir(preset)
+            out_dir = candidates[0].parent.parent if candidates else _default_out_dir(preset)
         self.out_dir = Path(self._broadcast(str(out_dir)))
         self.on_step = on_step
         self.progress_enabled = progress and self.ctx.is_main
+        self.faults = FaultInjector.from_env(self.ctx.rank)
+        self.sample_log = sample_log
 
-        self.data = SyntheticRecsysData(preset.data)
+        self.custom_source = data is not None
+        self.source: DataSource = data if data is not None else self._open_source(preset)
+        self.schema = self.source.schema
+        check_model_fits(preset.model, self.schema.max_seqlen)
+        n_train = self.source.num_requests(TRAIN)
+        if cfg.epochs:
+            if n_train is None:
+                raise ValueError(
+                    "TrainConfig.epochs needs a finite data source (an event log); this "
+                    "one's training split is endless: use TrainConfig.steps"
+                )
+            steps = max(1, math.ceil(cfg.epochs * n_train / cfg.global_batch_size))
+            preset = dataclasses.replace(preset, train=dataclasses.replace(cfg, steps=steps))
+            cfg = preset.train
+        self.preset = preset
+        if self.ctx.is_main:  # only now: a configuration error leaves no empty run directory
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        log_cfg = preset.data if isinstance(preset.data, EventLogConfig) else None
+        shuffle = log_cfg.shuffle if log_cfg is not None and not self.custom_source else True
+        seed = log_cfg.seed if log_cfg is not None and not self.custom_source else cfg.seed
+        self.order = RequestOrder(n_train, shuffle=shuffle, seed=seed)
+        self._eval_ids = {s: self._split_ids(s, log_cfg) for s in (VALID, TEST)}
+
         grouped = dist.is_available() and dist.is_initialized()
         self.mesh = None
         """The ``hyperrec.parallel5d.ParallelMesh`` of the run (``TrainConfig.mesh``), or None."""
@@ -372,7 +580,10 @@ class Trainer:
                 self.ctx, replicate=cfg.mesh_replicate, sparse_replicate=cfg.sparse_replicate
             )
         self.tables, self.table_optimizer_kind = resolve_tables(
-            cfg, self.ctx.world_size, self.ctx.device
+            cfg,
+            self.ctx.world_size,
+            self.ctx.device,
+            saved=_saved_tables(candidates[0]) if candidates else None,
         )
         # Same seed on every rank: sharding splits parameters that start identical. Built on
         # the target device: the big presets' tables would be slow to initialise on a CPU.
@@ -382,7 +593,7 @@ class Trainer:
             sparse_mesh = None if self.mesh is None else self.mesh.sparse_mesh
             sharded = sharded_tables(
                 preset.model,
-                preset.data,
+                self.schema,
                 mesh=sparse_mesh,
                 shard_axis="sparse_replicate" if sparse_mesh is not None else -1,
                 device=self.ctx.device,
@@ -391,7 +602,9 @@ class Trainer:
         # The attention ops run without per-call validation (it would synchronise the
         # host every call): batches are validated once, on the CPU, by the loader.
         with torch.device(self.ctx.device):
-            model = GEMModel.from_preset(preset, validate=False, sharded=sharded)
+            model = GEMModel.from_preset(
+                preset, schema=self.schema, validate=False, sharded=sharded
+            )
         dense_mesh = None if self.mesh is None else self.mesh.dense_mesh
         self.model = parallelize(model, self.ctx, cfg.sharding, mesh=dense_mesh)
         # Dropout draws differ per rank (they see different requests anyway).
@@ -405,43 +618,110 @@ class Trainer:
         ]
         self.autoac: Any = None
         """The ``hyperrec.autoac.AutoAC`` plan in force (``activation_checkpointing="autoac"``)."""
-        if cfg.activation_checkpointing == "autoac" and ckpt is None:
+        if cfg.activation_checkpointing == "autoac" and not candidates:
+            # A resumed run takes the checkpointed plan instead (see load).
             self._apply_autoac()
-        self.stream = TrainStream(
-            self.data,
-            sub_batch_size=cfg.sub_batch_size,
-            sub_batches_per_step=self.sub_batches_per_rank,
-            window_steps=cfg.window_steps,
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
-            cost=default_cost_model(preset.model.dim),
-        )
-        self.loader = StepLoader(
-            self.stream,
-            self.ctx.device,
-            workers=cfg.data_workers,
-            prefetch=cfg.prefetch_batches,
-            validate=cfg.validate_inputs,
-        )
+        # Module order of the first forward pass, for non-finite reports (then no cost).
+        self._forward_order = ForwardOrder(self.model)
+        self._param_names = {id(p): name for name, p in self.model.named_parameters()}
+        self.stream = self._build_stream()
+        # Batches are built (and validated) ahead, pinned and copied on a side stream.
+        self.loader = self._build_loader()
         # MFU denominators: the datasheet peak of this device and the GEMM rate measured here.
         self.peak_tflops, self.peak_source = peak_tflops(self.ctx.device)
         self.matmul_tflops = measure_matmul_tflops(self.ctx.device)
-        self.popularity = PopularityBaseline(preset.data.num_items)
+        self.popularity = PopularityBaseline(self.schema.num_items)
         self.auc_window = WindowedAUC(cfg.auc_window)
         self.step = 0
         self.history: dict[str, list[Any]] = {k: [] for k in _HISTORY_KEYS}
         self.evals: list[dict[str, Any]] = []
+        self.test_record: dict[str, Any] | None = None
+        self.nonfinite: list[dict[str, Any]] = []
+        """Reports of non-finite steps (skipped under ``nonfinite="skip"``)."""
+        self.stopped_early = False
         self.rank_costs: list[list[list[float]]] = []
         """Per step, per rank: [BBS step cost, arrival-order step cost]."""
         self.train_time_s = 0.0
         self.flops_total = 0.0
         """Model FLOPs (all ranks) of the steps this process trained."""
         self._ema = 0.0
+        self._ema_steps = 0
         self._last_end: Any = None  # when (event or host time) the previous step ended
         self._last_auc = math.nan
         self.last_checkpoint: Path | None = None
-        if ckpt is not None:
-            self.load(ckpt)
+        self.resume_notes: list[str] = []
+        """Checkpoints skipped on resume (corrupt) and world-size changes."""
+        if candidates:
+            self._resume(candidates)
+
+    # -- set-up helpers -----------------------------------------------------------------
+    def _open_source(self, preset: Preset) -> DataSource:
+        if isinstance(preset.data, DataConfig):
+            return SyntheticRecsysData(preset.data)
+        from hyperrec.integration.eventlog import EventLogSource, prepare_event_log
+
+        cfg = preset.data
+        cache = Path(cfg.cache_dir) if cfg.cache_dir else self.out_dir / "data"
+        # Rank 0 prepares (or finds a matching preparation); the others wait for it and
+        # raise the same error if it failed.
+        error: BaseException | None = None
+        if self.ctx.is_main:
+            try:
+                prepare_event_log(cfg, cache)
+            except BaseException as err:  # re-raised below, on every rank
+                error = err
+        status = self._broadcast(None if error is None else (type(error), str(error)))
+        if error is not None:
+            raise error
+        if status is not None:
+            raise status[0](status[1])
+        return EventLogSource(cfg, cache)
+
+    def _split_ids(self, split: int, log_cfg: EventLogConfig | None) -> np.ndarray:
+        n = self.source.num_requests(split) or 0
+        limit = log_cfg.valid_requests if (log_cfg is not None and split == VALID) else 0
+        if limit and limit < n:
+            # A fixed pseudo-random subset, the same at every evaluation.
+            return np.sort(permute(np.arange(limit), n, (log_cfg.seed, 0x7A11D)))
+        return np.arange(n, dtype=np.int64)
+
+    def _build_stream(self, backlog: tuple[int, ...] = (), frontier: int = 0) -> TrainStream:
+        cfg = self.preset.train
+        return TrainStream(
+            self.source,
+            sub_batch_size=cfg.sub_batch_size,
+            sub_batches_per_step=self.sub_batches_per_rank,
+            window_steps=cfg.window_steps,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            cost=default_cost_model(self.preset.model.dim),
+            order=self.order,
+            backlog=backlog,
+            frontier=frontier,
+        )
+
+    def _build_loader(self) -> StepLoader:
+        cfg = self.preset.train
+        return StepLoader(
+            self.stream,
+            self.ctx.device,
+            workers=cfg.data_workers,
+            prefetch=cfg.prefetch_batches,
+            validate=cfg.validate_inputs,
+        )
+
+    def _resume(self, candidates: list[Path]) -> None:
+        for i, path in enumerate(candidates):
+            try:
+                self.load(path)
+                return
+            except CheckpointError as err:
+                if i + 1 == len(candidates):
+                    raise
+                note = f"skipped {path}: {err}; trying {candidates[i + 1]}"
+                self.resume_notes.append(note)
+                if self.ctx.is_main:
+                    print(f"hyperrec-train: warning: {note}", file=sys.stderr)
 
     # -- helpers ------------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -461,22 +741,21 @@ class Trainer:
     def _probe_batch(self, steps: int = 16) -> Any:
         """The heaviest (most history tokens) of this rank's first ``steps`` arrival-order
         step batches: what autoac profiles, so that its plan holds for the heavy steps
-        (its memory model scales with the tokens). Built from the data directly: the
-        training stream is not advanced."""
-        from hyperrec.integration.data import TRAIN
-
+        (its memory model scales with the tokens). Built from the source directly, in the
+        run's request order: the training stream is not advanced."""
         cfg = self.preset.train
         k, world, rank = self.sub_batches_per_rank, self.ctx.world_size, self.ctx.rank
         best, best_tokens = None, -1
         for step in range(steps):
             subs = rank + world * np.arange(step * k, (step + 1) * k)
-            ids = (subs[:, None] * cfg.sub_batch_size + np.arange(cfg.sub_batch_size)).reshape(-1)
-            tokens = int(self.data.history_lengths(TRAIN, ids).sum())
+            pos = (subs[:, None] * cfg.sub_batch_size + np.arange(cfg.sub_batch_size)).reshape(-1)
+            ids = self.order(pos)
+            tokens = int(self.source.history_lengths(TRAIN, ids).sum())
             if tokens > best_tokens:
                 best, best_tokens = ids, tokens
-        batch = self.data.batch(TRAIN, best)
+        batch = self.source.batch(TRAIN, best)
         if cfg.validate_inputs:
-            validate_batch(batch, self.preset.data)
+            validate_batch(batch, self.schema)
         return batch.to(self.ctx.device)
 
     def _ac_budgets(self) -> tuple[int, dict[str, int]]:
@@ -510,7 +789,7 @@ class Trainer:
         def step(model: torch.nn.Module) -> torch.Tensor:
             with self._autocast():
                 ctr, cvr = model(batch)
-            ctr_sum, ctcvr_sum = esmm_loss(ctr, cvr, batch.click, batch.conversion)
+            ctr_sum, ctcvr_sum = task_loss(ctr, cvr, batch.click, batch.conversion)
             return (ctr_sum + ctcvr_sum) / n
 
         # FLOP costs on the CPU and on several ranks: measured times vary with the load
@@ -567,6 +846,10 @@ class Trainer:
 
         Synchronous: it waits for the step to finish. :meth:`fit` instead overlaps each
         step's bookkeeping with the next step's device work (see :meth:`launch_step`).
+
+        A step whose global loss or gradient norm is not finite follows
+        ``TrainConfig.nonfinite``: "stop" raises :class:`NonFiniteError`, "skip" drops
+        the update (``metrics["skipped"]`` is 1.0) and records the report.
         """
         return self.finish_step(self.launch_step())
 
@@ -575,9 +858,18 @@ class Trainer:
 
         Nothing here reads a device value: the batch arrives through the loader (built and
         validated ahead, copied on a side stream), sizes come from shapes and the CPU
-        copy of the batch, and the values the host needs (loss sums, gradient norm,
-        predictions) are copied into pinned host buffers behind an event that
-        :meth:`finish_step` waits on later, once the next step is queued.
+        copy of the batch, and the values the host needs (loss sums, gradient norm, the
+        per-parameter non-finite flags, predictions) are copied into pinned host buffers
+        behind an event that :meth:`finish_step` waits on later, once the next step is
+        queued.
+
+        The one exception is ``TrainConfig.nonfinite="skip"``: dropping an update must be
+        decided before the optimizer step, so that policy reads the step's global loss
+        and gradient norm here (one host synchronisation per step). Under "stop" (the
+        default) the check is made by :meth:`finish_step`, without synchronising.
+
+        Raises:
+            NonFiniteError: never here; see :meth:`finish_step`.
         """
         cfg = self.preset.train
         t0 = time.perf_counter()
@@ -591,7 +883,7 @@ class Trainer:
                 group["lr"] = group["base_lr"] * lr_factor(step, cfg)
         shape = StepShape.from_batch(host)
         flops = model_flops(
-            self.preset.model, self.preset.data, shape.history_lengths, shape.candidate_counts
+            self.preset.model, self.schema, shape.history_lengths, shape.candidate_counts
         )
         start = torch.cuda.Event(enable_timing=True) if cuda else None
         if start is not None:
@@ -599,7 +891,10 @@ class Trainer:
 
         with self._autocast():
             ctr_logit, cvr_logit = self.model(batch)
-        ctr_sum, ctcvr_sum = esmm_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
+        ctr_sum, ctcvr_sum = task_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
+        if self.faults:
+            ctr_sum = self.faults.poison_loss(step, ctr_sum)
+        local_loss = (ctr_sum + ctcvr_sum).detach().double().reshape(1)
         n_local = host.num_candidates
         local = [loaded.plan.cost, loaded.plan.arrival_cost, flops.total_training]
         if self.ctx.distributed:
@@ -618,14 +913,36 @@ class Trainer:
             rank_costs: torch.Tensor | list[list[float]] = torch.stack(gathered)
             # Each rank's share of the global mean; FSDP's reduce-scatter averages over ranks.
             loss = (ctr_sum + ctcvr_sum) * (self.ctx.world_size / sums[0].float())
+            global_loss = sums[1] + sums[2]
         else:
             sums = torch.stack([ctr_sum.detach().double(), ctcvr_sum.detach().double()])
             rank_costs = [local]
             loss = (ctr_sum + ctcvr_sum) / float(n_local)
-        grad_norm = backward_and_update(
-            loss, self.model, self.optimizer, cfg.grad_clip, self._extra_optimizers
+            global_loss = local_loss[0]
+        loss.backward()
+        if self.faults:
+            self.faults.poison_grad(step, self.model)
+            self.faults.kill("kill", step)  # mid-step: after backward, before the update
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm, bad = _grad_norms(params)
+        names = [self._param_names.get(id(p), "?") for p in params]
+        skipped = False
+        if cfg.nonfinite == "skip":
+            # The policy's one host read: the update must not happen if this is False.
+            skipped = not bool(torch.isfinite(global_loss) & torch.isfinite(grad_norm))
+        if skipped:
+            self._skip_step(step, local_loss, sums, n_local, grad_norm)
+        elif cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, grad_norm)
+        # The table optimizers (sharded rows, dense Adagrad) skip with AdamW: zero_grad
+        # drops their row gradients.
+        for opt in (self.optimizer, *self._extra_optimizers):
+            if not skipped:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        readout = torch.cat(
+            [sums, grad_norm.detach().double().reshape(1), local_loss, bad.to(sums.device).double()]
         )
-        readout = torch.cat([sums, grad_norm.detach().double().reshape(1)])
         preds = torch.sigmoid(ctr_logit.detach().float())
         end = None
         if cuda:
@@ -637,6 +954,9 @@ class Trainer:
         self.step = step
         # Host-side bookkeeping from the CPU copy of the batch: no device reads.
         self.popularity.update(host.candidate_items, host.click, host.conversion)
+        if self.sample_log:  # here, not in finish_step: a step is logged once its update is
+            # queued, whether or not the run lives to read its metrics
+            self._log_samples(step, loaded, skipped)
         pending = PendingStep(
             step=step,
             loaded=loaded,
@@ -645,6 +965,8 @@ class Trainer:
             preds=preds,
             rank_costs=rank_costs,
             n_local=n_local,
+            param_names=names,
+            skipped=skipped,
             start=start if cuda else t0,
             end=end,
             previous_end=self._last_end,
@@ -655,6 +977,30 @@ class Trainer:
         if not cuda:
             pending.end = time.perf_counter()
         return pending
+
+    def _skip_step(
+        self,
+        step: int,
+        local_loss: torch.Tensor,
+        sums: torch.Tensor,
+        n_local: int,
+        grad_norm: torch.Tensor,
+    ) -> None:
+        """Report a non-finite step whose update is dropped (``nonfinite="skip"``;
+        collective: every rank reaches it for the same step)."""
+        values = sums.tolist()
+        n = values[0] if self.ctx.distributed else float(n_local)
+        report: NonFiniteReport = nonfinite_report(
+            step,
+            self.model,
+            local_loss=float(local_loss),
+            loss=(values[-2] + values[-1]) / n,
+            grad_norm=float(grad_norm),
+            forward_order=self._forward_order.names,
+        )
+        self.nonfinite.append(report.as_dict())
+        if self.ctx.is_main:
+            print(f"hyperrec-train: skipped step {step}: {report.message()}", file=sys.stderr)
 
     def _auc(self, recompute: bool) -> float:
         if recompute:
@@ -670,7 +1016,16 @@ class Trainer:
         """Wait for step ``p`` (from :meth:`launch_step`) and return its metrics.
 
         Call it once per launched step, in launch order; launching the next step first
-        keeps the device busy while the host waits."""
+        keeps the device busy while the host waits.
+
+        Raises:
+            NonFiniteError: the step's global loss or gradient norm is NaN or Inf under
+                ``TrainConfig.nonfinite="stop"``. Its update has been applied (it was
+                queued before the values could be read), so the parameters are no longer
+                usable: the run ends without a checkpoint of them, and ``self.step`` is
+                set back to the last good step. The report names the step, the ranks
+                and the first module, in backward order, whose gradient was non-finite.
+        """
         cfg = self.preset.train
         if isinstance(p.end, torch.cuda.Event):
             p.end.synchronize()
@@ -679,33 +1034,53 @@ class Trainer:
         else:
             elapsed = float(p.end) - float(p.start)
         values = p.readout.tolist()
+        k = 3 if self.ctx.distributed else 2
+        grad_norm, local_loss, flags = values[k], values[k + 1], values[k + 2 :]
         if self.ctx.distributed:
-            n, ctr_total, ctcvr_total, grad_norm = values
+            n, ctr_total, ctcvr_total = values[:k]
             rank_costs = p.rank_costs.reshape(-1, 3).tolist()  # type: ignore[union-attr]
         else:
-            ctr_total, ctcvr_total, grad_norm = values
+            ctr_total, ctcvr_total = values[:k]
             n = float(p.n_local)
             rank_costs = p.rank_costs  # type: ignore[assignment]
+        loss_value = (ctr_total + ctcvr_total) / n
+        finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+        if not finite and not p.skipped:
+            # "stop" (a "skip" step was reported when it was dropped).
+            report = nonfinite_report(
+                p.step,
+                self.model,
+                local_loss=local_loss,
+                loss=loss_value,
+                grad_norm=grad_norm,
+                forward_order=self._forward_order.names,
+                nonfinite_grads={name for name, bad in zip(p.param_names, flags) if bad},
+            )
+            self.nonfinite.append(report.as_dict())
+            self.step = p.step - 1
+            raise NonFiniteError(report)
         self.rank_costs.append([row[:2] for row in rank_costs])
         balanced, arrival = ([row[i] for row in rank_costs] for i in (0, 1))
         step_flops = float(sum(row[2] for row in rank_costs))
         self.train_time_s += elapsed
         self.flops_total += step_flops
         host = p.loaded.host
-        self.auc_window.update(p.preds, host.click)
-        loss_value = (ctr_total + ctcvr_total) / n
-        self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+        if not p.skipped:  # a NaN score has no rank
+            self.auc_window.update(p.preds, host.click)
+            self._ema = _EMA_BETA * self._ema + (1.0 - _EMA_BETA) * loss_value
+            self._ema_steps += 1
         log = p.step % cfg.log_every == 0 or p.step == cfg.steps
         tflops = step_flops / elapsed / self.ctx.world_size / 1e12 if elapsed > 0 else math.nan
+        ema_norm = 1.0 - _EMA_BETA**self._ema_steps
         metrics = {
             "step": p.step,
             "loss": loss_value,
-            "loss_ema": self._ema / (1.0 - _EMA_BETA**p.step),
+            "loss_ema": self._ema / ema_norm if self._ema_steps else math.nan,
             "ctr_loss": ctr_total / n,
             # The exact windowed AUC costs host time: recomputed only on recorded steps.
             "ctr_auc": self._auc(log),
             "lr": next(g["lr"] for g in self.optimizer.param_groups if g["name"] == "matrices"),
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "samples_per_s": cfg.global_batch_size / elapsed if elapsed > 0 else math.nan,
             "step_time_s": elapsed,
             "cost_max_over_mean": max(balanced) / (sum(balanced) / len(balanced)),
@@ -713,6 +1088,7 @@ class Trainer:
             "step_tflop": step_flops / 1e12,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else math.nan,
+            "skipped": float(p.skipped),
         }
         if self.on_step is not None:
             self.on_step(
@@ -721,58 +1097,98 @@ class Trainer:
                     loss=loss_value,
                     sample_ids=host.sample_ids.clone(),
                     sub_batches=p.loaded.plan.sub_batches,
+                    skipped=p.skipped,
                 )
             )
         return metrics
 
+    def _log_samples(self, step: int, loaded: LoadedStep, skipped: bool) -> None:
+        folder = self.out_dir / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        line = {
+            "step": step,
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "sub_batches": list(loaded.plan.sub_batches),
+            "ids": loaded.host.sample_ids.tolist(),
+            "skipped": skipped,
+        }
+        with open(folder / f"rank{self.ctx.rank}.jsonl", "a") as fh:
+            fh.write(json.dumps(line) + "\n")
+
     # -- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
-        """Score the held-out split; returns the record on rank 0 (``{}`` elsewhere).
+    def evaluate(
+        self, split: int = VALID, *, logistic: LogisticRegressionBaseline | None = None
+    ) -> dict[str, Any]:
+        """Score a held-out split; returns the record on rank 0 (``{}`` elsewhere).
 
         The record holds the model's metrics (see
-        :func:`~hyperrec.integration.metrics.task_metrics`) and its held-out loss, plus the
-        same metrics for the popularity baseline (counts so far, all ranks) and for the
-        hidden ground truth (the Bayes-optimal ceiling).
+        :func:`~hyperrec.integration.metrics.task_metrics`: AUC, GAUC over users, NE,
+        calibration, and the CVR metrics when there is a conversion label) and its loss,
+        and under ``"baselines"`` the same metrics of the popularity baseline (counts of
+        the training impressions so far, all ranks), of ``logistic`` when given, and of
+        the ground truth where the source knows it. An empty split gives ``{}``.
+
+        Raises:
+            ValueError: ``split`` is not VALID or TEST.
         """
+        if split not in (VALID, TEST):
+            raise ValueError(f"split must be VALID ({VALID}) or TEST ({TEST}), got {split!r}")
+        ids_all = self._eval_ids[split]
+        if ids_all.size == 0:
+            return {}
         world, rank = self.ctx.world_size, self.ctx.rank
-        total = self.preset.data.eval_requests
         counts = self.popularity.global_counts(self.ctx.device)
         pop_ctr, pop_cvr = PopularityBaseline.rates(counts, self.popularity.prior_strength)
-        local = np.arange(rank, total, world)
+        local = ids_all[rank::world]
         # Every rank runs the same number of forwards (FSDP all-gathers are collective).
         # Padded (naive) attention at long caps needs smaller forwards: bound the chunk by
         # requests and by padded tokens.
-        chunk = max(1, min(_EVAL_CHUNK, _EVAL_PADDED_TOKENS // self.preset.data.max_seqlen))
-        n_chunks = max(1, math.ceil(math.ceil(total / world) / chunk))
+        chunk = max(1, min(_EVAL_CHUNK, _EVAL_PADDED_TOKENS // self.schema.max_seqlen))
+        n_chunks = max(1, math.ceil(math.ceil(ids_all.size / world) / chunk))
+        two_tasks = self.schema.has_conversion
+        both = getattr(self.source, "batch_and_truth", None)
         parts: dict[str, list[torch.Tensor]] = {}
         was_training = self.model.training
         self.model.eval()
         try:
             for piece in np.array_split(local, n_chunks):
-                ids = piece if piece.size else np.zeros(1, dtype=np.int64)
-                batch, (true_ctr, true_cvr) = self.data.batch_and_truth(EVAL, ids)
+                ids = piece if piece.size else ids_all[:1]
+                if both is not None:
+                    batch, truth = both(split, ids)
+                else:
+                    batch, truth = self.source.batch(split, ids), self.source.truth(split, ids)
                 if self.preset.train.validate_inputs:
-                    validate_batch(batch, self.preset.data)
+                    validate_batch(batch, self.schema)
                 with self._autocast():
                     ctr_logit, cvr_logit = self.model(batch.to(self.ctx.device))
                 if not piece.size:
                     continue
-                ctr_sum, ctcvr_sum = esmm_loss(
-                    ctr_logit.cpu(), cvr_logit.cpu(), batch.click, batch.conversion
-                )
+                ctr_logit = ctr_logit.float().cpu()
+                cvr_logit = cvr_logit.float().cpu() if cvr_logit is not None else None
+                ctr_sum, ctcvr_sum = task_loss(ctr_logit, cvr_logit, batch.click, batch.conversion)
                 items = batch.candidate_items
-                for key, value in (
-                    ("p_ctr", torch.sigmoid(ctr_logit.float()).cpu()),
-                    ("p_cvr", torch.sigmoid(cvr_logit.float()).cpu()),
-                    ("click", batch.click),
-                    ("conversion", batch.conversion),
-                    ("pop_ctr", pop_ctr[items]),
-                    ("pop_cvr", pop_cvr[items]),
-                    ("true_ctr", true_ctr),
-                    ("true_cvr", true_cvr),
-                    ("loss_sum", (ctr_sum + ctcvr_sum).reshape(1).double()),
-                ):
+                owner = torch.repeat_interleave(
+                    torch.arange(batch.num_requests), batch.candidate_offsets.diff()
+                )
+                values = {
+                    "p_ctr": torch.sigmoid(ctr_logit),
+                    "click": batch.click,
+                    "user": batch.user_ids[owner],
+                    "pop_ctr": pop_ctr[items],
+                    "loss_sum": (ctr_sum + ctcvr_sum).reshape(1).double(),
+                }
+                if two_tasks:
+                    values.update(
+                        p_cvr=torch.sigmoid(cvr_logit),
+                        conversion=batch.conversion,
+                        pop_cvr=pop_cvr[items],
+                    )
+                if logistic is not None:
+                    values["lr_ctr"] = logistic.predict(batch)
+                if truth is not None:
+                    values["true_ctr"], values["true_cvr"] = truth
+                for key, value in values.items():
                     parts.setdefault(key, []).append(value)
         finally:
             self.model.train(was_training)
@@ -785,16 +1201,52 @@ class Trainer:
         if not self.ctx.is_main:
             return {}
         allp = {k: torch.cat([g[k] for g in gathered if g]) for k in mine}
-        click, conv = allp["click"], allp["conversion"]
-        record: dict[str, Any] = {
+        click, users = allp["click"], allp["user"]
+        conv = allp.get("conversion")
+
+        def metrics(ctr: str, cvr: str | None) -> dict[str, float]:
+            return task_metrics(
+                allp[ctr], allp[cvr] if cvr and two_tasks else None, click, conv, users
+            )
+
+        baselines = {"popularity": metrics("pop_ctr", "pop_cvr")}
+        if "lr_ctr" in allp:
+            baselines["logistic_regression"] = metrics("lr_ctr", None)
+        if "true_ctr" in allp:
+            baselines["ground_truth"] = metrics("true_ctr", "true_cvr")
+        return {
+            "split": SPLITS[split],
             "step": self.step,
             "loss": float(allp["loss_sum"].sum() / click.numel()),
-            **task_metrics(allp["p_ctr"], allp["p_cvr"], click, conv),
-            "popularity": task_metrics(allp["pop_ctr"], allp["pop_cvr"], click, conv),
-            "ground_truth": task_metrics(allp["true_ctr"], allp["true_cvr"], click, conv),
+            **metrics("p_ctr", "p_cvr"),
+            "baselines": baselines,
+            "requests": int(ids_all.size),
             "impressions": int(click.numel()),
         }
-        return record
+
+    def fit_logistic_baseline(self) -> LogisticRegressionBaseline | None:
+        """Fit the logistic-regression baseline on the first training requests the run
+        read (at most ``TrainConfig.baseline_requests``; rank 0 fits, the others receive
+        the weights). ``None`` when disabled or before any step."""
+        cfg = self.preset.train
+        n = min(self.step * cfg.global_batch_size, cfg.baseline_requests)
+        if self.order.num_requests is not None:
+            n = min(n, self.order.num_requests)
+        if n <= 0:
+            return None
+        lr = LogisticRegressionBaseline(self.schema)
+        state = None
+        if self.ctx.is_main:
+            start = time.perf_counter()
+            ids = self.order(np.arange(n))
+            info = lr.fit(self.source.batch(TRAIN, c) for c in np.array_split(ids, -(-n // 4096)))
+            info["fit_s"] = time.perf_counter() - start
+            self.logistic_info = info
+            state = lr.state_dict()
+        state = self._broadcast(state)
+        if not self.ctx.is_main:
+            lr.load_state_dict(state)
+        return lr
 
     # -- checkpoints --------------------------------------------------------------------
     def save(self) -> Path:
@@ -803,6 +1255,7 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        step = self.step
         save_checkpoint(
             path,
             model=self.model,
@@ -811,21 +1264,34 @@ class Trainer:
             meta={
                 "step": self.step,
                 "preset": self.preset.to_dict(),
+                "source": self.source.state_dict(),
                 "history": self.history,
                 "evals": self.evals,
                 "rank_costs": self.rank_costs,
                 "train_time_s": self.train_time_s,
                 "flops_total": self.flops_total,
                 "ema": self._ema,
+                "ema_steps": self._ema_steps,
+                "nonfinite": self.nonfinite,
+                "stopped_early": self.stopped_early,
+                "tables": [self.tables, self.table_optimizer_kind],
             },
             rank_state={
                 "stream": self.loader.state_dict(),
                 "rng": rng,
                 "auc_window": self.auc_window.state_dict(),
+                # Per rank: each rank profiled its own heaviest batch.
                 "autoac": None if self.autoac is None else self.autoac.state_dict(),
-                "tables": (self.tables, self.table_optimizer_kind),
             },
             rank_tensors={"popularity": self.popularity.counts},
+            info={
+                "preset": self.preset.to_dict(),
+                "custom_source": self.custom_source,
+                "tables": [self.tables, self.table_optimizer_kind],
+            },
+            before_commit=(lambda: self.faults.kill("kill_in_checkpoint", step))
+            if self.faults
+            else None,
         )
         self.last_checkpoint = path
         return path
@@ -833,45 +1299,57 @@ class Trainer:
     def load(self, path: str | Path) -> None:
         """Restore the state saved by :meth:`save` (collective).
 
+        On another world size the model and optimizer reshard, the data position moves
+        with :func:`~hyperrec.integration.pipeline.reshard_streams` (no request lost or
+        read twice), the popularity counts are summed onto rank 0 and the training-AUC
+        window is rank 0's; dropout RNG streams start afresh.
+
         Raises:
+            CheckpointError: the checkpoint is incomplete or corrupt.
             ValueError: the checkpoint's preset differs in a field that changes the run
-                (anything but steps / eval / checkpoint / logging cadence), or its world
-                size differs.
+                (anything but the cadence: steps, epochs, evaluation, checkpoint,
+                logging, early stopping, non-finite policy, baseline size; for an event
+                log also its path, cache and reader), or it was trained on other data.
         """
-        saved, now = read_meta(path)["preset"], self.preset.to_dict()
-        cadence = {"steps", "eval_every", "ckpt_every", "log_every"}
+        verify_checkpoint(path)
+        saved_meta = read_meta(path)
+        saved, now = saved_meta["preset"], self.preset.to_dict()
         for section in ("data", "model", "train"):
+            if section == "data" and self.custom_source:
+                continue  # the source's own state_dict identifies its data (below)
+            exempt = _CADENCE if section == "train" else _DATA_EXEMPT if section == "data" else ()
             for key, value in now[section].items():
-                if section == "train" and key in cadence:
+                if key in exempt:
                     continue
                 if saved[section].get(key) != value:
                     raise ValueError(
                         f"checkpoint {path} was trained with {section}.{key}="
                         f"{saved[section].get(key)!r}, this run has {value!r}"
                     )
+        # Checkpoints before sharded tables (integration 0.2) trained dense tables with AdamW.
+        tables = tuple(saved_meta.get("tables", ("dense", "adamw")))
+        if tables != (self.tables, self.table_optimizer_kind):
+            raise ValueError(
+                f"checkpoint {path} trained {tables[0]} tables with {tables[1]}, this run has "
+                f"{self.tables} tables with {self.table_optimizer_kind} (TrainConfig.sparse="
+                f"{self.preset.train.sparse!r}, embedding_optimizer="
+                f"{self.preset.train.embedding_optimizer!r}; 'auto' takes the checkpoint's)"
+            )
+        if "source" in saved_meta:
+            self.source.load_state_dict(saved_meta["source"])
+        old_world = saved_meta["world_size"]
+        reshard = old_world != self.ctx.world_size
         meta, state = load_checkpoint(
             path,
             model=self.model,
             optimizer=self._dense_optimizers(),
             extra=self._checkpointed_objects(),
             rank_tensors={"popularity": self.popularity.counts},
+            all_ranks=reshard,
+            verify=False,  # verified above
         )
-        tables = state.get("tables", ("dense", "adamw"))
-        if tuple(tables) != (self.tables, self.table_optimizer_kind):
-            raise ValueError(
-                f"checkpoint {path} trained {tables[0]} tables with {tables[1]}, this run has "
-                f"{self.tables} tables with {self.table_optimizer_kind}"
-            )
-        if state.get("autoac") is not None:
-            # The saved plan, not a new profile: quantized saves change the numerics, so an
-            # exact resume needs the same decisions.
-            from hyperrec import autoac
-
-            plan = autoac.Plan.from_dict(state["autoac"]["plan"])
-            if self.autoac is None:
-                self.autoac = autoac.apply_plan(self.model, plan)
-            else:
-                self.autoac.set_plan(plan)
+        if self.preset.train.activation_checkpointing == "autoac":
+            self._restore_autoac(None if reshard else state.get("autoac"))
         self.step = meta["step"]
         self.history = meta["history"]
         self.evals = meta["evals"]
@@ -879,13 +1357,60 @@ class Trainer:
         self.train_time_s = meta["train_time_s"]
         self.flops_total = meta.get("flops_total", 0.0)
         self._ema = meta["ema"]
-        self.stream.load_state_dict(state["stream"])
-        self.loader.reset()
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
-        self.auc_window.load_state_dict(state["auc_window"])
+        self._ema_steps = meta.get("ema_steps", meta["step"])
+        self.nonfinite = meta.get("nonfinite", [])
+        self.stopped_early = meta.get("stopped_early", False)
+        if reshard:
+            streams = [s["stream"] for s, _ in state]
+            backlogs, frontier = reshard_streams(
+                streams,
+                self.source,
+                world_size=self.ctx.world_size,
+                cost=default_cost_model(self.preset.model.dim),
+                order=self.order,
+            )
+            self.stream = self._build_stream(tuple(backlogs[self.ctx.rank]), frontier)
+            self.loader.close()
+            self.loader = self._build_loader()
+            if self.ctx.is_main:
+                self.popularity.counts.copy_(sum(t["popularity"] for _, t in state))
+            else:
+                self.popularity.counts.zero_()
+            self.auc_window.load_state_dict(state[0][0]["auc_window"])
+            self.resume_notes.append(
+                f"resharded from {old_world} to {self.ctx.world_size} ranks: "
+                f"{sum(map(len, backlogs))} sub-batches in the backlog, then from {frontier}"
+            )
+        else:
+            # The loader's saved state is the stream's after the last trained step (not
+            # where its read-ahead had got to).
+            self.stream.load_state_dict(state["stream"])
+            self.loader.reset()
+            torch.set_rng_state(state["rng"]["cpu"])
+            if "cuda" in state["rng"] and self.ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(state["rng"]["cuda"], self.ctx.device)
+            self.auc_window.load_state_dict(state["auc_window"])
         self.last_checkpoint = Path(path)
+
+    def _restore_autoac(self, saved: dict[str, Any] | None) -> None:
+        """Put the checkpointed autoac plan back in force (same world size), or plan anew.
+
+        The saved plan, not a new profile, on the same world size: quantized saves change
+        the numerics, so an exact resume needs the same decisions. On another world size
+        each rank's batch (and so its activation memory) differs from the one the plans
+        were made for: profile again.
+        """
+        if saved is None:
+            if self.autoac is None:
+                self._apply_autoac()
+            return
+        from hyperrec import autoac
+
+        plan = autoac.Plan.from_dict(saved["plan"])
+        if self.autoac is None:
+            self.autoac = autoac.apply_plan(self.model, plan)
+        else:
+            self.autoac.set_plan(plan)
 
     def _dense_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of parameters (saved through ``get_state_dict``)."""
@@ -902,27 +1427,39 @@ class Trainer:
     def fit(self, *, stop_after: int | None = None, plot: bool = True) -> RunResult:
         """Train to ``TrainConfig.steps`` (or until step ``stop_after``), then report.
 
-        Evaluates every ``eval_every`` steps and at the end, checkpoints every
-        ``ckpt_every`` steps and at the end (when ``ckpt_every > 0``), and on rank 0
-        writes ``metrics.json`` and ``metrics.png`` into the run directory.
+        Validates every ``eval_every`` steps and at the end (early stopping watches these
+        evaluations), checkpoints every ``ckpt_every`` steps and at the end (when
+        ``ckpt_every > 0``), scores the test split once with the baselines, and on rank
+        0 writes ``metrics.json`` and ``metrics.png`` into the run directory.
 
         Args:
-            stop_after: stop after this step as if interrupted (no final eval, no
+            stop_after: stop after this step as if interrupted (no final evaluation, no
                 final checkpoint beyond the periodic ones); for resume tests.
             plot: draw the PNG (matplotlib is imported only then).
+
+        Raises:
+            ValueError: ``stop_after`` is not a positive int.
+            NonFiniteError: a non-finite step under ``nonfinite="stop"``.
         """
         cfg = self.preset.train
-        if stop_after is not None and (not isinstance(stop_after, int) or stop_after < 1):
+        if stop_after is not None and (
+            isinstance(stop_after, bool) or not isinstance(stop_after, int) or stop_after < 1
+        ):
             raise ValueError(f"stop_after must be a positive int, got {stop_after!r}")
         last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
         bar = ProgressBar(cfg.steps, enabled=self.progress_enabled)
         if self.step and self.ctx.is_main:
             bar.write(f"resumed at step {self.step} from {self.last_checkpoint}")
+            for note in self.resume_notes:
+                bar.write(note)
         # Pipelined: step n + 1 is queued before step n's metrics are read, so the device
-        # never waits for the host's bookkeeping. Evaluation, checkpoints and the end of
-        # the run wait for the queued step first.
+        # never waits for the host's bookkeeping. Evaluation, checkpoints, early stopping
+        # and the end of the run wait for the queued step first. With an ``on_step``
+        # callback every step is finished before the next is launched, so the callback
+        # sees the model exactly as its step left it.
+        pipelined = self.on_step is None
         pending: PendingStep | None = None
-        while self.step < last:
+        while self.step < last and not self.stopped_early:
             launched = self.launch_step()
             if pending is not None:
                 self._log_step(self.finish_step(pending), bar)
@@ -930,18 +1467,23 @@ class Trainer:
             step = launched.step
             evaluate = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
             checkpoint = cfg.ckpt_every and (step % cfg.ckpt_every == 0 or step == cfg.steps)
-            if evaluate or checkpoint or step == last:
+            if evaluate or checkpoint or step == last or not pipelined:
                 self._log_step(self.finish_step(pending), bar)
                 pending = None
                 if evaluate:
                     self._eval_and_log(bar)
-                if checkpoint:
+                if checkpoint or (cfg.ckpt_every and self.stopped_early):
                     self.save()
                 self.drain()
         bar.close()
-        interrupted = self.step < cfg.steps
-        if not interrupted and (not self.evals or self.evals[-1]["step"] != self.step):
-            self._eval_and_log(bar)
+        interrupted = self.step < cfg.steps and not self.stopped_early
+        if not interrupted:
+            if not self.evals or self.evals[-1]["step"] != self.step:
+                self._eval_and_log(bar)
+            logistic = self.fit_logistic_baseline()
+            record = self.evaluate(TEST, logistic=logistic)
+            if self.ctx.is_main:
+                self.test_record = record or None
         return self._report(interrupted=interrupted, plot=plot)
 
     def _log_step(self, m: dict[str, float], bar: ProgressBar) -> None:
@@ -958,22 +1500,42 @@ class Trainer:
         )
 
     def _eval_and_log(self, bar: ProgressBar) -> None:
-        record = self.evaluate()
-        if self.ctx.is_main:
+        record = self.evaluate(VALID)
+        stop = False
+        if self.ctx.is_main and record:
             self.evals.append(record)
+            b = record["baselines"]
+            ref = ", ".join(f"{k.replace('_', ' ')} {v['ctr_auc']:.4f}" for k, v in b.items())
+            cvr = f", CVR AUC {record['cvr_auc']:.4f}" if "cvr_auc" in record else ""
             bar.write(
-                f"eval @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
-                f"(popularity {record['popularity']['ctr_auc']:.4f}, "
-                f"ground truth {record['ground_truth']['ctr_auc']:.4f}), "
-                f"CVR AUC {record['cvr_auc']:.4f}, NE {record['ctr_ne']:.4f}"
+                f"validation @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
+                f"({ref}), GAUC {record['ctr_gauc']:.4f}{cvr}, NE {record['ctr_ne']:.4f}"
             )
+            stop = self._should_stop_early()
+            if stop:
+                bar.write(
+                    f"early stopping at step {self.step}: "
+                    f"{self.preset.train.early_stopping_metric} has not improved for "
+                    f"{self.preset.train.early_stopping_patience} evaluations"
+                )
+        self.stopped_early = bool(self._broadcast(stop))
+
+    def _should_stop_early(self) -> bool:
+        cfg = self.preset.train
+        if not cfg.early_stopping_patience:
+            return False
+        best = best_validation(self.evals, cfg.early_stopping_metric)
+        return best is not None and len(self.evals) - 1 - best[0] >= cfg.early_stopping_patience
 
     def _report(self, *, interrupted: bool, plot: bool) -> RunResult:
         if not self.ctx.is_main:
-            return RunResult(self.out_dir, {}, None, None, self.last_checkpoint, interrupted)
+            return RunResult(
+                self.out_dir, {}, None, None, self.last_checkpoint, interrupted, self.stopped_early
+            )
         cfg = self.preset.train
         requests = self.step * cfg.global_batch_size
-        final = self.evals[-1] if self.evals else None
+        test = self.test_record
+        best = best_validation(self.evals, cfg.early_stopping_metric)
         metrics: dict[str, Any] = {
             "preset": self.preset.name,
             "version": __version__,
@@ -982,7 +1544,9 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "steps_completed": self.step,
             "interrupted": interrupted,
+            "stopped_early": self.stopped_early,
             "requests_trained": requests,
+            "epochs_trained": self.order.epoch(requests) if self.order.num_requests else None,
             "train_time_s": self.train_time_s,
             # This process only (a resumed run counts from its restart), set-up to report.
             "wall_time_s": time.perf_counter() - self._created,
@@ -991,12 +1555,15 @@ class Trainer:
             "peak_memory_gb": torch.cuda.max_memory_allocated(self.ctx.device) / 1e9
             if self.ctx.device.type == "cuda"
             else None,
-            "final": None
-            if final is None
-            else {k: v for k, v in final.items() if k not in ("popularity", "ground_truth")},
-            "baselines": None
-            if final is None
-            else {"popularity": final["popularity"], "ground_truth": final["ground_truth"]},
+            "final": None if test is None else {k: v for k, v in test.items() if k != "baselines"},
+            "baselines": None if test is None else test["baselines"],
+            "logistic_regression_fit": getattr(self, "logistic_info", None),
+            "best_validation": None
+            if best is None
+            else {"step": self.evals[best[0]]["step"], cfg.early_stopping_metric: best[1]},
+            "data": self._data_summary(),
+            "nonfinite_steps": self.nonfinite,
+            "resume_notes": self.resume_notes,
             "bbs": self._bbs_summary(),
             "parallel": {
                 "mesh": None if self.mesh is None else repr(self.mesh),
@@ -1007,6 +1574,7 @@ class Trainer:
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "config": self.preset.to_dict(),
             "eval": self.evals,
+            "test": test,
             "history": self.history,
         }
         metrics = _jsonable(metrics)
@@ -1019,7 +1587,13 @@ class Trainer:
 
             plot_path = plot_metrics(metrics, self.out_dir / "metrics.png")
         return RunResult(
-            self.out_dir, metrics, metrics_path, plot_path, self.last_checkpoint, interrupted
+            self.out_dir,
+            metrics,
+            metrics_path,
+            plot_path,
+            self.last_checkpoint,
+            interrupted,
+            self.stopped_early,
         )
 
     def _mfu_summary(self) -> dict[str, Any]:
@@ -1045,6 +1619,18 @@ class Trainer:
             "training = 3x forward, recomputation and padding not counted",
         }
 
+    def _data_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "source": type(self.source).__name__,
+            "schema": dataclasses.asdict(self.schema),
+            "requests": {name: self.source.num_requests(s) for s, name in SPLITS.items()},
+            "evaluated_requests": {SPLITS[s]: int(v.size) for s, v in self._eval_ids.items()},
+        }
+        info = getattr(self.source, "info", None)
+        if isinstance(info, dict):
+            out["event_log"] = {k: v for k, v in info.items() if k != "key"}
+        return out
+
     def _bbs_summary(self) -> dict[str, Any]:
         """Step-cost balance with BBS and in arrival order, over every step so far.
 
@@ -1059,9 +1645,12 @@ class Trainer:
             "sub_batch_size": cfg.sub_batch_size,
             "sub_batches_per_rank_step": self.sub_batches_per_rank,
         }
-        if not self.rank_costs:
+        # Steps of the current world size only (a resume on another one changes the shape).
+        rows = [r for r in self.rank_costs if len(r) == self.ctx.world_size]
+        if not rows:
             return out
-        c = np.asarray(self.rank_costs, dtype=np.float64)  # (steps, ranks, 2)
+        out["steps_counted"] = len(rows)
+        c = np.asarray(rows, dtype=np.float64)  # (steps, ranks, 2)
         for i, name in enumerate(("balanced", "arrival_order")):
             per_step = c[:, :, i]
             out[name] = {
@@ -1088,6 +1677,21 @@ def _machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def best_validation(evals: list[dict[str, Any]], metric: str) -> tuple[int, float] | None:
+    """(index into ``evals``, value) of the best finite ``metric`` (the first on ties)."""
+    sign = EARLY_STOPPING_METRICS[metric]
+    best = None
+    for i, e in enumerate(evals):
+        v = e.get(metric)
+        if (
+            isinstance(v, float)
+            and math.isfinite(v)
+            and (best is None or sign * v > sign * best[1])
+        ):
+            best = (i, v)
+    return best
 
 
 def _mean(xs: list[float]) -> float | None:

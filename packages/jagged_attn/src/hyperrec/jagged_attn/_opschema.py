@@ -26,7 +26,7 @@ import torch
 from hyperrec.jagged_attn.masks import MaskSpec
 from hyperrec.jagged_attn.spec import AttentionSpec
 
-__all__ = ["NAMESPACE", "AttentionCall", "activation_of", "schema", "spec_op_args"]
+__all__ = ["NAMESPACE", "AttentionCall", "activation_of", "make_spec", "schema", "spec_op_args"]
 
 #: The ``torch.library`` namespace of every op of this package.
 NAMESPACE = "hyperrec_jagged_attn"
@@ -52,13 +52,100 @@ def schema(*, before: str = "", returns: str = "Tensor") -> str:
     return f"({before}{_TENSORS}, {_SPEC}) -> {returns}"
 
 
+# Per-call host work matters: a call whose kernels take 50 us must not spend as long in
+# Python. Encoding, decoding and building specs are memoised on their plain-value fields
+# (never on symbolic values, which torch.compile may pass); the caches are small and reset
+# when full.
+_CACHE_LIMIT = 256
+_ENCODED: dict[tuple, str] = {}
+_DECODED: dict[tuple, AttentionSpec] = {}
+_SPECS: dict[tuple, AttentionSpec] = {}
+_PLAIN = (bool, int, float, str)
+
+
+def _remember(cache: dict, key: tuple, value: Any) -> Any:
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _plain(values: tuple) -> bool:
+    # Plain Python values only, and never while Dynamo traces (a dynamic int looks like an
+    # int there, and a dict lookup would specialise the graph on it); float zeros are left
+    # out too (0.0 == -0.0 would share an entry, and the sign of a zero output_scale
+    # reaches the output's zeros).
+    if torch.compiler.is_compiling():
+        return False
+    for v in values:
+        t = type(v)
+        if t not in _PLAIN or (t is float and v == 0.0):
+            return False
+    return True
+
+
 def _encode(spec: AttentionSpec) -> str:
-    values = [getattr(spec, n) for n in _STATIC] + [getattr(spec.mask, n) for n in _MASK]
+    mask = spec.mask
+    values = (spec.activation, spec.normalization) + tuple(getattr(mask, n) for n in _MASK)
+    plain = _plain(values)  # a symbolic value (torch.compile) is not hashable
+    hit = _ENCODED.get(values) if plain else None
+    if hit is not None:
+        return hit
     # int(): a mask field that torch.compile made symbolic is specialised here on purpose
     # (masks select kernel variants).
-    return ";".join(
+    text = ";".join(
         f"{n}={int(v) if isinstance(v, bool | int) else v}" for n, v in zip(_STATIC + _MASK, values)
     )
+    return _remember(_ENCODED, values, text) if plain else text
+
+
+def make_spec(
+    *,
+    activation: str,
+    scale: Any,
+    output_scale: Any = 1.0,
+    normalization: str = "none",
+    max_seqlen_q: Any,
+    max_seqlen_kv: Any,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    contextual_len: int = 0,
+    block_size: int = 0,
+    block_previous: bool = False,
+) -> AttentionSpec:
+    """``AttentionSpec(..., mask=MaskSpec(...))``, memoised on plain values (the public
+    functions build one per call; building and validating two frozen dataclasses costs
+    more than the rest of the call's Python).
+
+    Raises:
+        TypeError, ValueError: as :class:`AttentionSpec` and :class:`MaskSpec`.
+    """
+    values = (activation, scale, output_scale, normalization, max_seqlen_q, max_seqlen_kv, causal,
+              window_left, window_right, contextual_len, block_size, block_previous)  # fmt: skip
+    plain = _plain(values)  # a symbolic value (torch.compile) is not hashable
+    # type() in the key: True == 1 == 1.0 must not share an entry
+    key = values + tuple(type(v) for v in values) if plain else ()
+    hit = _SPECS.get(key) if plain else None
+    if hit is not None:
+        return hit
+    spec = AttentionSpec(
+        activation=activation,
+        scale=scale,
+        output_scale=output_scale,
+        normalization=normalization,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        mask=MaskSpec(
+            causal=causal,
+            window_left=window_left,
+            window_right=window_right,
+            contextual_len=contextual_len,
+            block_size=block_size,
+            block_previous=block_previous,
+        ),  # fmt: skip
+    )
+    return _remember(_SPECS, key, spec) if plain else spec
 
 
 def _decode(text: str) -> tuple[dict[str, str], dict[str, Any]]:
@@ -114,17 +201,26 @@ class AttentionCall:
         """The inverse of :meth:`op_args`."""
         if len(args) != _N_TENSORS + _N_SPEC:
             raise TypeError(f"expected {_N_TENSORS + _N_SPEC} op arguments, got {len(args)}")
-        text, scale, output_scale, max_q, max_kv = args[_N_TENSORS:]
-        static, mask = _decode(text)
-        spec = AttentionSpec(
-            scale=scale,
-            output_scale=output_scale,
-            max_seqlen_q=max_q,
-            max_seqlen_kv=max_kv,
-            mask=MaskSpec(**mask),
-            **static,
-        )
-        return cls(**dict(zip(_TENSOR_NAMES, args[:_N_TENSORS])), spec=spec)
+        spec_args = tuple(args[_N_TENSORS:])
+        plain = _plain(spec_args)  # a symbolic value (torch.compile) is not hashable
+        key = spec_args + tuple(type(a) for a in spec_args) if plain else ()
+        spec = _DECODED.get(key) if plain else None
+        if spec is None:
+            text, scale, output_scale, max_q, max_kv = spec_args
+            static, mask = _decode(text)
+            spec = AttentionSpec(
+                scale=scale,
+                output_scale=output_scale,
+                max_seqlen_q=max_q,
+                max_seqlen_kv=max_kv,
+                mask=MaskSpec(**mask),
+                **static,
+            )
+            if plain:
+                _remember(_DECODED, key, spec)
+        q, k, v, q_offsets, kv_offsets, kv_index, num_targets = args[:_N_TENSORS]
+        return cls(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
+                   kv_index=kv_index, num_targets=num_targets, spec=spec)  # fmt: skip
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -132,7 +228,10 @@ class AttentionCall:
         return tuple(getattr(self, n) for n in _TENSOR_NAMES)
 
     def with_tensors(self, **tensors: torch.Tensor) -> AttentionCall:
-        """A copy with some tensors replaced (e.g. made contiguous)."""
+        """A copy with some tensors replaced (e.g. made contiguous); ``self`` if every one
+        given is already the call's own."""
+        if all(getattr(self, n) is t for n, t in tensors.items()):
+            return self
         return replace(self, **tensors)
 
     @staticmethod

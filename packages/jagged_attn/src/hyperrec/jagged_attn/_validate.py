@@ -154,8 +154,9 @@ def check_tensor(
 #   naming the argument. Free on CPU tensors (no device to wait for), so the default there;
 #   on CUDA only with ``validate="full"`` (it waits for the GPU: a host sync per call).
 # * ``"device"``: the default on CUDA. The same conditions, reduced on the GPU to one flag
-#   and checked by ``torch._assert_async``: no host sync, a handful of tiny kernels, and
-#   those only for offsets the call has not seen before (results are cached per tensor
+#   and checked by ``torch._assert_async``: no host sync, two kernel launches (one Triton
+#   kernel computes the flag, ``_triton/_checks.py``; PyTorch ops where Triton cannot run),
+#   and those only for offsets the call has not seen before (results are cached per tensor
 #   object and version, like the kernels' schedules). A violation is a device-side assert:
 #   the CUDA error surfaces at the next synchronisation and leaves the CUDA context
 #   unusable, as any device-side assert does (re-run with ``validate="full"`` for the
@@ -411,6 +412,21 @@ def _device_condition(
     return ok
 
 
+def _fused_condition(*args: Any) -> torch.Tensor:
+    """:func:`_device_condition` from one Triton kernel where the Triton kernels run (a
+    dozen PyTorch dispatches cost more host time than a short attention call), else from
+    PyTorch ops. Nonzero means valid."""
+    offsets = args[2]
+    if offsets.device.type == "cuda":
+        from hyperrec.jagged_attn._triton import interpreting, supports
+
+        if supports(offsets.device) and not interpreting():
+            from hyperrec.jagged_attn._triton._checks import values_ok
+
+            return values_ok(*args)
+    return _device_condition(*args)
+
+
 def _assert_async(cond: torch.Tensor, message: str) -> None:
     try:
         torch._assert_async(cond, message)
@@ -483,7 +499,7 @@ def run_value_checks(
         if _already_checked(tensors, scalars):
             return
         _assert_async(
-            _device_condition(*args),
+            _fused_condition(*args),
             f"hyperrec.jagged_attn: invalid {names.q_offsets}, {names.kv_offsets}, "
             f"{names.max_seqlen_q}, {names.max_seqlen_kv}, kv_index or num_targets values "
             "(call with validate='full' for the error that names the argument)",

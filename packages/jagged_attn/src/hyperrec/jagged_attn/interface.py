@@ -14,7 +14,7 @@ import math
 import torch
 
 from hyperrec.jagged_attn._dispatch import BACKENDS, Backend, resolve_backend
-from hyperrec.jagged_attn._opschema import AttentionCall
+from hyperrec.jagged_attn._opschema import AttentionCall, make_spec
 from hyperrec.jagged_attn._validate import (
     Names,
     Validate,
@@ -30,7 +30,6 @@ from hyperrec.jagged_attn._validate import (
 )
 from hyperrec.jagged_attn.activations import ACTIVATIONS
 from hyperrec.jagged_attn.fp8 import FP8Config, Precision
-from hyperrec.jagged_attn.masks import MaskSpec
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
 __all__ = ["block_attention", "gdpa", "jagged_attention"]
@@ -186,12 +185,14 @@ def jagged_attention(
         names = Names(q_offsets="offsets", max_seqlen_q="max_seqlen")
     check_bool("causal", causal)
     left, right = _window(window_size)
-    spec = AttentionSpec(
+    spec = make_spec(
         activation="softmax",
         scale=_scale(scale, q.shape[2]),
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen_kv,
-        mask=MaskSpec(causal=causal, window_left=left, window_right=right),
+        causal=causal,
+        window_left=left,
+        window_right=right,
     )
     return _dispatch(
         q,
@@ -336,19 +337,17 @@ def gdpa(
     check_bool("causal", causal)
     check_int("contextual_len", contextual_len, minimum=0)
     left, right = _window(window_size)
-    spec = AttentionSpec(
+    spec = make_spec(
         activation=activation,
         scale=_scale(scale, q.shape[2]),
         output_scale=float(output_scale),
         normalization=normalization,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_kv=max_seqlen_kv,
-        mask=MaskSpec(
-            causal=causal,
-            window_left=left,
-            window_right=right,
-            contextual_len=contextual_len,
-        ),
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        contextual_len=contextual_len,
     )
     return _dispatch(
         q,
@@ -423,17 +422,15 @@ def block_attention(
     check_bool("previous_block", previous_block)
     check_int("num_global", num_global, minimum=0)
     check_bool("causal", causal)
-    spec = AttentionSpec(
+    spec = make_spec(
         activation="softmax",
         scale=_scale(scale, q.shape[2]),
         max_seqlen_q=max_seqlen,
         max_seqlen_kv=max_seqlen,
-        mask=MaskSpec(
-            causal=causal,
-            contextual_len=num_global,
-            block_size=block_size,
-            block_previous=previous_block,
-        ),
+        causal=causal,
+        contextual_len=num_global,
+        block_size=block_size,
+        block_previous=previous_block,
     )
     names = Names(
         q_offsets="offsets",

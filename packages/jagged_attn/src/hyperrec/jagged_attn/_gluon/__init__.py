@@ -11,8 +11,9 @@ with an fp32 base-2 LSE.
 
 Status: compiled ahead of time for sm_90 on a CPU machine (``bench/compile_gluon.py``);
 its numerics and speed are checked on the GPU only (``tests/test_gluon_forward.py``,
-``bench/bench_gluon.py``): Gluon has no CPU interpreter. Not yet wired into the
-package's dispatcher.
+``bench/bench_gluon.py``): Gluon has no CPU interpreter. The package's launcher calls it
+only with ``JAGGED_ATTN_GLUON=1`` (opt-in, for the calls it supports; see
+``_triton._launch.gluon_unsupported``).
 
 Importing this subpackage imports neither Triton nor the kernel.
 

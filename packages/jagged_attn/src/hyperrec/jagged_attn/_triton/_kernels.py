@@ -709,7 +709,13 @@ def _tile_meta(META, w, total, H: tl.constexpr):
             tl.load(row + 5), tl.load(row + 4))  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_lh", "n_q_rows", "n_kv_rows", "wl", "wr", "ctx", "bsz"])
+# Integer arguments that vary from batch to batch: never specialised (Triton compiles a
+# separate variant for an int that is divisible by 16 or equal to 1). The strides left
+# specialised depend on the head count and head dims only.
+FWD_NOT_SPECIALISED = ("stride_lh", "n_q_rows", "n_kv_rows", "wl", "wr", "ctx", "bsz")
+
+
+@triton.jit(do_not_specialize=list(FWD_NOT_SPECIALISED))
 def _fwd_kernel(
     Q, K, V, O, LSE, Q_desc, K_desc, V_desc, O_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

@@ -10,6 +10,7 @@ message instead of a wrong answer or an illegal memory access.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +20,19 @@ import triton
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _configs, _kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
+from hyperrec.jagged_attn._triton._direct import Relauncher, direct_requested
 from hyperrec.jagged_attn._triton._probe import hopper_features
 from hyperrec.jagged_attn._triton._schedule import (
     as_int32,
+    cached_schedule,
     kv_tile_schedule,
     q_tile_meta,
     q_tile_schedule,
+    remember_int32,
     row_sequence,
     work_upper_bound,
 )
+from hyperrec.jagged_attn._triton._tiles import tile_schedule
 
 __all__ = ["attention_backward", "attention_forward"]
 
@@ -126,6 +131,17 @@ def _num_sms(device: torch.device) -> int:
     return _sm_props(device)["sms"]
 
 
+class _Key(tuple):
+    """A launch key: a tuple whose hash is computed once (keys hold ~30 entries and are
+    looked up at every launch)."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("hash")
+        if h is None:
+            h = self.__dict__["hash"] = tuple.__hash__(self)
+        return h
+
+
 # Programs of a persistent kernel that fit on one SM at once, per compiled variant. Filled
 # from the compiled kernel's registers and shared memory after its first launch (which uses
 # a safe one-per-SM grid).
@@ -166,11 +182,23 @@ def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
 def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig, key, args, kw):
     """Launch ``kernel`` on min(upper bound of work items, programs resident at once)."""
     occ = _OCCUPANCY.get(key, 1)
-    grid = (max(1, min(work_upper_bound, _num_sms(device) * occ)),)
-    compiled = kernel[grid](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid0 = max(1, min(work_upper_bound, _num_sms(device) * occ))
+    direct = direct_requested()
+    if direct:
+        relaunch = _RELAUNCH.get(key)
+        if relaunch is not None and relaunch.ok and relaunch(grid0, args):
+            return
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiled = kernel[(grid0,)](*args, **kw, **options)
     if key not in _OCCUPANCY and not interpreting():
         _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, device)
         _COMPILED[key] = compiled
+    if direct and key not in _RELAUNCH and not interpreting():
+        _RELAUNCH[key] = Relauncher(kernel, compiled, args, kw, options)
+
+
+# Opt-in direct relaunches (``_direct.py``), per launch key.
+_RELAUNCH: dict[tuple, Relauncher] = {}
 
 
 # The compiled kernel of each key (for benchmarks: registers, spills, shared memory, IR).
@@ -311,6 +339,144 @@ def _pick(kernel: str, call: AttentionCall, config: KernelConfig | None) -> Kern
     return _configs.select_config(key)
 
 
+@dataclass(frozen=True)
+class _ForwardPlan:
+    """Everything the forward decides from a call's signature (see :func:`_signature`),
+    computed once per signature: the configuration, the kernel's constexprs and the
+    launch key. A call then only allocates, looks up its schedule and launches."""
+
+    cfg: KernelConfig
+    kw: dict[str, Any]
+    key: _Key
+    ce: dict[str, Any]
+    host_descs: bool
+    gluon: bool
+    """The experimental Gluon forward can serve this call (used if :data:`GLUON_ENV` is
+    set)."""
+
+
+_FWD_PLANS: dict[tuple, _ForwardPlan] = {}
+_BWD_PLANS: dict[tuple, Any] = {}
+_PLAN_LIMIT = 256
+
+
+def _signature(call: AttentionCall, *extra: Any) -> tuple:
+    """What the launchers' decisions depend on, as a cheap hashable key: dtypes, devices,
+    heads and head dims, strides, which optional tensors are given, the spec's static
+    fields, the length bucket, whether the inputs are empty and 16-byte aligned (tensor
+    descriptors), plus ``extra`` (options, pinned configurations). Never lengths or token
+    counts: a new batch reuses the plan."""
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    ki, nt = call.kv_index, call.num_targets
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+    return (
+        q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+        q.shape[1:], k.shape[1:], v.shape[1:], q.stride(), k.stride(), v.stride(),
+        call.q_offsets.dtype, call.q_offsets.device, call.kv_offsets.dtype,
+        call.kv_offsets.device, None if ki is None else (ki.dtype, ki.device),
+        None if nt is None else (nt.dtype, nt.device), spec.activation, spec.normalization,
+        spec.mask, spec.scale > 0, max(spec.max_seqlen_q, spec.max_seqlen_kv) <= 256,
+        q.shape[0] == 0, k.shape[0] == 0, aligned, *extra,
+    )  # fmt: skip
+
+
+def _remember(cache: dict, key: tuple, value: Any) -> Any:
+    if len(cache) >= _PLAN_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _forward_plan(
+    call: AttentionCall, out: torch.Tensor, fast_math: bool, config: KernelConfig | None
+) -> _ForwardPlan:
+    _check_inputs(call)
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    head_dim, head_dim_v = q.shape[2], v.shape[2]
+    _, ce = _common(call, fast_math)
+    cfg = _pick("fwd", call, config)
+    variants = _forward_variants(cfg, spec.activation, spec.scale, (q, k, v, out),
+                                 (head_dim, head_dim_v))  # fmt: skip
+    kw = dict(
+        H=q.shape[1], HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=_pow2(head_dim),
+        BLOCK_DV=_pow2(head_dim_v), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce, **variants,
+    )  # fmt: skip
+    key = _Key(("fwd", q.dtype, cfg, tuple(sorted(kw.items()))))
+    if key in _FAILED_BUILDS:
+        kw["WARP_SPEC"] = False
+        key = _Key(("fwd", q.dtype, cfg, tuple(sorted(kw.items()))))
+    host_descs = bool(variants["TMA"]) and not variants["TMA_IN_KERNEL"]
+    gluon = config is None and gluon_eligible(call)
+    return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, gluon=gluon)
+
+
+#: Environment variable that opts into the experimental Gluon forward (``_gluon/``) for the
+#: calls it supports: ``JAGGED_ATTN_GLUON=1``. Off by default until a GPU run has
+#: validated it; the backward stays the Triton kernels (they take its LSE as is).
+GLUON_ENV = "JAGGED_ATTN_GLUON"
+
+
+def gluon_requested() -> bool:
+    """Whether :data:`GLUON_ENV` asks for the Gluon forward (``"1"``)."""
+    return os.environ.get(GLUON_ENV, "0") == "1"
+
+
+def gluon_eligible(call: AttentionCall) -> bool:
+    """Whether the Gluon forward computes exactly this call (see :func:`gluon_unsupported`)."""
+    return gluon_unsupported(call) is None
+
+
+def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str | None:
+    """Why the experimental Gluon forward cannot serve ``call``, or None if it can.
+
+    It computes softmax, or SiLU with no normalisation or HSTU's ``1 / max_seqlen``; no
+    mask but causal (no window, targets, contextual tokens or blocks), no query -> kv map;
+    bf16/fp16; one head dim of 64 or 128 for q, k and v; non-empty q and k with packed
+    heads and 16-byte aligned rows (TMA); on an sm_90 GPU with the Triton its API was
+    written for (``_gluon.gluon_supported``; skipped with ``check_device=False``).
+    """
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    softmax = spec.activation == "softmax"
+    if not softmax and spec.activation != "silu":
+        return f"activation {spec.activation!r} (softmax or silu only)"
+    if spec.normalization not in (("none",) if softmax else ("none", "max_seqlen")):
+        return f"normalization {spec.normalization!r} with {spec.activation}"
+    if _Mask(call).generic:
+        return "a mask beyond causal (window, targets, contextual tokens or blocks)"
+    if call.kv_index is not None:
+        return "a query -> kv map (kv_index)"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype}"
+    if q.shape[2] not in (64, 128) or k.shape[1:] != q.shape[1:] or v.shape[1:] != q.shape[1:]:
+        return f"head dims {q.shape[2]}/{v.shape[2]} (one of 64 or 128 for q, k and v)"
+    if q.shape[0] == 0 or k.shape[0] == 0 or not _tma_ready(q, k, v):
+        return "empty inputs, or heads not packed / rows not 16-byte aligned (TMA)"
+    if check_device:
+        if q.device.type != "cuda" or interpreting():
+            return f"device {q.device}"
+        from hyperrec.jagged_attn._gluon import gluon_supported, unsupported_reason
+
+        if not gluon_supported(q.device):
+            return unsupported_reason(q.device)
+    return None
+
+
+def _gluon_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    from hyperrec.jagged_attn._gluon import jagged_attention_fwd_gluon
+
+    spec = call.spec
+    # the Gluon launcher takes kv_offsets=None for self-attention (then max_seqlen is the
+    # kv maximum too: HSTU's divisor)
+    same = (call.kv_offsets is call.q_offsets and spec.max_seqlen_kv == spec.max_seqlen_q
+            and call.k.shape[0] == call.q.shape[0])  # fmt: skip
+    return jagged_attention_fwd_gluon(
+        call.q, call.k, call.v, call.q_offsets, spec.max_seqlen_q, causal=spec.mask.causal,
+        scale=spec.scale, kv_offsets=None if same else call.kv_offsets,
+        max_seqlen_kv=None if same else spec.max_seqlen_kv, activation=spec.activation,
+        output_scale=spec.output_scale, normalization=spec.normalization,
+    )  # fmt: skip
+
+
 def attention_forward(
     call: AttentionCall,
     *,
@@ -330,42 +496,43 @@ def attention_forward(
     instruction (relative error ~2^-11, below the bf16 rounding of the weights).
     ``config`` pins a tile configuration (tests, tuning); default: the shipped table.
     """
-    _check_inputs(call)
     q, k, v, spec = call.q, call.k, call.v, call.spec
-    activation, scale, causal = spec.activation, spec.scale, spec.mask.causal
-    total_q, n_heads, head_dim = q.shape
-    head_dim_v = v.shape[2]
-    n_seq = call.q_offsets.numel() - 1
-    softmax = activation == "softmax"
-    out = torch.empty((total_q, n_heads, head_dim_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
+    total_q, n_heads = q.shape[0], q.shape[1]
+    n_seq = call.q_offsets.shape[0] - 1
+    softmax = spec.activation == "softmax"
+    out = torch.empty((total_q, n_heads, v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32,
+                      device=q.device)  # fmt: skip
+    signature = _signature(call, fast_math, config)
+    plan = _FWD_PLANS.get(signature)
+    if plan is None:
+        plan = _remember(_FWD_PLANS, signature, _forward_plan(call, out, fast_math, config))
+    assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
     if total_q == 0 or n_seq == 0:
         return out, lse
-    coef, ce = _common(call, fast_math)
-    cfg = _pick("fwd", call, config)
+    if plan.gluon and gluon_requested():
+        return _gluon_forward(call)
+    cfg, kw = plan.cfg, plan.kw
+    coef = _coef(spec)
     if cfg.pack_rows and _packable(call):
-        _forward_packed(call, cfg, coef, ce, out, lse)
+        _forward_packed(call, cfg, coef, plan.ce, out, lse)
         return out, lse
-    q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
-    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
-    variants = _forward_variants(cfg, activation, scale, (q, k, v, out), (head_dim, head_dim_v))
-    order = cfg.work_order
-    if variants["PREFETCH"]:
-        tile_meta, total = q_tile_meta(
-            q_offsets, kv_offsets, kv_index, num_targets, cfg.block_m, causal, total_q, order
+    if kw["PREFETCH"]:
+        q_offsets, kv_offsets, tile_meta, total = _fwd_schedule(
+            call, cfg.block_m, cfg.work_order, prefetch=True
         )
         tile_seq = tile_idx = total  # not read
     else:
-        tile_seq, tile_idx, total = q_tile_schedule(
-            q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q, order
+        q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(
+            call, cfg.block_m, cfg.work_order
         )
         tile_meta = total  # not read
+    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     # the dynamic schedule's shared item counter, zeroed for this launch
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if variants["DYNAMIC"] else total
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if kw["DYNAMIC"] else total
     unused = total  # a valid pointer for arguments a variant never reads
-    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
-    tma = variants["TMA"]
-    if tma and not variants["TMA_IN_KERNEL"]:
+    if plan.host_descs:
+        tma, bd, bdv = kw["TMA"], kw["BLOCK_D"], kw["BLOCK_DV"]
         descs = (
             _descriptor(q, cfg.block_m, bd, bool(tma & _configs.TMA_Q)),
             _descriptor(k, cfg.block_n, bd, bool(tma & (_configs.TMA_KV | _configs.TMA_K_MASKED))),
@@ -374,7 +541,7 @@ def attention_forward(
         )
     else:
         descs = (q, k, v, out)  # not read, or replaced by descriptors built in the kernel
-        if tma and not interpreting():
+        if kw["TMA"] and not interpreting():
             _ensure_allocator()
     args = (
         q, k, v, out, lse if softmax else out, *descs,
@@ -382,27 +549,58 @@ def attention_forward(
         out.stride(0), out.stride(1), total_q, total_q, k.shape[0],
         q_offsets, kv_offsets, unused if kv_index is None else kv_index,
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total, tile_meta,
-        counter, _qk_scale(activation, scale), coef, *_Mask(call).ints(),
-    )  # fmt: skip
-    kw = dict(
-        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce, **variants,
+        counter, _qk_scale(spec.activation, spec.scale), coef, *_Mask(call).ints(),
     )  # fmt: skip
     work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
-    key = ("fwd", q.dtype, cfg, tuple(sorted(kw.items())))
-    if key in _FAILED_BUILDS:
-        kw["WARP_SPEC"] = False
-        key = ("fwd", q.dtype, cfg, tuple(sorted(kw.items())))
     try:
-        _launch_persistent(_kernels._fwd_kernel, work, q.device, cfg, key, args, kw)
+        _launch_persistent(_kernels._fwd_kernel, work, q.device, cfg, plan.key, args, kw)
     except Exception as e:  # any compiler error
-        if not kw["WARP_SPEC"] or key in _OCCUPANCY:
+        if not kw["WARP_SPEC"] or plan.key in _OCCUPANCY:
             raise
         # Triton's warp specialisation rejects some loops on some versions and GPUs: build
         # the same kernel without it (once; later calls go straight there).
-        _FAILED_BUILDS[key] = f"{type(e).__name__}: {e}"[:500]
+        _FAILED_BUILDS[plan.key] = f"{type(e).__name__}: {e}"[:500]
+        _FWD_PLANS.clear()
         return attention_forward(call, fast_math=fast_math, config=cfg)
     return out, lse
+
+
+def _coef(spec) -> float:
+    """``output_scale`` times the ``"max_seqlen"`` normalisation (the per-sequence
+    ``1 / Lk`` of ``"length"`` is applied in the kernels)."""
+    coef = float(spec.output_scale)
+    if spec.normalization == "max_seqlen":
+        coef /= max(spec.max_seqlen_kv, 1)
+    return coef
+
+
+def _fwd_schedule(call: AttentionCall, block_m: int, order: str, prefetch: bool = False) -> tuple:
+    """(int32 q offsets, int32 kv offsets, the query-tile schedule of the forward or the dQ
+    kernel...): one cache lookup per call (see :mod:`._schedule`)."""
+    causal, total_q = call.spec.mask.causal, call.q.shape[0]
+    tensors = (call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets)
+
+    def build():
+        if not prefetch and order == "cost":  # the default: one kernel launch
+            upper = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, block_m)
+            q32, kv32, *table = tile_schedule(
+                call.q_offsets, call.kv_offsets, as_int32(call.kv_index), block_m, causal, upper,
+                call.spec.max_seqlen_kv, kv_tiles=False,
+            )  # fmt: skip
+            remember_int32(call.q_offsets, q32)
+            remember_int32(call.kv_offsets, kv32)
+            return (q32, kv32, *table)
+        q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
+        kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
+        if prefetch:
+            table = q_tile_meta(q_offsets, kv_offsets, kv_index, num_targets, block_m, causal,
+                                total_q, order)  # fmt: skip
+        else:
+            table = q_tile_schedule(q_offsets, kv_offsets, kv_index, block_m, causal, total_q,
+                                    order)  # fmt: skip
+        return (q_offsets, kv_offsets, *table)
+
+    return cached_schedule(tensors, ("fwd", block_m, causal, total_q, order, prefetch), build)
 
 
 def _packable(call: AttentionCall) -> bool:
@@ -467,15 +665,20 @@ def attention_backward(
     sequences to one kv sequence, their dK/dV contributions are summed inside one program;
     keys that no query reads get zero gradients.
     """
-    _check_inputs(call)
     q, k, v, spec = call.q, call.k, call.v, call.spec
-    activation, scale = spec.activation, spec.scale
-    total_q, n_heads, head_dim = q.shape
-    total_kv, head_dim_v = k.shape[0], v.shape[2]
-    n_seq = call.q_offsets.numel() - 1
-    n_kv_seq = call.kv_offsets.numel() - 1
-    softmax = activation == "softmax"
-    assert grad_out.shape == out.shape == (total_q, n_heads, head_dim_v), "grad_out/out shape"
+    scale = spec.scale
+    total_q, n_heads = q.shape[0], q.shape[1]
+    total_kv = k.shape[0]
+    n_seq = call.q_offsets.shape[0] - 1
+    n_kv_seq = call.kv_offsets.shape[0] - 1
+    softmax = spec.activation == "softmax"
+    signature = _signature(call, fast_math, deterministic, config_dkdv, config_dq)
+    plan = _BWD_PLANS.get(signature)
+    if plan is None:
+        plan = _remember(_BWD_PLANS, signature, _backward_plan(
+            call, fast_math, deterministic, config_dkdv, config_dq))  # fmt: skip
+    assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
+    assert grad_out.shape == out.shape == (total_q, n_heads, v.shape[2]), "grad_out/out shape"
     assert grad_out.dtype == q.dtype, "grad_out must have the input dtype"
     assert grad_out.stride(2) == 1 and out.stride(2) == 1, "grad_out/out: last dim contiguous"
     if softmax:
@@ -485,71 +688,123 @@ def attention_backward(
     dv = torch.empty_like(v)
     if total_q == 0 or n_seq == 0 or n_kv_seq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    coef, ce = _common(call, fast_math)
+    coef = _coef(spec)
     mask_ints = _Mask(call).ints()
-    qk_scale = _qk_scale(activation, scale)
-    q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
-    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
-    causal = spec.mask.causal
-    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
+    qk_scale = _qk_scale(spec.activation, scale)
     if softmax:
         delta = torch.empty_like(lse)
-        block_t = 64
-        _kernels._bwd_delta_kernel[(triton.cdiv(total_q, block_t), n_heads)](
+        _kernels._bwd_delta_kernel[(triton.cdiv(total_q, _DELTA_ROWS), n_heads)](
             out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0),
-            grad_out.stride(1), delta.stride(0), total_q,
-            HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv, BLOCK_T=block_t,
+            grad_out.stride(1), delta.stride(0), total_q, **plan.delta_kw,
         )  # fmt: skip
         lse_arg, delta_arg, stride_lh = lse, delta, lse.stride(0)
     else:
         lse_arg = delta_arg = grad_out  # never read
         stride_lh = 0
-    targets_arg = num_targets
 
     # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
     # tile's share of dQ into a zeroed fp32 buffer, and the dQ kernel is skipped.
-    cfg = _pick("dkdv", call, config_dkdv)
-    dq_atomic = cfg.dq_atomic and not deterministic
-    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dq_atomic else dq
-    tile_seq, tile_idx, total, inv_ptr, inv_idx = kv_tile_schedule(
-        q_offsets, kv_offsets, kv_index, cfg.block_n, causal, total_kv
-    )
+    cfg = plan.dkdv_cfg
+    dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if plan.dq_atomic else dq
+    q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
+    num_targets = as_int32(call.num_targets)
     args = (
         q, k, v, grad_out, lse_arg, delta_arg, dk, dv, dqa,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1), stride_lh,
-        q_offsets, kv_offsets, inv_ptr, inv_idx, total if targets_arg is None else targets_arg,
+        q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
         tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
-    kw = dict(
-        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DQ_ATOMIC=dq_atomic, **ce,
-    )  # fmt: skip
     work = work_upper_bound(total_kv, n_kv_seq, cfg.block_n) * n_heads
-    key = ("dkdv", q.dtype, cfg, tuple(sorted(kw.items())))
-    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, key, args, kw)
-    if dq_atomic:
+    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, plan.dkdv_key, args,
+                       plan.dkdv_kw)  # fmt: skip
+    if plan.dq_atomic:
         return dqa.mul_(scale).to(q.dtype), dk, dv
 
     # dQ: the forward's schedule (one work item per query tile).
-    cfg = _pick("dq", call, config_dq)
-    tile_seq, tile_idx, total = q_tile_schedule(
-        q_offsets, kv_offsets, kv_index, cfg.block_m, causal, total_q
-    )
+    cfg = plan.dq_cfg
+    q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
+    kv_index = as_int32(call.kv_index)
     args = (
         q, k, v, grad_out, lse_arg, delta_arg, dq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), stride_lh,
         q_offsets, kv_offsets, total if kv_index is None else kv_index,
-        total if targets_arg is None else targets_arg, tile_seq, tile_idx, total,
+        total if num_targets is None else num_targets, tile_seq, tile_idx, total,
         qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
-    kw = dict(
-        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ce,
-    )  # fmt: skip
     work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
-    key = ("dq", q.dtype, cfg, tuple(sorted(kw.items())))
-    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, key, args, kw)
+    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, plan.dq_key, args,
+                       plan.dq_kw)  # fmt: skip
     return dq, dk, dv
+
+
+# Token rows per program of the softmax backward's row-sum kernel.
+_DELTA_ROWS = 64
+
+
+@dataclass(frozen=True)
+class _BackwardPlan:
+    """The backward's decisions for one call signature (see :class:`_ForwardPlan`)."""
+
+    delta_kw: dict[str, Any]
+    dkdv_cfg: KernelConfig
+    dkdv_kw: dict[str, Any]
+    dkdv_key: _Key
+    dq_atomic: bool
+    dq_cfg: KernelConfig
+    dq_kw: dict[str, Any]
+    dq_key: _Key
+
+
+def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _BackwardPlan:
+    _check_inputs(call)
+    q, v = call.q, call.v
+    head_dim, head_dim_v, n_heads = q.shape[2], v.shape[2], q.shape[1]
+    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
+    _, ce = _common(call, fast_math)
+    dkdv = _pick("dkdv", call, config_dkdv)
+    dq_atomic = dkdv.dq_atomic and not deterministic
+    dkdv_kw = dict(
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ATOMIC=dq_atomic, **ce,
+    )  # fmt: skip
+    dq = _pick("dq", call, config_dq)
+    dq_kw = dict(
+        H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+        BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, **ce,
+    )  # fmt: skip
+    return _BackwardPlan(
+        delta_kw=dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv, BLOCK_T=_DELTA_ROWS),
+        dkdv_cfg=dkdv, dkdv_kw=dkdv_kw,
+        dkdv_key=_Key(("dkdv", q.dtype, dkdv, tuple(sorted(dkdv_kw.items())))),
+        dq_atomic=dq_atomic, dq_cfg=dq, dq_kw=dq_kw,
+        dq_key=_Key(("dq", q.dtype, dq, tuple(sorted(dq_kw.items())))),
+    )  # fmt: skip
+
+
+def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple:
+    """(int32 q offsets, int32 kv offsets, the dK/dV kernel's key-tile schedule...): one
+    cache lookup per call."""
+    causal, total_kv = call.spec.mask.causal, call.k.shape[0]
+    tensors = (call.q_offsets, call.kv_offsets, call.kv_index)
+
+    def build():
+        if call.kv_index is None:  # one kernel launch
+            upper = work_upper_bound(total_kv, call.kv_offsets.shape[0] - 1, cfg.block_n)
+            q32, kv32, tile_seq, tile_idx, total = tile_schedule(
+                call.q_offsets, call.kv_offsets, None, cfg.block_n, causal, upper,
+                call.spec.max_seqlen_q, kv_tiles=True,
+            )  # fmt: skip
+            remember_int32(call.q_offsets, q32)
+            remember_int32(call.kv_offsets, kv32)
+            # (no map: the kernel never reads the inverse map; any valid pointer will do)
+            return q32, kv32, tile_seq, tile_idx, total, total, total
+        q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
+        kv_index = as_int32(call.kv_index)
+        return (q_offsets, kv_offsets,
+                *kv_tile_schedule(q_offsets, kv_offsets, kv_index, cfg.block_n, causal,
+                                  total_kv))  # fmt: skip
+
+    return cached_schedule(tensors, ("kv", cfg.block_n, causal, total_kv), build)

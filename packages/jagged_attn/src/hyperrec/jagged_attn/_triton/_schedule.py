@@ -1,4 +1,8 @@
-"""Device-side tile schedules: built with a few tensor ops, never read on the host.
+"""Device-side tile schedules, never read on the host: the PyTorch builders and the cache.
+
+(The default path builds the query-tile and self-attention key-tile schedules in one
+Triton launch instead, ``_tiles.py``, with the same tiles and cost order; the builders
+here serve the opt-in variants, dK/dV with a ``kv_index``, and the tests.)
 
 A schedule lists the work of one kernel as tiles, sorted by estimated cost, heaviest first:
 
@@ -29,6 +33,8 @@ import torch
 
 __all__ = [
     "as_int32",
+    "cached_schedule",
+    "remember_int32",
     "kv_tile_schedule",
     "q_tile_meta",
     "q_tile_schedule",
@@ -36,39 +42,42 @@ __all__ = [
     "work_upper_bound",
 ]
 
-_CACHE_SIZE = 32
+_CACHE_SIZE = 64
 _cache: OrderedDict[tuple, tuple[tuple, tuple[int, ...], Any]] = OrderedDict()
-
-
-def _versions(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int, ...] | None:
-    try:
-        return tuple(-1 if t is None else t._version for t in tensors)
-    except RuntimeError:  # inference tensors carry no version counter: do not cache
-        return None
 
 
 def _cached(tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Callable[[], Any]):
     if torch.compiler.is_compiling():
         return build()
-    versions = _versions(tensors)
-    if versions is None:
+    try:  # inference tensors carry no version counter: never cached
+        versions = tuple([-1 if t is None else t._version for t in tensors])
+    except RuntimeError:
         return build()
-    key = (tuple(id(t) for t in tensors), extra)
+    key = (tuple([id(t) for t in tensors]), extra)
     hit = _cache.get(key)
     if hit is not None:
         refs, old_versions, value = hit
-        alive = all(
-            (r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors)
-        )
-        if alive and old_versions == versions:
-            _cache.move_to_end(key)
-            return value
+        if old_versions == versions:
+            for r, t in zip(refs, tensors):
+                if (r() is not t) if r is not None else (t is not None):
+                    break
+            else:
+                _cache.move_to_end(key)
+                return value
     value = build()
-    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    refs = tuple([None if t is None else weakref.ref(t) for t in tensors])
     _cache[key] = (refs, versions, value)
     while len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return value
+
+
+def cached_schedule(
+    tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Callable[[], Any]
+) -> Any:
+    """``build()``, cached per the index tensors' identities and versions and ``extra``
+    (see the module doc): what the launchers use to keep one schedule per offsets object."""
+    return _cached(tensors, extra, build)
 
 
 def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -76,6 +85,13 @@ def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.dtype == torch.int32:
         return t
     return _cached((t,), ("int32",), lambda: t.to(torch.int32))
+
+
+def remember_int32(t: torch.Tensor, t32: torch.Tensor) -> None:
+    """Make ``t32`` (an int32 copy of ``t`` written elsewhere, e.g. by the schedule
+    kernel) what :func:`as_int32` returns for ``t`` from now on."""
+    if t.dtype != torch.int32:
+        _cached((t,), ("int32",), lambda: t32)
 
 
 def row_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:

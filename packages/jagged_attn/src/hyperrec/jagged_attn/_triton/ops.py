@@ -52,12 +52,49 @@ def unsupported_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+#: Byte alignment the kernels need of a (tokens, H, D) input's base address and of its row
+#: and head strides: 16 bytes for vectorised loads and tensor descriptors (TMA).
+ALIGNMENT = 16
 
 
-def _contiguous(call: AttentionCall) -> AttentionCall:
-    return call.with_tensors(**{n: _last_dim_contiguous(getattr(call, n)) for n in "qkv"})
+def needs_copy(t: torch.Tensor) -> bool:
+    """Whether the kernels should read a fresh contiguous copy of ``t`` (a ``(tokens, H,
+    D)`` input or gradient) instead of ``t`` itself.
+
+    Yes when its last dim is not contiguous (the kernels need it), and when its base
+    address, or the stride of a dim of size > 1, is not a multiple of :data:`ALIGNMENT`
+    bytes while a contiguous copy's would be. Such a view (e.g. ``q`` sliced out of a
+    packed ``qkv`` buffer at an odd offset) compiles a kernel variant without vectorised
+    loads and without tensor descriptors, which ran 2.2-2.3x slower on an H200
+    (``bench/results/diagnose_variance_quick_h200_2026-12-01.json``); one copy costs a few
+    percent of that. Empty tensors are never copied.
+    """
+    if t.numel() == 0:
+        return False
+    if t.stride(-1) != 1:
+        return True
+    item = t.element_size()
+    if t.data_ptr() % ALIGNMENT:
+        return True
+    strides_ok = all(
+        (st * item) % ALIGNMENT == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1
+    )
+    # a contiguous copy's strides are multiples of the last dim's bytes
+    return not strides_ok and (t.shape[-1] * item) % ALIGNMENT == 0
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its contiguous copy in a fresh (hence aligned) buffer if
+    :func:`needs_copy`. Differentiable (the copy is a ``clone``)."""
+    return t.clone(memory_format=torch.contiguous_format) if needs_copy(t) else t
+
+
+def _prepared(call: AttentionCall) -> AttentionCall:
+    """``call`` with q, k and v as the kernels need them (see :func:`needs_copy`)."""
+    q, k, v = call.q, call.k, call.v
+    if not (needs_copy(q) or needs_copy(k) or needs_copy(v)):
+        return call
+    return call.with_tensors(q=_aligned(q), k=_aligned(k), v=_aligned(v))
 
 
 @torch.library.custom_op(
@@ -70,7 +107,7 @@ def attention_triton_fwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
     empty otherwise), see :func:`hyperrec.jagged_attn._triton.attention_forward`."""
     from hyperrec.jagged_attn._triton._launch import attention_forward
 
-    return attention_forward(_contiguous(AttentionCall.from_op_args(args)))
+    return attention_forward(_prepared(AttentionCall.from_op_args(args)))
 
 
 @attention_triton_fwd.register_fake
@@ -94,8 +131,8 @@ def attention_triton_bwd(grad_out, out, lse, *args) -> tuple[torch.Tensor, ...]:
     :func:`hyperrec.jagged_attn._triton.attention_backward`."""
     from hyperrec.jagged_attn._triton._launch import attention_backward
 
-    call = _contiguous(AttentionCall.from_op_args(args))
-    return attention_backward(_last_dim_contiguous(grad_out), out, lse, call)
+    call = _prepared(AttentionCall.from_op_args(args))
+    return attention_backward(_aligned(grad_out), out, lse, call)
 
 
 @attention_triton_bwd.register_fake
@@ -120,9 +157,69 @@ attention_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention_triton(*args) -> torch.Tensor:
-    """The Triton backend with the reference op's arguments: returns ``out`` only."""
+    """The Triton backend with the reference op's arguments: returns ``out`` only.
+
+    In plain eager mode (see :func:`_eager`) the launchers are called directly, through a
+    ``torch.autograd.Function`` when a gradient is needed: the custom op's dispatch (the
+    autograd wrapper, redispatch, the Dynamo guard around the implementation, alias checks)
+    costs more host time than everything else in a call, and a call whose kernels take
+    0.1 ms is bound by it. Under ``torch.compile``, a dispatch mode (``FlopCounterMode``,
+    fake tensors), functorch transforms or tensor subclasses the custom op runs as before.
+    Both paths compute the same thing with the same kernels.
+    """
+    if _eager(args[0], args[1], args[2]):
+        call = _prepared(AttentionCall.from_op_args(args))
+        q, k, v = call.q, call.k, call.v
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return _EagerAttention.apply(q, k, v, call)
+        from hyperrec.jagged_attn._triton._launch import attention_forward
+
+        return attention_forward(call)[0]
     out, _ = attention_triton_fwd(*args)
     return out
+
+
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call may skip the custom op: not tracing, no dispatch mode, no functorch
+    transform, plain tensors (a torch without the probes always takes the op)."""
+    if _dispatch_stack_len is None or _functorch_active is None:
+        return False
+    return (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _dispatch_stack_len() == 0
+        and not _functorch_active()
+    )
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager path's autograd: the custom op's forward and backward, minus its dispatch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call):
+        from hyperrec.jagged_attn._triton._launch import attention_forward
+
+        out, lse = attention_forward(call)
+        ctx.spec = call.spec
+        ctx.save_for_backward(out, lse, *call.tensors)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        from hyperrec.jagged_attn._triton._launch import attention_backward
+
+        out, lse, *tensors = ctx.saved_tensors
+        call = AttentionCall(**dict(zip(("q", "k", "v", "q_offsets", "kv_offsets", "kv_index",
+                                         "num_targets"), tensors)), spec=ctx.spec)  # fmt: skip
+        dq, dk, dv = attention_backward(_aligned(grad_out), out, lse, call)
+        return dq, dk, dv, None
 
 
 # FLOP counts for torch.utils.flop_counter. The counter sees shapes, not the offsets'

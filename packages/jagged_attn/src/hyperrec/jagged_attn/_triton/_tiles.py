@@ -1,0 +1,176 @@
+"""Tile schedules in one kernel launch (the default path of a new offsets object).
+
+A new batch brings a new offsets object, and its first attention call builds the tile
+schedules of the kernels (``_schedule.py`` explains what a schedule is). Built with
+PyTorch ops (``_schedule.q_tile_schedule``) that is some thirty tiny kernels and as many
+host dispatches, which on a slow host cost more than a short attention call; here it is
+one single-program kernel:
+
+1. the int32 copies of the offsets the kernels read (when they are int64);
+2. a histogram of the tiles' costs in :data:`_BINS` buckets, heaviest first
+   (longest-processing-time order, as the PyTorch builder; ties and tiles whose costs
+   share a bucket come in arbitrary order, which changes which program computes a tile,
+   never what it computes);
+3. the buckets' start positions (a prefix sum), then every tile placed by an atomic
+   increment of its bucket's cursor.
+
+Entries past the real tiles (the table is sized by an upper bound from shapes) hold a
+valid tile of the last sequence that the kernels never run. Query-tile schedules (the
+forward and dQ kernels, with or without a query -> kv map) and key-tile schedules of
+self-attention maps (dK/dV without ``kv_index``) are built here; the opt-in variants
+(``work_order="sequence"``, ``prefetch``) and the dK/dV schedule with a map keep the
+PyTorch builders.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["tile_schedule"]
+
+# Cost buckets of the counting sort, and sequences per step of the kernel's loops.
+_BINS = 4096
+_SEQS = 1024
+
+
+@triton.jit
+def _tile_geometry(QO, KO, KI, s, m, HAS_MAP: tl.constexpr):
+    """(query length, key length) of query sequence ``s`` (lanes ``m``), int32."""
+    lq = (tl.load(QO + s + 1, mask=m, other=0) - tl.load(QO + s, mask=m, other=0)).to(tl.int32)
+    kb = s
+    if HAS_MAP:
+        kb = tl.load(KI + s, mask=m, other=0)
+    lk = (tl.load(KO + kb + 1, mask=m, other=0) - tl.load(KO + kb, mask=m, other=0)).to(tl.int32)
+    return lq, lk
+
+
+@triton.jit
+def _tile_bucket(t, lq, lk, gran, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                 KV_TILES: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
+    """Cost bucket of tile ``t``: the keys a query tile visits (or the queries a key tile
+    visits), counting the causal triangle, plus a fixed per-tile overhead; the cost model
+    of ``_schedule.py``."""
+    if KV_TILES:
+        work = lq
+        if CAUSAL:  # queries at or below the tile's first key
+            first_row = tl.maximum(t * BLOCK - (lk - lq), 0)
+            work = tl.maximum(lq - first_row, 0)
+    else:
+        work = lk
+        if CAUSAL:  # keys up to the tile's last row on the bottom-right diagonal
+            last = tl.minimum((t + 1) * BLOCK, lq) + lk - lq
+            work = tl.maximum(tl.minimum(lk, last), 0)
+    return tl.minimum((work + BLOCK) // gran, BINS - 1)
+
+
+@triton.jit(do_not_specialize=["n_seq", "n_q_off", "n_kv_off", "upper", "gran"])
+def _tile_schedule_kernel(
+    QO, KO, KI, QO32, KO32, TILE_SEQ, TILE_IDX, TOTAL, CURSOR,
+    n_seq, n_q_off, n_kv_off, upper, gran,
+    BLOCK: tl.constexpr, CAUSAL: tl.constexpr, KV_TILES: tl.constexpr, HAS_MAP: tl.constexpr,
+    WRITE_Q32: tl.constexpr, WRITE_KV32: tl.constexpr, BINS: tl.constexpr, SEQS: tl.constexpr,
+):  # fmt: skip
+    lanes = tl.arange(0, SEQS)
+    bins = tl.arange(0, BINS)
+    tl.store(CURSOR + bins, tl.zeros([BINS], dtype=tl.int32))
+    if WRITE_Q32:
+        for start in range(0, n_q_off, SEQS):
+            i = start + lanes
+            tl.store(QO32 + i, tl.load(QO + i, mask=i < n_q_off).to(tl.int32), mask=i < n_q_off)
+    if WRITE_KV32:
+        for start in range(0, n_kv_off, SEQS):
+            i = start + lanes
+            tl.store(KO32 + i, tl.load(KO + i, mask=i < n_kv_off).to(tl.int32),
+                     mask=i < n_kv_off)  # fmt: skip
+    tl.debug_barrier()
+    # 1. histogram of the tiles' cost buckets
+    total = tl.zeros([], dtype=tl.int32)
+    for start in range(0, n_seq, SEQS):
+        s = start + lanes
+        m = s < n_seq
+        lq, lk = _tile_geometry(QO, KO, KI, s, m, HAS_MAP)
+        length = lk if KV_TILES else lq
+        tiles = tl.where(m, (length + BLOCK - 1) // BLOCK, 0)
+        total += tl.sum(tiles, 0)
+        for t in range(0, tl.max(tiles, 0)):
+            b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+            tl.atomic_add(CURSOR + b, 1, mask=t < tiles)
+    tl.debug_barrier()
+    # 2. each bucket's first position, heaviest bucket first
+    counts = tl.atomic_add(CURSOR + bins, bins * 0)  # read where the atomics landed (L2)
+    first = total - tl.cumsum(counts, 0)
+    tl.debug_barrier()
+    tl.store(CURSOR + bins, first)
+    tl.debug_barrier()
+    # 3. every tile to its place
+    for start in range(0, n_seq, SEQS):
+        s = start + lanes
+        m = s < n_seq
+        lq, lk = _tile_geometry(QO, KO, KI, s, m, HAS_MAP)
+        length = lk if KV_TILES else lq
+        tiles = tl.where(m, (length + BLOCK - 1) // BLOCK, 0)
+        for t in range(0, tl.max(tiles, 0)):
+            b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+            valid = t < tiles
+            pos = tl.atomic_add(CURSOR + b, 1, mask=valid)
+            tl.store(TILE_SEQ + pos, s, mask=valid)
+            tl.store(TILE_IDX + pos, t + lanes * 0, mask=valid)
+    # entries past the real tiles: a valid tile (never run)
+    last = tl.maximum(n_seq - 1, 0)
+    for start in range(total, upper, SEQS):
+        i = start + lanes
+        tl.store(TILE_SEQ + i, last + lanes * 0, mask=i < upper)
+        tl.store(TILE_IDX + i, lanes * 0, mask=i < upper)
+    tl.store(TOTAL, total)
+
+
+def _as_int32_buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    if t.dtype == torch.int32:
+        return t, False
+    return torch.empty(t.shape, dtype=torch.int32, device=t.device), True
+
+
+def tile_schedule(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    block: int,
+    causal: bool,
+    upper: int,
+    max_len: int,
+    *,
+    kv_tiles: bool,
+) -> tuple[torch.Tensor, ...]:
+    """``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)`` from one launch.
+
+    Query tiles of ``block`` rows (``kv_tiles=False``: the forward and dQ kernels; a
+    ``kv_index`` maps query sequences to kv sequences) or key tiles (``kv_tiles=True``:
+    the dK/dV kernel of self-attention maps, ``kv_index`` None). ``upper`` is the table's
+    size (:func:`._schedule.work_upper_bound`), ``max_len`` the longest length the costs
+    can reach (``max_seqlen_kv`` for query tiles, ``max_seqlen_q`` for key tiles; a bound
+    that is too small only coarsens the order). The int32 offsets are the inputs if they
+    are int32 already, else copies written by the same launch.
+    """
+    assert not (kv_tiles and kv_index is not None), "key tiles with a kv_index: use _schedule"
+    device = q_offsets.device
+    q32, write_q = _as_int32_buffer(q_offsets)
+    if kv_offsets is q_offsets:
+        kv32, write_kv = q32, False
+    else:
+        kv32, write_kv = _as_int32_buffer(kv_offsets)
+    tile_seq = torch.empty(upper, dtype=torch.int32, device=device)
+    tile_idx = torch.empty(upper, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(_BINS, dtype=torch.int32, device=device)
+    gran = max(1, -(-(max_len + block + 1) // _BINS))
+    n_seq = q_offsets.numel() - 1
+    _tile_schedule_kernel[(1,)](
+        q_offsets, kv_offsets, q_offsets if kv_index is None else kv_index, q32, kv32,
+        tile_seq, tile_idx, total, cursor, n_seq, q_offsets.numel(), kv_offsets.numel(),
+        upper, gran, BLOCK=block, CAUSAL=causal, KV_TILES=kv_tiles,
+        HAS_MAP=kv_index is not None, WRITE_Q32=write_q, WRITE_KV32=write_kv, BINS=_BINS,
+        SEQS=_SEQS, num_warps=8,
+    )  # fmt: skip
+    return q32, kv32, tile_seq, tile_idx, total
