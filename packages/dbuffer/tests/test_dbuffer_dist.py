@@ -3,8 +3,10 @@
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hyperrec.dbuffer import DBuffer, clip_grad_norm_
+from hyperrec.raggedshard import enable_local_ops
 from hyperrec.testing import fake_mesh, run_on_ranks
 
 # Zero-size tensors, tensors smaller than a rank's shard, and block granularities that
@@ -90,6 +92,18 @@ def _checks(mesh) -> dict:
     full = buf.gather_full()
     for f, t in zip(full, ts):
         assert torch.equal(f, t)
+    # Stock torch on those views, as the README promises under raggedshard's local ops:
+    # torch's own clip_grad_norm_ on the gradient DTensors clips like the full tensors.
+    enable_local_ops()
+    params = [torch.nn.Parameter(v) for v in buf.as_dtensors()]
+    for p, g in zip(params, buf.as_dtensors(buf.grad_shard)):
+        p.grad = g
+    stock = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    out["stock_norm"] = float(stock.full_tensor() if isinstance(stock, DTensor) else stock)
+    out["ref_norm_clipped"] = float(torch.nn.utils.clip_grad_norm_(ref, 0.5))
+    for i, (p, r) in enumerate(zip(params, ref)):
+        a, b = buf.local_range(i)
+        torch.testing.assert_close(p.grad.to_local().reshape(-1), r.grad.reshape(-1)[a:b])
     out["padding"] = buf.padding
     return out
 
@@ -107,6 +121,7 @@ def test_values_on_gloo():
     for per_rank in run_on_ranks(_all_meshes, 4):
         for o in per_rank:
             assert o["norm"] == pytest.approx(o["ref_norm"], rel=1e-5)
+            assert o["stock_norm"] == pytest.approx(o["ref_norm_clipped"], rel=1e-5)
 
 
 def _in_collective(event) -> bool:

@@ -1,13 +1,16 @@
 """Single-process DBuffer checks: layout arithmetic, views, group ops, errors."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperrec.dbuffer import DBuffer, clip_grad_norm_, flat_params, grad_norm, zero_grad_
-from hyperrec.dbuffer._layout import place, uncovered
 from hyperrec.raggedshard import plan_layout
+from hyperrec.testing import fake_mesh
 
 
 def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
@@ -27,32 +30,60 @@ def _inside(view: torch.Tensor, base: torch.Tensor) -> bool:
     world=st.integers(1, 9),
     block=st.sampled_from([1, 2, 7, 32]),
 )
-def test_place_partitions_every_tensor(numels, world, block):
+def test_layout_geometry_partitions_every_tensor(numels, world, block):
+    # The layout is the one geometry DBuffer and fully_shard read: rank ranges tile each
+    # tensor on block edges, shard ranges sit inside the shard, and the RaggedShard
+    # placement of every tensor names the same elements.
     grans = [min(block, max(n, 1)) for n in numels]
     layout = plan_layout(numels, grans, world)
     S = int(layout.shard_numel)
-    places = place(numels, [int(o) for o in layout.offsets], S, world)
-    for p, n, g in zip(places, numels, grans):
-        # Rank ranges tile [0, n) in order, and every cut falls on a block edge.
-        assert p.ranges[0][0] == 0 and p.ranges[-1][1] == n
-        for (a, b), (c, d) in zip(p.ranges, p.ranges[1:]):
+    held = 0
+    for i, (n, g) in enumerate(zip(numels, grans)):
+        ranges = [layout.rank_range(i, r) for r in range(world)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        for (a, b), (c, d) in zip(ranges, ranges[1:]):
             assert b == c and a <= b and c <= d
-        for a, b in p.ranges:
+        for a, b in ranges:
             assert (a % g == 0 or a == n) and (b % g == 0 or b == n)
+        assert tuple(layout.placement(i, (n,)).element_bounds((n,))) == tuple(ranges)
         for r in range(world):
-            lo, hi = p.local(r, S)
-            assert 0 <= lo <= hi <= S and hi - lo == p.ranges[r][1] - p.ranges[r][0]
-    covered = sum(numels) + sum(b - a for a, b in uncovered(places, 0, world * S))
-    assert covered == world * S
+            lo, hi = layout.shard_range(i, r)
+            assert hi - lo == ranges[r][1] - ranges[r][0]
+            if hi > lo:  # (an empty piece may sit anywhere: DBuffer slices it empty)
+                assert 0 <= lo < hi <= S
+                assert int(layout.offsets[i]) + ranges[r][0] == r * S + lo
+            held += hi - lo
+    assert held == sum(numels)
 
 
-def test_place_rejects_overlap_and_overflow():
-    with pytest.raises(ValueError, match="overlaps"):
-        place([4, 4], [0, 2], 8, 1)
-    with pytest.raises(ValueError, match="outside"):
-        place([4], [6], 4, 2)
-    with pytest.raises(ValueError, match="offsets"):
-        place([4, 4], [0], 8, 1)
+def test_one_rank_mesh_dtensors_have_the_global_shape():
+    # On an axis of one rank upstream DTensor takes the local tensor for the global one,
+    # so each view's local shape must be the tensor's own shape.
+    ts = [torch.randn(6, 4), torch.randn(5), torch.randn(2, 3, 2)]
+    with fake_mesh((1,)) as mesh:
+        buf = DBuffer.from_tensors(ts, mesh=mesh, granularities=[4, 1, 12])
+        for v, t in zip(buf.state_dict().values(), ts):
+            assert v.to_local().shape == t.shape
+            assert torch.equal(v.full_tensor(), t)
+
+
+def test_given_layout_is_wrapped_and_checked():
+    shapes = [(6, 4), (5,), (3, 3)]
+    layout = plan_layout([24, 5, 9], [4, 1, 9], 1, alignment=4)
+    buf = DBuffer(shapes, layout=layout)
+    assert buf.layout is layout and buf.granularities == [4, 1, 9]
+    assert buf.shard_numel == layout.shard_numel
+    with pytest.raises(ValueError, match="numels"):
+        DBuffer([(6, 4), (5,)], layout=layout)
+    with pytest.raises(ValueError, match="world_size"):
+        DBuffer(shapes, layout=plan_layout([24, 5, 9], 1, 2))
+    with pytest.raises(ValueError, match="not both"):
+        DBuffer(shapes, layout=layout, granularities=[1, 1, 1])
+    with pytest.raises(TypeError, match="layout"):
+        DBuffer(shapes, layout="planned")
+    broken = dataclasses.replace(layout, offsets=np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="contract"):
+        DBuffer(shapes, layout=broken)
 
 
 def test_views_alias_the_flat_storage_single_rank():

@@ -51,7 +51,7 @@ def _block(**over):
 BAD_COMMON = [
     # (overrides, error, message fragment)
     ({"q": [[1.0]]}, TypeError, "q must be a torch.Tensor"),
-    ({"q": torch.zeros(7, 2, 4, dtype=torch.int32)}, TypeError, "q must have dtype float16"),
+    ({"q": torch.zeros(7, 2, 4, dtype=torch.int32)}, TypeError, "q must be a float16, bfloat16"),
     ({"k": torch.zeros(7, 2, 4, dtype=torch.float64)}, TypeError, "share one dtype"),
     ({"q": torch.zeros(7, 8)}, ValueError, "q must be 3-D"),
     ({"v": torch.zeros(7, 2, 3, 1)}, ValueError, "v must be 3-D"),
@@ -64,7 +64,7 @@ BAD_COMMON = [
 ]
 
 BAD_OFFSETS = [
-    (torch.tensor([0.0, 3.0, 7.0]), TypeError, "must have dtype int32, int64, got float32"),
+    (torch.tensor([0.0, 3.0, 7.0]), TypeError, "must be an int32 or int64 tensor, got float32"),
     (torch.tensor([[0, 3, 7]]), ValueError, "1-D"),
     (torch.tensor([], dtype=torch.long), ValueError, ">= 1 entries"),
     (torch.tensor([1, 3, 7]), ValueError, r"\[0\] must be 0"),
@@ -144,7 +144,12 @@ def test_bad_kv_offsets():
         (_gdpa, {"output_scale": float("inf")}, ValueError, "output_scale must be finite"),
         (_gdpa, {"contextual_len": -1}, ValueError, "contextual_len must be >= 0"),
         (_gdpa, {"kv_index": torch.tensor([0, 1])}, ValueError, "kv_index must have 3 entries"),
-        (_gdpa, {"kv_index": torch.tensor([0.0, 1.0, 0.0])}, TypeError, "kv_index must have dtype"),
+        (
+            _gdpa,
+            {"kv_index": torch.tensor([0.0, 1.0, 0.0])},
+            TypeError,
+            "kv_index must be an int32 or int64",
+        ),
         (
             _gdpa,
             {"kv_index": torch.tensor([0, 3, 1])},

@@ -13,7 +13,9 @@ Sections (each in the same run, same process):
 * accuracy: GEMM SQNR vs dequantize-then-FP32 matmul on the GPU.
 
 Usage: ``python bench_mxfp8.py [--quick] [--explore] [--out PATH]``. Prints tables and
-writes JSON via ``hyperrec.testing.write_result``.
+writes JSON via ``hyperrec.testing.write_result``. ``--explore`` also times every
+candidate tile of the Triton GEMMs per shape (the data behind ``_triton/_configs.py``'s
+``MM_TABLE``) and records the quantizer tiles the table gives.
 """
 
 from __future__ import annotations
@@ -89,10 +91,27 @@ def quantize_section(m: int, k: int, explore: bool) -> list[dict]:
         }
     )
     if explore:
-        from hyperrec.mxfp8._triton import quantize as qk
+        # The tiles the committed table gives these calls (bench/sweep_quantize.py times
+        # every candidate to regenerate it).
+        from hyperrec.mxfp8._triton._configs import device_arch, select_quantize_config
 
-        for key, cfg in qk._TUNED.items():
-            rows.append({"variant": f"autotuned config for {key}", "best": list(cfg)})
+        for bs, colwise in ((32, True), (128, True), (32, False), (128, False)):
+            cfg = select_quantize_config(
+                arch=device_arch(DEV),
+                block_size=bs,
+                hadamard=0,
+                rowwise=True,
+                colwise=colwise,
+                m=m,
+                k=k,
+            )
+            rows.append(
+                {
+                    "variant": f"table config bs{bs} {'row+col' if colwise else 'row'}",
+                    "config": list(cfg.tile),
+                    "source": cfg.source,
+                }
+            )
     return rows
 
 
@@ -165,9 +184,12 @@ def _gemm_one(m: int, k: int, n: int, explore: bool, dot_scaled: bool) -> dict:
         except Exception as e:
             res[name + " error"] = str(e)[:300]
             continue
-        tuned = mm_kernels._AUTOTUNED.get((kernel, bs))
-        if explore and getattr(tuned, "best_config", None) is not None:
-            res[name + " best_config"] = str(tuned.best_config)
+        if explore and kernel != "cublas":
+            timed = _sweep_mm_candidates(a, b, kernel, bs)
+            res[name + " candidates ms"] = timed
+            ok = {key: v for key, v in timed.items() if isinstance(v, float)}
+            if ok:
+                res[name + " best_config"] = min(ok, key=ok.get)
     out: dict = {}
     for key, v in res.items():
         if isinstance(v, float):
@@ -178,6 +200,36 @@ def _gemm_one(m: int, k: int, n: int, explore: bool, dot_scaled: bool) -> dict:
     for key in [name for name, _, _ in ours]:
         if key in res:
             out[key + " x bf16"] = round(res["bf16 torch.mm"] / res[key], 3)
+    return out
+
+
+def _sweep_mm_candidates(a, b, kernel: str, bs: int) -> dict:
+    """Every candidate tile of the Triton GEMM timed with an explicit config: the data
+    from which ``_triton/_configs.py``'s ``MM_TABLE`` entries are copied (fastest wins)."""
+    from hyperrec.mxfp8._triton._configs import mm_candidates
+
+    out = {}
+    for cfg in mm_candidates(kernel, bs):
+        key = ", ".join(f"{k}: {v}" for k, v in cfg.launch_kwargs().items())
+
+        def run(cfg=cfg):
+            return mm_kernels.launch_mm(
+                a.data,
+                a.scale,
+                b.data,
+                b.scale,
+                block_size=bs,
+                kernel=kernel,
+                out_dtype=torch.bfloat16,
+                bias=None,
+                alpha=1.0,
+                config=cfg,
+            )
+
+        try:
+            out[key] = round(bench_ms(run), 4)
+        except Exception as e:  # a tile this GPU cannot run (out of resources)
+            out[key] = str(e)[:120]
     return out
 
 

@@ -33,6 +33,12 @@ from pathlib import Path
 
 import torch
 
+from hyperrec.mxfp8._triton._configs import (
+    device_arch,
+    quantize_candidates,
+    select_quantize_config,
+)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = ((16384, 4096), (8192, 16384))
 #: Launch configs tried besides the built-in candidates: (BLOCK_M, BLOCK_K, num_warps).
@@ -228,7 +234,6 @@ def quantize_section(run: Run, shapes, variants, ceilings, quick: bool) -> list[
 def _quantize_variant(run: Run, x: torch.Tensor, name: str, ceil, quick: bool) -> dict:
     from hyperrec.mxfp8 import mx_quantize
     from hyperrec.mxfp8 import reference as ref
-    from hyperrec.mxfp8._triton import quantize as qk
 
     m, k = x.shape
     kw = dict(VARIANTS[name])
@@ -245,7 +250,7 @@ def _quantize_variant(run: Run, x: torch.Tensor, name: str, ceil, quick: bool) -
     row.pop("default output")
     moved = 2 * m * k + _bytes_of(*ref_out)
     row["bytes moved"] = moved
-    row["autotuned config"] = _tuned_config(x, kw, any(t.dtype == torch.float32 for t in ref_out))
+    row["table config"] = _table_config(x, kw)
     run.attempt(row, "reference check", lambda: _reference_check(x, kw, ref_out, ref))
     for mode, timer in (("eager", bench_ms), ("graph", graph_ms)):
         ms = run.attempt(row, f"public {mode} ms", lambda timer=timer: timer(public))
@@ -255,7 +260,7 @@ def _quantize_variant(run: Run, x: torch.Tensor, name: str, ceil, quick: bool) -
                 row[f"public {mode} % of copy"] = round(100 * moved / ms / 1e6 / ceil, 1)
     bs, had = kw.get("block_size", 32), kw.get("hadamard", 0)
     rowwise, colwise = kw.get("rowwise", True), kw.get("colwise", False)
-    configs = qk.quantize_configs(bs, had, rowwise=rowwise, colwise=colwise)
+    configs = quantize_candidates(bs, had, rowwise=rowwise, colwise=colwise)
     if not quick:
         bm_min, bk_min = max(bs if colwise else 1, had, 16), max(bs if rowwise else 1, 32)
         configs += [
@@ -291,27 +296,18 @@ def _quantize_variant(run: Run, x: torch.Tensor, name: str, ceil, quick: bool) -
     return row
 
 
-def _tuned_config(x: torch.Tensor, kw: dict, fp32: bool):
-    """The launch config the public call tuned for (None: the single candidate)."""
-    from hyperrec.mxfp8._triton import quantize as qk
-    from hyperrec.mxfp8.formats import E4M3
-
-    meta, candidates, key = qk._static(
-        E4M3,
-        kw.get("block_size", 32),
-        True,
-        kw.get("rowwise", True),
-        kw.get("colwise", False),
-        kw.get("activation", "none"),
-        kw.get("hadamard", 0),
-        x.dtype,
-        kw.get("seed") is not None,
-        True,
-        fp32,
-        False,
+def _table_config(x: torch.Tensor, kw: dict) -> dict:
+    """The tile the public call takes from the committed table, and its evidence."""
+    cfg = select_quantize_config(
+        arch=device_arch(x.device),
+        block_size=kw.get("block_size", 32),
+        hadamard=kw.get("hadamard", 0),
+        rowwise=kw.get("rowwise", True),
+        colwise=kw.get("colwise", False),
+        m=x.shape[0],
+        k=x.shape[1],
     )
-    cfg = qk._TUNED.get((*key, qk._bucket(x.shape[0]), qk._bucket(x.shape[1])))
-    return list(cfg) if cfg else [list(c) for c in candidates[:1]]
+    return {"config": list(cfg.tile), "source": cfg.source}
 
 
 def _config_launcher(x: torch.Tensor, kw: dict, cfg: tuple, fp32: bool):
@@ -547,8 +543,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this sweep needs a CUDA GPU")
-    import triton
-
     torch.manual_seed(0)
     out = args.out or RESULTS / f"sweep_{time.strftime('%Y-%m-%d')}.json"
     shapes = SHAPES[:1] if args.quick else SHAPES
@@ -556,7 +550,6 @@ def main(argv: list[str] | None = None) -> None:
     payload = {
         "benchmark": "mxfp8 quantizer / fast-path sweep",
         "args": {k: str(v) for k, v in vars(args).items()},
-        "versions": {"torch": torch.__version__, "triton": triton.__version__},
     }
     run = Run(out, args.budget_s, payload)
     ceilings = ceiling_section(run, shapes)
@@ -571,10 +564,8 @@ def main(argv: list[str] | None = None) -> None:
     if "quantize" not in args.skip:
         run.save("quantize", quantize_section(run, shapes, variants, ceilings, args.quick))
     from hyperrec.mxfp8 import _cublas
-    from hyperrec.mxfp8._triton import quantize as qk
 
     payload["cublas state"] = {k: str(v) for k, v in _cublas._STATE.items()}
-    payload["autotuned quantize configs"] = {str(k): list(v) for k, v in qk._TUNED.items()}
     run.save("wall_s", round(time.time() - run.t0, 1))
     print(f"wrote {out} in {payload['wall_s']} s")
     _print_summary(payload)

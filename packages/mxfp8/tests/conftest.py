@@ -1,26 +1,12 @@
-"""Shared fixtures. Kernel tests need the Triton interpreter on CPU (``TRITON_INTERPRET=1``,
-set by the nox session) or a GPU."""
+"""Fixtures of the mxfp8 tests. Kernel tests need the Triton interpreter on CPU
+(``TRITON_INTERPRET=1``, set by the nox session) or a GPU; helpers are in ``mx_helpers``."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-#: Marks tests that run the Triton kernels on CPU tensors through the interpreter.
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRET, reason="Triton kernels on CPU need TRITON_INTERPRET=1"
-)
-
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _mxfp8_seed():
     torch.manual_seed(1234)
-
-
-def u8(t: torch.Tensor) -> torch.Tensor:
-    """Bytes of a tensor (any 1-byte dtype, any strides), on the CPU."""
-    return t.contiguous().view(torch.uint8).cpu()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import INTERPRET, u8
+from mx_helpers import INTERPRET, u8
 
 from hyperrec.mxfp8 import E2M1, MXTensor, mx_quantize, to_mx
 from hyperrec.mxfp8 import reference as ref
@@ -73,7 +73,7 @@ def test_dequantize_nan_block_is_nan():
     ("kwargs", "exc", "match"),
     [
         ({"x": [1.0]}, TypeError, "x must be a torch.Tensor"),
-        ({"x": torch.ones(4, 32, dtype=torch.int32)}, TypeError, "x must be float32"),
+        ({"x": torch.ones(4, 32, dtype=torch.int32)}, TypeError, "x must be a float32"),
         ({"elem_dtype": torch.int8}, ValueError, "elem_dtype"),
         ({"block_size": 24}, ValueError, "block_size"),
         ({"block_size": 32.0}, TypeError, "block_size"),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_interpreter, u8
+from mx_helpers import needs_interpreter, u8
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -32,6 +32,7 @@ from hyperrec.mxfp8 import (
 )
 from hyperrec.mxfp8 import reference as ref
 from hyperrec.mxfp8._triton import quantize as qk
+from hyperrec.mxfp8._triton._configs import quantize_candidates
 from hyperrec.mxfp8._triton.common import scale_constants
 from hyperrec.testing import snr_db
 
@@ -323,10 +324,11 @@ def test_sweep_script_parses_its_arguments(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             sweep.main(["--out", str(tmp_path / "s.json")])
-    # the sweep reads the tuner's keys through these private helpers: keep them in step
+    # the sweep records the table's tile for every variant
     x = torch.zeros(64, 64, dtype=torch.bfloat16)
     for kw in sweep.VARIANTS.values():
-        assert sweep._tuned_config(x, dict(kw), False)
+        got = sweep._table_config(x, dict(kw))
+        assert len(got["config"]) == 3 and got["source"]
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
@@ -335,7 +337,7 @@ def test_sweep_script_parses_its_arguments(tmp_path):
 def test_launch_candidates_hold_whole_blocks(block_size, hadamard, rowwise, colwise):
     if hadamard > block_size or (hadamard and not colwise):
         return
-    configs = qk.quantize_configs(block_size, hadamard, rowwise=rowwise, colwise=colwise)
+    configs = quantize_candidates(block_size, hadamard, rowwise=rowwise, colwise=colwise)
     assert configs and len(set(configs)) == len(configs)
     for bm, bk, warps in configs:
         assert bm <= 128 or not hadamard  # the stored Hadamard matrix is 128 x 128

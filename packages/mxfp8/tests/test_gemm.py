@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_interpreter
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mx_helpers import needs_interpreter
 
 from hyperrec.mxfp8 import mx_mm, to_mx
 from hyperrec.mxfp8.gemm import native_mx_supported

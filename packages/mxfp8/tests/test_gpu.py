@@ -19,15 +19,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fixed_configs(monkeypatch):
-    # One config per kernel: the tests check numerics, autotuning would only add compiles.
-    from hyperrec.mxfp8._triton import mm, quantize
-
-    monkeypatch.setattr(mm, "AUTOTUNE", False)
-    monkeypatch.setattr(quantize, "AUTOTUNE", False)
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).cpu()
 

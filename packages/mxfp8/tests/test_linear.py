@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_interpreter
+from mx_helpers import needs_interpreter
 from torch import nn
 
 from hyperrec.mxfp8 import MXMLP, MXLinear, PrecisionPolicy, convert, mx_linear, plan_conversion

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mx_cases as C
 import pytest
 import torch
-from conftest import needs_interpreter, u8
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mx_helpers import needs_interpreter, u8
 
 from hyperrec.mxfp8 import mx_quantize, to_mx
 from hyperrec.mxfp8 import reference as ref

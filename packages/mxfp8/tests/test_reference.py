@@ -7,9 +7,9 @@ import math
 import mx_cases as C
 import pytest
 import torch
-from conftest import u8
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mx_helpers import u8
 
 from hyperrec.mxfp8 import E2M1, E4M3, E5M2
 from hyperrec.mxfp8 import reference as ref

@@ -6,32 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import needs_interpreter, u8
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mx_helpers import needs_interpreter, u8
 from test_fast_path import emulated_cublas  # noqa: F401  (fixture)
 
 from hyperrec.mxfp8 import MXLinear, PrecisionPolicy, mx_mm, mx_quantize
 from hyperrec.mxfp8._triton import mm as triton_mm
-from hyperrec.mxfp8.linear import ROW_BUCKETS_PER_OCTAVE, padded_rows
+from hyperrec.mxfp8.linear import padded_rows
 
 
 @settings(max_examples=200, deadline=None)
 @given(m=st.integers(1, 1 << 20), block=st.sampled_from([32, 128]))
 def test_padded_rows(m, block):
-    whole = padded_rows(m, block, cublas=True)
+    whole = padded_rows(m, block)
     assert whole % block == 0 and m <= whole < m + block
-    bucket = padded_rows(m, block, cublas=False)
-    assert bucket % block == 0 and bucket >= whole
-    assert bucket - m < max(block, m / ROW_BUCKETS_PER_OCTAVE)
-
-
-def test_row_buckets_are_few():
-    # Token counts of a whole range map to a handful of sizes: the Triton GEMM is tuned
-    # once per size, not once per step.
-    sizes = {padded_rows(m, 128, cublas=False) for m in range(1900, 2400)}
-    assert sizes == {1920, 2048, 2304, 2560}
-    assert len({padded_rows(m, 128, cublas=False) for m in range(4097, 8193)}) == 8
 
 
 def _ints(*shape, high=8):
@@ -58,7 +47,7 @@ def test_padding_is_bit_exact_against_the_unpadded_math(m):
         lin.weight.copy_(_ints(128, 256))
     x, g = _ints(m, 256), _ints(m, 128)
     y, dx, dw = _layer_and_grads(lin, x, g)
-    assert padded_rows(m, 128, cublas=False) > m or m == 128  # the layer did pad
+    assert padded_rows(m, 128) > m or m == 128  # the layer did pad
 
     q = dict(block_size=128, backend="torch")
     xr, xc = mx_quantize(x, colwise=True, **q)
@@ -71,7 +60,7 @@ def test_padding_is_bit_exact_against_the_unpadded_math(m):
 
     # Random data: the quantized operands of the padded rows are the unpadded bytes.
     x = torch.randn(m, 256) * 3
-    pad = padded_rows(m, 128, cublas=True) - m
+    pad = padded_rows(m, 128) - m
     _, col = mx_quantize(x, colwise=True, **q)
     _, col_p = mx_quantize(F.pad(x, (0, 0, 0, pad)), colwise=True, **q)
     assert torch.equal(u8(col_p.data[:m]), u8(col.data)) and not u8(col_p.data[m:]).any()
@@ -143,7 +132,7 @@ def test_every_gemm_takes_cublas_for_any_token_count(emulated_cublas, monkeypatc
     lin = MXLinear(256, 128, policy=PrecisionPolicy(block_size=128, backend="triton"))
     x, g = torch.randn(m, 256), torch.randn(m, 128)
     y, dx, dw = _layer_and_grads(lin, x, g, autocast=True)
-    rows = padded_rows(m, 128, cublas=True)
+    rows = padded_rows(m, 128)
     fwd, dgrad = ((rows, 256), (256, 128)), ((rows, 128), (128, 256))
     assert calls == [fwd, dgrad, ((128, rows), (rows, 256))]  # the last: wgrad
     assert y.shape == (m, 128) and dx.shape == (m, 256) and dw.dtype == torch.float32
@@ -154,9 +143,9 @@ def test_every_gemm_takes_cublas_for_any_token_count(emulated_cublas, monkeypatc
 
 
 @needs_interpreter
-def test_the_triton_fallback_sees_bucketed_sizes(monkeypatch):
-    """Without cuBLAS (fp32 GEMMs here), the wgrad's reduction size is a bucket: steps
-    with 1,900-2,400 tokens give four distinct sizes to tune for."""
+def test_the_triton_fallback_sees_whole_blocks(monkeypatch):
+    """Without cuBLAS (fp32 GEMMs here), the Triton wgrad GEMM reduces over the same
+    whole blocks of tokens (its tile comes from the static table, not from tuning)."""
     sizes = []
 
     def recording(a, a_scale, b, b_scale, *, out_dtype, **kwargs):
@@ -168,5 +157,4 @@ def test_the_triton_fallback_sees_bucketed_sizes(monkeypatch):
     for m in (1901, 2013, 2390):
         sizes.clear()
         _layer_and_grads(lin, torch.randn(m, 128), torch.randn(m, 32))
-        assert sizes[-1] == padded_rows(m, 128, cublas=False)  # the wgrad GEMM's K
-    assert {padded_rows(m, 128, cublas=False) for m in (1901, 2013, 2390)} == {1920, 2048, 2560}
+        assert sizes[-1] == padded_rows(m, 128) == -(-m // 128) * 128  # the wgrad GEMM's K

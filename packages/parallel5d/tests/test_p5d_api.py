@@ -98,7 +98,9 @@ def test_errors():
         with pytest.raises(ValueError, match="already"):
             fully_shard(lin, mesh=mesh)
         with pytest.raises(TypeError, match="reshard_after_forward"):
-            fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
+            fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward="yes")
+        with pytest.raises(ValueError, match="divide the shard axis size 2, got 3"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
         with pytest.raises(TypeError, match="mp_policy"):
             fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy="bf16")
         with pytest.raises(ValueError, match="granularity"):

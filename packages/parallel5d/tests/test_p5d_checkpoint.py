@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -82,6 +83,7 @@ def _close(a: dict, b: dict, tol: float) -> float:
     return max(float(abs(a[k] - b[k]).max()) for k in a)
 
 
+@pytest.mark.slow  # minutes of gloo ranks; `nox -s lowest` leaves it to the normal session
 def test_save_on_2_load_on_4_and_1_then_resume(tmp_path):
     ckpt = str(tmp_path / "hyperrec")
     run_on_ranks(_save, 2, ckpt, "hyperrec")
@@ -95,6 +97,7 @@ def test_save_on_2_load_on_4_and_1_then_resume(tmp_path):
             assert _close(o["continued"], ref["at3"], 0) <= 1e-5
 
 
+@pytest.mark.slow  # minutes of gloo ranks; `nox -s lowest` leaves it to the normal session
 def test_load_a_pytorch_fsdp2_checkpoint(tmp_path):
     ckpt = str(tmp_path / "fsdp2")
     run_on_ranks(_save, 2, ckpt, "fsdp2")

@@ -60,7 +60,7 @@ def test_bad_input() -> None:
     m = RoutedExperts(4, 4, 2, top_k=1)
     with pytest.raises(ValueError, match=r"x must have 4 columns, got shape \(3, 5\)"):
         m(torch.randn(3, 5))
-    with pytest.raises(ValueError, match="x must have 2 dims"):
+    with pytest.raises(ValueError, match="x must be 2-D"):
         m(torch.randn(3))
     with pytest.raises(TypeError, match="x must be a floating tensor"):
         m(torch.ones(3, 4, dtype=torch.int64))

@@ -41,17 +41,24 @@ def mesh(request, tmp_path):
         dist.destroy_process_group()
 
 
-def _train(impl: str, mesh, mp, *, reshard: bool, accumulate: int, steps: int = 4):
+def _train(
+    impl: str, mesh, mp, *, reshard: bool, accumulate: int, steps: int = 4, offload: bool = False
+):
     if impl == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     else:
-        from hyperrec.parallel5d import MixedPrecisionPolicy, fully_shard
+        from hyperrec.parallel5d import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     device = mesh.device_type
     model = make("wide", seed=3).to(device)
     policy = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
+    kw = {"mp_policy": policy, "reshard_after_forward": reshard}
+    if offload:  # pinned host memory where there is a GPU
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device == "cuda")
     for blk in model.blocks:
-        fully_shard(blk, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(blk, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    if offload:
+        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     g = torch.Generator(device=device).manual_seed(7)
     losses = []
@@ -81,6 +88,20 @@ def _train(impl: str, mesh, mp, *, reshard: bool, accumulate: int, steps: int = 
 def test_one_rank_matches_fsdp2(mesh, mp, reshard, accumulate):
     ours_loss, ours = _train("hyperrec", mesh, mp, reshard=reshard, accumulate=accumulate)
     ref_loss, ref = _train("fsdp2", mesh, mp, reshard=reshard, accumulate=accumulate)
+    assert torch.isfinite(ours_loss).all()
+    torch.testing.assert_close(ours_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mp", [(torch.bfloat16, torch.float32), (None, None)], ids=["bf16-fp32", "fp32"]
+)
+def test_one_rank_cpu_offload_matches_fsdp2(mesh, mp):
+    """CPUOffloadPolicy: host shards copied in before each gather (on CUDA: pinned, on the
+    gather stream), reduced gradients copied back, AdamW stepping on the CPU."""
+    ours_loss, ours = _train("hyperrec", mesh, mp, reshard=True, accumulate=2, offload=True)
+    ref_loss, ref = _train("fsdp2", mesh, mp, reshard=True, accumulate=2, offload=True)
     assert torch.isfinite(ours_loss).all()
     torch.testing.assert_close(ours_loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours, ref):

@@ -116,7 +116,7 @@ def test_optimizer_errors_name_the_fix():
     for bad in ({"lr": 0}, {"betas": (1.0, 0.9)}, {"eps": 0}, {"block_size": 0}):
         with pytest.raises(ValueError):
             AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **bad)
-    with pytest.raises(TypeError, match="block_size"):  # per param group too
+    with pytest.raises(TypeError, match="block_size"):  # per param group too; not an int
         AdamW8bit([{"params": [torch.nn.Parameter(torch.zeros(3))], "block_size": 2.0}])
     with fake_mesh((2,), rank=1) as mesh:
         lin = fully_shard(torch.nn.Linear(30, 30), mesh=mesh, alignment=1)

@@ -231,6 +231,7 @@ def _bitwise(a: dict, b: dict) -> bool:
     )
 
 
+@pytest.mark.slow  # minutes of gloo ranks; `nox -s lowest` leaves it to the normal session
 def test_optimizer_states_save_on_2_load_on_4_and_1_then_resume(tmp_path):
     root = str(tmp_path)
     saved = run_on_ranks(_save, 2, root)[0]

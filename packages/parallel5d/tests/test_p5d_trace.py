@@ -57,7 +57,8 @@ def _step_trace(model, opt, prefix: str = "hyperrec::") -> tuple[list[str], dict
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 4)], ids=["fsdp4", "hsdp2x4"])
 def test_fp32_step_has_no_copies_and_one_collective_per_group(mesh_shape):
     with fake_mesh(mesh_shape, rank=1) as mesh:
-        model = shard_model(make("net"), mesh)
+        # Every group (the root too, unlike the default) reshards after forward.
+        model = shard_model(make("net"), mesh, reshard_after_forward=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):  # the second step runs with prefetching and reused storage
             copies, counts = _step_trace(model, opt)
@@ -72,7 +73,7 @@ def test_fp32_step_has_no_copies_and_one_collective_per_group(mesh_shape):
 def test_mixed_precision_step_copies_are_only_the_policy_casts():
     with fake_mesh((4,), rank=2) as mesh:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = shard_model(make("net"), mesh, mp_policy=mp)
+        model = shard_model(make("net"), mesh, mp_policy=mp, reshard_after_forward=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             copies, counts = _step_trace(model, opt)

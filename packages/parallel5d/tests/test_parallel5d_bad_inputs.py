@@ -9,12 +9,14 @@ mesh: every check happens before any collective (and before any parameter moves)
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
 
 from hyperrec.parallel5d import (
     AdamW8bit,
@@ -25,6 +27,7 @@ from hyperrec.parallel5d import (
     full_state_dict,
     fully_shard,
 )
+from hyperrec.parallel5d import fsdp as fsdp_module
 from hyperrec.testing import fake_mesh
 from hyperrec.testing.bad_inputs import case, check_case, documented_exceptions, rejects_cleanly
 
@@ -61,7 +64,7 @@ def _sharded(fn):
 
 
 def _foreign_param():
-    return {nn.Parameter(torch.ones(3))}
+    return nn.Parameter(torch.ones(3))
 
 
 CASES = [
@@ -80,8 +83,10 @@ CASES = [
     case(T, "mesh", _fs, mesh="cpu", doc=fully_shard),
     case(T, "mesh", _fs, mesh=2, doc=fully_shard),
     case(V, "mesh", _fs, mesh_shape=(2, 1, 1), doc=fully_shard),
-    case(T, "reshard_after_forward", _fs, reshard_after_forward=1, doc=fully_shard),
-    case(T, "reshard_after_forward", _fs, reshard_after_forward=None, doc=fully_shard),
+    case(T, "reshard_after_forward", _fs, reshard_after_forward="yes", doc=fully_shard),
+    case(T, "reshard_after_forward", _fs, reshard_after_forward=2.0, doc=fully_shard),
+    case(V, "reshard_after_forward", _fs, reshard_after_forward=3, doc=fully_shard),
+    case(V, "reshard_after_forward", _fs, reshard_after_forward=0, doc=fully_shard),
     case(T, "mp_policy", _fs, mp_policy="bf16", doc=fully_shard),
     case(T, "mp_policy", _fs, mp_policy=torch.bfloat16, doc=fully_shard),
     case(V, "granularity", _fs, granularity="rows?", doc=fully_shard),
@@ -91,7 +96,7 @@ CASES = [
     case(T, "granularity", _fs, granularity=True, doc=fully_shard),
     case(T, "granularity", _fs, granularity=lambda fqn, p: 2.5, doc=fully_shard),
     case(V, "granularity", _fs, granularity=lambda fqn, p: "blocks", doc=fully_shard),
-    case(V, "ignored_params", _fs, ignored_params=_foreign_param(), doc=fully_shard),
+    case(T, "ignored_params", _fs, ignored_params=[_foreign_param(), 3], doc=fully_shard),
     case(T, "ignored_params", _fs, ignored_params=torch.ones(3), doc=fully_shard),
     case(T, "ignored_params", _fs, ignored_params={3}, doc=fully_shard),
     case(T, "ignored_params", _fs, ignored_params="weight", doc=fully_shard),
@@ -198,6 +203,34 @@ def test_exception_type_is_documented(c):
     assert c.exc.__name__ in documented, (
         f"{c.test_id}: {c.exc.__name__} is not in the Raises: section ({sorted(documented)})"
     )
+
+
+def test_foreign_ignored_params_warn_once_per_call_site(monkeypatch):
+    """FSDP2 ignores parameters the module does not have (FSDP2 code passes one global
+    set to every nested call): a UserWarning naming how many, once per call site."""
+    monkeypatch.setattr(fsdp_module, "_WARNED_SITES", set())
+    outside = _foreign_param()
+    with fake_mesh((2,)) as mesh:
+
+        def shard(model, ignored):
+            return fully_shard(model, mesh=mesh, ignored_params=ignored)  # one call site
+
+        with pytest.warns(UserWarning, match=r"holds 1 parameter\(s\) that are not in this"):
+            shard(_model(), {outside})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            shard(_model(), {outside})  # the same call site again: silent
+        # One global set for nested calls: each call warns with its own count, and the
+        # parameter the set names stays unsharded.
+        model = _model()
+        keep = model[0].weight
+        ignored = {keep, outside}
+        with pytest.warns(UserWarning, match=r"holds 2 parameter"):
+            fully_shard(model[1], mesh=mesh, ignored_params=ignored)
+        with pytest.warns(UserWarning, match=r"holds 1 parameter"):
+            fully_shard(model, mesh=mesh, ignored_params=ignored)
+        assert model[0].weight is keep and not isinstance(keep, DTensor)
+        assert isinstance(model[0].bias, DTensor) and isinstance(model[1].weight, DTensor)
 
 
 def test_catalogue_size():

@@ -40,8 +40,13 @@ def check_contract(layout: Layout) -> None:
             lo, hi = layout.rank_range(i, r)
             assert (lo, hi) == tuple(ranges[r])
             p0, p1 = layout.shard_range(i, r)
-            assert p1 - p0 == hi - lo and (hi == lo or 0 <= p0 <= p1 <= s)
-            assert hi == lo or (off[i] + lo) - r * s == p0
+            assert p1 - p0 == hi - lo and 0 <= p0 <= p1 <= s
+            assert (off[i] + lo) - r * s == p0 if hi > lo else (p0, p1) == (0, 0)
+        # The placement handed to DTensor names the same elements as the layout (checked
+        # where it is cheap: building a placement is O(world_size) Python).
+        if n[i] and w <= 64:
+            bounds = layout.placement(i, (int(n[i]),)).element_bounds((int(n[i]),))
+            assert [tuple(b) for b in bounds] == [tuple(x) for x in ranges.tolist()]
 
 
 @st.composite

@@ -1,12 +1,12 @@
 """Single-process checks of the redistribution entry points: placement rules on large
-fake-backend meshes and bad requests. The multi-rank behaviour is in test_distributed.py.
+fake-backend meshes and bad requests. The multi-rank behaviour is in test_ragged_distributed.py.
 """
 
 import random
 
 import pytest
 import torch
-from _cases import random_units
+from _ragged_cases import random_units
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyperrec.raggedshard import RaggedShard, check_placements, from_local, redistribute

@@ -15,8 +15,17 @@ Three kinds of source, told apart by :func:`source_kind`:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar, cast
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class IndexedSource(Protocol[T_co]):
+    """A source read by index only (``source[i]``; no ``__iter__`` needed)."""
+
+    def __getitem__(self, index: int, /) -> T_co: ...
+
 
 __all__ = ["SourceKind", "open_at", "source_kind"]
 
@@ -52,7 +61,7 @@ def source_kind(source: Any) -> SourceKind:
     return "index_only"
 
 
-def open_at(source: Iterable[Any], position: int) -> Iterator[Any]:
+def open_at(source: Iterable[Any] | IndexedSource[Any], position: int) -> Iterator[Any]:
     """Iterate ``source`` from item ``position`` on (see the module docstring).
 
     ``"sized"`` and ``"index_only"`` sources are indexed from ``position``: nothing
@@ -62,7 +71,8 @@ def open_at(source: Iterable[Any], position: int) -> Iterator[Any]:
     """
     kind = source_kind(source)
     if kind == "sized":
-        return (source[i] for i in range(position, len(source)))  # type: ignore[index]
+        sized = cast(Sequence[Any], source)  # source_kind checked __len__ and __getitem__
+        return (sized[i] for i in range(position, len(sized)))
     if kind == "index_only":
         return _index_from(source, position)
     it = iter(source)

@@ -67,10 +67,10 @@ class BudgetConfig:
     """Gap-closing swaps per step (0 disables step 4)."""
 
     def __post_init__(self) -> None:
-        check_float("budget", self.budget, positive=True)
+        check_float("budget", self.budget, minimum=0, exclusive=True)
         check_int("max_wait_steps", self.max_wait_steps, minimum=1)
         if self.lookahead_steps is not None:
-            look = check_float("lookahead_steps", self.lookahead_steps, positive=True)
+            look = check_float("lookahead_steps", self.lookahead_steps, minimum=0, exclusive=True)
             if look < 1:
                 raise ValueError(f"lookahead_steps must be >= 1, got {look}")
         check_int("max_buffer_items", self.max_buffer_items, minimum=1)
@@ -101,7 +101,7 @@ def budget_from_costs(costs: Any, items_per_step: float) -> float:
     arr = as_costs("costs", costs, ndim=1)
     if arr.size == 0:
         raise ValueError("costs must not be empty")
-    per = check_float("items_per_step", items_per_step, positive=True)
+    per = check_float("items_per_step", items_per_step, minimum=0, exclusive=True)
     out = float(arr.mean()) * per
     if out <= 0:
         raise ValueError("costs have zero mean; a positive budget cannot be derived")

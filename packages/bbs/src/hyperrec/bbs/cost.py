@@ -46,7 +46,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("linear", "quadratic", "constant"):
-            check_float(name, getattr(self, name), nonnegative=True)
+            check_float(name, getattr(self, name), minimum=0)
 
     def sample_costs(self, lengths: Any) -> np.ndarray:
         """Per-sample costs.
@@ -98,7 +98,7 @@ class CostModel:
         """
         d = check_int("d_model", d_model, minimum=1)
         n = check_int("layers", layers, minimum=1)
-        check_float("per_sample", per_sample, nonnegative=True)
+        check_float("per_sample", per_sample, minimum=0)
         return cls(linear=24.0 * d * d * n, quadratic=4.0 * d * n, constant=per_sample)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperrec.bbs._validate import check_float, check_int
+from hyperrec.bbs._validate import check_choice, check_float, check_int
 
 __all__ = ["DISTRIBUTIONS", "LengthDistribution", "sample_lengths"]
 
@@ -31,8 +31,8 @@ class LengthDistribution:
     def __post_init__(self) -> None:
         if self.kind not in ("lognormal", "powerlaw", "uniform"):
             raise ValueError(f"kind must be lognormal, powerlaw or uniform, got {self.kind!r}")
-        check_float("a", self.a, positive=True)
-        check_float("b", self.b, positive=True)
+        check_float("a", self.a, minimum=0, exclusive=True)
+        check_float("b", self.b, minimum=0, exclusive=True)
 
     def describe(self) -> str:
         """One line for tables and JSON."""
@@ -61,9 +61,7 @@ def sample_lengths(
         TypeError: ``dist`` is neither a name nor a :class:`LengthDistribution`.
     """
     if isinstance(dist, str):
-        if dist not in DISTRIBUTIONS:
-            raise ValueError(f"dist must be one of {sorted(DISTRIBUTIONS)}, got {dist!r}")
-        d = DISTRIBUTIONS[dist]
+        d = DISTRIBUTIONS[check_choice("dist", dist, sorted(DISTRIBUTIONS))]
     elif isinstance(dist, LengthDistribution):
         d = dist
     else:

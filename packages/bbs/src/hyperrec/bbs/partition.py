@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperrec.bbs._validate import as_costs, check_int
+from hyperrec.bbs._validate import as_costs, check_choice, check_int
 
 __all__ = ["METHODS", "balance", "part_loads"]
 
@@ -69,8 +69,7 @@ def balance(
     """
     arr = as_costs("costs", costs, ndim=(1, 2))
     m = check_int("num_parts", num_parts, minimum=1)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)
     if max_swaps is not None:
         max_swaps = check_int("max_swaps", max_swaps, minimum=0)
     single = arr.ndim == 1

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperrec.bbs._validate import as_costs, check_int
+from hyperrec.bbs._validate import as_costs, check_choice, check_int
 from hyperrec.bbs.partition import METHODS, balance_batched
 
 __all__ = ["global_shuffle_plan", "natural_steps", "shuffle_plan"]
@@ -180,5 +180,4 @@ def _order_steps(parts: np.ndarray) -> np.ndarray:
 
 
 def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice("method", method, METHODS)

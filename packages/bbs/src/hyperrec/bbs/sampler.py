@@ -24,14 +24,14 @@ order, among themselves; the next epoch starts normally.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from hyperrec.bbs._validate import as_costs, check_int
+from hyperrec.bbs._validate import as_costs, check_bool, check_choice, check_int
 from hyperrec.bbs.plan import _check_method, plan_global_windows, plan_windows
 
 __all__ = ["BalancedBatchSampler"]
@@ -84,9 +84,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
             "sub_batches_per_step", sub_batches_per_step, minimum=1
         )
         self.window_steps = check_int("window_steps", window_steps, minimum=1)
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        self.mode = mode
+        self.mode = check_choice("mode", mode, _MODES)
         if world_size is None:
             world_size = _dist_default("get_world_size", 1)
         self.world_size = check_int("world_size", world_size, minimum=1)
@@ -95,9 +93,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.rank = check_int("rank", rank, minimum=0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if not isinstance(shuffle, bool):
-            raise TypeError(f"shuffle must be a bool, got {type(shuffle).__name__}")
-        self.shuffle = shuffle
+        self.shuffle = check_bool("shuffle", shuffle)
         self.seed = check_int("seed", seed, minimum=0)
         _check_method(method)
         self.method = method
@@ -136,7 +132,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self._set_segments([])
 
     def _set_segments(self, segments: list[tuple[int, int, int, int]]) -> None:
-        self._segments = [tuple(int(v) for v in seg) for seg in segments]
+        self._segments = [(int(a), int(b), int(c), int(d)) for a, b, c, d in segments]
         self._cache = self._order_cache = None
         per_step = self.world_size * self.sub_batches_per_step * self.samples_per_sub_batch
         self._steps = self._epoch_stream().size // per_step if self._segments else self._full_steps
@@ -171,7 +167,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         w0, done = divmod(steps, window)
         w = min(window, total - w0 * window)
 
-        def trained(positions: np.ndarray, per_step: int, plan) -> np.ndarray:
+        def trained(positions: np.ndarray, per_step: int, plan: Callable[..., Any]) -> np.ndarray:
             # Stream positions trained by one plan: `positions` are those it covers (in
             # order), `per_step` its sub-batches a step, `plan` the window planner.
             sb_costs = self._costs[stream[positions]].reshape(-1, s).sum(axis=1)

@@ -9,8 +9,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from hyperrec.bbs._source import SourceKind, open_at, source_kind
-from hyperrec.bbs._validate import check_int
+from hyperrec.bbs._source import IndexedSource, SourceKind, open_at, source_kind
+from hyperrec.bbs._validate import check_bool, check_int
 from hyperrec.bbs.cost import CostFn, CostModel, checked_cost, resolve_cost_fn
 from hyperrec.bbs.plan import _check_method, plan_partial_window, plan_windows
 
@@ -95,7 +95,7 @@ class BalancedShuffler(Generic[T]):
 
     def __init__(
         self,
-        source: Iterable[T],
+        source: Iterable[T] | IndexedSource[T],
         *,
         sub_batches_per_step: int,
         window_steps: int,
@@ -108,8 +108,7 @@ class BalancedShuffler(Generic[T]):
         self.config = BBSConfig(
             sub_batches_per_step=sub_batches_per_step, window_steps=window_steps, method=method
         )
-        if not isinstance(drop_last, bool):
-            raise TypeError(f"drop_last must be a bool, got {type(drop_last).__name__}")
+        check_bool("drop_last", drop_last)
         self._source = source
         self._cost = resolve_cost_fn(cost)
         self._drop_last = drop_last

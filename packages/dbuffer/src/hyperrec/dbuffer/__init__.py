@@ -10,11 +10,12 @@
 """
 
 from hyperrec.dbuffer._version import __version__
-from hyperrec.dbuffer.buffer import DBuffer
+from hyperrec.dbuffer.buffer import DBuffer, ReduceOptions
 from hyperrec.dbuffer.ops import clip_grad_norm_, flat_params, grad_norm, zero_grad_
 
 __all__ = [
     "DBuffer",
+    "ReduceOptions",
     "__version__",
     "clip_grad_norm_",
     "flat_params",

@@ -31,9 +31,9 @@ def on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterato
 class Pending:
     """Completion of work issued by :func:`on_stream`: an event (CUDA) or a done flag."""
 
-    __slots__ = ("_event", "_keepalive")
+    __slots__ = ("_event", "_host", "_keepalive")
 
-    def __init__(self, device: torch.device, keepalive: object = None) -> None:
+    def __init__(self, device: torch.device, keepalive: object = None, host: bool = False) -> None:
         self._event = None
         if device.type == "cuda":
             self._event = torch.cuda.Event()
@@ -41,10 +41,15 @@ class Pending:
         # Memory used on a side stream must not return to the allocator before that
         # stream is done with it; holding a reference until `wait` guarantees it.
         self._keepalive = keepalive
+        # Work whose result the host reads (an asynchronous device-to-host copy).
+        self._host = host
 
     def wait(self) -> None:
-        """Make the current stream wait for the work; release what it kept alive."""
+        """Make the current stream (and, for host-read results, the host) wait for the
+        work; release what it kept alive."""
         if self._event is not None:
+            if self._host:
+                self._event.synchronize()
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
         self._keepalive = None

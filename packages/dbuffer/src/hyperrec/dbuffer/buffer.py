@@ -4,18 +4,94 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 
-from hyperrec.dbuffer._layout import Placement, place, uncovered
 from hyperrec.dbuffer._streams import Pending, on_stream
-from hyperrec.raggedshard import plan_layout
+from hyperrec.dbuffer._validate import check_bool, check_float, check_int
+from hyperrec.raggedshard import Layout, RaggedShard, from_local, plan_layout
+from hyperrec.raggedshard.reference import layout_violations
 
-__all__ = ["DBuffer"]
+__all__ = ["DBuffer", "ReduceOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReduceOptions:
+    """How :meth:`DBuffer.reduce_grad` reduces: PyTorch FSDP2's gradient-reduction knobs.
+
+    The defaults are the plain average over every data-parallel rank.
+    """
+
+    divide_factor: float | None = None
+    """Divide the gradient summed over all data-parallel ranks by this instead of by their
+    number (FSDP2's ``set_gradient_divide_factor``). ``None``: average."""
+    force_sum: bool = False
+    """Issue only ``SUM`` collectives and divide in a separate kernel (FSDP2's
+    ``set_force_sum_reduction_for_comms``; NCCL's zero-copy collectives need ``SUM``)."""
+    all_reduce: bool = True
+    """HSDP: all-reduce over the replicate axis in this reduction. ``False`` keeps the
+    reduce-scattered gradient as a partial sum that the next reduction with ``True``
+    adds before its all-reduce (FSDP2's ``set_requires_all_reduce``); the shard gradient
+    is not updated meanwhile."""
+    hook: Callable[[torch.Tensor], None] | None = None
+    """Called with this rank's reduced gradient (``(shard_numel,)``, ``reduce_dtype``)
+    after the reduce-scatter (and the HSDP all-reduce), before any post-division and
+    before it is added to :attr:`DBuffer.grad_shard` (FSDP2's ``set_all_reduce_hook``)."""
+    hook_stream: torch.cuda.Stream | None = None
+    """CUDA stream the hook runs on (default: the reduction's stream)."""
+    reduce_scatter: Callable[..., Any] | None = None
+    """Custom collective called as ``fn(output_tensor=, input_tensor=, group=, op=)`` in
+    place of ``reduce_scatter_tensor`` (FSDP2's ``ReduceScatter`` comm; its ``allocate`` is
+    not used: the input and output are this buffer's own storages)."""
+    group: dist.ProcessGroup | None = None
+    """Process group of the reduce-scatter (default: the shard axis' own group)."""
+
+
+def _default_options(options: ReduceOptions | None) -> bool:
+    return options is None or options == ReduceOptions()
+
+
+def _reduce_factors(
+    shard_size: int,
+    replicas: int,
+    reduce_dtype: torch.dtype,
+    divide_factor: float | None,
+    force_sum: bool,
+) -> tuple[float | None, float | None, Any, Any, float | None]:
+    """``(pre, post, reduce_scatter_op, all_reduce_op, premul)`` for one reduction.
+
+    The same arithmetic as PyTorch FSDP2 so that results agree bitwise: fp32/bf16 use the
+    collectives' own averaging (or a pre-multiplied sum for a custom factor); any other
+    reduce dtype (fp16's range, fp64) and ``force_sum`` use ``SUM`` with the division
+    split around it (for fp16: by about ``sqrt(factor)`` before and the rest after, so
+    neither the inputs nor the sum leave its range).
+    """
+    sum_op = dist.ReduceOp.SUM
+    risky = reduce_dtype not in (torch.float32, torch.bfloat16)
+    world = shard_size * replicas
+    if not risky and not force_sum:
+        if divide_factor is None:
+            op = sum_op if world == 1 else dist.ReduceOp.AVG
+            return None, None, op, op, None
+        if divide_factor == shard_size:
+            return None, None, dist.ReduceOp.AVG, sum_op, None
+        return None, None, sum_op, sum_op, 1.0 / divide_factor
+    factor = float(world if divide_factor is None else divide_factor)
+    if not risky:
+        return None, factor, sum_op, sum_op, None
+    pre = 1.0
+    # Grow the pre-division by powers of two while it divides the factor and stays
+    # below the remaining post-division.
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return pre, factor / pre, sum_op, sum_op, None
+
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,6 +104,16 @@ def _free(t: torch.Tensor) -> None:
     # all-gather into the re-grown storage is seen through all of them.
     if t.untyped_storage().size() != 0:
         t.untyped_storage().resize_(0)
+
+
+def _gather_call(*, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any) -> None:
+    _all_gather(output_tensor, input_tensor, group=group)
+
+
+def _reduce_scatter_call(
+    *, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any
+) -> None:
+    _reduce_scatter(output_tensor, input_tensor, op=op, group=group)
 
 
 def _alloc(t: torch.Tensor, numel: int) -> bool:
@@ -56,9 +142,13 @@ def _check_ints(name: str, values: object, *, minimum: int, per_item: bool) -> l
 class DBuffer:
     """A group of tensors laid out in one flat, rank-major buffer planned by raggedshard.
 
-    The buffer holds ``world_size * shard_numel`` elements; rank ``r`` owns elements
-    ``[r * shard_numel, (r + 1) * shard_numel)`` (its *shard*), and tensor ``i`` occupies
-    ``[offset_i, offset_i + numel_i)``. Because the raggedshard planner never lets a shard
+    The geometry is the :class:`hyperrec.raggedshard.Layout` in :attr:`layout` (planned
+    here, or passed in): the buffer holds ``world_size * shard_numel`` elements; rank
+    ``r`` owns elements ``[r * shard_numel, (r + 1) * shard_numel)`` (its *shard*), and
+    tensor ``i`` occupies ``[offsets[i], offsets[i] + numels[i])``. Which elements of a
+    tensor a rank holds, where they sit in its shard and the ``RaggedShard`` placement of
+    its DTensor view are all read from the layout (``rank_range``, ``shard_range``,
+    ``placement``); nothing here re-derives them. Because the planner never lets a shard
     boundary cut a block of ``granularities[i]`` elements, every rank holds whole blocks
     (whole rows, whole 2,048-element quantization blocks, whole matrices...).
 
@@ -92,18 +182,32 @@ class DBuffer:
             device for a CUDA mesh) or the CPU.
         granularities: per tensor, the block size in elements that no shard boundary may
             cut (1 = element-wise, ``shape[1:]`` product = rows, ``numel`` = whole tensor).
-            Default all 1.
+            Default all 1. Not with ``layout``.
         alignment: every tensor starts at a multiple of this many elements. Default 1.
+            Not with ``layout``.
         names: one name per tensor for :meth:`state_dict`. Default ``"0"``, ``"1"``, ...
+        layout: a precomputed layout of these tensors (e.g. planned once for many
+            buffers); default: ``plan_layout(numels, granularities, world_size,
+            alignment=alignment)``. It must be for the shard axis's world size and
+            honour the planner's contract (checked).
+        offload: keep ``shard`` and ``grad_shard`` on the host (CPU) and ``full`` /
+            ``grad_full`` on ``device``: :meth:`unshard` copies the shard host-to-device
+            (on the gather's stream) into its slot of ``full`` before gathering, and
+            :meth:`reduce_grad` copies the reduced gradient device-to-host (PyTorch
+            FSDP2's ``CPUOffloadPolicy``). Default ``False``.
+        pin_memory: with ``offload``, pin the host storages (when CUDA is available) so
+            the copies are asynchronous. Default ``True``.
 
     Raises:
         TypeError: ``shapes`` is not a sequence of shapes of ints; a dtype is not a
             floating dtype; ``granularities``/``names`` not sequences of ints/strings;
-            ``alignment`` not an int; ``mesh`` not a ``DeviceMesh``; ``device`` not a
-            device.
+            ``alignment`` not an int; ``offload``/``pin_memory`` not bools; ``mesh`` not
+            a ``DeviceMesh``; ``device`` not a device; ``layout`` is not a ``Layout``.
         ValueError: a negative dim, ``granularities``/``names`` of the wrong length,
             non-positive granularity or alignment, duplicate names, an unknown device
-            type, a mesh of more than 2 axes.
+            type, a mesh of more than 2 axes; a ``layout`` for other numels or another
+            world size, one that breaks the planner's contract, or given together with
+            ``granularities``/``alignment``.
     """
 
     def __init__(
@@ -118,6 +222,9 @@ class DBuffer:
         granularities: Sequence[int] | None = None,
         alignment: int = 1,
         names: Sequence[str] | None = None,
+        layout: Layout | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
     ) -> None:
         if isinstance(shapes, torch.Tensor | str) or not isinstance(shapes, Sequence):
             raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
@@ -130,8 +237,9 @@ class DBuffer:
         for i, name in enumerate(names or ()):
             if not isinstance(name, str):
                 raise TypeError(f"names[{i}] must be a str, got {type(name).__name__} {name!r}")
-        if isinstance(alignment, bool) or not isinstance(alignment, int):
-            raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
+        check_int("alignment", alignment, minimum=1)
+        check_bool("offload", offload)
+        check_bool("pin_memory", pin_memory)
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
         if device is not None:
@@ -155,13 +263,10 @@ class DBuffer:
         ):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        given_blocks = granularities is not None
         granularities = [1] * n if granularities is None else list(granularities)
         if len(granularities) != n:
             raise ValueError(f"granularities has {len(granularities)} entries for {n} tensors")
-        if any(g < 1 for g in granularities):
-            raise ValueError(f"granularities must be >= 1, got {granularities}")
-        if not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"alignment must be a positive int, got {alignment!r}")
         self.names = [str(i) for i in range(n)] if names is None else [str(x) for x in names]
         if len(self.names) != n or len(set(self.names)) != n:
             raise ValueError(f"names must be {n} distinct strings, got {names!r}")
@@ -185,19 +290,28 @@ class DBuffer:
                 device = torch.device(mesh.device_type if mesh is not None else "cpu")
         self.device = torch.device(device)
 
-        # Zero-numel tensors still get a placement (all-empty ranges).
-        self.layout = plan_layout(self.numels, granularities, self.world_size, alignment=alignment)
-        self.shard_numel = int(self.layout.shard_numel)
-        self.placements: list[Placement] = place(
-            self.numels, [int(o) for o in self.layout.offsets], self.shard_numel, self.world_size
-        )
+        if layout is None:
+            # Zero-numel tensors still get a place (all-empty ranges).
+            layout = plan_layout(self.numels, granularities, self.world_size, alignment=alignment)
+        else:
+            _check_layout(layout, self.numels, self.world_size, given_blocks or alignment != 1)
+            self.granularities = [int(g) for g in layout.granularities]
+        self.layout: Layout = layout
+        self.shard_numel = int(layout.shard_numel)
         S, W = self.shard_numel, self.world_size
-        self._gaps = uncovered(self.placements, 0, W * S)
+        # Cached once from the layout: the tensors' offsets in the full buffer and this
+        # rank's piece of each inside its shard.
+        self._offsets = [int(o) for o in layout.offsets]
+        self._local = [layout.shard_range(i, self.rank) for i in range(n)]
+        self._gaps = _padding_ranges(self._offsets, self.numels, W * S)
 
-        self.shard = torch.zeros(S, dtype=dtype, device=self.device)
+        self.offload = offload
+        self.pin_memory = offload and pin_memory and torch.cuda.is_available()
+        self.shard_device = torch.device("cpu") if self.offload else self.device
+        self.shard = self._host_zeros(S, dtype)
         # With one rank and no cast the full buffer is the shard itself: nothing to
-        # gather, nothing to allocate.
-        self._full_aliases_shard = W == 1 and self.param_dtype == dtype
+        # gather, nothing to allocate (not when the shard lives on the host).
+        self._full_aliases_shard = W == 1 and self.param_dtype == dtype and not self.offload
         if self._full_aliases_shard:
             self.full = self.shard
         else:
@@ -205,21 +319,24 @@ class DBuffer:
         # With one rank on the shard axis gradients land directly in grad_shard; HSDP
         # replicas then average it in place (a held gradient is equal on all replicas,
         # so averaging old + new gives old + the average of new).
-        self._grad_full_aliases_shard = W == 1 and self.reduce_dtype == dtype
+        self._grad_full_aliases_shard = W == 1 and self.reduce_dtype == dtype and not self.offload
         self._grad_shard: torch.Tensor | None = None
+        self._partial: torch.Tensor | None = None  # HSDP reduce-scattered, not all-reduced
+        self._post_forward: tuple[torch.Tensor, dist.ProcessGroup] | None = None
         self._grad_full: torch.Tensor | None = None
         self._grad_full_live = False
         self._has_grad = False
         self._unshard_pending: Pending | None = None
         self._reduce_pending: Pending | None = None
-        self._full_views = [
-            self.full[p.offset : p.offset + p.numel].view(s)
-            for p, s in zip(self.placements, self.shapes)
-        ]
-        self._shard_views = [self.shard[slice(*p.local(self.rank, S))] for p in self.placements]
+        self._full_views = self._views_of(self.full)
+        self._shard_views = [self.shard[lo:hi] for lo, hi in self._local]
         # Views are made while the storage exists; freeing it afterwards keeps them valid.
         if not self._full_aliases_shard:
             _free(self.full)
+
+    def _host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=dtype, device=self.shard_device)
+        return t.pin_memory() if self.pin_memory else t
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -282,7 +399,7 @@ class DBuffer:
             if t.shape != s:
                 raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, expected {tuple(s)}")
         for i, t in enumerate(tensors):
-            lo, hi = self.placements[i].ranges[self.rank]
+            lo, hi = self.local_range(i)
             self._shard_views[i].copy_(t.detach().reshape(-1)[lo:hi])
 
     # ----------------------------------------------------------------------- views
@@ -290,8 +407,15 @@ class DBuffer:
         return len(self.shapes)
 
     def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
-        """``(start, stop)``: the flat elements of tensor ``i`` held by ``rank`` (default: self)."""
-        return self.placements[i].ranges[self.rank if rank is None else rank]
+        """``(start, stop)``: the flat elements of tensor ``i`` held by ``rank`` (default: self).
+
+        The layout's :meth:`~hyperrec.raggedshard.Layout.rank_range`.
+        """
+        return self.layout.rank_range(i, self.rank if rank is None else rank)
+
+    def _views_of(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor (full shape) as a view of a ``(world_size * shard_numel,)`` tensor."""
+        return [full[o : o + n].view(s) for o, n, s in zip(self._offsets, self.numels, self.shapes)]
 
     def shard_view(self, i: int) -> torch.Tensor:
         """1-D view of this rank's piece of tensor ``i`` inside :attr:`shard` (may be empty)."""
@@ -311,7 +435,8 @@ class DBuffer:
         _check_flat(flat, self.shard_numel)
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
-        return flat[slice(*self.placements[i].local(self.rank, self.shard_numel))]
+        lo, hi = self._local[i]
+        return flat[lo:hi]
 
     @property
     def is_unsharded(self) -> bool:
@@ -325,12 +450,23 @@ class DBuffer:
 
     # ------------------------------------------------------------- all-gather side
     @torch.no_grad()
-    def unshard(self, *, stream: torch.cuda.Stream | None = None) -> None:
+    def unshard(
+        self,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        all_gather: Callable[..., Any] | None = None,
+    ) -> None:
         """Materialise every full tensor: one ``all_gather_into_tensor``, zero copies.
 
         On CUDA the gather runs on ``stream`` (default: the current stream) after work
         already queued; call :meth:`wait_unshard` before using the full views. A second
-        call while unsharded is a no-op.
+        call while unsharded is a no-op. After :meth:`reshard` with ``keep=`` the gather
+        runs over that smaller group from the kept piece.
+
+        Args:
+            stream: CUDA stream for the copy-in (offload, casts) and the collective.
+            all_gather: custom collective called as ``fn(output_tensor=full,
+                input_tensor=slot, group=)`` instead of ``all_gather_into_tensor``.
         """
         if self._full_aliases_shard or self._unshard_pending is not None or self.is_unsharded:
             return
@@ -338,21 +474,34 @@ class DBuffer:
         # block is later freed on the current stream after the consumer's wait.
         _alloc(self.full, self.world_size * self.shard_numel)
         S, r = self.shard_numel, self.rank
+        gather = all_gather or _gather_call
         # Refilling the storage is not a modification autograd must see: tensors saved
         # in forward are views of it and must read the re-gathered values in backward.
         with (
             on_stream(stream, self.device),
-            torch.autograd._unsafe_preserve_version_counter(self.full),
+            torch.autograd._unsafe_preserve_version_counter(self.full),  # type: ignore[attr-defined]
         ):
-            src = self.shard
-            if self.param_dtype != self.dtype:
-                # The cast the mixed-precision policy asks for, written straight into
-                # this rank's slot of the output: the gather then runs in place.
-                src = self.full[r * S : (r + 1) * S]
-                src.copy_(self.shard)
-            if self.world_size > 1:
-                _all_gather(self.full, src, group=self._shard_group)
-            self._unshard_pending = Pending(self.device)
+            keep = None
+            if self._post_forward is not None:
+                piece, group = self._post_forward
+                self._post_forward = None
+                gather(output_tensor=self.full, input_tensor=piece, group=group)
+                keep = piece
+            else:
+                src = self.shard
+                if self.param_dtype != self.dtype or self.offload:
+                    # The cast the mixed-precision policy asks for (and the host-to-device
+                    # copy of an offloaded shard), written straight into this rank's slot
+                    # of the output: the gather then runs in place.
+                    src = self.full[r * S : (r + 1) * S]
+                    if self.offload and self.param_dtype != self.dtype:
+                        keep = self.shard.to(self.device, non_blocking=self.pin_memory)
+                        src.copy_(keep)
+                    else:
+                        src.copy_(self.shard, non_blocking=self.pin_memory)
+                if self.world_size > 1:
+                    gather(output_tensor=self.full, input_tensor=src, group=self._shard_group)
+            self._unshard_pending = Pending(self.device, keepalive=keep)
 
     def wait_unshard(self) -> None:
         """Order the current stream after the pending :meth:`unshard` (no-op if none)."""
@@ -360,11 +509,36 @@ class DBuffer:
             self._unshard_pending.wait()
             self._unshard_pending = None
 
-    def reshard(self) -> None:
-        """Free the full storage (views stay valid objects; no-op when it aliases the shard)."""
+    def reshard(self, *, keep: dist.ProcessGroup | None = None) -> None:
+        """Free the full storage (views stay valid objects; no-op when it aliases the shard).
+
+        Args:
+            keep: a process group of ``N`` ranks of the shard axis (``N`` divides
+                ``world_size``) whose members together hold the full buffer: this rank
+                keeps the piece ``[i * L, (i + 1) * L)`` of it, ``L = world_size *
+                shard_numel / N`` and ``i`` its rank in ``keep`` (one copy), and the next
+                :meth:`unshard` gathers over ``keep`` only (PyTorch FSDP2's
+                ``reshard_after_forward=N``). Must be called while unsharded.
+
+        Raises:
+            ValueError: ``keep`` does not divide the buffer, or nothing is unsharded.
+        """
         self.wait_unshard()
-        if not self._full_aliases_shard:
-            _free(self.full)
+        self._post_forward = None
+        if self._full_aliases_shard:
+            return
+        if keep is not None:
+            n = keep.size()
+            total = self.world_size * self.shard_numel
+            if self.world_size % n:
+                raise ValueError(f"keep must have a size dividing {self.world_size}, got {n}")
+            if not self.is_unsharded:
+                raise ValueError("reshard(keep=...) needs the full storage (call unshard first)")
+            i, length = keep.rank(), total // n
+            with torch.no_grad():
+                piece = self.full[i * length : (i + 1) * length].clone()
+            self._post_forward = (piece, keep)
+        _free(self.full)
 
     # ---------------------------------------------------------- reduce-scatter side
     @property
@@ -379,7 +553,7 @@ class DBuffer:
         # The tensor object (and so every view of it) lives as long as the buffer; its
         # memory may be released between steps (see drop_grad_).
         if self._grad_shard is None:
-            self._grad_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self._grad_shard = self._host_zeros(self.shard_numel, self.dtype)
         return self._grad_shard
 
     @property
@@ -399,10 +573,7 @@ class DBuffer:
                     dtype=self.reduce_dtype,
                     device=self.device,
                 )
-            self._grad_full_views = [
-                self._grad_full[p.offset : p.offset + p.numel].view(s)
-                for p, s in zip(self.placements, self.shapes)
-            ]
+            self._grad_full_views = self._views_of(self._grad_full)
             if not self._grad_full_aliases_shard:
                 _free(self._grad_full)
         return self._grad_full
@@ -456,26 +627,46 @@ class DBuffer:
             self.grad_full[a:b].zero_()
 
     @torch.no_grad()
-    def reduce_grad(self, *, stream: torch.cuda.Stream | None = None) -> None:
+    def reduce_grad(
+        self,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        options: ReduceOptions | None = None,
+    ) -> None:
         """Average :attr:`grad_full` over all data-parallel ranks into :attr:`grad_shard`.
 
         One ``reduce_scatter_tensor`` over the shard axis (in ``reduce_dtype``), then for
-        HSDP one ``all_reduce`` over the replicate axis of this rank's slice only. If
+        HSDP one ``all_reduce`` across the replicate axis of this rank's slice only. If
         ``grad_shard`` already holds a gradient (accumulation across synced backward
         passes) the new one is added to it, else it is overwritten. On CUDA this runs on
         ``stream``; call :meth:`wait_reduce` before reading ``grad_shard``. ``grad_full``
         is released once the reduction is done.
 
+        Args:
+            stream: CUDA stream of the reduction.
+            options: :class:`ReduceOptions` (divide factor, SUM-only collectives, HSDP
+                partial reduction, a hook, a custom collective). Default: average.
+
         Raises:
-            RuntimeError: no gradients were begun with :meth:`begin_grad`.
+            RuntimeError: no gradients were begun with :meth:`begin_grad`, or non-default
+                ``options`` on a buffer whose ``grad_full`` is ``grad_shard`` while it
+                holds a gradient (call :meth:`unalias_grad_` before the backward).
         """
         if not self._grad_full_live:
             raise RuntimeError("reduce_grad() without begin_grad(): no gradients to reduce")
         self.wait_reduce()
         S, r, W = self.shard_numel, self.rank, self.world_size
-        g, out = self._grad_full, self._grad_storage()
+        g, out = self.grad_full, self._grad_storage()
         if _alloc(out, S) and self._has_grad:
             raise RuntimeError("grad_shard was released while holding a gradient")
+        if (
+            not _default_options(options)
+            or self.offload
+            or self._partial is not None
+            or self.reduce_dtype not in (torch.float32, torch.bfloat16)
+        ):
+            self._reduce_general(options or ReduceOptions(), stream)
+            return
         with on_stream(stream, self.device):
             if self._grad_full_aliases_shard:
                 # One rank on the shard axis: the gradient already sits in grad_shard.
@@ -502,18 +693,126 @@ class DBuffer:
         self._has_grad = True
         self._grad_full_live = False
 
+    def _reduce_general(self, options: ReduceOptions, stream: torch.cuda.Stream | None) -> None:
+        # Every option goes through one path: reduce in place into this rank's slot of
+        # grad_full, finish the slot (all-reduce, hook, division), then one add/cast
+        # (and, offloaded, one device-to-host copy) into grad_shard.
+        S, r, W = self.shard_numel, self.rank, self.world_size
+        g, out = self.grad_full, self._grad_storage()
+        aliased = self._grad_full_aliases_shard
+        if aliased and self._has_grad and not _default_options(options):
+            raise RuntimeError(
+                "reduce_grad(options=...) on a buffer whose grad_full is grad_shard while it "
+                "holds a gradient would rescale that gradient too; call unalias_grad_() "
+                "before the backward"
+            )
+        replicas = 1 if self._replicate_group is None else self._replicate_group.size()
+        pre, post, rs_op, ar_op, premul = _reduce_factors(
+            W, replicas, self.reduce_dtype, options.divide_factor, options.force_sum
+        )
+        mine = g[r * S : (r + 1) * S]
+        keep: list[torch.Tensor] = [] if aliased else [g]
+        done = False
+        with on_stream(stream, self.device):
+            if pre is not None and pre != 1:
+                g.div_(pre)
+            if W > 1:
+                if premul is not None:
+                    if self.device.type == "cuda" and hasattr(dist, "_make_nccl_premul_sum"):
+                        rs_op = dist._make_nccl_premul_sum(premul)
+                    else:  # gloo has no PREMUL_SUM: the same products, then a sum
+                        g.mul_(premul)
+                scatter = options.reduce_scatter or _reduce_scatter_call
+                group = options.group or self._shard_group
+                scatter(output_tensor=mine, input_tensor=g, group=group, op=rs_op)
+            elif options.divide_factor is not None and pre is None and post is None:
+                # No reduce-scatter to pre-multiply in; with a pre/post split those
+                # divisions make the factor already (FSDP2 2.13 divides twice here).
+                mine.div_(options.divide_factor)
+            if self._replicate_group is not None:
+                if not options.all_reduce:
+                    if self._partial is None:
+                        self._partial = mine.clone()
+                    else:
+                        self._partial.add_(mine)
+                    done = True
+                else:
+                    if self._partial is not None:
+                        mine.add_(self._partial)
+                        keep.append(self._partial)
+                        self._partial = None
+                    dist.all_reduce(mine, op=ar_op, group=self._replicate_group)
+            if not done:
+                if options.hook is not None:
+                    with on_stream(options.hook_stream, self.device):
+                        options.hook(mine)
+                    if options.hook_stream is not None and self.device.type == "cuda":
+                        # What follows (division, landing) runs after the hook's work.
+                        torch.cuda.current_stream().wait_stream(options.hook_stream)
+                if post is not None and post != 1:
+                    mine.div_(post)
+                if not aliased:
+                    if self.offload:
+                        src = mine.to(self.dtype)
+                        if self._has_grad:
+                            out.add_(src.to(out.device))
+                        else:
+                            out.copy_(src, non_blocking=self.pin_memory)
+                            keep.append(src)
+                    elif self._has_grad:
+                        out.add_(mine)
+                    else:
+                        out.copy_(mine)
+            self._reduce_pending = Pending(
+                self.device, keepalive=keep or None, host=self.offload and self.pin_memory
+            )
+        if not done:
+            self._has_grad = True
+        self._grad_full_live = False
+
+    def unalias_grad_(self) -> None:
+        """Give :attr:`grad_full` its own storage where it was :attr:`grad_shard` (one rank
+        on the shard axis), so that non-default :class:`ReduceOptions` apply to the new
+        gradients only. No-op otherwise or while gradients are being produced."""
+        if not self._grad_full_aliases_shard or self._grad_full_live:
+            return
+        self.wait_reduce()
+        self._grad_full_aliases_shard = False
+        self._grad_full = None
+
+    @torch.no_grad()
+    def set_grad_(self, flat: torch.Tensor) -> None:
+        """Make :attr:`grad_shard` hold ``flat`` (``(shard_numel,)``, cast to ``dtype``) as a
+        reduced gradient, e.g. when moving a buffer's gradient into a rebuilt buffer.
+
+        Raises:
+            ValueError: ``flat`` is not 1-D of ``shard_numel`` elements.
+        """
+        if flat.dim() != 1 or flat.numel() != self.shard_numel:
+            raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
+        self.wait_reduce()
+        self.grad_shard.copy_(flat)
+        self._has_grad = True
+
     def wait_reduce(self) -> None:
-        """Order the current stream after the pending :meth:`reduce_grad`; free ``grad_full``."""
+        """Order the current stream after the pending :meth:`reduce_grad`; free ``grad_full``.
+
+        With ``offload`` (pinned) the host also waits for the device-to-host copy, so the
+        host gradient can be read (by a CPU optimizer) right after.
+        """
         if self._reduce_pending is not None:
             self._reduce_pending.wait()
             self._reduce_pending = None
-            if not self._grad_full_aliases_shard and not self._grad_full_live:
-                _free(self._grad_full)
+            full = self._grad_full
+            if full is not None and not self._grad_full_aliases_shard and not self._grad_full_live:
+                _free(full)
 
     def discard_grad_full(self) -> None:
-        """Drop unreduced gradients (e.g. after an aborted step) and free their storage."""
+        """Drop unreduced gradients (e.g. after an aborted step) and free their storage,
+        including an HSDP partial sum kept by ``ReduceOptions(all_reduce=False)``."""
         self.wait_reduce()
         self._grad_full_live = False
+        self._partial = None
         if self._grad_full is not None and not self._grad_full_aliases_shard:
             _free(self._grad_full)
 
@@ -559,10 +858,9 @@ class DBuffer:
         """
         if not isinstance(other, DBuffer | torch.Tensor):
             raise TypeError(f"other must be a DBuffer or a tensor, got {type(other).__name__}")
-        if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-            raise TypeError(f"alpha must be a float, got {type(alpha).__name__} {alpha!r}")
+        check_float("alpha", alpha, finite=False)
         if isinstance(other, DBuffer):
-            if other.layout != self.layout or other.shapes != self.shapes:
+            if other.shapes != self.shapes or other._offsets != self._offsets:
                 raise ValueError("other must be a DBuffer with the same shapes and layout")
             other = other.shard
         if other.shape != self.shard.shape:
@@ -595,33 +893,43 @@ class DBuffer:
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
         if self.world_size > 1:
-            full = flat.new_empty(self.world_size * self.shard_numel)
-            _all_gather(full, flat.contiguous(), group=self._shard_group)
+            # Host (offloaded) shards travel through the collective's device.
+            src = flat.to(self.device).contiguous()
+            full = src.new_empty(self.world_size * self.shard_numel)
+            _all_gather(full, src, group=self._shard_group)
+            full = full.to(flat.device)
         else:
             full = flat
-        return [
-            full[p.offset : p.offset + p.numel].view(s).clone()
-            for p, s in zip(self.placements, self.shapes)
-        ]
+        return [v.clone() for v in self._views_of(full)]
 
     # ------------------------------------------------------------------ state dict
+    def placement(self, i: int) -> RaggedShard:
+        """The ``RaggedShard`` of tensor ``i`` on the shard axis (the layout's
+        :meth:`~hyperrec.raggedshard.Layout.placement`)."""
+        return self.layout.placement(i, self.shapes[i])
+
     def as_dtensors(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each tensor's piece of ``flat`` (default :attr:`shard`) as a ragged DTensor view.
 
-        Without a mesh the pieces are plain tensors of the full shapes. Any
+        The placement is :meth:`placement` (``(Replicate(), RaggedShard)`` on an HSDP
+        mesh). Without a mesh the pieces are plain tensors of the full shapes. Any
         ``(shard_numel,)`` tensor works, e.g. a flat optimizer state. No copies.
-        """
-        from hyperrec.dbuffer._ragged import dtensor_view
 
+        Stock ``torch`` ops on these DTensors (an optimizer step, ``clip_grad_norm_``)
+        run shard-locally only under :func:`hyperrec.raggedshard.enable_local_ops` /
+        :func:`hyperrec.raggedshard.local_ops`; this method does not switch them on.
+        """
         flat = self.shard if flat is None else flat
-        out = []
+        out: list[torch.Tensor] = []
         for i, shape in enumerate(self.shapes):
             local = self.flat_view(flat, i)
             if self.mesh is None:
                 out.append(local.view(shape))
-            else:
-                ranges = self.placements[i].ranges
-                out.append(dtensor_view(local, shape, ranges, self.mesh))
+                continue
+            placement = self.placement(i)
+            local = local.view(placement.local_shape(shape, self.rank))
+            placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
+            out.append(from_local(local, self.mesh, placements, shape=shape))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -674,6 +982,41 @@ def _check_flat(flat: object, shard_numel: int) -> torch.Tensor:
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"flat must be a ({shard_numel},) tensor, got {type(flat).__name__}")
     return flat
+
+
+def _check_layout(layout: Any, numels: list[int], world_size: int, overridden: bool) -> None:
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a raggedshard Layout, got {type(layout).__name__}")
+    if overridden:
+        raise ValueError("pass either layout or granularities/alignment, not both")
+    if [int(n) for n in layout.numels] != numels:
+        raise ValueError(f"layout is for numels {list(layout.numels)}, these shapes have {numels}")
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"layout is for world_size {layout.world_size}, the shard axis has {world_size} ranks"
+        )
+    bad = layout_violations(
+        [int(o) for o in layout.offsets],
+        numels,
+        [int(g) for g in layout.granularities],
+        int(layout.shard_numel),
+        world_size,
+        int(layout.alignment),
+    )
+    if bad:
+        raise ValueError(f"layout breaks the planner's contract: {'; '.join(bad[:3])}")
+
+
+def _padding_ranges(offsets: list[int], numels: list[int], end: int) -> list[tuple[int, int]]:
+    """Maximal ranges of ``[0, end)`` that hold no tensor (zeroed before a reduction)."""
+    gaps, pos = [], 0
+    for a, b in sorted((o, o + n) for o, n in zip(offsets, numels) if n > 0):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < end:
+        gaps.append((pos, end))
+    return gaps
 
 
 def _copy_into(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from hyperrec.dbuffer._validate import check_float
 from hyperrec.dbuffer.buffer import DBuffer
 
 __all__ = ["clip_grad_norm_", "flat_params", "grad_norm", "zero_grad_"]
@@ -45,7 +44,11 @@ def grad_norm(buffers: Iterable[DBuffer]) -> torch.Tensor:
         b.wait_reduce()
     sq = torch.stack([b.grad_norm_sq() for b in buffers]).sum()
     if buffers[0].world_size > 1:
+        # Offloaded (host) gradients: the collective runs on the buffers' device.
+        home = sq.device
+        sq = sq.to(buffers[0].device)
         dist.all_reduce(sq, group=buffers[0]._shard_group)
+        sq = sq.to(home)
     return sq.sqrt()
 
 
@@ -61,16 +64,11 @@ def clip_grad_norm_(
     Raises:
         TypeError: ``max_norm`` or ``eps`` not a real number; ``buffers`` not an iterable
             of DBuffers.
-        ValueError: ``max_norm`` is not positive (or NaN), ``eps`` negative or not
+        ValueError: ``max_norm`` is not positive and finite, ``eps`` negative or not
             finite, or the buffers live on different meshes.
     """
-    for name, v in (("max_norm", max_norm), ("eps", eps)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise TypeError(f"{name} must be a float, got {type(v).__name__} {v!r}")
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    check_float("max_norm", max_norm, minimum=0, exclusive=True)
+    check_float("eps", eps, minimum=0)
     buffers = _check(buffers)
     norm = grad_norm(buffers)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)

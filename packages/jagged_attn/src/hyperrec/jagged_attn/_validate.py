@@ -13,7 +13,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -27,20 +27,23 @@ def _what(value: Any) -> str:
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     """``value`` as a Python int (numpy integers accepted; bools and floats, even ``2.0``,
-    are not). A ``torch.SymInt`` (under ``torch.compile``) is returned as it is.
+    are not). A ``torch.SymInt`` (under ``torch.compile``) or an ``int`` is returned as
+    it is.
 
     Raises:
         TypeError: ``value`` is not an integer.
         ValueError: ``value < minimum``.
     """
     if isinstance(value, torch.SymInt):
-        out: Any = value
+        out = cast(int, value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {_what(value)}")
-    else:
+    elif isinstance(value, int):
         # A plain int passes through: while Dynamo traces, a dynamic int reports itself as
         # an int (not a SymInt), and operator.index would specialise the graph on it.
-        out = value if isinstance(value, int) else operator.index(value)
+        out = value
+    else:
+        out = operator.index(value)
     if minimum is not None and out < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {out}")
     return out
@@ -54,19 +57,22 @@ def check_float(
     exclusive: bool = False,
     finite: bool = True,
 ) -> float:
-    """``value`` (any real number but a bool) as a Python float; a ``torch.SymFloat`` is
-    returned as it is. ``minimum`` is inclusive unless ``exclusive`` (``> minimum``).
+    """``value`` (any real number but a bool) as a Python float; a ``torch.SymFloat`` or a
+    ``float`` is returned as it is. ``minimum`` is inclusive unless ``exclusive``
+    (``> minimum``).
 
     Raises:
         TypeError: ``value`` is not a real number.
         ValueError: NaN or infinite (with ``finite``), or below ``minimum``.
     """
     if isinstance(value, torch.SymFloat | torch.SymInt):
-        out: Any = value
+        out = cast(float, value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_what(value)}")
+    elif isinstance(value, float):
+        out = value  # passes through, as in check_int
     else:
-        out = value if isinstance(value, float) else float(value)  # see check_int
+        out = float(value)
     # Comparisons rather than math.isfinite: they also trace symbolic floats.
     if finite and not -float("inf") < out < float("inf"):
         raise ValueError(f"{name} must be finite, got {out}")
@@ -123,14 +129,16 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        want = " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
         got = str(t.dtype).removeprefix("torch.")
-        raise TypeError(f"{name} must have dtype {names}, got {got}")
+        article = "an" if want[0] in "aeiou" else "a"
+        raise TypeError(f"{name} must be {article} {want} tensor, got {got}")
     if ndim is not None:
         dims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in dims:
-            want = " or ".join(map(str, dims))
-            raise ValueError(f"{name} must have {want} dims, got shape {tuple(t.shape)}")
+            want = " or ".join(f"{d}-D" for d in dims)
+            raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     return t
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ __all__ = ["blockwise_available", "blockwise_layouts_ok", "blockwise_mm"]
 
 # layout: which B-scale layout cuBLAS took last; bias: 1 when it takes the bias fused,
 # 0 when it refused it (then the bias is added after), None before the first try.
-_STATE: dict = {"layout": 0, "broken": False, "bias": None}
+_STATE: dict[str, Any] = {"layout": 0, "broken": False, "bias": None}
 
 
 @functools.cache
@@ -102,7 +103,7 @@ def blockwise_mm(
                 scaling.BlockWise1x128,
                 sb.t() if i == 0 else sb,
                 scaling.BlockWise1x128,
-                bias=_cast(bias, out_dtype) if fused else None,
+                bias=_cast(bias, out_dtype) if fused and bias is not None else None,
                 output_dtype=out_dtype,
             )
         except (RuntimeError, ValueError) as e:

@@ -1,26 +1,33 @@
-"""Backend resolution and the argument checks shared by the public functions."""
+"""Backend choice: the one place that turns ``backend="auto"`` into a concrete backend."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from hyperrec.mxfp8._triton.common import interpreting
+from hyperrec.mxfp8._triton import interpreting
+from hyperrec.mxfp8._validate import check_choice, check_tensor
 
-__all__ = ["BACKENDS", "check_float_tensor", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "check_float_tensor", "resolve_backend"]
 
-BACKENDS = ("auto", "triton", "torch")
+Backend = Literal["auto", "torch", "triton"]
+"""Which implementation runs: ``"torch"`` (the reference), ``"triton"`` (the kernels) or
+``"auto"`` (Triton on CUDA, the reference elsewhere)."""
+BACKENDS: tuple[Backend, ...] = ("auto", "torch", "triton")
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA (or under ``TRITON_INTERPRET=1``), else ``"torch"``.
+def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
+    """``"auto"`` -> ``"triton"`` on CUDA, else ``"torch"``; ``"triton"`` also runs CPU
+    tensors under the Triton interpreter (``TRITON_INTERPRET=1``).
 
     Raises:
+        TypeError: ``backend`` is not a string.
         ValueError: unknown ``backend``, or ``"triton"`` for a CPU tensor without the
             Triton interpreter.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     on_gpu = device.type == "cuda"
     if backend == "auto":
         return "triton" if on_gpu else "torch"
@@ -29,7 +36,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             "backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors); "
             f"got a tensor on {device}"
         )
-    return backend
+    return "triton" if backend == "triton" else "torch"
 
 
 def check_float_tensor(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
@@ -39,10 +46,7 @@ def check_float_tensor(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
         TypeError: not a tensor, or another dtype.
         ValueError: too few dims.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() < min_dim:
-        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(x.shape)}")
-    return x
+    t = check_tensor(name, x, dtypes=_FLOAT_INPUTS)
+    if t.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(t.shape)}")
+    return t

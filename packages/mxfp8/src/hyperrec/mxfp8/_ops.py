@@ -15,6 +15,8 @@ directly, which saves the custom-op dispatch; anything that traces (``torch.comp
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from hyperrec.mxfp8 import reference as ref
@@ -58,7 +60,9 @@ def alloc_quantized(
             return placeholder
         return x.new_empty(0, dtype=torch.uint8)
 
-    def strided(shape, stride, dtype):
+    def strided(
+        shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         return torch.empty_strided(shape, stride, dtype=dtype, device=dev)
 
     kp, mp = (k // 2, m // 2) if fmt.packed else (k, m)
@@ -122,9 +126,8 @@ def quantize_2d_impl(
         hadamard_seed=hadamard_seed,
         seed=None if seed is None else int(seed.reshape(-1)[0]),
     )
-    if scale_fp32:
-        got = (*got, *(None if s is None else ref.e8m0_to_fp32(s) for s in (got[1], got[3])))
-    for dst, src in zip(outs, got):
+    wide = (None if s is None else ref.e8m0_to_fp32(s) for s in (got[1], got[3]))
+    for dst, src in zip(outs, (*got, *wide) if scale_fp32 else got):
         if src is not None:
             dst.copy_(src)
     return outs
@@ -180,27 +183,31 @@ def quantize_2d_op(
     return _six(x, outs)
 
 
-def _six(x: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+_Six = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _six(x: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> _Six:
     if len(outs) == 6:
         return outs
-    return (*outs, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32))
+    empty = x.new_empty(0, dtype=torch.float32)
+    return cast(_Six, (*outs, empty, x.new_empty(0, dtype=torch.float32)))
 
 
 @quantize_2d_op.register_fake
 def _(
-    x,
-    seed,
-    elem,
-    block_size,
-    scale_mode,
-    rowwise,
-    colwise,
-    activation,
-    hadamard,
-    hadamard_seed,
-    impl,
-    scale_fp32=False,
-):
+    x: torch.Tensor,
+    seed: torch.Tensor | None,
+    elem: str,
+    block_size: int,
+    scale_mode: str,
+    rowwise: bool,
+    colwise: bool,
+    activation: str,
+    hadamard: int,
+    hadamard_seed: int,
+    impl: str,
+    scale_fp32: bool = False,
+) -> _Six:
     outs = alloc_quantized(x, get_format(elem), block_size, rowwise, colwise, scale_fp32)
     return _six(x, outs)
 
@@ -296,7 +303,16 @@ def mm_op(
 
 @mm_op.register_fake
 def _(
-    a, a_scale, b, b_scale, bias, block_size, alpha, out_dtype, impl, a_scale_fp32=None,
-    b_scale_fp32=None,
-):  # fmt: skip
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_size: int,
+    alpha: float,
+    out_dtype: torch.dtype,
+    impl: str,
+    a_scale_fp32: torch.Tensor | None = None,
+    b_scale_fp32: torch.Tensor | None = None,
+) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)

@@ -9,8 +9,11 @@ that the reference, the kernels and the validators share.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from hyperrec.mxfp8._validate import check_choice
 
 __all__ = [
     "E2M1",
@@ -29,7 +32,9 @@ E8M0_BIAS = 127
 #: The E8M0 byte that encodes NaN (a block that held NaN or Inf).
 E8M0_NAN = 255
 #: Scale rules: ``"floor"`` is the OCP v1.0 rule, ``"rceil"`` rounds ``amax / max`` up.
-SCALE_MODES = ("floor", "rceil")
+ScaleMode = Literal["floor", "rceil"]
+"""E8M0 scale rule (case-insensitive at run time)."""
+SCALE_MODES: tuple[ScaleMode, ...] = ("floor", "rceil")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,8 +147,9 @@ def check_scale_mode(scale_mode: str) -> str:
     """Validate a scale rule name (case-insensitive); returns it lower-cased.
 
     Raises:
+        TypeError: not a string.
         ValueError: not ``"floor"`` or ``"rceil"``.
     """
-    if not isinstance(scale_mode, str) or scale_mode.lower() not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-    return scale_mode.lower()
+    if not isinstance(scale_mode, str):
+        raise TypeError(f"scale_mode must be one of {SCALE_MODES}, got {type(scale_mode).__name__}")
+    return str(check_choice("scale_mode", scale_mode.lower(), SCALE_MODES))

@@ -29,17 +29,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal
 
 import torch
 
 from hyperrec.mxfp8 import _cublas
-from hyperrec.mxfp8._dispatch import resolve_backend
+from hyperrec.mxfp8._dispatch import Backend, resolve_backend
 from hyperrec.mxfp8._ops import eager_ok, mm_impl, mm_op
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["KERNELS", "mx_mm", "native_mx_supported"]
 
-KERNELS = ("auto", "fixup", "upcast", "cublas", "dot_scaled")
+Kernel = Literal["auto", "fixup", "upcast", "cublas", "dot_scaled"]
+"""GEMM implementation of :func:`mx_mm` (see its docstring)."""
+KERNELS: tuple[Kernel, ...] = ("auto", "fixup", "upcast", "cublas", "dot_scaled")
 #: The exact (block 32) kernel "auto" picks where MX MMA is not native (Hopper).
 HOPPER_EXACT_KERNEL = "upcast"  # measured faster and more exact than "fixup" on H200
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -145,8 +148,8 @@ def mx_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     bias: torch.Tensor | None = None,
     alpha: float = 1.0,
-    kernel: str = "auto",
-    backend: str = "auto",
+    kernel: Kernel = "auto",
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """``alpha * a.dequantize() @ b.dequantize() + bias`` with FP32 accumulation.
 

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from hyperrec.mxfp8._validate import check_choice
 from hyperrec.mxfp8.reference import hadamard_matrix, hadamard_signs
 
 __all__ = ["HADAMARD_SIZES", "block_diag", "check_hadamard", "seeded_block_diag", "signs"]
@@ -30,10 +31,7 @@ def check_hadamard(hadamard: int, block_size: int) -> int:
         TypeError: not an int.
         ValueError: not in ``HADAMARD_SIZES`` or not dividing ``block_size``.
     """
-    if isinstance(hadamard, bool) or not isinstance(hadamard, int):
-        raise TypeError(f"hadamard must be an int in {HADAMARD_SIZES}, got {hadamard!r}")
-    if hadamard not in HADAMARD_SIZES:
-        raise ValueError(f"hadamard must be one of {HADAMARD_SIZES}, got {hadamard}")
+    check_choice("hadamard", hadamard, HADAMARD_SIZES)
     if hadamard and block_size % hadamard:
         raise ValueError(f"hadamard={hadamard} must divide block_size={block_size}")
     return hadamard

@@ -13,9 +13,8 @@ Per step (``x``: ``(M, K)`` tokens, ``W``: ``(N, K)``):
 The token dim ``M`` is the wgrad GEMM's reduction dim. ``x`` and ``dY`` are padded with
 zero rows to whole 128-blocks before they are quantized (zero rows change no scale and
 add nothing to any product), so that GEMM takes cuBLAS's 1x128 path on Hopper whatever
-the number of tokens; where the Triton kernel runs instead, ``M`` is padded further to
-one of at most eight sizes per power of two, so its tuned configuration is reused from
-step to step instead of re-tuned for every new token count (:func:`padded_rows`).
+the number of tokens (:func:`padded_rows`); the Triton kernel reads its tile from a
+static table, so a new token count costs it no tuning either.
 
 Under ``torch.autocast`` the GEMMs compute in the autocast dtype, as ``nn.Linear``'s do:
 the output has that dtype, and the input and weight gradients are cast to the input's
@@ -27,40 +26,35 @@ the layer computes ``act(x) W^T`` and its gradient flows to the pre-activation `
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyperrec.mxfp8 import _cublas
 from hyperrec.mxfp8 import reference as ref
 from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
-from hyperrec.mxfp8.formats import E4M3, get_format
+from hyperrec.mxfp8.formats import get_format
 from hyperrec.mxfp8.gemm import _mm
 from hyperrec.mxfp8.policy import PrecisionPolicy
-from hyperrec.mxfp8.quantize import _mx, _quantize, _seed_tensor
+from hyperrec.mxfp8.quantize import _mx, _need, _quantize, _seed_tensor
+from hyperrec.mxfp8.reference import Activation
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["MXLinear", "mx_linear", "padded_rows"]
 
-#: Row buckets per power of two where the Triton GEMM runs (see :func:`padded_rows`).
-ROW_BUCKETS_PER_OCTAVE = 8
 
+def padded_rows(m: int, block_size: int) -> int:
+    """Rows (tokens) ``x`` and ``dY`` are zero-padded to before quantization: whole
+    ``block_size`` blocks.
 
-def padded_rows(m: int, block_size: int, *, cublas: bool) -> int:
-    """Rows (tokens) ``x`` and ``dY`` are zero-padded to before quantization.
-
-    The wgrad GEMM ``dY^T x`` reduces over the rows. With ``cublas`` (its 1x128 path
-    takes the GEMMs) they are padded to whole ``block_size`` blocks: cuBLAS needs the
-    reduction dim to be a multiple of 128, and zero rows add nothing. Otherwise the
-    Triton kernel runs and is tuned per exact reduction size, so the rows are rounded up
-    further, to a multiple of ``max(block_size, 2**floor(log2 m) / 8)``: at most
-    :data:`ROW_BUCKETS_PER_OCTAVE` sizes per power of two, at most 1/8 more rows.
+    The wgrad GEMM ``dY^T x`` reduces over the rows. cuBLAS's 1x128 path needs that
+    reduction dim to be a multiple of 128, and zero rows add nothing (they change no
+    scale either), so padding sends the GEMM there for any token count. The Triton GEMM
+    takes the same padded operands (its tile comes from a static table keyed by size
+    buckets, so a new token count costs no tuning).
     """
-    whole = -(-m // block_size) * block_size
-    if cublas or m <= block_size:
-        return whole
-    step = max(block_size, (1 << (m.bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
-    return -(-m // step) * step
+    return -(-m // block_size) * block_size
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -73,28 +67,20 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def _takes_cublas(p: PrecisionPolicy, impl: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the three GEMMs of a layer go to cuBLAS's 1x128 path (given whole blocks)."""
-    return (
-        impl == "triton"
-        and p.block_size == 128
-        and p.kernel in ("auto", "cublas")
-        and dtype == torch.bfloat16
-        and get_format(p.elem_dtype) is E4M3
-        and get_format(p.grad_dtype) is E4M3
-        and _cublas.blockwise_available(device)
-    )
-
-
-def _pack(t: MXTensor | None) -> tuple:
+def _pack(t: MXTensor | None) -> tuple[Any, ...]:
     if t is None:
         return (None, None, None, None)
     meta = (t.fmt, t.block_size, t.axis, t.shape, t.orig_dtype)
     return (t.data, t.scale, t.scale_fp32, meta)
 
 
-def _unpack(data, scale, scale_fp32, meta) -> MXTensor | None:
-    return None if meta is None else _mx(data, scale, *meta, scale_fp32)
+def _unpack(
+    data: torch.Tensor, scale: torch.Tensor, scale_fp32: torch.Tensor | None, meta: Any
+) -> MXTensor:
+    if meta is None:
+        raise RuntimeError("backward needs a column-wise copy that forward did not save")
+    fmt, block_size, axis, shape, dtype = meta
+    return _mx(data, scale, fmt, block_size, axis, shape, dtype, scale_fp32)
 
 
 def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
@@ -109,7 +95,14 @@ class _MXLinearFunction(torch.autograd.Function):
     # The policy and the activation were validated when the layer (or mx_linear) took
     # them, so the steps below call the quantizer and the GEMM past their checks.
     @staticmethod
-    def forward(ctx, x, weight, bias, policy: PrecisionPolicy, activation: str):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        policy: PrecisionPolicy,
+        activation: str,
+    ) -> torch.Tensor:
         autocast = _autocast_dtype(x)
         # The GEMMs take the autocast dtype as their output dtype; nothing inside (the
         # reference GEMM's FP32 matmul, the pad) may be recast by autocast itself.
@@ -117,7 +110,15 @@ class _MXLinearFunction(torch.autograd.Function):
             return _MXLinearFunction._forward(ctx, x, weight, bias, policy, activation, autocast)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, policy, activation, autocast):
+    def _forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        policy: PrecisionPolicy,
+        activation: str,
+        autocast: torch.dtype | None,
+    ) -> torch.Tensor:
         p = policy
         k = x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -132,10 +133,7 @@ class _MXLinearFunction(torch.autograd.Function):
         wgrad_dtype = weight.dtype if autocast is None else autocast
         # Zero rows (act(0) = 0 for every supported activation): whole blocks along the
         # token dim for the wgrad GEMM (and whole Hadamard groups, which divide a block).
-        pad = 0
-        if fp8_wgrad:
-            cublas = _takes_cublas(p, impl, x.device, gemm_dtype) and wgrad_dtype == gemm_dtype
-            pad = padded_rows(m, p.block_size, cublas=cublas) - m
+        pad = padded_rows(m, p.block_size) - m if fp8_wgrad else 0
         if pad:
             x2 = F.pad(x2, (0, 0, 0, pad))
         fmt, bs, mode = get_format(p.elem_dtype), p.block_size, p.scale_mode
@@ -143,7 +141,7 @@ class _MXLinearFunction(torch.autograd.Function):
             x2, None, fmt, bs, mode, True, fp8_wgrad, activation, h, p.hadamard_seed, impl
         )
         wr, wc = _quantize(weight, None, fmt, bs, mode, True, need_dgrad, "none", 0, 0, impl)
-        y = _mm(xr, wr.t(), gemm_dtype, bias, 1.0, p.kernel, impl)
+        y = _mm(_need(xr), _need(wr).t(), gemm_dtype, bias, 1.0, p.kernel, impl)
         if pad:
             y = y[:m]
         xc_t, wc_t = _pack(xc), _pack(wc)
@@ -155,7 +153,7 @@ class _MXLinearFunction(torch.autograd.Function):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, xc_d, xc_s, xc_f, wc_d, wc_s, wc_f = ctx.saved_tensors
         xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype, impl = ctx.meta
         x_dtype, b_dtype, wgrad_dtype = ctx.dtypes
@@ -183,7 +181,7 @@ class _MXLinearFunction(torch.autograd.Function):
             )
         if need_dgrad:
             wc = _unpack(wc_d, wc_s, wc_f, wc_meta)
-            dx = _mm(dyr, wc, dy.dtype, None, 1.0, p.kernel, impl)
+            dx = _mm(_need(dyr), wc, dy.dtype, None, 1.0, p.kernel, impl)
             if pad:
                 dx = dx[:m]
             if activation != "none":
@@ -194,7 +192,7 @@ class _MXLinearFunction(torch.autograd.Function):
                 dx = dx.reshape(x_shape)
         if fp8_wgrad:
             xc = _unpack(xc_d, xc_s, xc_f, xc_meta)
-            dw = _mm(dyc.t(), xc, wgrad_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
+            dw = _mm(_need(dyc).t(), xc, wgrad_dtype, None, 1.0 / h if h else 1.0, p.kernel, impl)
             if dw.dtype != w_dtype:
                 dw = dw.to(w_dtype)
         elif need_wgrad:
@@ -224,7 +222,7 @@ def mx_linear(
     bias: torch.Tensor | None = None,
     *,
     policy: PrecisionPolicy | None = None,
-    input_activation: str = "none",
+    input_activation: Activation = "none",
 ) -> torch.Tensor:
     """``act(x) @ weight.T + bias`` with MX FP8 forward, dgrad and wgrad GEMMs.
 
@@ -296,7 +294,7 @@ class MXLinear(nn.Linear):
         bias: bool = True,
         *,
         policy: PrecisionPolicy | None = None,
-        input_activation: str = "none",
+        input_activation: Activation = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -323,7 +321,7 @@ class MXLinear(nn.Linear):
         linear: nn.Linear,
         policy: PrecisionPolicy | None = None,
         *,
-        input_activation: str = "none",
+        input_activation: Activation = "none",
     ) -> MXLinear:
         """An ``MXLinear`` sharing ``linear``'s parameters (no copy; hooks not carried).
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from hyperrec.mxfp8.linear import MXLinear
 from hyperrec.mxfp8.policy import PrecisionPolicy
-from hyperrec.mxfp8.reference import ACTIVATIONS
+from hyperrec.mxfp8.reference import ACTIVATIONS, Activation
 
 __all__ = ["MXMLP"]
 
@@ -40,7 +40,7 @@ class MXMLP(nn.Module):
         dim: int,
         hidden_dim: int,
         *,
-        activation: str = "gelu_tanh",
+        activation: Activation = "gelu_tanh",
         bias: bool = True,
         policy: PrecisionPolicy | None = None,
         device: torch.device | str | None = None,
@@ -54,9 +54,16 @@ class MXMLP(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if activation not in ACTIVATIONS or activation == "none":
             raise ValueError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
-        kw = {"bias": bias, "policy": policy, "device": device, "dtype": dtype}
-        self.fc1 = MXLinear(dim, hidden_dim, **kw)
-        self.fc2 = MXLinear(hidden_dim, dim, input_activation=activation, **kw)
+        self.fc1 = MXLinear(dim, hidden_dim, bias=bias, policy=policy, device=device, dtype=dtype)
+        self.fc2 = MXLinear(
+            hidden_dim,
+            dim,
+            bias=bias,
+            input_activation=activation,
+            policy=policy,
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., dim) -> (..., dim)``."""

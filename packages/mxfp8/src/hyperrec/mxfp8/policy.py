@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperrec.mxfp8._dispatch import BACKENDS
-from hyperrec.mxfp8.formats import check_scale_mode, get_format
-from hyperrec.mxfp8.gemm import KERNELS
+from hyperrec.mxfp8._dispatch import BACKENDS, Backend
+from hyperrec.mxfp8._validate import check_bool, check_choice, check_int
+from hyperrec.mxfp8.formats import ScaleMode, check_scale_mode, get_format
+from hyperrec.mxfp8.gemm import KERNELS, Kernel
 from hyperrec.mxfp8.hadamard import check_hadamard
 
 __all__ = ["PrecisionPolicy"]
@@ -40,7 +41,7 @@ class PrecisionPolicy:
     """Elements of activations and weights (E4M3 or E5M2)."""
     grad_dtype: torch.dtype = torch.float8_e4m3fn
     """Elements of output gradients dY (E4M3, or E5M2 for more range)."""
-    scale_mode: str = "rceil"
+    scale_mode: ScaleMode = "rceil"
     """``"rceil"`` (round the scale up; nothing saturates) or ``"floor"`` (OCP v1.0)."""
     hadamard: int = 0
     """Random Hadamard transform size (0, 16 or 32) on the wgrad operands (the
@@ -63,9 +64,9 @@ class PrecisionPolicy:
     16,384 tokens: 2048-wide layers run 0.16x BF16, a 4096 <-> 16384 MLP 1.04x)."""
     min_tokens: int = 0
     """At run time, inputs with fewer rows (tokens) than this use the high-precision path."""
-    kernel: str = "auto"
+    kernel: Kernel = "auto"
     """GEMM kernel: ``"auto"``, ``"fixup"`` or ``"dot_scaled"`` (see ``mx_mm``)."""
-    backend: str = "auto"
+    backend: Backend = "auto"
     """``"auto"`` (Triton on CUDA, reference on CPU), ``"triton"`` or ``"torch"``."""
 
     def __post_init__(self) -> None:
@@ -83,20 +84,13 @@ class PrecisionPolicy:
         check_scale_mode(self.scale_mode)
         check_hadamard(self.hadamard, self.block_size)
         for name in ("stochastic_rounding", "wgrad_high_precision", "keep_first", "keep_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if not isinstance(self.keep, tuple) or not all(isinstance(p, str) for p in self.keep):
             raise TypeError(f"keep must be a tuple of strings, got {self.keep!r}")
         for name in ("min_features", "min_tokens", "hadamard_seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-            if v < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+            check_int(name, getattr(self, name), minimum=0)
+        check_choice("kernel", self.kernel, KERNELS)
+        check_choice("backend", self.backend, BACKENDS)
 
     def keep_reason(
         self, name: str, module: torch.nn.Linear, *, is_first: bool, is_last: bool

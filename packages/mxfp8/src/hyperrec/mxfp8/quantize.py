@@ -7,11 +7,12 @@ import math
 import torch
 
 from hyperrec.mxfp8 import _cublas
-from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
+from hyperrec.mxfp8._dispatch import Backend, check_float_tensor, resolve_backend
 from hyperrec.mxfp8._ops import eager_ok, quantize_2d_impl, quantize_2d_op
-from hyperrec.mxfp8.formats import E4M3, ElemFormat, check_scale_mode, get_format
+from hyperrec.mxfp8._validate import check_bool, check_choice
+from hyperrec.mxfp8.formats import E4M3, ElemFormat, ScaleMode, check_scale_mode, get_format
 from hyperrec.mxfp8.hadamard import check_hadamard
-from hyperrec.mxfp8.reference import ACTIVATIONS
+from hyperrec.mxfp8.reference import ACTIVATIONS, Activation
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = ["BLOCK_SIZES", "mx_quantize", "to_mx"]
@@ -21,19 +22,13 @@ BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    return block_size
+    return int(check_choice("block_size", block_size, BLOCK_SIZES))
 
 
 def _seed_tensor(
     stochastic_rounding: bool, seed: int | torch.Tensor | None, device: torch.device
 ) -> torch.Tensor | None:
-    if not isinstance(stochastic_rounding, bool):
-        raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
-    if not stochastic_rounding:
+    if not check_bool("stochastic_rounding", stochastic_rounding):
         if seed is not None:
             raise ValueError("seed is only used with stochastic_rounding=True")
         return None
@@ -84,6 +79,13 @@ def _wants_fp32_scales(fmt: ElemFormat, block_size: int, impl: str, device: torc
     return _cublas.blockwise_available(device)
 
 
+def _need(t: MXTensor | None) -> MXTensor:
+    """A copy the caller asked :func:`_quantize` for (never ``None`` then)."""
+    if t is None:
+        raise RuntimeError("the quantizer did not return a requested copy")
+    return t
+
+
 def _quantize(
     x: torch.Tensor,
     seed: torch.Tensor | None,
@@ -129,11 +131,11 @@ def to_mx(
     *,
     elem_dtype: torch.dtype | str = torch.float8_e4m3fn,
     block_size: int = 32,
-    scale_mode: str = "rceil",
+    scale_mode: ScaleMode = "rceil",
     axis: int = -1,
     stochastic_rounding: bool = False,
     seed: int | torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> MXTensor:
     """Quantize ``x`` to an MX format with blocks of ``block_size`` along ``axis``.
 
@@ -181,21 +183,23 @@ def to_mx(
         row, col = _quantize(
             x, seed_t, fmt, block_size, mode, axis == 1, axis == 0, "none", 0, 0, impl
         )
-        return row if axis == 1 else col
+        return _need(row if axis == 1 else col)
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]
-    q, _ = _quantize(
-        xm.reshape(math.prod(lead), n),
-        seed_t,
-        fmt,
-        block_size,
-        mode,
-        True,
-        False,
-        "none",
-        0,
-        0,
-        impl,
+    q = _need(
+        _quantize(
+            xm.reshape(math.prod(lead), n),
+            seed_t,
+            fmt,
+            block_size,
+            mode,
+            True,
+            False,
+            "none",
+            0,
+            0,
+            impl,
+        )[0]
     )
     data = q.data.reshape(*lead, q.data.shape[-1]).movedim(-1, axis)
     scale = q.scale.reshape(*lead, q.scale.shape[-1]).movedim(-1, axis)
@@ -207,15 +211,15 @@ def mx_quantize(
     *,
     elem_dtype: torch.dtype | str = torch.float8_e4m3fn,
     block_size: int = 32,
-    scale_mode: str = "rceil",
+    scale_mode: ScaleMode = "rceil",
     rowwise: bool = True,
     colwise: bool = False,
-    activation: str = "none",
+    activation: Activation = "none",
     hadamard: int = 0,
     hadamard_seed: int = 0,
     stochastic_rounding: bool = False,
     seed: int | torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> tuple[MXTensor | None, MXTensor | None]:
     """Fused quantization of a 2-D ``(M, K)`` tensor: one read, both GEMM layouts.
 

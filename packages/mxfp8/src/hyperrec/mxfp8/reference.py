@@ -30,6 +30,8 @@ plus the choices this package makes where the spec leaves room):
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from hyperrec.mxfp8.formats import E8M0_BIAS, E8M0_NAN, ElemFormat
@@ -57,7 +59,9 @@ __all__ = [
     "unpack_fp4",
 ]
 
-ACTIVATIONS = ("none", "relu", "relu2", "silu", "gelu_tanh")
+Activation = Literal["none", "relu", "relu2", "silu", "gelu_tanh"]
+"""Producer activation fused into the quantizer / applied to an MX layer's input."""
+ACTIVATIONS: tuple[Activation, ...] = ("none", "relu", "relu2", "silu", "gelu_tanh")
 _U32 = 0xFFFFFFFF
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _COL_STREAM = 0x632BE5AB  # offsets the column-wise random stream from the row-wise one
@@ -306,6 +310,8 @@ def to_mx(
             colwise=True,
             seed=seed,
         )
+        if data is None or scale is None:  # colwise=True always writes both
+            raise RuntimeError("quantize_2d(colwise=True) returned no column-wise copy")
         return data, scale
     xm = x.movedim(axis, -1)
     lead, n = xm.shape[:-1], xm.shape[-1]

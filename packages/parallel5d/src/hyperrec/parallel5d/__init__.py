@@ -1,6 +1,7 @@
 """hyperrec.parallel5d: veScale-style FSDP on RaggedShard + DBuffer.
 
-- :func:`fully_shard` — PyTorch FSDP2's call shape and behaviour, with each parameter
+- :func:`fully_shard` — PyTorch FSDP2's call shape and behaviour (its whole public API:
+  offload policies, grouped modules, ``FSDPModule`` setters, ...), with each parameter
   group in flat zero-copy :class:`hyperrec.dbuffer.DBuffer` s: one all-gather and one
   reduce-scatter per group and dtype, no copy-in, no copy-out; parameters are DTensors
   with ``RaggedShard`` placements so standard optimizers and DCP work unchanged.
@@ -21,6 +22,14 @@
 """
 
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy
+from hyperrec.parallel5d._compat import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    OffloadPolicy,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from hyperrec.parallel5d._version import __version__
 from hyperrec.parallel5d.experts import GroupedExperts, RoutedExperts, TopKRouter
 from hyperrec.parallel5d.fsdp import FSDPModule, dbuffers, full_state_dict, fully_shard
@@ -47,6 +56,8 @@ __all__ = [
     "AXES",
     "DEFAULT_AXIS_TIERS",
     "AdamW8bit",
+    "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FeatureConfig",
     "Granularity",
@@ -57,6 +68,7 @@ __all__ = [
     "MeshSpec",
     "MixedPrecisionPolicy",
     "Muon",
+    "OffloadPolicy",
     "ParallelMesh",
     "RoutedExperts",
     "RowWiseAdagrad",
@@ -64,10 +76,13 @@ __all__ = [
     "TableConfig",
     "TopKRouter",
     "Topology",
+    "UnshardHandle",
     "__version__",
     "axis_placement",
     "check_axis_tiers",
     "dbuffers",
     "full_state_dict",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

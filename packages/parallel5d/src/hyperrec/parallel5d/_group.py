@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
-from hyperrec.dbuffer import DBuffer
+from hyperrec.dbuffer import DBuffer, ReduceOptions
 from hyperrec.parallel5d._api import MixedPrecisionPolicy
 
 __all__ = ["ParamGroup", "TrainingState"]
@@ -39,6 +41,12 @@ class _Slot:
     grad_dtensor: torch.Tensor | None = None
     grad_view: torch.Tensor | None = None  # the grad_full view set as `unsharded.grad`
     written: bool = False  # its gradient landed in grad_full in this accumulation window
+
+    def gathered(self) -> nn.Parameter:
+        """The unsharded parameter (made at the first unshard, before any gradient)."""
+        if self.unsharded is None:
+            raise RuntimeError(f"{self.fqn}: gradients before the first unshard")
+        return self.unsharded
 
 
 @dataclass(eq=False)
@@ -81,7 +89,7 @@ class ParamGroup:
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        params: Sequence[torch.Tensor],
         fqns: Sequence[str],
         registrations: Sequence[list[tuple[nn.Module, str]]],
         granularities: Sequence[int],
@@ -91,12 +99,33 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         alignment: int,
         reshard_after_forward: bool,
+        post_forward_group: dist.ProcessGroup | None = None,
+        offload: bool = False,
+        pin_memory: bool = True,
     ) -> None:
         self.device = device
+        self.mesh = mesh
         self.mp_policy = mp_policy
+        self.alignment = alignment
+        self.offload = offload
+        self.pin_memory = pin_memory
         self.reshard_after_forward = reshard_after_forward
+        # reshard_after_forward=N: after forward keep 1/N of the parameters on each rank
+        # of a group of N and gather over that group only in backward.
+        self.post_forward_group = post_forward_group
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # FSDP2's per-group switches (see FSDPModule's setters).
+        self.requires_all_reduce = True
+        self.unshard_in_backward = True
+        self.divide_factor: float | None = None
+        self.force_sum = False
+        self.all_reduce_hook: tuple[Callable[[torch.Tensor], None], Any] | None = (
+            None  # (hook, stream)
+        )
+        self.custom_all_gather = None
+        self.custom_reduce_scatter = None
+        self.reduce_scatter_group: dist.ProcessGroup | None = None
         self.training_state = TrainingState.IDLE
         self.post_forward_index: int | None = None
         self.comm: _Comm | None = None
@@ -124,6 +153,8 @@ class ParamGroup:
                 granularities=[granularities[k] for k in members],
                 alignment=alignment,
                 names=[fqns[k] for k in members],
+                offload=offload,
+                pin_memory=pin_memory,
             )
             if not any(params[k].is_meta for k in members):
                 buf.copy_from_full_([params[k] for k in members])
@@ -133,10 +164,9 @@ class ParamGroup:
             views = buf.as_dtensors()
             for i, k in enumerate(members):
                 p = params[k]
+                # Its RaggedShard placement (the buffer layout's) is all that optimizers
+                # need to find which flat elements of the parameter this rank holds.
                 sharded = nn.Parameter(views[i], requires_grad=p.requires_grad)
-                # Which flat elements of the full parameter this rank holds: what
-                # structure-aware optimizers need to find their blocks.
-                sharded._hyperrec_local_range = buf.local_range(i)
                 self.slots.append(
                     _Slot(
                         fqn=fqns[k],
@@ -178,9 +208,11 @@ class ParamGroup:
     # ------------------------------------------------------------- unshard side
     def unshard(self) -> None:
         """Issue the all-gathers (one per buffer); no-op if already unsharded."""
+        if not self.unshard_in_backward and self.training_state == TrainingState.PRE_BACKWARD:
+            return  # the user said backward needs none of these values (FSDP2's switch)
         stream = self.comm.ag_stream if self.comm is not None else None
         for buf in self.buffers:
-            buf.unshard(stream=stream)
+            buf.unshard(stream=stream, all_gather=self.custom_all_gather)
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gathers and register the unsharded parameters."""
@@ -191,13 +223,44 @@ class ParamGroup:
             self._register(sharded=False)
             self._sharded = False
 
-    def reshard(self) -> None:
-        """Register the sharded parameters and free the full storages."""
+    def reshard(self, *, post_forward: bool = False) -> None:
+        """Register the sharded parameters and free the full storages (after forward with
+        ``reshard_after_forward=N``: keep this rank's piece for a gather over N ranks)."""
         if not self._sharded:
             self._register(sharded=True)
             self._sharded = True
+        keep = self.post_forward_group if post_forward else None
         for buf in self.buffers:
-            buf.reshard()
+            buf.reshard(keep=keep if buf.is_unsharded else None)
+
+    # ---------------------------------------------------------------- reduction
+    def reduce_options(self) -> ReduceOptions:
+        """This group's :class:`hyperrec.dbuffer.ReduceOptions` (FSDP2's setters)."""
+        hook, hook_stream = self.all_reduce_hook or (None, None)
+        return ReduceOptions(
+            divide_factor=self.divide_factor,
+            force_sum=self.force_sum,
+            all_reduce=self.requires_all_reduce,
+            hook=hook,
+            hook_stream=hook_stream,
+            reduce_scatter=self.custom_reduce_scatter,
+            group=self.reduce_scatter_group,
+        )
+
+    def has_pending_grads(self) -> bool:
+        """Gradients produced since this group's last reduction (e.g. by a module run again
+        after its post-backward) that no reduction has taken yet. Never while accumulating
+        without synchronisation (those stay where they are until a synced backward)."""
+        if not self.requires_gradient_sync:
+            return False
+        if any(buf.grad_full_live for buf in self.buffers):
+            return True
+        return any(
+            s.unsharded is not None
+            and s.unsharded.grad is not None
+            and s.unsharded.grad is not s.grad_view
+            for s in self.slots
+        )
 
     # ---------------------------------------------------------------- gradients
     #
@@ -232,17 +295,22 @@ class ParamGroup:
         if self._grads_begun:
             return
         self._grads_begun = True
+        custom = self.reduce_options() != ReduceOptions()
         for b, buf in enumerate(self.buffers):
             slots = [s for s in self._slots_of(b) if s.requires_grad]
             if not slots:
                 continue
+            if custom:
+                # One rank on the shard axis: a divide factor or hook must see this
+                # backward's gradients apart from the ones the shard already holds.
+                buf.unalias_grad_()
             if not buf.grad_full_live:
                 self._sync_with_sharded_grads(b, slots)
             if self._in_place[b]:
                 buf.begin_grad(zero=True)
                 for s in slots:
                     s.grad_view = buf.grad_full_view(s.index)
-                    s.unsharded.grad = s.grad_view
+                    s.gathered().grad = s.grad_view
 
     def _ensure_live(self, b: int) -> DBuffer:
         buf = self.buffers[b]
@@ -267,7 +335,9 @@ class ParamGroup:
         # The optimizer's zero_grad(set_to_none=True) clears the sharded `.grad`s (or the
         # flat one): then the next reduction overwrites instead of accumulating.
         buf = self.buffers[b]
-        if not buf.has_grad:
+        if not buf.has_grad or self._reduced:
+            # _reduced: reduced gradients not yet exposed (set_is_last_backward(False)):
+            # nobody could have cleared them.
             return
         if buf.shard.grad is None or all(s.sharded.grad is None for s in slots):
             buf.drop_grad_(release=release)
@@ -309,8 +379,11 @@ class ParamGroup:
             self._land(s, grad)
 
     def post_backward(self) -> None:
-        """Reduce-scatter this group's gradients (unless accumulating) and reshard."""
-        if self.training_state == TrainingState.POST_BACKWARD:
+        """Reduce-scatter this group's gradients (unless accumulating) and reshard.
+
+        Idempotent: after a reduction it reduces again only if new gradients arrived
+        (a module of the group that ran forward more than once)."""
+        if self.training_state == TrainingState.POST_BACKWARD and not self.has_pending_grads():
             return
         self.training_state = TrainingState.POST_BACKWARD
         comm = self.comm
@@ -328,7 +401,7 @@ class ParamGroup:
                 slots = [s for s in self._slots_of(b) if s.requires_grad]
                 if self._in_place[b]:
                     for s in slots:
-                        s.unsharded.grad = None
+                        s.gathered().grad = None
                         s.grad_view = None
                 else:
                     buf.zero_grad_padding_()
@@ -336,13 +409,28 @@ class ParamGroup:
                         if not s.written:
                             buf.grad_full_view(s.index).zero_()
                         s.written = False
-                buf.reduce_grad(stream=stream)
+                buf.reduce_grad(stream=stream, options=self.reduce_options())
             if comm is not None:
                 comm.pending_reduce.append(self)
             self._grads_begun = False
             self._reduced = True
         if self.reshard_after_backward:
             self.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Drop this iteration's unreduced gradients (and an HSDP partial sum), keep the
+        reduced ones, register the sharded parameters (FSDP2's ``reset_iter_state``)."""
+        for buf in self.buffers:
+            buf.wait_unshard()
+            buf.discard_grad_full()
+        for s in self.slots:
+            if s.unsharded is not None:
+                s.unsharded.grad = None
+            s.grad_view = None
+            s.written = False
+        self._grads_begun = False
+        self.finalize_backward()
+        self.reshard()
 
     def finalize_backward(self) -> None:
         """After all reductions: expose the reduced gradients on the sharded parameters."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -12,8 +14,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy, resolve_granularity
+from hyperrec.parallel5d._compat import (
+    DataParallelMeshDims,
+    OffloadPolicy,
+    UnshardHandle,
+    check_dtensor_params,
+    placement_granularities,
+    post_forward_group,
+    resolve_mesh,
+    resolve_offload,
+    resolve_reshard_after_forward,
+)
+from hyperrec.parallel5d._convert import resync_group
 from hyperrec.parallel5d._group import ParamGroup
 from hyperrec.parallel5d._state import FSDPState, get_state
+from hyperrec.parallel5d._validate import check_bool, check_float, check_int
+from hyperrec.raggedshard import enable_local_ops
 
 __all__ = ["FSDPModule", "fully_shard", "full_state_dict", "dbuffers"]
 
@@ -38,7 +54,11 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
 
 
-def _ignored_ids(module: nn.Module, ignored_params: Any) -> set[int]:
+#: Call sites of fully_shard already warned about foreign ignored_params (once each).
+_WARNED_SITES: set[tuple[str, int]] = set()
+
+
+def _ignored_ids(modules: list[nn.Module], ignored_params: Any) -> set[int]:
     if ignored_params is None:
         return set()
     if isinstance(ignored_params, torch.Tensor | str) or not isinstance(ignored_params, Iterable):
@@ -49,29 +69,39 @@ def _ignored_ids(module: nn.Module, ignored_params: Any) -> set[int]:
     for p in ignored:
         if not isinstance(p, nn.Parameter):
             raise TypeError(f"ignored_params must hold nn.Parameters, got {type(p).__name__}")
-    # A parameter the module does not have is almost always a mistake (a copy, or a
-    # parameter of another model): ignoring it silently would shard what was meant to stay.
-    own = {id(p) for p in module.parameters()}
-    foreign = [tuple(p.shape) for p in ignored if id(p) not in own]
+    # FSDP2 ignores parameters the module does not have, and FSDP2 code commonly passes one
+    # global set to every nested call, so they are not an error here either. Say so once
+    # per call site: a copy of a parameter (or one of another model) in the set would
+    # otherwise leave the real one sharded without a word.
+    own = {id(p) for m in modules for p in m.parameters()}
+    foreign = sum(1 for p in ignored if id(p) not in own)
     if foreign:
-        raise ValueError(
-            f"ignored_params holds {len(foreign)} parameter(s) that are not parameters of the "
-            f"module (shapes {foreign}); pass each fully_shard call only the parameter "
-            "objects of the module it shards"
-        )
+        caller = sys._getframe(2)  # fully_shard's caller
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        if site not in _WARNED_SITES:
+            _WARNED_SITES.add(site)
+            warnings.warn(
+                f"ignored_params holds {foreign} parameter(s) that are not in this module; "
+                "fully_shard ignores them (as FSDP2 does)",
+                UserWarning,
+                stacklevel=3,
+            )
     return {id(p) for p in ignored}
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
-    granularity: Granularity = None,
+    offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
+    granularity: Granularity = None,
     alignment: int = 64,
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
     Call it bottom-up, like PyTorch FSDP2's ``fully_shard``: each call forms one group
@@ -87,58 +117,89 @@ def fully_shard(
     them unchanged, and ``module.state_dict()`` returns DTensors that
     ``torch.distributed.checkpoint`` saves and loads across world sizes.
 
+    Process-global side effect: for the optimizer step above to run shard-locally this
+    calls :func:`hyperrec.raggedshard.enable_local_ops`, which installs raggedshard's
+    handlers for pointwise, foreach, fused-optimizer and norm ops on ragged DTensors in
+    DTensor's op table for the rest of the process. Ops on DTensors without a
+    ``RaggedShard`` placement are not affected.
+
     The first ``fully_shard`` module to run forward becomes the root: it owns the
     communication streams, prefetches the next group's all-gather during a group's
     forward (in the previous iteration's order) and the previous group's during backward,
     and finishes the gradient reductions when backward ends. Gradients are averaged over
     all data-parallel ranks.
 
+    Every argument of PyTorch FSDP2's ``fully_shard`` is accepted with its meaning; the
+    README's "differences from FSDP2" table lists where the flat buffer behaves
+    differently.
+
     Args:
-        module: the module to shard (in place; its class gains :class:`FSDPModule`).
-        mesh: 1-D ``DeviceMesh`` (FSDP) or 2-D ``(replicate, shard)`` (HSDP). Default: all
-            ranks of the default process group on CUDA if available, else the CPU.
-        reshard_after_forward: free the gathered parameters after forward and gather them
-            again in backward (``True``, default), or keep them until after backward.
+        module: the module to shard (in place; its class gains :class:`FSDPModule`), or a
+            list of modules sharded as one group (FSDP2's grouped call: their forwards
+            form one group forward, e.g. a norm and an output head, or tied weights).
+        mesh: 1-D ``DeviceMesh`` (FSDP) or 2-D ``(replicate, shard)`` (HSDP); with
+            ``dp_mesh_dims`` any mesh with named dims. Default: all ranks of the default
+            process group on CUDA if available, else the CPU.
+        reshard_after_forward: ``True``: free the gathered parameters after forward and
+            gather them again in backward; ``False``: keep them until after backward;
+            ``None`` (default, FSDP2's): ``True`` except for the root module, which
+            keeps them; an int ``N`` dividing the shard axis: after forward each rank
+            keeps ``1/N`` of the group (one copy out of the gathered buffer) and backward
+            gathers over its ``N`` neighbouring ranks only.
+        shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(d)``,
+            here meaning that no rank boundary cuts one ``shape[d+1:]`` sub-tensor
+            (``Shard(0)``: ranks hold whole rows); combined with ``granularity``.
         mp_policy: mixed precision; ``None`` = full precision. Torch's
             ``MixedPrecisionPolicy`` is accepted too.
+        offload_policy: :class:`CPUOffloadPolicy` keeps sharded parameters, gradients
+            and so optimizer states on the host; ``None`` / :class:`OffloadPolicy` (or
+            torch's) keeps them on the mesh's device.
+        ignored_params: parameters to leave alone (not sharded, not reduced).
+        dp_mesh_dims: :class:`DataParallelMeshDims` (or torch's): shard over these named
+            dims of ``mesh`` (flattened when several) and replicate over those.
         granularity: block size no shard boundary may cut (see
             :data:`hyperrec.parallel5d.Granularity`): ``"matrix"`` for Muon, an int such as
             2048 for 8-bit Adam blocks. Default element-wise.
-        ignored_params: parameters to leave alone (not sharded, not reduced).
         alignment: every parameter starts at a multiple of this many elements in the
             flat buffer (aligned views for fast kernels). Default 64.
 
     Returns:
-        ``module``, now an instance of :class:`FSDPModule`.
+        ``module`` (now an :class:`FSDPModule`), or the list of modules passed.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``; ``mesh`` not a ``DeviceMesh``;
-            bad ``mp_policy``, ``granularity``, ``alignment`` or ``reshard_after_forward``
-            types; ``ignored_params`` not an iterable of parameters.
-        ValueError: ``module`` is already sharded; a mesh of more than 2 axes; a bad
-            granularity or alignment; ``ignored_params`` holding a parameter that is not
-            ``module``'s.
+        TypeError: ``module`` is not an ``nn.Module`` (or a list of them); ``mesh`` not a
+            ``DeviceMesh``; bad ``mp_policy``, ``offload_policy``, ``granularity``,
+            ``shard_placement_fn``, ``alignment`` or ``reshard_after_forward`` types;
+            ``ignored_params`` not an iterable of parameters.
+        ValueError: ``module`` is already sharded; a bad mesh, granularity, alignment,
+            ``dp_mesh_dims`` or integer ``reshard_after_forward``.
+        NotImplementedError: an FSDP2 feature the flat buffer cannot provide (see the
+            README's table), e.g. parameters that are DTensors sharded over another mesh
+            dim, a per-parameter mesh from ``shard_placement_fn``, replicate-only
+            ``dp_mesh_dims``.
         RuntimeError: no mesh and no default process group.
+
+    Warns:
+        UserWarning: ``ignored_params`` holds parameters that are not in ``module``
+            (ignored, as FSDP2 does; once per call site).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if get_state(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-    if isinstance(alignment, bool) or not isinstance(alignment, int):
-        raise TypeError(f"alignment must be an int, got {type(alignment).__name__}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be a positive int, got {alignment}")
-    ignored = _ignored_ids(module, ignored_params)
+    modules = _as_modules(module)
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__}")
+    check_int("alignment", alignment, minimum=1)
+    ignored = _ignored_ids(modules, ignored_params)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     mesh = mesh if mesh is not None else _default_mesh()
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"mesh must be a 1-D (FSDP) or 2-D (replicate, shard) DeviceMesh, got {mesh.ndim} axes"
-        )
+    mesh = resolve_mesh(mesh, dp_mesh_dims)
     policy = _as_policy(mp_policy)
+    offload, pin_memory = resolve_offload(offload_policy)
+    shard_size = mesh.size(mesh.ndim - 1)
+    reshard, keep, auto = resolve_reshard_after_forward(reshard_after_forward, shard_size)
+    # Explicit and documented above: the sharded parameters must step under stock
+    # torch.optim optimizers and clip_grad_norm_.
+    enable_local_ops()
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if mesh.device_type == "cuda"
@@ -147,30 +208,47 @@ def fully_shard(
 
     # Parameters already owned by a nested fully_shard are skipped.
     nested: set[int] = set()
-    for sub in module.modules():
+    subtree: list[nn.Module] = []
+    seen_modules: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            if id(sub) not in seen_modules:
+                seen_modules.add(id(sub))
+                subtree.append(sub)
+    for sub in subtree:
         state = get_state(sub)
         if state is not None and state.group is not None:
             nested.update(id(s.sharded) for s in state.group.slots)
+    # Module buffers (running statistics...) go to the mesh's device, as FSDP2 moves them
+    # (parameters are copied into the flat buffers there); nested calls moved theirs.
+    for sub in subtree:
+        for name, b in list(sub._buffers.items()):
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
     params: list[nn.Parameter] = []
     fqns: list[str] = []
     regs: dict[int, list[tuple[nn.Module, str]]] = {}
-    for name, p in module.named_parameters(remove_duplicate=True):
-        if id(p) in ignored or id(p) in nested:
-            continue
-        params.append(p)
-        fqns.append(name)
-        regs[id(p)] = []
-    for sub in module.modules():
-        for pname, p in sub._parameters.items():
-            if p is not None and id(p) in regs and (sub, pname) not in regs[id(p)]:
-                regs[id(p)].append((sub, pname))
+    for k, m in enumerate(modules):
+        prefix = "" if len(modules) == 1 else f"{k}."
+        for name, p in m.named_parameters(remove_duplicate=True):
+            if id(p) in ignored or id(p) in nested or id(p) in regs:
+                continue
+            params.append(p)
+            fqns.append(prefix + name)
+            regs[id(p)] = []
+    for sub in subtree:
+        for pname, owned in sub._parameters.items():
+            if owned is not None and id(owned) in regs and (sub, pname) not in regs[id(owned)]:
+                regs[id(owned)].append((sub, pname))
     granularities = [resolve_granularity(granularity, f, p) for f, p in zip(fqns, params)]
+    granularities = placement_granularities(shard_placement_fn, params, granularities)
+    values = check_dtensor_params(params)
 
     group = None
     if params:
         group = ParamGroup(
-            params,
+            values,
             fqns,
             [regs[id(p)] for p in params],
             granularities,
@@ -178,17 +256,45 @@ def fully_shard(
             device=device,
             mp_policy=policy,
             alignment=alignment,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard,
+            post_forward_group=post_forward_group(mesh, keep) if keep else None,
+            offload=offload,
+            pin_memory=pin_memory,
         )
-    FSDPState(module, group, device=device, mp_policy=policy)
-    cls = type(module)
-    if not issubclass(cls, FSDPModule):
-        new_cls = _CLASS_CACHE.get(cls)
-        if new_cls is None:
-            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-            _CLASS_CACHE[cls] = new_cls
-        module.__class__ = new_cls
+        for s, p in zip(group.slots, params):
+            s.requires_grad = p.requires_grad
+            s.sharded.requires_grad_(p.requires_grad)
+    FSDPState(
+        tuple(modules),
+        group,
+        device=device,
+        mp_policy=policy,
+        auto_reshard_after_forward=auto,
+    )
+    for m in modules:
+        cls = type(m)
+        if not issubclass(cls, FSDPModule):
+            new_cls = _CLASS_CACHE.get(cls)
+            if new_cls is None:
+                new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+                _CLASS_CACHE[cls] = new_cls
+            m.__class__ = new_cls
     return module
+
+
+def _as_modules(module: Any) -> list[nn.Module]:
+    if isinstance(module, nn.Module):
+        return [module]
+    if isinstance(module, list | tuple) and module:
+        for i, m in enumerate(module):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"module[{i}] must be an nn.Module, got {type(m).__name__}")
+        if len({id(m) for m in module}) != len(module):
+            raise ValueError("module lists the same module twice")
+        return list(module)
+    raise TypeError(
+        f"module must be an nn.Module or a non-empty list of them, got {type(module).__name__}"
+    )
 
 
 class FSDPModule:
@@ -197,60 +303,252 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build new instances of `type(self)` (e.g. slicing nn.Sequential):
         # give them the original class, not an unsharded FSDP wrapper.
-        orig = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
+        orig: Any = cls.__mro__[2]  # [FSDP<Orig>, FSDPModule, Orig, ...]
         obj = orig.__new__(orig)
         obj.__init__(*args, **kwargs)
         return obj
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise NotImplementedError(
+            "copy.deepcopy of a fully_shard module is not supported (as in FSDP2): its "
+            "parameters are views of distributed buffers; copy a state_dict instead"
+        )
+
     def _fsdp_state(self) -> FSDPState:
-        return get_state(self)  # type: ignore[arg-type]
+        return _state_of(cast(nn.Module, self))
 
     def _states(self, recurse: bool) -> Iterator[FSDPState]:
         if not recurse:
             yield self._fsdp_state()
             return
+        seen: set[int] = set()
         for m in self.modules():  # type: ignore[attr-defined]
-            if (s := get_state(m)) is not None:
+            if (s := get_state(m)) is not None and id(s) not in seen:
+                seen.add(id(s))
                 yield s
 
-    def unshard(self) -> None:
-        """All-gather this module's parameters now and register them (not recursive)."""
-        group = self._fsdp_state().group
-        if group is not None:
+    def _groups(self, recurse: bool = False) -> Iterator[ParamGroup]:
+        for s in self._states(recurse):
+            if s.group is not None:
+                yield s.group
+
+    # ------------------------------------------------------------ gather / free
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now and register them (not recursive).
+
+        Args:
+            async_op: ``True`` returns an :class:`UnshardHandle` whose ``wait()`` makes
+                the parameters usable (the module's pre-forward also waits); on CUDA the
+                gather runs on the all-gather stream meanwhile. ``False`` waits here.
+        """
+        check_bool("async_op", async_op)
+        groups = list(self._groups())
+        for group in groups:
             group.unshard()
-            group.wait_for_unshard()
+        handle = UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free the gathered parameters and register the sharded ones (not recursive)."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._groups():
             group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted forward or backward (call on the root).
+
+        Waits for pending collectives, drops this iteration's unreduced gradients (reduced
+        ones stay), reshards every group and clears the per-iteration state, so the next
+        iteration runs normally (FSDP2's ``reset_iter_state``).
+
+        Raises:
+            RuntimeError: called on a module that is not the root.
+        """
+        self._fsdp_state().reset_iter_state()
+
+    # ------------------------------------------------------ gradient reduction
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """``False``: accumulate unreduced gradients across backward passes (no collective).
+        """``False``: accumulate unreduced gradients across backward passes (no collective;
+        for HSDP neither the reduce-scatter nor the all-reduce).
 
         Raises:
             TypeError: ``requires_gradient_sync`` or ``recurse`` is not a bool.
         """
         _check_bools(requires_gradient_sync=requires_gradient_sync, recurse=recurse)
-        for s in self._states(recurse):
-            if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters each backward but keeps the result as a partial
+        sum, all-reduced (with the partial added) by the next backward with ``True``."""
+        check_bool("requires_all_reduce", requires_all_reduce)
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward does not wait for its reductions nor expose the
+        gradients (microbatching, e.g. 1F1B); the next backward with ``True`` does."""
+        check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state()
+        (state.root or state).is_last_backward = is_last_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradient by ``factor`` instead of the number of data-parallel
+        ranks (this module's group; FSDP2 semantics, incl. its SUM/AVG choices).
+
+        Raises:
+            TypeError / ValueError: ``factor`` is not a positive finite number.
+        """
+        factor = check_float("factor", factor, minimum=0, exclusive=True)
+        for group in self._groups():
+            group.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor` (as in FSDP2)."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Issue only ``SUM`` collectives and divide separately (NCCL zero-copy needs it)."""
+        check_bool("enable", enable)
+        for group in self._groups():
+            group.force_sum = enable
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Call ``hook(reduced)`` on this rank's reduced gradient of the group (flat, reduce
+        dtype) after the reduce-scatter (FSDP) or the HSDP all-reduce, before it is added
+        to the sharded gradients; ``stream`` (not with HSDP): the CUDA stream it runs on.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+            ValueError: ``stream`` with an HSDP mesh.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        for group in self._groups():
+            if stream is not None and group.mesh.ndim == 2:
+                raise ValueError("stream cannot be set when using native HSDP")
+            group.all_reduce_hook = (hook, stream)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Use ``comm(output_tensor=, input_tensor=, group=)`` (an FSDP2 ``AllGather``) for
+        this group's gathers. Its ``allocate`` is not called: the output is the group's
+        persistent flat buffer and the input this rank's slot of it."""
+        if not callable(comm):
+            raise TypeError(f"comm must be callable, got {type(comm).__name__}")
+        for group in self._groups():
+            group.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Use ``comm(output_tensor=, input_tensor=, group=, op=)`` (an FSDP2
+        ``ReduceScatter``) for this group's reductions (``allocate`` is not called)."""
+        if not callable(comm):
+            raise TypeError(f"comm must be callable, got {type(comm).__name__}")
+        for group in self._groups():
+            group.custom_reduce_scatter = comm
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Accepted for FSDP2 compatibility: the flat buffer always reduces the whole
+        group, so unused parameters always get (zero) gradients and every rank issues the
+        same collectives."""
+        check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Accepted for FSDP2 compatibility; no effect: one group's gradient buffer is in
+        flight at a time (the next group's reduction waits for the previous one so that
+        the allocator reuses its block).
+
+        Raises:
+            TypeError / ValueError: not an int ``>= 1``.
+        """
+        check_int("max_input_buffers", max_input_buffers, minimum=1)
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run reduce-scatters on their own process group over the same ranks (so they can
+        overlap all-gathers on the wire); ``False`` goes back to the shared one.
+        Collective over the shard ranks the first time."""
+        check_bool("enable", enable)
+        for group in self._groups(recurse):
+            group.reduce_scatter_group = separate_group(group.mesh) if enable else None
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward does not gather this group (its parameters' values are not
+        needed to compute gradients, e.g. an embedding)."""
+        check_bool("unshard_in_backward", unshard_in_backward)
+        for group in self._groups():
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's first gathers of the next forward wait for ``event`` (recorded after
+        the optimizer step; discarded once used)."""
+        state = self._fsdp_state()
+        (state.root or state).post_optim_event = event
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported with ``enable=True``: the collectives' buffers are the group's
+        persistent flat storages (no staging buffers), allocated once by the caching
+        allocator; re-allocating them from the process group per collective would
+        give up the zero-copy views.
+
+        Raises:
+            NotImplementedError: ``enable=True``.
+        """
+        check_bool("enable", enable)
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm(True): the flat buffers are "
+                "the collectives' inputs and outputs (no staging buffers to allocate from the "
+                "process group); not supported"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric-memory allocation of the flat storages is not
+        implemented (they come from the caching allocator).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: allocating the DBuffer storages in symmetric memory is not "
+            f"implemented (backend {backend!r})"
+        )
+
+    # --------------------------------------------------------- resharding
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
-        """Change ``reshard_after_forward`` (see :func:`fully_shard`).
+        """Change ``reshard_after_forward`` (a bool, as in FSDP2; see :func:`fully_shard`),
+        e.g. ``True`` for the root (which ``None`` makes keep its parameters).
 
         Raises:
             TypeError: ``reshard_after_forward`` or ``recurse`` is not a bool.
         """
         _check_bools(reshard_after_forward=reshard_after_forward, recurse=recurse)
         for s in self._states(recurse):
+            s.auto_reshard_after_forward = False
             if s.group is not None:
                 s.group.reshard_after_forward = reshard_after_forward
+                s.group.post_forward_group = None
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -261,9 +559,8 @@ class FSDPModule:
             TypeError: ``reshard_after_backward`` or ``recurse`` is not a bool.
         """
         _check_bools(reshard_after_backward=reshard_after_backward, recurse=recurse)
-        for s in self._states(recurse):
-            if s.group is not None:
-                s.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters when this module's forward starts.
@@ -289,11 +586,40 @@ class FSDPModule:
         group = self._fsdp_state().group
         return [] if group is None else list(group.buffers)
 
+    # ------------------------------------------------------------- conversion
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # model.to(dtype) / .half() / to_empty(device=): nn.Module replaces the sharded
+        # parameters' contents; rebuild the group's buffers around the new values so that
+        # forward gathers what the parameters report (FSDP2 supports this too).
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+        out = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        if group is not None:
+            resync_group(group)
+        return out
+
+
+_SEPARATE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def separate_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    ranks = tuple(dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
+    if ranks not in _SEPARATE_GROUPS:
+        _SEPARATE_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _SEPARATE_GROUPS[ranks]
+
 
 def _check_bools(**flags: Any) -> None:
     for name, v in flags.items():
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be a bool, got {v!r}")
+        check_bool(name, v)
+
+
+def _state_of(module: nn.Module) -> FSDPState:
+    state = get_state(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not a fully_shard module")
+    return state
 
 
 def _states_of(modules: Any) -> list[FSDPState]:
@@ -326,10 +652,12 @@ def dbuffers(module: nn.Module) -> list[DBuffer]:
         TypeError: ``module`` is not an ``nn.Module``.
     """
     _check_module(module)
-    out = []
+    out, seen = [], set()
     for m in module.modules():
         state = get_state(m)
-        if state is not None and state.group is not None:
+        # A grouped fully_shard([a, b]) shares one state between its modules.
+        if state is not None and state.group is not None and id(state) not in seen:
+            seen.add(id(state))
             out.extend(state.group.buffers)
     return out
 
@@ -353,14 +681,18 @@ def full_state_dict(
         raise err(f"device must be a torch.device or a device string, got {device!r}") from e
     out: dict[str, torch.Tensor] = {}
     prefixes = {id(m): n for n, m in module.named_modules()}
+    seen: set[int] = set()
     for m in module.modules():
         state = get_state(m)
-        if state is None or state.group is None:
+        if state is None or state.group is None or id(state) in seen:
             continue
-        prefix = prefixes[id(m)]
+        seen.add(id(state))
         gathered = [buf.gather_full() for buf in state.group.buffers]
         for s in state.group.slots:
-            key = f"{prefix}.{s.fqn}" if prefix else s.fqn
+            # Named after the module that registers it (grouped calls span modules).
+            owner, pname = s.registrations[0]
+            prefix = prefixes.get(id(owner), "")
+            key = f"{prefix}.{pname}" if prefix else pname
             out[key] = gathered[s.buffer][s.index].to(device)
     for name, p in module.named_parameters():
         if name not in out and not hasattr(p, "placements"):

@@ -360,7 +360,7 @@ class ParallelMesh:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         if spec is None:
             kw = {k: v for k, v in degrees.items() if v is not None}
-            spec = MeshSpec.infer(world, topology=topology, **kw)  # type: ignore[arg-type]
+            spec = MeshSpec.infer(world, topology=topology, **kw)
         elif degrees:
             raise TypeError("give either spec or degree keywords, not both")
         if not isinstance(spec, MeshSpec):
@@ -549,7 +549,8 @@ class ParallelMesh:
         if not dist.is_initialized() and init_process_group:
             backend = "nccl" if torch.cuda.is_available() and device_type != "cpu" else "gloo"
             if topology.world_size == 1 and os.environ.get("WORLD_SIZE", "1") == "1":
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                store = dist.HashStore()  # type: ignore[attr-defined]
+                dist.init_process_group(backend, store=store, rank=0, world_size=1)
             else:
                 dist.init_process_group(backend)
         return cls(

@@ -8,8 +8,12 @@
   differentiable; :func:`from_local`, :func:`distribute_tensor`.
 - Local-shard ops: :func:`ragged_map`, :func:`ragged_foreach`, :func:`total_norm`,
   :func:`to_local`, :func:`full_tensor`.
-- :func:`enable_local_ops` (opt-in): stock pointwise/foreach/fused-optimizer ATen ops
-  on ragged DTensors run shard-locally, so ``torch.optim`` works on them unchanged.
+- :func:`enable_local_ops` (explicit, process-global) and :func:`local_ops` (a ``with``
+  block): stock pointwise/foreach/fused-optimizer ATen ops on ragged DTensors run
+  shard-locally, so ``torch.optim`` works on them unchanged.
+- Reductions (:mod:`hyperrec.raggedshard.reductions`, installed on import): ``sum``,
+  ``mean``, p-norms, ``amax``/``amin``, ``any``/``all`` of ragged DTensors equal the
+  same ops on the full tensors, without gathering them.
 - DCP: :class:`RaggedSavePlanner`, :class:`RaggedLoadPlanner`, :func:`checkpointable`.
 - :mod:`hyperrec.raggedshard.reference`: the single-process spec used by the tests.
 """
@@ -21,7 +25,7 @@ from hyperrec.raggedshard.checkpoint import (
     checkpointable,
     local_chunks,
 )
-from hyperrec.raggedshard.dtensor_ops import enable_local_ops
+from hyperrec.raggedshard.dtensor_ops import enable_local_ops, local_ops, local_ops_enabled
 from hyperrec.raggedshard.granularity import GranularitySpec, block_numel
 from hyperrec.raggedshard.ops import full_tensor, ragged_foreach, ragged_map, to_local, total_norm
 from hyperrec.raggedshard.placement import RaggedShard
@@ -32,6 +36,9 @@ from hyperrec.raggedshard.redistribute import (
     from_local,
     redistribute,
 )
+from hyperrec.raggedshard.reductions import install as _install_reductions
+
+_install_reductions()
 
 __all__ = [
     "STRATEGIES",
@@ -50,6 +57,8 @@ __all__ = [
     "from_local",
     "full_tensor",
     "local_chunks",
+    "local_ops",
+    "local_ops_enabled",
     "plan_layout",
     "ragged_foreach",
     "ragged_map",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -68,7 +68,7 @@ def local_chunks(dtensor: DTensor) -> list[Chunk]:
         raise ValueError("the local tensor must be contiguous to load into views of it")
     if math.prod(shape) == 0:
         return [((0,) * len(shape), shape, local.new_empty(shape))]
-    ragged: RaggedShard = placements[axes[0]]
+    ragged = cast(RaggedShard, placements[axes[0]])
     k = len(ragged.dims)
     # Trailing dims: upstream Shard(d) axes chunk them, in mesh-axis order.
     trail_off = [0] * (len(shape) - k)
@@ -112,10 +112,16 @@ class _RaggedCheckpointView(torch.Tensor):
     def __init__(self, dtensor: DTensor):
         super().__init__()
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         raise NotImplementedError(
             f"{func} on a checkpoint view of a ragged DTensor: use it only inside DCP"
         )

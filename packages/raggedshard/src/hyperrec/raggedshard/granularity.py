@@ -25,6 +25,8 @@ import math
 import re
 from collections.abc import Sequence
 
+from hyperrec.raggedshard._validate import check_int
+
 __all__ = ["GranularitySpec", "block_numel"]
 
 GranularitySpec = int | str
@@ -71,9 +73,7 @@ def block_numel(shape: Sequence[int], granularity: GranularitySpec) -> int:
     if isinstance(granularity, bool) or not isinstance(granularity, int | str):
         raise TypeError(f"granularity must be an int or a str, got {type(granularity).__name__}")
     if isinstance(granularity, int):
-        if granularity < 1:
-            raise ValueError(f"granularity must be >= 1 element, got {granularity}")
-        return granularity
+        return check_int("granularity", granularity, minimum=1)
     spec = granularity.strip().lower()
     if spec in ("element", "elements"):
         return 1

@@ -39,14 +39,14 @@ def _grad_placements(placements: Sequence[Any]) -> tuple[Any, ...]:
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt: DTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, dt: DTensor) -> torch.Tensor:
         ctx.meta = (dt.device_mesh, tuple(dt.placements), dt.shape, dt.stride())
         ctx.set_materialize_grads(False)
         local = dt.to_local()
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor | None):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor | None) -> DTensor | None:
         if grad is None:
             return None
         mesh, placements, shape, stride = ctx.meta

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from hyperrec.raggedshard import _collectives as coll
 from hyperrec.raggedshard._geometry import Bounds, prefix_bounds
+from hyperrec.raggedshard._validate import check_int
 from hyperrec.raggedshard.granularity import GranularitySpec, _shape_tuple, block_numel
 
 __all__ = ["RaggedShard"]
@@ -79,10 +80,9 @@ def _int_tuple(values: Any, name: str) -> tuple[int, ...]:
     if isinstance(values, int | str | bytes) or not isinstance(values, Sequence):
         raise TypeError(f"{name} must be a sequence of ints, got {values!r}")
     out = tuple(values)
-    for v in out:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must hold ints, got {values!r}")
-    return out
+    for i, v in enumerate(out):
+        check_int(f"{name}[{i}]", v)
+    return tuple(int(v) for v in out)
 
 
 class RaggedShard(Placement):
@@ -107,6 +107,9 @@ class RaggedShard(Placement):
         p = RaggedShard((0,), (1, 0, 2))
         p.local_shape((6, 4), 2)  # torch.Size([4, 4])
     """
+
+    _dims: tuple[int, ...]
+    _units: tuple[int, ...]
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int]):
         super().__init__()
@@ -189,7 +192,7 @@ class RaggedShard(Placement):
     def __copy__(self) -> RaggedShard:
         return self
 
-    def __deepcopy__(self, memo: dict) -> RaggedShard:
+    def __deepcopy__(self, memo: dict[int, Any]) -> RaggedShard:
         return self
 
     def __fx_repr__(self) -> tuple[str, dict[str, Any]]:
@@ -344,13 +347,10 @@ class RaggedShard(Placement):
             TypeError: ``owner`` or ``world_size`` is not an int.
             ValueError: ``world_size < 1`` or ``owner`` outside ``[0, world_size)``.
         """
-        for name, v in (("owner", owner), ("world_size", world_size)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not 0 <= owner < world_size:
-            raise ValueError(f"owner must be in [0, {world_size}), got {owner!r}")
+        check_int("world_size", world_size, minimum=1)
+        check_int("owner", owner, minimum=0)
+        if owner >= world_size:
+            raise ValueError(f"owner must be in [0, {world_size}), got {owner}")
         units = [0] * world_size
         units[owner] = 1
         return cls((), units)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hyperrec.raggedshard._validate import check_int
 from hyperrec.raggedshard.placement import RaggedShard
 
 __all__ = ["STRATEGIES", "Layout", "Strategy", "plan_layout"]
@@ -240,9 +241,16 @@ class Layout:
         return min(max(lo, 0), n), min(max(lo + self.shard_numel, 0), n)
 
     def shard_range(self, index: int, rank: int) -> tuple[int, int]:
-        """``[start, end)`` of tensor ``index``'s piece inside ``rank``'s shard storage
-        (empty ``(s, s)`` if the rank holds none of it)."""
+        """``[start, end)`` of tensor ``index``'s piece inside ``rank``'s shard storage:
+        ``0 <= start <= end <= shard_numel``; ``(0, 0)`` if the rank holds none of it.
+
+        With :meth:`rank_range` this is the whole geometry a flat buffer needs: rank
+        ``rank``'s piece of tensor ``index`` is ``shard[start:end]`` and holds the
+        tensor's flat elements ``rank_range(index, rank)``.
+        """
         start, end = self.rank_range(index, rank)
+        if start == end:
+            return 0, 0
         off = self._tensor(index)[0] + start - rank * self.shard_numel
         return off, off + (end - start)
 
@@ -285,9 +293,8 @@ def _as_int_array(values: object, name: str, n: int | None = None) -> np.ndarray
     else:
         if isinstance(values, str | bytes) or not isinstance(values, Sequence):
             raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int | np.integer):
-                raise TypeError(f"{name} must hold ints, got {v!r}")
+        for i, v in enumerate(values):
+            check_int(f"{name}[{i}]", v)
         arr = np.asarray(list(values), dtype=np.int64).reshape(-1)
     if n is not None and len(arr) != n:
         raise ValueError(f"{name} has {len(arr)} entries for {n} tensors")
@@ -520,6 +527,8 @@ def _lay_out(
     if strategy.place is not None:
         offsets = np.asarray(strategy.place(numels, blocks, sizes, s, a), dtype=np.int64)
     else:
+        if seq is None:
+            raise RuntimeError(f"strategy {strategy.name!r} has an order but no sequence")
         offsets = np.zeros(len(numels), dtype=np.int64)
         holes: list[tuple[int, int]] | None = [] if strategy.fill_holes else None
         end = _sequential(seq, s, a, 0, offsets, holes)
@@ -529,17 +538,22 @@ def _lay_out(
     return offsets, int((offsets + numels).max()) if len(numels) else 0
 
 
+#: What every size trial needs: ``(numels, sizes, blocks, world_size, alignment)``.
+_Ctx = tuple[np.ndarray, np.ndarray, np.ndarray, int, int]
+
+
 class _Candidate:
     """One strategy under search: its cached sequence, last miss, best hit."""
 
     def __init__(self, strategy: Strategy, seq: _Sequence | None):
         self.strategy = strategy
         self.seq = seq
-        self.miss: int | None = None  # largest shard size known not to fit
-        self.need: int | None = None  # the size the last miss asked for
+        # Read only after the first miss (phase 1 tries the lower bound on every candidate).
+        self.miss = 0  # largest shard size known not to fit
+        self.need = 0  # the size the last miss asked for
         self.hit: tuple[int, np.ndarray] | None = None
 
-    def try_size(self, s: int, ctx: tuple) -> bool:
+    def try_size(self, s: int, ctx: _Ctx) -> bool:
         numels, sizes, blocks, world_size, a = ctx
         try:
             out = _lay_out(self.strategy, self.seq, numels, sizes, blocks, s, a, world_size * s)
@@ -551,7 +565,7 @@ class _Candidate:
             if self.hit is None or s < self.hit[0]:
                 self.hit = (s, out[0])
             return True
-        self.miss = s if self.miss is None else max(self.miss, s)
+        self.miss = max(self.miss, s)
         self.need = -(-out[1] // world_size) if out is not None else need
         return False
 
@@ -562,7 +576,7 @@ def _search(
     safe: _ShardSizes,
     cap: int | None,
     tol: int,
-    ctx: tuple,
+    ctx: _Ctx,
 ) -> None:
     """Find the candidate's smallest fitting shard size below ``cap``.
 
@@ -639,11 +653,8 @@ def plan_layout(
         g = np.full(len(n), int(granularities), dtype=np.int64)
     else:
         g = _as_int_array(granularities, "granularities", len(n))
-    for name, v in (("world_size", world_size), ("alignment", alignment)):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    check_int("world_size", world_size, minimum=1)
+    check_int("alignment", alignment, minimum=1)
     if (n < 0).any():
         raise ValueError(f"numels must be >= 0, got {int(n.min())} at index {int(n.argmin())}")
     if (g < 1).any():
@@ -681,9 +692,9 @@ def plan_layout(
             lower_bound_shard_numel=0,
             candidates={},
         )
-    ctx = (n, sizes, blocks, world_size, a)
+    ctx: _Ctx = (n, sizes, blocks, world_size, a)
     cands: list[_Candidate] = []
-    seen_orders: list[np.ndarray] = []
+    seen_orders: list[tuple[np.ndarray, bool]] = []
     for st in chosen:
         if st.applies is not None and not st.applies(n, blocks):
             continue
@@ -700,20 +711,21 @@ def plan_layout(
         cands.append(_Candidate(st, seq))
     # Phase 1: every strategy at the lower bound; the first that fits is optimal.
     for c in cands:
-        if c.try_size(s_lb, ctx):
+        if c.try_size(s_lb, ctx) and c.hit is not None:
             return _layout(n, g, world_size, a, s_lb, c.strategy.name, c.hit[1], s_lb, cands)
     # Phase 2: baselines in full, then the rest most promising first (smallest size asked
     # for), each only below the best so far.
     tol = max(1, total // (world_size * 100_000))  # stop refining below 10 ppm of padding
-    best: _Candidate | None = None
+    best: tuple[str, int, np.ndarray] | None = None  # (strategy, shard size, offsets)
     for c in sorted(cands, key=lambda c: (not c.strategy.baseline, c.need)):
-        cap = None if best is None or c.strategy.baseline else best.hit[0]
+        cap = None if best is None or c.strategy.baseline else best[1]
         _search(c, legal, safe, cap, tol, ctx)
-        if c.hit is not None and (best is None or c.hit[0] < best.hit[0]):
-            best = c
+        if c.hit is not None and (best is None or c.hit[0] < best[1]):
+            best = (c.strategy.name, *c.hit)
     if best is None:
         raise RuntimeError(f"no strategy found a layout: {[c.strategy.name for c in cands]}")
-    return _layout(n, g, world_size, a, best.hit[0], best.strategy.name, best.hit[1], s_lb, cands)
+    name, size, offsets = best
+    return _layout(n, g, world_size, a, size, name, offsets, s_lb, cands)
 
 
 def _layout(

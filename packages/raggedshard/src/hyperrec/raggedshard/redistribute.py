@@ -17,6 +17,7 @@ and global dims line up, so upstream code handles that axis unchanged).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,7 +66,7 @@ def _composition_error(placements: Sequence[Placement], shape: Sequence[int]) ->
         return f"at most one RaggedShard per placement list, got {tuple(placements)}"
     if not axes:
         return None
-    ragged = placements[axes[0]]
+    ragged = cast(RaggedShard, placements[axes[0]])
     if len(ragged.dims) > len(shape):
         return f"{ragged!r} flattens more dims than the tensor of shape {tuple(shape)} has"
     for i, p in enumerate(placements):
@@ -139,9 +140,9 @@ def _local_shape(
             chunk = -(-n // w) if n else 0
             local[p.dim] = max(0, min(n, (c + 1) * chunk) - min(n, c * chunk))
     if ragged is not None:
-        p = placements[ragged]
-        rows = p.local_shape(shape, mesh.get_local_rank(ragged))[0]
-        local = [rows, *local[len(p.dims) :]]
+        rs = cast(RaggedShard, placements[ragged])
+        rows = rs.local_shape(shape, mesh.get_local_rank(ragged))[0]
+        local = [rows, *local[len(rs.dims) :]]
     return tuple(local)
 
 
@@ -220,7 +221,7 @@ def distribute_tensor(
     base = list(out)
     base[ragged] = Replicate()
     replicated = _upstream_distribute_tensor(tensor, device_mesh, base, src_data_rank=src_data_rank)
-    p = out[ragged]
+    p = cast(RaggedShard, out[ragged])
     local = coll.replicate_to_ragged(
         replicated.to_local().detach(),
         p.row_bounds(tensor.shape),
@@ -253,15 +254,18 @@ def _ragged_step(
             return coll.ragged_to_replicate(local, rows, shape[:k], axis)
         if isinstance(dst, Partial):
             return coll.ragged_to_partial(local, rows, shape[:k], dst.reduce_op, axis)
-        return coll.ragged_to_shard(local, rows, logical, k, dst.dim, axis)
-    k = len(dst.dims)
+        return coll.ragged_to_shard(local, rows, logical, k, cast(Shard, dst).dim, axis)
+    # Here the destination is the RaggedShard (the caller's contract).
+    rdst = cast(RaggedShard, dst)
+    k = len(rdst.dims)
     if isinstance(src, Replicate):
-        return coll.replicate_to_ragged(local, dst.row_bounds(local.shape), k, axis.index)
+        return coll.replicate_to_ragged(local, rdst.row_bounds(local.shape), k, axis.index)
     if isinstance(src, Partial):
-        return coll.partial_to_ragged(local, dst.row_bounds(local.shape), k, src.reduce_op, axis)
-    logical = list(local.shape)
-    logical[src.dim] = shape[src.dim]
-    return coll.shard_to_ragged(local, src.dim, dst.row_bounds(logical), logical, k, axis)
+        return coll.partial_to_ragged(local, rdst.row_bounds(local.shape), k, src.reduce_op, axis)
+    d = cast(Shard, src).dim
+    full = list(local.shape)
+    full[d] = shape[d]
+    return coll.shard_to_ragged(local, d, rdst.row_bounds(full), full, k, axis)
 
 
 def _plan(
@@ -286,6 +290,7 @@ def _plan(
         return tuple(s)
 
     moves: dict[str, list[int]] = {"U": upstream_axes}
+    orders: list[tuple[str, ...]]
     if a is not None and a == b:
         moves["swap"] = [a] if src[a] != dst[a] else []
         orders = [("swap", "U"), ("U", "swap")]
@@ -298,7 +303,8 @@ def _plan(
         elif b is None:
             orders = [("U", "remove"), ("remove", "U")]
     for order in orders:
-        state, steps, ok = src, [], True
+        steps: list[tuple[str, int | None, tuple[Placement, ...]]] = []
+        state, ok = src, True
         for name in order:
             axes = moves[name]
             if not axes:
@@ -327,8 +333,8 @@ def _engine(dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:
     if _ragged_axis(src) is None and _ragged_axis(dst) is None:
         return dt.redistribute(mesh, dst)
     cur = dt
-    for kind, axis, state in _plan(src, dst, shape):
-        if kind == "upstream":
+    for _kind, axis, state in _plan(src, dst, shape):
+        if axis is None:  # the upstream step
             cur = cur.redistribute(mesh, state)
             continue
         ax = coll.Axis.of(mesh, axis)
@@ -339,13 +345,13 @@ def _engine(dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:
         ctx.src = tuple(dt.placements)
         ctx.set_materialize_grads(False)
         return _engine(dt, dst)
 
     @staticmethod
-    def backward(ctx, grad: DTensor | None):  # type: ignore[override]
+    def backward(ctx: Any, grad: DTensor | None) -> tuple[DTensor | None, None]:
         if grad is None:
             return None, None
         target = tuple(Replicate() if p.is_partial() else p for p in ctx.src)

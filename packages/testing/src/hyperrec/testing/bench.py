@@ -57,7 +57,7 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+def write_result(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """Write ``{"machine": machine_info(), **payload}`` as indented JSON; returns the path.
 
     Raises:

@@ -79,8 +79,8 @@ def _worker(
     timeout_s: float,
     backend: str,
     fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     results: Any,
 ) -> None:
     # One thread per rank: on a 2-core CI machine several ranks would otherwise
@@ -91,7 +91,7 @@ def _worker(
         timeout = datetime.timedelta(seconds=timeout_s)
         # A file store in a private temporary directory: no TCP port, so any number of
         # test processes can run side by side without colliding.
-        store = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         store.set_timeout(timeout)  # rendezvous: the last rank may start minutes late
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout

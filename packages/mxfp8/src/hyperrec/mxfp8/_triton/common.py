@@ -3,17 +3,8 @@ scale rule and element encoding. Each mirrors a function of ``reference.py`` exa
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
-
-__all__ = ["interpreting"]
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

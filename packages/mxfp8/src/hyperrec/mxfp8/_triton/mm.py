@@ -15,13 +15,17 @@ Blackwell (sm100+), an upcast to BF16 elsewhere.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from hyperrec.mxfp8._triton.common import e8m0_to_f32, interpreting
+from hyperrec.mxfp8._triton import interpreting
+from hyperrec.mxfp8._triton._configs import MMConfig, device_arch, select_mm_config
+from hyperrec.mxfp8._triton.common import e8m0_to_f32
 
-__all__ = ["launch_mm", "mm_configs"]
+__all__ = ["launch_mm"]
 
 
 @triton.jit
@@ -88,7 +92,6 @@ def _mm_fixup_kernel(
     s_bsn,
     s_cm,
     s_cn,
-    m_bucket,
     SB: tl.constexpr,
     SUB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,7 +168,6 @@ def _mm_upcast_kernel(
     s_bsn,
     s_cm,
     s_cn,
-    m_bucket,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -210,7 +212,7 @@ def _mm_upcast_kernel(
         else:
             fa = _e8m0_to_bf16(sa)
             fb = _e8m0_to_bf16(sb)
-            up: tl.constexpr = tl.bfloat16
+            up: tl.constexpr = tl.bfloat16  # type: ignore[no-redef]
         a16 = tl.reshape(
             tl.reshape(a.to(up), [BLOCK_M, NS, 32]) * fa[:, :, None], [BLOCK_M, BLOCK_K]
         )
@@ -252,7 +254,6 @@ def _mm_dot_scaled_kernel(
     s_bsn,
     s_cm,
     s_cn,
-    m_bucket,
     A_FMT: tl.constexpr,
     B_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -295,55 +296,6 @@ def _mm_dot_scaled_kernel(
     )
 
 
-def mm_configs(kernel: str, block_size: int) -> list[triton.Config]:
-    """Autotuning candidates on a GPU. 4-warp tiles let two or three CTAs share an SM so
-    one CTA's FP32 promotion overlaps another's tensor-core work."""
-
-    def cfg(m, n, w, s, **extra):
-        return triton.Config(
-            {"BLOCK_M": m, "BLOCK_N": n, "GROUP_M": 8, **extra}, num_warps=w, num_stages=s
-        )
-
-    if kernel == "dot_scaled":
-        return [cfg(128, 256, 8, 3, BLOCK_K=128)]
-    if kernel == "upcast":
-        return [
-            cfg(128, 128, 4, 4, BLOCK_K=64),
-            cfg(128, 128, 8, 3, BLOCK_K=128),
-            cfg(128, 256, 8, 3, BLOCK_K=64),
-        ]
-    if block_size == 32:
-        return [
-            cfg(64, 128, 4, 4, SUB=4),
-            cfg(128, 128, 8, 3, SUB=4),
-            cfg(64, 128, 4, 6, SUB=1),
-        ]
-    return [
-        cfg(64, 128, 4, 4, SUB=1),
-        cfg(128, 64, 4, 4, SUB=1),
-        cfg(64, 256, 8, 3, SUB=1),
-        cfg(128, 128, 8, 4, SUB=1),
-    ]
-
-
-_AUTOTUNED: dict[tuple[str, int], object] = {}
-#: Autotune on GPUs (set False to always use the first candidate, e.g. in tests).
-AUTOTUNE = True
-#: Optional override of the autotuning candidates: ``{(kernel, block_size): [Config]}``.
-CONFIG_OVERRIDE: dict[tuple[str, int], list[triton.Config]] = {}
-
-
-def _tuned(kernel: str, block_size: int):
-    key = (kernel, block_size)
-    if key not in _AUTOTUNED:
-        fn = {"fixup": _mm_fixup_kernel, "upcast": _mm_upcast_kernel}.get(
-            kernel, _mm_dot_scaled_kernel
-        )
-        configs = CONFIG_OVERRIDE.get(key) or mm_configs(kernel, block_size)
-        _AUTOTUNED[key] = triton.autotune(configs=configs, key=["m_bucket", "N", "K"])(fn)
-    return _AUTOTUNED[key]
-
-
 _FMT_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -358,10 +310,14 @@ def launch_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     alpha: float,
-    config: dict | None = None,
+    config: MMConfig | dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Launch a block-scaled GEMM. ``a`` ``(M, K)`` FP8 with scales ``(M, nbK)``; ``b``
-    ``(K, N)`` FP8 with scales ``(nbK, N)``; any strides. Returns ``(M, N)`` ``out_dtype``."""
+    ``(K, N)`` FP8 with scales ``(nbK, N)``; any strides. Returns ``(M, N)`` ``out_dtype``.
+
+    The tile is :func:`~._configs.select_mm_config`'s (the committed table) unless
+    ``config`` forces one (an :class:`~._configs.MMConfig` or its launch kwargs; the
+    benchmark's candidate sweep uses this)."""
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -372,7 +328,6 @@ def launch_mm(
         if bias is not None:
             c += bias.to(out_dtype)
         return c
-    m_bucket = min(triton.next_power_of_2(m), 8192)
     args = [
         a,
         a_scale,
@@ -394,10 +349,10 @@ def launch_mm(
         b_scale.stride(1),
         c.stride(0),
         c.stride(1),
-        m_bucket,
     ]
+    meta: dict[str, Any]
     if kernel == "fixup":
-        # EVEN_K must hold for every SUB the tuner may pick (1, 2 or 4 blocks a trip).
+        # EVEN_K must hold for every SUB a table entry or forced config may use (1, 2, 4).
         even = k % (4 * block_size) == 0
         meta = {"SB": block_size, "HAS_BIAS": bias is not None, "EVEN_K": even}
         fn = _mm_fixup_kernel
@@ -413,25 +368,17 @@ def launch_mm(
             "EVEN_K": k % 128 == 0,
         }
         fn = _mm_dot_scaled_kernel
-    if config is None and interpreting():
-        config = {"BLOCK_M": 32, "BLOCK_N": 32, "GROUP_M": 4, "num_warps": 4}
-        if kernel == "fixup":
-            config["SUB"] = 2
-        else:
-            config["BLOCK_K"] = 64
-    if config is None and not AUTOTUNE:
-        first = mm_configs(kernel, block_size)[0]
-        config = {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
-    if config is not None:
-        cfg = dict(config)
-        launch = {kk: cfg.pop(kk) for kk in ("num_warps", "num_stages") if kk in cfg}
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        fn[grid](*args, **meta, **cfg, **launch)
-        return c
-    tuned = _tuned(kernel, block_size)
-
-    def grid(meta_):
-        return (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)
-
-    tuned[grid](*args, **meta)
+    if config is None:
+        config = select_mm_config(
+            arch=device_arch(a.device),
+            kernel=kernel,
+            block_size=block_size,
+            m=m,
+            n=n,
+            k=k,
+            interpret=interpreting(),
+        )
+    cfg = config.launch_kwargs() if isinstance(config, MMConfig) else dict(config)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    fn[grid](*args, **meta, **cfg)
     return c

@@ -11,20 +11,22 @@ Performance notes (H200, BF16 in): the kernel is bound by instruction issue as m
 by memory, so the per-element work is kept minimal. Tiles whose rows and columns are
 all in range skip the bounds masks (``EVEN_M``/``EVEN_K``); with hardware FP8 casts the
 saturating conversion replaces the clamp and, where the cast already yields the NaN
-byte for a NaN input, the NaN-block select (``NAN_SEL``). Launch configs are tuned once
-per (options, dtype, size bucket), not per shape, and the launch goes straight to the
-JIT kernel without the ``triton.autotune`` wrapper.
+byte for a NaN input, the NaN-block select (``NAN_SEL``). Launch configs are picked
+from a committed table by (options, size bucket), not per shape and never by timing
+(:mod:`._configs`), and the launch goes straight to the JIT kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from hyperrec.mxfp8._triton import interpreting
+from hyperrec.mxfp8._triton._configs import device_arch, select_quantize_config
 from hyperrec.mxfp8._triton.common import (
     activation,
     block_amax,
@@ -32,13 +34,12 @@ from hyperrec.mxfp8._triton.common import (
     e8m0_to_f32,
     encode,
     hash32,
-    interpreting,
     inv_scale,
     scale_constants,
 )
 from hyperrec.mxfp8.formats import ElemFormat
 
-__all__ = ["ACT_CODES", "launch_quantize_2d", "quantize_configs"]
+__all__ = ["ACT_CODES", "launch_quantize_2d"]
 
 ACT_CODES = {"none": 0, "relu": 1, "relu2": 2, "silu": 3, "gelu_tanh": 4}
 _COL_STREAM = tl.constexpr(0x632BE5AB)  # must match reference._COL_STREAM
@@ -289,54 +290,7 @@ _H_SIZE = 128  # the stored block-diagonal Hadamard matrix covers BLOCK_M <= 128
 #: ``tests/test_gpu.py`` checks NaN and Inf blocks byte for byte).
 HW_NAN_BYTE_OK = {0: True, 1: True}
 
-# Launch candidates (BLOCK_M, BLOCK_K, num_warps), best first. Measured on an H200 with
-# bench/sweep_quantize.py (BF16 in, device time from CUDA graphs): with 32-blocks small
-# tiles on one or two warps win (no cross-warp reductions: 32x128 on 2 warps, ~84% of the
-# copy bandwidth row+col); 128-blocks need 128x128 tiles, best on 4 warps (~75-78%); the
-# row-wise copy alone is bandwidth-bound on any of them (93-97%).
-_COLWISE_CANDIDATES = ((32, 128, 2), (32, 64, 1), (32, 256, 4), (64, 128, 2), (64, 256, 8))
-_COLWISE_128 = ((128, 128, 4), (128, 128, 8), (128, 256, 8))
-_ROWWISE_CANDIDATES = ((32, 256, 4), (64, 256, 8), (32, 128, 2))
-
-
-def quantize_configs(
-    block_size: int, hadamard: int, *, rowwise: bool = True, colwise: bool = True
-) -> list[tuple[int, int, int]]:
-    """Launch candidates on a GPU, ``(BLOCK_M, BLOCK_K, num_warps)``, the default first.
-
-    A tile holds whole scale blocks along each blocked dim it writes (and whole
-    Hadamard groups along M).
-    """
-    bm_min = max(block_size if colwise else 1, hadamard, 16)
-    bk_min = max(block_size if rowwise else 1, 32)
-    if not colwise:
-        shapes = _ROWWISE_CANDIDATES
-    elif bm_min > 64:
-        shapes = _COLWISE_128
-    else:
-        shapes = _COLWISE_CANDIDATES + _COLWISE_128
-    found = [(m, k, w) for m, k, w in shapes if m >= bm_min and k >= bk_min]
-    if not found:  # e.g. 64-blocks on both dims
-        bm, bk = triton.next_power_of_2(bm_min), triton.next_power_of_2(bk_min)
-        found = [(bm, bk, 4 if bm * bk <= 16384 else 8)]
-    return found
-
-
-#: Autotune on GPUs (set False to always use the first candidate, e.g. in tests).
-AUTOTUNE = True
-#: A candidate replaces the default only when this much faster (timing noise).
-TUNE_MARGIN = 0.04
-#: Chosen configs: ``{tune key: (BLOCK_M, BLOCK_K, num_warps)}``. The key holds the
-#: options, the dtype and the power-of-two size classes of M and K (not the shape), so a
-#: new shape in a known class neither re-tunes nor recompiles.
-_TUNED: dict[tuple, tuple[int, int, int]] = {}
-
 _scale_constants = functools.cache(scale_constants)
-
-
-def _bucket(n: int) -> int:
-    # Coarse size classes: the best tile depends on the size only through occupancy.
-    return min(1 << max(int(n - 1).bit_length(), 0), 1 << 14)
 
 
 @functools.lru_cache(maxsize=256)
@@ -353,8 +307,8 @@ def _static(
     hw: bool,
     scale_fp32: bool,
     interp: bool,
-) -> tuple[dict, tuple[tuple[int, int, int], ...], tuple]:
-    """Per-option launch constants (built once): meta-parameters, candidates, tune key."""
+) -> dict[str, Any]:
+    """Per-option launch constants (built once): the kernel's meta-parameters."""
     add, odd = _scale_constants(fmt.max_value, fmt.emax)
     meta = {
         "SB": block_size,
@@ -378,14 +332,12 @@ def _static(
         "F32S": scale_fp32,
         "FLOAT_MAX": not interp,
     }
-    if interp:
-        candidates = ((max(32, block_size if colwise else 1, had_n), max(32, block_size), 4),)
-    else:
-        candidates = tuple(quantize_configs(block_size, had_n, rowwise=rowwise, colwise=colwise))
-    return meta, candidates, (dtype, *meta.values())
+    return meta
 
 
-def _launch(args: list, meta: dict, m: int, k: int, config: tuple[int, int, int]) -> None:
+def _launch(
+    args: list[Any], meta: dict[str, Any], m: int, k: int, config: tuple[int, int, int]
+) -> None:
     bm, bk, warps = config
     grid = (-(-m // bm), -(-k // bk))  # plain ints: triton.cdiv costs microseconds here
     _mx_quantize_2d_kernel[grid](
@@ -397,34 +349,6 @@ def _launch(args: list, meta: dict, m: int, k: int, config: tuple[int, int, int]
         EVEN_K=k % bk == 0,
         num_warps=warps,
     )
-
-
-def _pick_config(
-    key: tuple, candidates: tuple[tuple[int, int, int], ...], args: list, meta: dict, m: int, k: int
-) -> tuple[int, int, int]:
-    cfg = _TUNED.get(key)
-    if cfg is not None:
-        return cfg
-    if len(candidates) == 1 or not AUTOTUNE:
-        return candidates[0]
-    if torch.cuda.is_current_stream_capturing():
-        return candidates[0]  # no benchmarking inside a CUDA graph capture (not cached)
-    from triton.testing import do_bench
-
-    timings = {}
-    for c in candidates:
-        try:
-            timings[c] = do_bench(
-                lambda c=c: _launch(args, meta, m, k, c), warmup=5, rep=25, return_mode="median"
-            )
-        except Exception:  # a config this GPU cannot run (e.g. out of resources)
-            timings[c] = math.inf
-    cfg = candidates[0]
-    best = min(timings, key=timings.get)
-    if timings[best] < (1 - TUNE_MARGIN) * timings[cfg]:
-        cfg = best
-    _TUNED[key] = cfg
-    return cfg
 
 
 def launch_quantize_2d(
@@ -469,7 +393,7 @@ def launch_quantize_2d(
     interp = interpreting()
     hw = (not interp) if hw_cast is None else hw_cast
     had_n = hadamard or 0
-    meta, candidates, key = _static(
+    meta = _static(
         fmt,
         block_size,
         rceil,
@@ -513,6 +437,15 @@ def launch_quantize_2d(
         seed if seed is not None else x,
     ]
     if config is None:
-        config = _pick_config((*key, _bucket(m), _bucket(k)), candidates, args, meta, m, k)
+        config = select_quantize_config(
+            arch=device_arch(x.device),
+            block_size=block_size,
+            hadamard=had_n,
+            rowwise=rowwise,
+            colwise=colwise,
+            m=m,
+            k=k,
+            interpret=interp,
+        ).tile
     _launch(args, meta, m, k, config)
     return out

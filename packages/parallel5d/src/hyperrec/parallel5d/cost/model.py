@@ -102,7 +102,7 @@ class DeviceSpec:
         return self.matmul_tflops * 1e12
 
     @classmethod
-    def from_calibration(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> DeviceSpec:
+    def from_calibration(cls, path_or_dict: str | os.PathLike[str] | dict[str, Any]) -> DeviceSpec:
         """Load the JSON ``bench/calibrate_cost.py`` writes; missing figures keep defaults.
 
         Raises:
@@ -643,7 +643,7 @@ def plan_mesh(
     """
     options = options or CostOptions()
     w = topology.world_size
-    tiers = dict(DEFAULT_AXIS_TIERS)
+    tiers: dict[str, str] = dict(DEFAULT_AXIS_TIERS)
     tiers.update(axis_tiers or {})
     has_experts = any(x.kind == "experts" for x in model.layers)
     gph = topology.gpus_per_host

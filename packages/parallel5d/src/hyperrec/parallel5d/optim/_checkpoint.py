@@ -14,7 +14,7 @@ the placements of its parameter (or of the parameter's blocks), so:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -123,7 +123,7 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
                 group entry the states depend on (``block_size``).
         """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
+            out = hook(self, cast(dict[str, Any], state_dict))
             if out is not None:
                 state_dict = out
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
@@ -170,8 +170,8 @@ class ShardedStateOptimizer(torch.optim.Optimizer):
                 continue
             for name, dst in state.items():
                 _copy_state_(dst, src[name])
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     @staticmethod
     def _check_loaded(key: Any, p: torch.Tensor, dst: Mapping[str, torch.Tensor], src: Any) -> None:

@@ -3,18 +3,20 @@ optimizer-state tensors sharded the way their parameter is."""
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from hyperrec.raggedshard import RaggedShard
+from hyperrec.parallel5d._validate import check_float
+from hyperrec.raggedshard import RaggedShard, from_local
 
 __all__ = [
     "block_placements",
-    "check_hyper",
+    "check_fraction",
     "element_ranges",
     "local_flat",
     "local_range",
@@ -22,22 +24,17 @@ __all__ = [
 ]
 
 
-def check_hyper(
-    name: str, value: object, *, low: float, high: float = math.inf, closed_high: bool = False
-) -> float:
-    """A finite hyper-parameter in ``[low, high)`` (``[low, high]`` with ``closed_high``).
+def check_fraction(name: str, value: object) -> float:
+    """A hyper-parameter in ``[0, 1)`` (momentum, Adam's betas).
 
     Raises:
         TypeError: not a real number (bools rejected).
-        ValueError: NaN, infinite or out of range.
+        ValueError: NaN, infinite or outside ``[0, 1)``.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    in_range = low <= value <= high if closed_high else low <= value < high
-    if not (math.isfinite(value) and in_range):
-        bracket = "]" if closed_high else ")"
-        raise ValueError(f"{name} must be finite and in [{low}, {high}{bracket}, got {value!r}")
-    return float(value)
+    out = check_float(name, value, minimum=0)
+    if not out < 1:
+        raise ValueError(f"{name} must be < 1, got {out}")
+    return out
 
 
 def _ragged_axis(p: torch.Tensor) -> tuple[int, RaggedShard] | None:
@@ -73,26 +70,32 @@ def element_ranges(p: torch.Tensor) -> tuple[tuple[int, int], ...]:
     found = _ragged_axis(p)
     if found is None:
         return ((0, p.numel()),)
-    return tuple(found[1].element_bounds(p.shape))
+    return _element_bounds(found[1], tuple(p.shape))
 
 
 def local_range(p: torch.Tensor) -> tuple[int, int]:
     """``(start, stop)``: the flat elements of the full parameter held by this rank.
 
-    Plain tensors hold everything. Parameters made by ``fully_shard`` carry their range;
-    other DTensors are read from their ``RaggedShard`` placement.
+    Plain tensors and replicated DTensors hold everything; a ragged DTensor's range is
+    its ``RaggedShard`` placement's (for ``fully_shard`` parameters that placement is
+    the buffer layout's, so both agree by construction).
 
     Raises:
         TypeError: a DTensor with a placement other than ``RaggedShard``/``Replicate``.
     """
-    rng = getattr(p, "_hyperrec_local_range", None)
-    if rng is not None:
-        return tuple(rng)
     found = _ragged_axis(p)
     if found is None:
         return 0, p.numel()
     axis, placement = found
-    return placement.element_bounds(p.shape)[p.device_mesh.get_local_rank(axis)]
+    mesh = cast(DTensor, p).device_mesh  # only DTensors have a ragged axis
+    return _element_bounds(placement, tuple(p.shape))[mesh.get_local_rank(axis)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _element_bounds(placement: RaggedShard, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    # Optimizers ask once per parameter per step; placements and shapes are hashable
+    # values, so the answer is computed once per distinct pair.
+    return tuple(placement.element_bounds(shape))
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
@@ -106,14 +109,6 @@ def local_flat(t: torch.Tensor) -> torch.Tensor:
     if not local.is_contiguous():
         raise ValueError("optimizer state and parameters must be contiguous to update in place")
     return local.view(-1)
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 def block_placements(p: torch.Tensor, block_size: int) -> tuple[Placement, ...] | None:
@@ -131,9 +126,9 @@ def block_placements(p: torch.Tensor, block_size: int) -> tuple[Placement, ...] 
     nblocks = -(-p.numel() // block_size)
     counts = [
         0 if stop == start else -(-stop // block_size) - start // block_size
-        for start, stop in placement.element_bounds(p.shape)
+        for start, stop in _element_bounds(placement, tuple(p.shape))
     ]
-    out = list(p.placements)
+    out = list(cast(DTensor, p).placements)
     out[axis] = RaggedShard.from_numels((nblocks,), counts)
     return tuple(out)
 
@@ -163,6 +158,4 @@ def state_tensor(
         if isinstance(placement, RaggedShard):
             local_shape = list(placement.local_shape(shape, mesh.get_local_rank(axis)))
     local = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
-    return DTensor.from_local(
-        local, mesh, placements, shape=shape, stride=_contiguous_stride(shape), run_check=False
-    )
+    return from_local(local, mesh, placements, shape=shape)

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from hyperrec.parallel5d._validate import check_float, check_int
 from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
 from hyperrec.parallel5d.optim._local import (
     block_placements,
-    check_hyper,
+    check_fraction,
     element_ranges,
     local_flat,
     state_tensor,
@@ -107,17 +108,15 @@ class AdamW8bit(ShardedStateOptimizer):
         weight_decay: float = 1e-2,
         block_size: int = 2048,
     ) -> None:
-        if check_hyper("lr", lr, low=0.0) == 0:
-            raise ValueError(f"lr must be positive, got {lr}")
+        check_float("lr", lr, minimum=0, exclusive=True)
         if isinstance(betas, str) or not isinstance(betas, tuple | list):
             raise TypeError(f"betas must be a pair of floats, got {betas!r}")
         if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         for i, b in enumerate(betas):
-            check_hyper(f"betas[{i}]", b, low=0.0, high=1.0)
-        if check_hyper("eps", eps, low=0.0) == 0:
-            raise ValueError(f"eps must be positive, got {eps}")
-        check_hyper("weight_decay", weight_decay, low=0.0)
+            check_fraction(f"betas[{i}]", b)
+        check_float("eps", eps, minimum=0, exclusive=True)
+        check_float("weight_decay", weight_decay, minimum=0)
         _check_block_size(block_size)
         self.block_size = block_size
         defaults = dict(
@@ -195,8 +194,4 @@ class AdamW8bit(ShardedStateOptimizer):
 
 
 def _check_block_size(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    return block_size
+    return check_int("block_size", block_size, minimum=1)

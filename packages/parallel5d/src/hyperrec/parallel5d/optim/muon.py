@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 
+from hyperrec.parallel5d._validate import check_bool, check_float, check_int
 from hyperrec.parallel5d.optim._checkpoint import ShardedStateOptimizer
 from hyperrec.parallel5d.optim._local import (
-    check_hyper,
+    check_fraction,
     element_ranges,
     local_flat,
     local_range,
@@ -100,16 +101,11 @@ class Muon(ShardedStateOptimizer):
         weight_decay: float = 0.0,
         ns_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if check_hyper("lr", lr, low=0.0) == 0:
-            raise ValueError(f"lr must be positive, got {lr}")
-        check_hyper("momentum", momentum, low=0.0, high=1.0)
-        check_hyper("weight_decay", weight_decay, low=0.0)
-        if not isinstance(nesterov, bool):
-            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
-        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
-            raise TypeError(f"ns_steps must be an int, got {type(ns_steps).__name__} {ns_steps!r}")
-        if ns_steps < 1:
-            raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+        check_float("lr", lr, minimum=0, exclusive=True)
+        check_fraction("momentum", momentum)
+        check_float("weight_decay", weight_decay, minimum=0)
+        check_bool("nesterov", nesterov)
+        check_int("ns_steps", ns_steps, minimum=1)
         if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
             raise TypeError(f"ns_dtype must be a floating torch.dtype, got {ns_dtype!r}")
         defaults = dict(

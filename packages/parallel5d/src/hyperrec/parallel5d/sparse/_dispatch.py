@@ -6,8 +6,8 @@ from typing import Literal
 
 import torch
 
+from hyperrec.parallel5d._validate import check_choice
 from hyperrec.parallel5d.sparse._triton import available, interpreting
-from hyperrec.parallel5d.sparse._validate import check_choice
 
 __all__ = ["BACKENDS", "Backend", "resolve_backend"]
 

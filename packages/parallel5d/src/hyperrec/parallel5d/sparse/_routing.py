@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class CommStats:
         self.bytes.clear()
         self.calls = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"bytes": {k: dict(v) for k, v in self.bytes.items()}, "calls": self.calls}
 
 

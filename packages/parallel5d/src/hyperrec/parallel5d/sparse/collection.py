@@ -21,8 +21,8 @@ groups:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hyperrec.parallel5d._validate import check_bool, check_choice, check_int
 from hyperrec.parallel5d.sparse._routing import (
     CommStats,
     Stage,
@@ -39,9 +40,11 @@ from hyperrec.parallel5d.sparse._routing import (
     route_keys,
     route_rows_back,
 )
-from hyperrec.parallel5d.sparse._validate import check_bool, check_choice, check_int
 from hyperrec.parallel5d.sparse.config import FeatureConfig, TableConfig
 from hyperrec.parallel5d.sparse.plan import ShardingPlan, plan_sharding
+
+if TYPE_CHECKING:
+    from hyperrec.raggedshard import RaggedShard
 
 __all__ = ["ROUTINGS", "Routing", "ShardedEmbeddingCollection", "init_rows"]
 
@@ -100,7 +103,9 @@ def init_rows(
 class _Table(nn.Module):
     """State-dict face of one table: ``weight`` is this rank's rows as a DTensor."""
 
-    def __init__(self, owner: ShardedEmbeddingCollection, name: str):
+    _collection: ShardedEmbeddingCollection
+
+    def __init__(self, owner: ShardedEmbeddingCollection, name: str) -> None:
         super().__init__()
         # Not a submodule reference (that would recurse in module traversals).
         object.__setattr__(self, "_collection", owner)
@@ -112,13 +117,22 @@ class _Table(nn.Module):
         table (a plain tensor without a process group). A view of the storage."""
         return self._collection.weight(self.table_name)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
         w = self.weight
         destination[prefix + "weight"] = w if keep_vars else w.detach()
 
     def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         key = prefix + "weight"
         if key not in state_dict:
             missing_keys.append(key)
@@ -134,7 +148,12 @@ class _Lookup(torch.autograd.Function):
     owners (kept for the optimizer); nothing flows to ``anchor``."""
 
     @staticmethod
-    def forward(ctx, anchor, module, unique_keys):
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        module: ShardedEmbeddingCollection,
+        unique_keys: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
         saved, outs = [], []
         for g, keys in enumerate(unique_keys):
             owned, records = route_keys(
@@ -148,7 +167,7 @@ class _Lookup(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
         module = ctx.module
         # Groups in a fixed order on every rank: their collectives must pair up.
         for g, (records, local) in enumerate(ctx.saved):
@@ -384,7 +403,7 @@ class ShardedEmbeddingCollection(nn.Module):
 
         rep_group, shard_group = self._axis_groups
         if self.routing == "flat" and R > 1:
-            flat_group = self.flat_mesh.get_group(0)
+            flat_group = cast(DeviceMesh, self.flat_mesh).get_group(0)  # set for "flat"
             by_peer = ["intra_group"] * W
             for o in range(W):
                 by_peer[dist.get_group_rank(flat_group, int(grid.reshape(-1)[o]))] = (
@@ -401,7 +420,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 stage("inter_group", rep_group, grid[owners // G, g_me], ["inter_group"] * R)
             )
 
-    def _owner_fn(self, g: int):
+    def _owner_fn(self, g: int) -> Callable[[torch.Tensor], torch.Tensor]:
         seg_key, seg_owner = self._seg_key[g], self._seg_owner[g]
 
         def owner_of(keys: torch.Tensor) -> torch.Tensor:
@@ -465,7 +484,8 @@ class ShardedEmbeddingCollection(nn.Module):
                 src = redistribute(src, dest.placements)  # one all-to-all, nothing gathered
             s_local = src._local_tensor
         elif isinstance(dest, DTensor):
-            lo, hi = dest.placements[0].row_bounds(tuple(dest.shape))[self.owner_index]
+            placement = cast("RaggedShard", dest.placements[0])
+            lo, hi = placement.row_bounds(tuple(dest.shape))[self.owner_index]
             s_local = src[lo:hi]
         else:
             s_local = src
@@ -554,7 +574,7 @@ class ShardedEmbeddingCollection(nn.Module):
             p.clear()
         self._backward_count = [0] * len(self._pending)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # The rows are not module tensors, so moving the module would move nothing:
         # refuse the silent half-move.
         probe = fn(torch.empty(0, device=self.device))
@@ -663,6 +683,7 @@ class ShardedEmbeddingCollection(nn.Module):
             if what == "first" and v != 0:
                 return f"{where} offsets must start at 0, got {v}"
             if what == "decreasing" and v:
+                offsets = cast(torch.Tensor, offsets)  # probed only where there are offsets
                 i = int((offsets[1:] < offsets[:-1]).nonzero()[0].item())
                 return (
                     f"{where} offsets must be non-decreasing, got offsets[{i}] = "
@@ -745,7 +766,7 @@ class ShardedEmbeddingCollection(nn.Module):
                     out[name] = F.embedding_bag(
                         inv,
                         rows[g],
-                        parsed[name][1].long(),
+                        cast(torch.Tensor, parsed[name][1]).long(),  # pooled: has offsets
                         mode=cfg.pooling,
                         include_last_offset=True,
                     )

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from hyperrec.parallel5d.sparse._validate import check_choice, check_float, check_int
+from hyperrec.parallel5d._validate import check_choice, check_float, check_int
 
 __all__ = [
     "DTYPES",

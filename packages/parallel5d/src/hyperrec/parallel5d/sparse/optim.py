@@ -33,8 +33,8 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyperrec.parallel5d._validate import check_choice, check_float
 from hyperrec.parallel5d.sparse._dispatch import Backend, resolve_backend
-from hyperrec.parallel5d.sparse._validate import check_choice, check_float
 from hyperrec.parallel5d.sparse.collection import ShardedEmbeddingCollection
 
 __all__ = [
@@ -207,7 +207,7 @@ class _RowOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         """Update the rows the last backward(s) touched, on their owners; no
         communication. Tables whose group had no backward since the last step are left
         alone (their step count does not advance)."""
@@ -250,7 +250,7 @@ class _RowOptimizer(torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """``{"state": {table: {"step": int64 tensor, <state>: DTensor}}, "param_groups":
         [{"table": name, <hyperparameters>}]}``: the live state tensors (DTensors sharded
         like the rows), so ``torch.distributed.checkpoint`` saves each rank's rows and
@@ -265,7 +265,7 @@ class _RowOptimizer(torch.optim.Optimizer):
         groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a :meth:`state_dict` (filled by ``dcp.load``, or in memory: DTensors of
         any layout are redistributed, full tensors sliced). Everything is checked before
         anything changes.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hyperrec.parallel5d.sparse._validate import check_int
+from hyperrec.parallel5d._validate import check_int
 from hyperrec.parallel5d.sparse.config import TableConfig
 
 __all__ = ["GroupPlan", "ShardingPlan", "TablePlacement", "plan_sharding"]
@@ -146,7 +146,8 @@ def plan_sharding(
     for t in tables:
         if kind(t) == "row":
             starts[t.name] = _row_starts(t.num_rows, world_size)
-            load += np.diff(np.asarray(starts[t.name], dtype=np.int64)) * (t.nbytes // t.num_rows)
+            rows = np.diff(np.asarray(starts[t.name], dtype=np.int64)).astype(np.int64)
+            load += rows * (t.nbytes // t.num_rows)
     # Greedy, largest first: a deterministic balance of bytes (ties: config order, then
     # the lowest owner).
     whole = sorted((t for t in tables if kind(t) == "table"), key=lambda t: -t.nbytes)

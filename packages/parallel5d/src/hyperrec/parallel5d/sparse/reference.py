@@ -34,6 +34,8 @@ def lookup_reference(
         w = weights[f.table]
         if f.pooling == "none":
             out[f.name] = F.embedding(ids.long(), w)
+        elif offsets is None:
+            raise ValueError(f"inputs[{f.name!r}] must be (ids, offsets): the feature is pooled")
         else:
             out[f.name] = F.embedding_bag(
                 ids.long(), w, offsets.long(), mode=f.pooling, include_last_offset=True

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperrec.parallel5d.sparse._validate import check_float, check_int
+from hyperrec.parallel5d._validate import check_float, check_int
 
 __all__ = [
     "SCHEMES",

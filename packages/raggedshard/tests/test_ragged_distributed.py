@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _cases import expected_local, full_tensor_for, local_for, pool_1d, random_ragged
+from _ragged_cases import expected_local, full_tensor_for, local_for, pool_1d, random_ragged
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
