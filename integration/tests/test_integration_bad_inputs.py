@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,7 +28,11 @@ from hyperrec.integration import (
 )
 from hyperrec.integration.config import micro
 from hyperrec.integration.metrics import WindowedAUC, calibration, task_metrics
-from hyperrec.testing.bad_inputs import case, check_case, documented_exceptions, rejects_cleanly
+from hyperrec.testing.bad_inputs import (
+    case,
+    catalogue_tests,
+    rejects_cleanly,
+)
 
 T = TypeError
 V = ValueError
@@ -160,17 +163,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c.test_id for c in CASES])
-def test_bad_input_is_rejected_naming_the_argument(c):
-    check_case(c)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c.test_id for c in CASES])
-def test_exception_type_is_documented(c):
-    documented = documented_exceptions(c.documented_by)
-    assert c.exc.__name__ in documented, (
-        f"{c.test_id}: {c.exc.__name__} is not in the Raises: section ({sorted(documented)})"
-    )
+test_bad_input_is_rejected_naming_the_argument, test_exception_type_is_documented = catalogue_tests(
+    CASES
+)
 
 
 def test_catalogue_size():

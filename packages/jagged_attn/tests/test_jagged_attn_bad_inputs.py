@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import warnings
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +24,11 @@ from hyperrec.jagged_attn import (
     jagged_attention,
     mask_matrix,
 )
-from hyperrec.testing.bad_inputs import case, check_case, documented_exceptions, rejects_cleanly
+from hyperrec.testing.bad_inputs import (
+    case,
+    catalogue_tests,
+    rejects_cleanly,
+)
 
 T = TypeError
 V = ValueError
@@ -190,26 +193,9 @@ BEHAVIOUR_GAPS: dict[str, str] = {}
 DOC_GAPS: dict[str, str] = {}
 
 
-def _params(gaps):
-    return [
-        pytest.param(c, id=c.test_id, marks=pytest.mark.xfail(strict=True, reason=gaps[c.test_id]))
-        if c.test_id in gaps
-        else pytest.param(c, id=c.test_id)
-        for c in CASES
-    ]
-
-
-@pytest.mark.parametrize("c", _params(BEHAVIOUR_GAPS))
-def test_bad_input_is_rejected_naming_the_argument(c):
-    check_case(c)
-
-
-@pytest.mark.parametrize("c", _params(DOC_GAPS))
-def test_exception_type_is_documented(c):
-    documented = documented_exceptions(c.documented_by)
-    assert c.exc.__name__ in documented, (
-        f"{c.test_id}: {c.exc.__name__} is not in the Raises: section ({sorted(documented)})"
-    )
+test_bad_input_is_rejected_naming_the_argument, test_exception_type_is_documented = catalogue_tests(
+    CASES, behaviour_gaps=BEHAVIOUR_GAPS, doc_gaps=DOC_GAPS
+)
 
 
 def test_catalogue_size():

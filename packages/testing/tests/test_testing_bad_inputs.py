@@ -27,6 +27,7 @@ from hyperrec.testing import (
 from hyperrec.testing.bad_inputs import (
     Case,
     case,
+    catalogue_tests,
     check_case,
     documented_exceptions,
     rejects_cleanly,
@@ -114,17 +115,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("c", CASES, ids=[c.test_id for c in CASES])
-def test_bad_input_is_rejected_naming_the_argument(c):
-    check_case(c)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c.test_id for c in CASES])
-def test_exception_type_is_documented(c):
-    documented = documented_exceptions(c.documented_by)
-    assert c.exc.__name__ in documented, (
-        f"{c.test_id}: {c.exc.__name__} is not in the Raises: section ({sorted(documented)})"
-    )
+test_bad_input_is_rejected_naming_the_argument, test_exception_type_is_documented = catalogue_tests(
+    CASES
+)
 
 
 def test_catalogue_size():

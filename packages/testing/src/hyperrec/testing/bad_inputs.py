@@ -8,7 +8,8 @@ A catalogue is a list of :class:`Case` s built with :func:`case`::
     ]
 
 :func:`check_case` runs one case and asserts the exception type and that the message
-names the argument; :func:`documented_exceptions` reads the ``Raises:`` section of the
+names the argument; :func:`catalogue_tests` turns a catalogue into the two parametrized
+tests every package runs; :func:`documented_exceptions` reads the ``Raises:`` section of the
 public function's (or class's) docstring, so a test can assert that every exception a
 case expects is documented where users look. :func:`rejects_cleanly` is the property
 for fuzzing: a call either succeeds or raises ``TypeError``/``ValueError``, never
@@ -29,6 +30,7 @@ from typing import Any
 __all__ = [
     "Case",
     "case",
+    "catalogue_tests",
     "check_case",
     "documented_exceptions",
     "rejects_cleanly",
@@ -190,3 +192,52 @@ def rejects_cleanly(
             f"TypeError/ValueError): {e}"
         ) from e
     return None
+
+
+def catalogue_tests(
+    cases: Sequence[Case],
+    *,
+    behaviour_gaps: dict[str, str] | None = None,
+    doc_gaps: dict[str, str] | None = None,
+) -> tuple[Callable[[Case], None], Callable[[Case], None]]:
+    """The two catalogue tests of a package, parametrized over ``cases``::
+
+        test_bad_input_is_rejected_naming_the_argument, test_exception_type_is_documented = (
+            catalogue_tests(CASES)
+        )
+
+    The first runs :func:`check_case`; the second asserts that each case's exception type
+    is listed in the ``Raises:`` section of the documenting docstring. A known, not yet
+    fixed gap is given by test id in ``behaviour_gaps`` / ``doc_gaps`` (id -> reason) and
+    becomes a strict xfail, so it fails as soon as it is fixed and must be removed.
+    """
+    import pytest  # dev-only helper: pytest is this package's test extra
+
+    def params(gaps: dict[str, str] | None) -> list[Any]:
+        gaps = gaps or {}
+        unknown = sorted(set(gaps) - {c.test_id for c in cases})
+        if unknown:
+            raise ValueError(f"gaps name cases that are not in the catalogue: {unknown}")
+        return [
+            pytest.param(
+                c,
+                id=c.test_id,
+                marks=[pytest.mark.xfail(strict=True, reason=gaps[c.test_id])]
+                if c.test_id in gaps
+                else [],
+            )
+            for c in cases
+        ]
+
+    @pytest.mark.parametrize("c", params(behaviour_gaps))
+    def test_bad_input_is_rejected_naming_the_argument(c: Case) -> None:
+        check_case(c)
+
+    @pytest.mark.parametrize("c", params(doc_gaps))
+    def test_exception_type_is_documented(c: Case) -> None:
+        documented = documented_exceptions(c.documented_by)
+        assert c.exc.__name__ in documented, (
+            f"{c.test_id}: {c.exc.__name__} is not in the Raises: section ({sorted(documented)})"
+        )
+
+    return test_bad_input_is_rejected_naming_the_argument, test_exception_type_is_documented
