@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from hyperrec.autoac._validate import check_choice
+from hyperrec.autoac._validate import check_choice, check_int, check_tensor
 
 __all__ = [
     "SAVE_FORMATS",
@@ -59,7 +59,13 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def packed_nbytes(numel: int, fmt: str) -> int:
-    """Bytes of a packed run of ``numel`` elements: elements plus one scale byte a block."""
+    """Bytes of a packed run of ``numel`` elements: elements plus one scale byte a block.
+
+    Raises:
+        TypeError: ``numel`` not an int, ``fmt`` not a string.
+        ValueError: a negative ``numel``, an unknown ``fmt``.
+    """
+    check_int("numel", numel, minimum=0)
     check_choice("fmt", fmt, SAVE_FORMATS)
     _, block = _SPEC[fmt]
     data = (numel + 1) // 2 if fmt == "mx4" else numel
@@ -68,7 +74,13 @@ def packed_nbytes(numel: int, fmt: str) -> int:
 
 def can_pack(dtype: torch.dtype, numel: int, fmt: str) -> bool:
     """Whether a storage of ``numel`` elements of ``dtype`` can be packed in ``fmt``: a
-    float dtype and a whole number of blocks."""
+    float dtype and a whole number of blocks.
+
+    Raises:
+        TypeError: ``fmt`` not a string.
+        ValueError: an unknown ``fmt``.
+    """
+    check_choice("fmt", fmt, SAVE_FORMATS)
     if dtype not in PACKABLE_DTYPES or numel <= 0:
         return False
     return numel % _SPEC[fmt][1] == 0
@@ -152,11 +164,13 @@ def pack_storage(t: torch.Tensor, fmt: str) -> PackedStorage:
         the packed storage; rebuild ``t`` with :func:`unpack_view`.
 
     Raises:
+        TypeError: ``t`` not a tensor, ``fmt`` not a string.
         ValueError: unknown ``fmt``, or a storage that ``fmt`` cannot hold (see
             :func:`can_pack`: not a float dtype, or not a whole number of blocks).
     """
     from hyperrec.mxfp8 import to_mx
 
+    check_tensor("t", t)
     check_choice("fmt", fmt, SAVE_FORMATS)
     esize = t.element_size()
     nbytes = t.untyped_storage().nbytes()

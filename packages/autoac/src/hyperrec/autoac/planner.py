@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from hyperrec.autoac._exec import RegionDecisions
-from hyperrec.autoac._validate import check_bool, check_choice, check_int
+from hyperrec.autoac._validate import check_bool, check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.model import (
     Assignment,
@@ -42,7 +42,13 @@ Solver = Literal["auto", "exact", "greedy"]
 
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
-    """How :func:`plan` searches."""
+    """How :func:`plan` searches.
+
+    Raises:
+        TypeError: a field of the wrong type (``formats`` not a tuple or None, a float
+            ``node_limit``).
+        ValueError: a field out of range, an unknown ``solver`` or format.
+    """
 
     solver: Solver = "auto"
     """``"exact"`` (branch and bound; proved optimal if it ends within ``node_limit``),
@@ -236,54 +242,83 @@ class Plan:
         """Rebuild a plan saved with :meth:`to_dict`.
 
         Raises:
-            TypeError: ``d`` is not a mapping.
-            ValueError: missing fields, an unknown version, mode or decision.
+            TypeError: ``d`` is not a mapping, or a field of the wrong type.
+            ValueError: missing fields, an unknown version, mode or decision, a field of
+                the wrong value.
         """
         if not isinstance(d, Mapping):
             raise TypeError(f"d must be a mapping, got {type(d).__name__}")
         if d.get("version") != 1:
             raise ValueError(f"d must be a version-1 plan, got version {d.get('version')!r}")
+
+        # Every field is checked, not cast: a hand-edited or corrupted plan file must not
+        # load as a different plan (``int(2.7)``, ``bool("no")``).
+        def text(name: str, v: Any) -> str:
+            if not isinstance(v, str):
+                raise TypeError(f"{name} must be a str, got {type(v).__name__} {v!r}")
+            return v
+
+        def nbytes(name: str, v: Any) -> int:
+            return check_int(name, v, minimum=0)
+
+        def items(name: str, v: Any) -> list[Any] | tuple[Any, ...]:
+            if not isinstance(v, list | tuple):
+                raise TypeError(f"{name} must be a list, got {type(v).__name__} {v!r}")
+            return v
+
         try:
             regions = []
-            for r in d["regions"]:
+            for r in items("regions", d["regions"]):
                 check_choice("mode", r["mode"], ("sac", "none"))
                 saves = {}
-                for op, occ, dec in r["saves"]:
+                for op, occ, dec in items("saves", r["saves"]):
                     check_choice("decision", dec, ("keep", *SAVE_FORMATS))
-                    saves[(str(op), int(occ))] = dec
+                    saves[(text("op", op), check_int("occurrence", occ, minimum=0))] = dec
                 regions.append(
                     RegionPlan(
-                        str(r["name"]),
+                        text("name", r["name"]),
                         r["mode"],
                         saves,
-                        int(r["held_bytes"]),
-                        float(r["added_s"]),
-                        float(r["recompute_s"]),
-                        int(r.get("input_bytes", 0)),
-                        int(r.get("noac_held_bytes", 0)),
+                        nbytes("held_bytes", r["held_bytes"]),
+                        check_float("added_s", r["added_s"]),
+                        check_float("recompute_s", r["recompute_s"]),
+                        nbytes("input_bytes", r.get("input_bytes", 0)),
+                        nbytes("noac_held_bytes", r.get("noac_held_bytes", 0)),
                     )
                 )
             lb = d["lower_bound_s"]
             return cls(
                 regions=tuple(regions),
-                budget=None if d["budget"] is None else int(d["budget"]),
-                region_budgets={str(k): int(v) for k, v in d["region_budgets"].items()},
-                predicted_peak=int(d["predicted_peak"]),
-                added_s=float(d["added_s"]),
-                lower_bound_s=-math.inf if lb is None else float(lb),
-                proven_optimal=bool(d["proven_optimal"]),
-                solver=str(d["solver"]),
-                floor=int(d["floor"]),
-                no_ac_peak=int(d["no_ac_peak"]),
-                full_recompute_s=float(d["full_recompute_s"]),
-                min_pack_bytes=int(d["min_pack_bytes"]),
-                device=str(d["device"]),
+                budget=None if d["budget"] is None else nbytes("budget", d["budget"]),
+                region_budgets={
+                    text("region_budgets key", k): nbytes(f"region_budgets[{k!r}]", v)
+                    for k, v in d["region_budgets"].items()
+                },
+                predicted_peak=nbytes("predicted_peak", d["predicted_peak"]),
+                added_s=check_float("added_s", d["added_s"]),
+                lower_bound_s=-math.inf if lb is None else check_float("lower_bound_s", lb),
+                proven_optimal=check_bool("proven_optimal", d["proven_optimal"]),
+                solver=text("solver", d["solver"]),
+                floor=nbytes("floor", d["floor"]),
+                no_ac_peak=nbytes("no_ac_peak", d["no_ac_peak"]),
+                full_recompute_s=check_float("full_recompute_s", d["full_recompute_s"]),
+                min_pack_bytes=nbytes("min_pack_bytes", d["min_pack_bytes"]),
+                device=text("device", d["device"]),
             )
         except KeyError as exc:
             raise ValueError(f"d is missing the plan field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            # A field of the wrong type or value (``int("abc")``, ``None`` regions, ...).
+            kind = ValueError if isinstance(exc, ValueError) else TypeError
+            raise kind(f"d is not a plan from Plan.to_dict: {exc}") from None
 
 
 # --------------------------------------------------------------------------- planning
+#: Caps the solvers see are clamped here (the solvers add and compare bytes in int64);
+#: a larger budget constrains nothing, and the plan still records the one asked for.
+_CAP_MAX = 2**62
+
+
 def _bytes(name: str, value: Any, floor: int, what: str) -> int:
     """A budget in bytes, or a ValueError that names the smallest feasible one."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -336,7 +371,8 @@ def plan(
         TypeError: a budget that is not a number; bad ``config``/``profile`` types.
         ValueError: neither budget given; a budget that is negative, NaN, infinite or
             below the floor of full recompute (the message names the smallest feasible
-            budget); an unknown region name.
+            budget); an unknown region name; ``config.formats`` beyond the formats the
+            profile measured.
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
@@ -346,6 +382,12 @@ def plan(
     if budget is None and not region_budgets:
         raise ValueError("budget or region_budgets must be given, got neither")
     formats = profile.config.formats if config.formats is None else config.formats
+    if not set(formats) <= set(profile.config.formats):
+        # The profile measured no error or cost for them: the plan would silently skip them.
+        raise ValueError(
+            f"config.formats must be a subset of the formats the profile measured "
+            f"{tuple(profile.config.formats)}, got {tuple(formats)}"
+        )
     raw = build_problem(profile, formats=tuple(formats), allow_none=config.allow_none)
     prob = compress(raw)
     offset = profile.device_offset
@@ -375,9 +417,9 @@ def plan(
             v = _bytes(
                 f"region_budgets[{name!r}]", b, floor_r, "its inputs, held by a full checkpoint"
             )
-            caps[r] = v - prob.regions[r].input_bytes
+            caps[r] = min(v - prob.regions[r].input_bytes, _CAP_MAX)
             rb_out[name] = v
-    prob.cap = None if cap is None else cap - offset
+    prob.cap = None if cap is None else min(cap - offset, _CAP_MAX)
     prob.region_caps = caps
     raw.cap, raw.region_caps = prob.cap, caps
 

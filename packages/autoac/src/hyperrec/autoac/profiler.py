@@ -13,6 +13,7 @@ predicts its peak at every position of the step.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -44,7 +45,12 @@ CostSource = Literal["time", "flops"]
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileConfig:
-    """How :func:`profile` measures a step."""
+    """How :func:`profile` measures a step.
+
+    Raises:
+        TypeError: a field of the wrong type (``formats`` not a tuple, a float ``steps``).
+        ValueError: a field out of range, an unknown ``cost`` or format.
+    """
 
     steps: int = 2
     """Profiled steps (>= 1). Op times are the median over the steps after the first
@@ -420,6 +426,26 @@ def _run_step(model: nn.Module, step_fn: Callable, tracker: MemoryTracker | None
     return time.perf_counter() - t0
 
 
+def _check_step_fn(step_fn: Any) -> None:
+    """``step_fn`` must be a callable that takes the model as its one positional argument.
+
+    Raises:
+        TypeError: not callable, or its signature cannot take ``step_fn(model)``.
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    try:
+        sig = inspect.signature(step_fn)
+    except (TypeError, ValueError):
+        return  # no introspectable signature (a builtin): called as it is
+    try:
+        sig.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"step_fn must take the model as its one positional argument, got signature {sig}"
+        ) from None
+
+
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         raise TypeError(
@@ -701,8 +727,9 @@ def profile(
         :class:`Profile`.
 
     Raises:
-        TypeError: ``model`` not a module, ``step_fn`` not callable or not returning a
-            loss that requires grad, bad ``regions``/``config`` types.
+        TypeError: ``model`` not a module, ``step_fn`` not callable, not taking the
+            model as its one argument or not returning a one-element loss that requires
+            grad, bad ``regions``/``config`` types.
         ValueError: bad ``regions``; a region that ran more than once in the step.
 
     Parameter gradients and the RNG state are restored afterwards; buffers that the
@@ -710,8 +737,7 @@ def profile(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    _check_step_fn(step_fn)
     config = ProfileConfig() if config is None else config
     if not isinstance(config, ProfileConfig):
         raise TypeError(f"config must be a ProfileConfig, got {type(config).__name__}")

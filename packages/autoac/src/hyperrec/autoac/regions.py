@@ -28,6 +28,9 @@ class Span(nn.Module):
 
     The span has no parameters of its own; parameters ``fn`` uses (e.g. a bound method
     of another module) still receive gradients.
+
+    Raises:
+        TypeError: ``fn`` not callable.
     """
 
     def __init__(self, fn: Callable[..., Any]) -> None:
@@ -125,10 +128,12 @@ def resolve_regions(
         ``(modules, names)`` in ``model.named_modules()`` order.
 
     Raises:
-        TypeError: ``regions`` of another type.
+        TypeError: ``model`` not a module, ``regions`` of another type.
         ValueError: nothing matched, a module that is not part of ``model``, or one
             region nested inside another.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     named = list(model.named_modules())
     name_of = {id(m): n for n, m in named}
     picked: dict[int, nn.Module] = {}

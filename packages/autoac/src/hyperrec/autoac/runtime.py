@@ -23,6 +23,7 @@ Packed saves are eager-only: under compilation those regions run eagerly
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -35,11 +36,13 @@ from torch.utils.checkpoint import checkpoint
 from hyperrec.autoac import _exec
 from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import RegionDecisions, run_region
-from hyperrec.autoac._validate import check_bool, check_choice
+from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
 from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
+    _check_loss,
+    _check_step_fn,
     _device_of,
     _seed_all,
     grad_error,
@@ -209,12 +212,15 @@ def measure_step(
         :class:`StepMeasurement`.
 
     Raises:
-        TypeError: bad argument types; ``step_fn`` not returning a loss with grad.
+        TypeError: bad argument types; ``step_fn`` not taking the model as its one
+            argument or not returning a one-element loss that requires grad.
+        ValueError: a negative ``seed``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    _check_step_fn(step_fn)
+    if seed is not None:
+        check_int("seed", seed, minimum=0)
     device = _device_of(model)
     track = device.type != "cuda" if track is None else check_bool("track", track)
     check_bool("keep_grads", keep_grads)
@@ -233,10 +239,12 @@ def measure_step(
             if tracker is not None:
                 with tracker:
                     loss = step_fn(model)
+                    _check_loss(loss)
                     loss.backward()
                 tracker.finish()
             else:
                 loss = step_fn(model)
+                _check_loss(loss)
                 loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -268,6 +276,11 @@ class AutoAC:
             measured gradient error of the plan on the profiled step.
         compiled: regions run compiled.
         mechanism: how compiled regions take the plan (see :func:`compile_mechanism`).
+
+    Raises:
+        TypeError: ``model`` not a module, ``plan_`` not a :class:`Plan`,
+            ``compile_kwargs`` not a mapping.
+        ValueError: a region of the plan is not a module of ``model``.
     """
 
     def __init__(
@@ -279,6 +292,12 @@ class AutoAC:
         compiled: bool = False,
         compile_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(plan_, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
+        _check_compile_kwargs(compile_kwargs)
+        _check_plan_regions(model, plan_)
         self.model = model
         self.profile = profile_
         self.compiled = compiled
@@ -308,9 +327,16 @@ class AutoAC:
         self.plan = plan_
 
     def set_plan(self, plan_: Plan) -> None:
-        """Replace the plan in force (same regions or others of the same model)."""
+        """Replace the plan in force (same regions or others of the same model).
+
+        Raises:
+            TypeError: ``plan_`` not a :class:`Plan`.
+            ValueError: a region of the plan is not a module of the model (the plan in
+                force stays).
+        """
         if not isinstance(plan_, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
+        _check_plan_regions(self.model, plan_)
         _regions.uninstall(self._modules)
         self._install(plan_)
 
@@ -327,11 +353,35 @@ class AutoAC:
         """Put the saved plan in force.
 
         Raises:
+            TypeError: ``state`` (or its plan) not a mapping.
             ValueError: not a state from :meth:`state_dict`, or regions the model lacks.
         """
-        if not isinstance(state, Mapping) or "plan" not in state:
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"state must be a mapping from AutoAC.state_dict(), got {type(state).__name__}"
+            )
+        if "plan" not in state:
             raise ValueError("state must be a mapping with a 'plan' entry from AutoAC.state_dict()")
-        self.set_plan(Plan.from_dict(state["plan"]))
+        try:
+            plan_ = Plan.from_dict(state["plan"])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"state['plan'] is not a saved plan: {exc}") from None
+        self.set_plan(plan_)
+
+
+def _check_compile_kwargs(compile_kwargs: Any) -> None:
+    if compile_kwargs is not None and not isinstance(compile_kwargs, Mapping):
+        raise TypeError(
+            f"compile_kwargs must be a mapping or None, got {type(compile_kwargs).__name__}"
+        )
+
+
+def _check_plan_regions(model: nn.Module, plan_: Plan) -> None:
+    # Before any region is touched: a plan for another model leaves the one in force.
+    names = {n or "<root>" for n, _ in model.named_modules()}
+    missing = [r.name for r in plan_.regions if r.name not in names]
+    if missing:
+        raise ValueError(f"plan has regions {missing} that are not modules of model")
 
 
 def apply_plan(
@@ -351,7 +401,7 @@ def apply_plan(
             on); see :func:`compile_mechanism`.
 
     Raises:
-        TypeError: bad argument types.
+        TypeError: bad argument types (``compile_kwargs`` not a mapping).
         ValueError: a region of the plan is not a module of ``model``.
     """
     if not isinstance(model, nn.Module):
@@ -363,7 +413,13 @@ def apply_plan(
 
 
 def remove(model: nn.Module) -> None:
-    """Take every autoac region of ``model`` back to its original ``forward``."""
+    """Take every autoac region of ``model`` back to its original ``forward``.
+
+    Raises:
+        TypeError: ``model`` not a module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _regions.uninstall(_regions.installed_regions(model))
 
 
@@ -416,14 +472,36 @@ def apply(
         :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``).
 
     Raises:
-        TypeError: bad argument types.
-        ValueError: no step given, bad budgets (naming the smallest feasible), bad
-            regions, ``formats`` with ``compile=True``.
+        TypeError: bad argument types (each checked before the step is profiled).
+        ValueError: no step or no budget given, ``loss_fn`` with ``step_fn``, bad budgets
+            (naming the smallest feasible), bad regions, ``formats`` with ``compile=True``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_bool("verify", verify)
     check_bool("compile", compile)
+    # Everything that can be checked before the (expensive) profiled step.
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)):
+        raise TypeError(f"budget must be a number of bytes, got {type(budget).__name__} {budget!r}")
+    if region_budgets is not None and not isinstance(region_budgets, Mapping):
+        raise TypeError(
+            f"region_budgets must be a mapping of region name to bytes, got "
+            f"{type(region_budgets).__name__}"
+        )
+    if budget is None and not region_budgets:
+        raise ValueError("budget or region_budgets must be given, got neither")
+    if profile_config is not None and not isinstance(profile_config, ProfileConfig):
+        raise TypeError(
+            f"profile_config must be a ProfileConfig, got {type(profile_config).__name__}"
+        )
+    if plan_config is not None and not isinstance(plan_config, PlanConfig):
+        raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
+    _check_compile_kwargs(compile_kwargs)
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if step_fn is not None:
+            raise ValueError("loss_fn goes with sample_inputs; step_fn returns the loss itself")
     if step_fn is None:
         if sample_inputs is None:
             raise ValueError("step_fn or sample_inputs must be given, got neither")

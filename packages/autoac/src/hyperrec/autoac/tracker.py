@@ -32,6 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from hyperrec.autoac._validate import check_bool
+
 __all__ = ["MemoryTracker", "OpRecord", "StorageRecord"]
 
 #: op namespaces whose ops talk to other ranks: never recomputed by autoac.
@@ -189,6 +191,10 @@ class MemoryTracker(TorchDispatchMode):
             budget should not count the host tensors a step touches.
 
     Use as a context manager around one step, then call :meth:`finish` once.
+
+    Raises:
+        TypeError: ``record_ops``/``time_ops`` not bools, ``device`` not a device or str.
+        ValueError: ``device`` names no device type.
     """
 
     def __init__(
@@ -198,6 +204,15 @@ class MemoryTracker(TorchDispatchMode):
         time_ops: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
+        check_bool("record_ops", record_ops)
+        check_bool("time_ops", time_ops)
+        if device is not None and not isinstance(device, torch.device | str):
+            raise TypeError(f"device must be a torch.device, a str or None, got {device!r}")
+        try:
+            if device is not None:
+                torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must name a torch device, got {device!r}") from None
         super().__init__()
         self.device = None if device is None else torch.device(device)
         self.record_ops = record_ops
