@@ -57,9 +57,6 @@ MYPY_EXCLUDED = {
     # Owned by another engineer this round (issue #15: the AttentionSpec flattening and
     # the triton/ -> _triton/ rename); 124 findings, mostly in the Triton kernels.
     "jagged_attn": "typed after its restructuring merges",
-    # Reworked this round (data sources, end-to-end run); 26 findings at the time of the
-    # exclusion, none in code other packages call.
-    "integration": "typed after the integration rework merges",
 }
 
 #: The shared, read-only third-party environment (see the module docstring).
