@@ -53,17 +53,7 @@ PYTHON = "3.11"
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?:>=\s*([0-9][0-9.]*))?")
 
 #: Packages mypy does not check yet, with the reason; removing a line is the whole fix.
-MYPY_EXCLUDED = {
-    # Owned by another engineer this round (issue #15: the AttentionSpec flattening and
-    # the triton/ -> _triton/ rename); 124 findings, mostly in the Triton kernels.
-    "jagged_attn": "typed after its restructuring merges",
-    # Reworked this round (data sources, end-to-end run); 26 findings at the time of the
-    # exclusion, none in code other packages call.
-    "integration": "typed after the integration rework merges",
-    # New this round (merged after the checker was added): 92 findings under --strict,
-    # mostly missing generic parameters (Callable, tuple, dict) and Optional narrowing.
-    "autoac": "typed in a follow-up (merged after the checker)",
-}
+MYPY_EXCLUDED: dict[str, str] = {}
 
 #: The shared, read-only third-party environment (see the module docstring).
 BASE = ROOT / ".nox" / "_base"

@@ -44,7 +44,7 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ def _world() -> int:
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def _quiet_single_process() -> Iterator[None]:
     # DCP warns that it "assumes" a single process even when told so with no_dist=True.
     with warnings.catch_warnings():
         if not _distributed():

@@ -260,7 +260,7 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy with every tensor on ``device``."""
-        kw = {}
+        kw: dict[str, Any] = {}  # every field, by name (mixed types)
         for f in fields(self):
             v = getattr(self, f.name)
             kw[f.name] = v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v
@@ -521,7 +521,9 @@ class SyntheticRecsysData:
         """``(batch(split, ids), truth(split, ids))`` from a single generation pass."""
         return self._generate(split, ids)
 
-    def _generate(self, split: int, ids) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
+    def _generate(
+        self, split: int, ids: np.ndarray | list[int]
+    ) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         _check_split(split)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+if TYPE_CHECKING:
+    from hyperrec.integration.model import GEMModel
 
 __all__ = [
     "DistributedContext",
@@ -136,6 +139,18 @@ def init_distributed(
     return DistributedContext(rank=0, world_size=1, device=dev, owns_process_group=False)
 
 
+def _fully_shard_of(sharding: str) -> Callable[..., object]:
+    if sharding == "hyperrec":
+        from hyperrec.parallel5d import fully_shard
+
+        return fully_shard
+    if sharding == "fsdp2":
+        from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+
+        return fsdp_fully_shard
+    raise ValueError(f"sharding must be 'hyperrec' or 'fsdp2', got {sharding!r}")
+
+
 def _elastic_attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     """Under ``torchrun --max-restarts``: the agent's store, prefixed by the attempt.
 
@@ -193,11 +208,11 @@ def build_mesh(ctx: DistributedContext, *, replicate: int = 0, sparse_replicate:
 
 
 def parallelize(
-    model: nn.Module,
+    model: GEMModel,
     ctx: DistributedContext,
     sharding: str = "hyperrec",
     mesh: Any = None,
-) -> nn.Module:
+) -> GEMModel:
     """Shard ``model`` for data-parallel training on ``ctx`` (a no-op without a process group).
 
     ``sharding`` picks ``hyperrec.parallel5d.fully_shard`` ("hyperrec", default) or
@@ -222,12 +237,7 @@ def parallelize(
         return model
     from torch.distributed.device_mesh import init_device_mesh
 
-    if sharding == "hyperrec":
-        from hyperrec.parallel5d import fully_shard
-    elif sharding == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        raise ValueError(f"sharding must be 'hyperrec' or 'fsdp2', got {sharding!r}")
+    fully_shard = _fully_shard_of(sharding)
 
     if mesh is None:
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp",))

@@ -51,7 +51,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +193,9 @@ def _chunks_python_csv(path: Path, columns: tuple[str, ...]) -> Iterator[dict[st
             yield _columns_of(rows, columns, index)
 
 
-def _columns_of(rows: list[list[str]], columns: tuple[str, ...], index: list[int]):
+def _columns_of(
+    rows: list[list[str]], columns: tuple[str, ...], index: list[int]
+) -> dict[str, np.ndarray]:
     return {c: np.array([r[i] for r in rows], dtype=str) for c, i in zip(columns, index)}
 
 
@@ -267,7 +269,7 @@ def _as_text(values: Any) -> Any:
     return values
 
 
-def _first_bad(values: list[Any], ok) -> tuple[int, Any]:
+def _first_bad(values: list[Any], ok: Callable[[Any], bool]) -> tuple[int, Any]:
     for i, v in enumerate(values):
         if not ok(v):
             return i, v
@@ -575,13 +577,13 @@ def prepare_event_log(
     else:
         counts = np.diff(np.append(np.flatnonzero(new_user), n))
         per_event = np.repeat(counts, counts)
-        pos = idx - user_start
+        pos: np.ndarray = idx - user_start
         n_test = np.floor(per_event * cfg.test_fraction + 0.5).astype(np.int64)
-        n_eval = np.floor(per_event * (cfg.valid_fraction + cfg.test_fraction) + 0.5)
-        n_eval = np.maximum(n_eval.astype(np.int64), n_test)
+        n_eval_f = np.floor(per_event * (cfg.valid_fraction + cfg.test_fraction) + 0.5)
+        n_eval = np.maximum(n_eval_f.astype(np.int64), n_test)
         split[pos >= per_event - n_eval] = VALID
         split[pos >= per_event - n_test] = TEST
-        del counts, per_event, pos, n_test, n_eval
+        del counts, per_event, pos, n_test, n_eval_f, n_eval
     del new_user, user_start, idx
     train = split == TRAIN
     if not train.any():

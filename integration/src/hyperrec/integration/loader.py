@@ -69,7 +69,7 @@ def validate_batch(batch: Batch, data: DataSchema | DataConfig) -> None:
 
 
 def _pin(batch: Batch) -> Batch:
-    kw = {}
+    kw: dict[str, Any] = {}  # every field, by name (mixed types)
     for f in fields(batch):
         v = getattr(batch, f.name)
         kw[f.name] = v.pin_memory() if torch.is_tensor(v) else v
@@ -87,14 +87,14 @@ class _Built:
         return _Built(self.seq, self.plan, _pin(self.batch))
 
 
-class _PlanDataset(Dataset):
+class _PlanDataset(Dataset[_Built]):
     """Item ``(seq, plan)`` -> the plan's batch, validated when asked."""
 
     def __init__(self, data: DataSource, validate: bool):
         self.data, self.validate = data, validate
         self.schema = data.schema
 
-    def __getitem__(self, item: tuple[int, StepPlan]) -> _Built:  # type: ignore[override]
+    def __getitem__(self, item: tuple[int, StepPlan]) -> _Built:
         seq, plan = item
         batch = self.data.batch(TRAIN, plan.requests)
         if self.validate:
@@ -175,7 +175,7 @@ class StepLoader:
             loader = DataLoader(
                 _PlanDataset(self.stream.data, self.validate),
                 batch_size=None,
-                sampler=self._plans(),  # type: ignore[arg-type]
+                sampler=self._plans(),
                 num_workers=self.workers,
                 pin_memory=self._cuda,
                 prefetch_factor=self.prefetch_factor if self.workers else None,

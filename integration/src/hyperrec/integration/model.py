@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ from hyperrec.integration.config import (
 from hyperrec.integration.data import Batch
 from hyperrec.integration.naive import JaggedLayout
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
+from hyperrec.jagged_attn.fp8 import Precision
 
 __all__ = [
     "TABLES",
@@ -236,6 +237,10 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def _is_attention_precision(value: str) -> TypeGuard[Precision]:
+    return value in ATTENTION_PRECISIONS
+
+
 class SequenceBlock(nn.Module):
     """One HSTU-style layer over jagged tokens ``[T, dim]``.
 
@@ -268,7 +273,8 @@ class SequenceBlock(nn.Module):
         super().__init__()
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
-        _check_choice("precision", precision, ATTENTION_PRECISIONS)
+        if not _is_attention_precision(precision):
+            raise ValueError(f"precision must be one of {ATTENTION_PRECISIONS}, got {precision!r}")
         if impl == "naive" and precision != "bf16":
             raise ValueError(
                 f"precision={precision!r} needs impl='hyperrec': the naive padded attention "
@@ -654,6 +660,14 @@ class GEMModel(nn.Module):
         ValueError: an unknown ``impl``, ``compile``, ``mlp_precision`` or
             ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``.
     """
+
+    # The unfused tables, set by name in __init__ (absent when fused, or when
+    # ``sharded`` holds them: see SHARDED_TABLES).
+    item_embedding: nn.Embedding
+    category_embedding: nn.Embedding
+    action_embedding: nn.Embedding
+    time_embedding: nn.Embedding
+    user_embedding: nn.Embedding
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ is ``B * L_max^2`` instead of ``sum(L^2)``; that is the baseline's point.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +50,7 @@ in :func:`hstu_attention` (512 MiB in bf16). Each chunk re-reads the keys and va
 to its last query, so smaller chunks cost memory traffic: at ``B = 64``, 8 heads of 128
 and 8k histories this bound gives chunks of 64 queries (128 chunks a layer)."""
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -294,11 +294,16 @@ class TrainStream:
         if self._it is None:
             self._it = iter(self.shuffler)
         chosen = next(self._it)
+        cost = self.shuffler.last_step_cost
+        arrival_cost = self.shuffler.last_step_arrival_cost
+        if cost is None or arrival_cost is None:
+            # The shuffler sets both before it yields a step.
+            raise RuntimeError("the shuffler yielded a step without recording its costs")
         return StepPlan(
             requests=np.concatenate([sb.requests for sb in chosen]),
             sub_batches=tuple(sb.index for sb in chosen),
-            cost=float(self.shuffler.last_step_cost),
-            arrival_cost=float(self.shuffler.last_step_arrival_cost),
+            cost=float(cost),
+            arrival_cost=float(arrival_cost),
         )
 
     def next(self) -> StepBatch:

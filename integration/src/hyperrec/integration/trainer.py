@@ -43,10 +43,10 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -233,7 +233,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _grad_norms(params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(global L2 norm of the gradients of ``params``, bool [P]: whether each parameter's
     local gradient, its shard under sharding, holds a NaN or Inf).
 
@@ -242,7 +242,11 @@ def _grad_norms(params: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     per-parameter norms it is made of give the flags for free, so a non-finite step can
     name its first bad module after the gradients are gone (:meth:`Trainer.finish_step`).
     """
-    grads = [p.grad for p in params]
+    grads: list[torch.Tensor] = []
+    for p in params:
+        if p.grad is None:
+            raise ValueError("params must all have a gradient, got one whose grad is None")
+        grads.append(p.grad)
     if not grads:
         return torch.zeros(()), torch.zeros(0, dtype=torch.bool)
     norms: list[Any] = [None] * len(grads)
@@ -431,7 +435,8 @@ def build_table_optimizer(
     Learning rate ``cfg.embedding_lr`` (kept in each group's ``"base_lr"``), no weight
     decay.
     """
-    dense = sharded = None
+    dense: torch.optim.Optimizer | None = None
+    sharded: torch.optim.Optimizer | None = None
     lr = cfg.embedding_lr
     tables = model.embedding_parameters()
     if kind == "adagrad" and tables:
@@ -679,10 +684,11 @@ class Trainer:
 
     def _split_ids(self, split: int, log_cfg: EventLogConfig | None) -> np.ndarray:
         n = self.source.num_requests(split) or 0
-        limit = log_cfg.valid_requests if (log_cfg is not None and split == VALID) else 0
-        if limit and limit < n:
-            # A fixed pseudo-random subset, the same at every evaluation.
-            return np.sort(permute(np.arange(limit), n, (log_cfg.seed, 0x7A11D)))
+        if log_cfg is not None and split == VALID:
+            limit = log_cfg.valid_requests
+            if limit and limit < n:
+                # A fixed pseudo-random subset, the same at every evaluation.
+                return np.sort(permute(np.arange(limit), n, (log_cfg.seed, 0x7A11D)))
         return np.arange(n, dtype=np.int64)
 
     def _build_stream(self, backlog: tuple[int, ...] = (), frontier: int = 0) -> TrainStream:
@@ -731,7 +737,7 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
         amp = self.preset.train.amp
         if amp == "bf16" or (amp == "auto" and self.ctx.device.type == "cuda"):
             return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16)
@@ -753,6 +759,8 @@ class Trainer:
             tokens = int(self.source.history_lengths(TRAIN, ids).sum())
             if tokens > best_tokens:
                 best, best_tokens = ids, tokens
+        if best is None:
+            raise ValueError(f"steps must be positive, got {steps}")
         batch = self.source.batch(TRAIN, best)
         if cfg.validate_inputs:
             validate_batch(batch, self.schema)
@@ -794,7 +802,9 @@ class Trainer:
 
         # FLOP costs on the CPU and on several ranks: measured times vary with the load
         # (tests would not be reproducible) and from rank to rank (plans would differ).
-        cost = "flops" if self.ctx.device.type == "cpu" or self.ctx.distributed else "time"
+        cost: Literal["time", "flops"] = (
+            "flops" if self.ctx.device.type == "cpu" or self.ctx.distributed else "time"
+        )
         formats = tuple(cfg.ac_formats)
         try:
             self.autoac = autoac.apply(
@@ -1036,13 +1046,17 @@ class Trainer:
         values = p.readout.tolist()
         k = 3 if self.ctx.distributed else 2
         grad_norm, local_loss, flags = values[k], values[k + 1], values[k + 2 :]
+        # (a device tensor of every rank's costs when distributed, this rank's row else)
+        rank_costs: list[list[float]] = (
+            p.rank_costs.reshape(-1, 3).tolist()
+            if isinstance(p.rank_costs, torch.Tensor)
+            else p.rank_costs
+        )
         if self.ctx.distributed:
             n, ctr_total, ctcvr_total = values[:k]
-            rank_costs = p.rank_costs.reshape(-1, 3).tolist()  # type: ignore[union-attr]
         else:
             ctr_total, ctcvr_total = values[:k]
             n = float(p.n_local)
-            rank_costs = p.rank_costs  # type: ignore[assignment]
         loss_value = (ctr_total + ctcvr_total) / n
         finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
         if not finite and not p.skipped:
@@ -1179,6 +1193,10 @@ class Trainer:
                     "loss_sum": (ctr_sum + ctcvr_sum).reshape(1).double(),
                 }
                 if two_tasks:
+                    if cvr_logit is None:
+                        raise RuntimeError(
+                            "the model gave no conversion logits for a schema with conversions"
+                        )
                     values.update(
                         p_cvr=torch.sigmoid(cvr_logit),
                         conversion=batch.conversion,
@@ -1492,7 +1510,7 @@ class Trainer:
             for key in _HISTORY_KEYS:
                 self.history[key].append(m[key])
         bar.update(
-            m["step"],
+            int(m["step"]),
             loss=m["loss_ema"],
             auc=m["ctr_auc"],
             samples_per_s=m["samples_per_s"],

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import PyTree, tree_leaves, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -93,7 +94,9 @@ class _Counter:
         return (op_name(func), k)
 
 
-def _policy(func: Any, args: tuple, kwargs: dict, decision: str | None) -> CheckpointPolicy:
+def _policy(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], decision: str | None
+) -> CheckpointPolicy:
     if is_collective(func):
         return CheckpointPolicy.MUST_SAVE
     if _RNG_GUARD and is_random(func, args, kwargs):
@@ -147,7 +150,7 @@ class _PackedView:
     packed: PackedStorage
     size: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    offset: int | torch.SymInt
 
 
 def _pack_output(x: Any, fmt: str, min_bytes: int) -> Any:
@@ -168,17 +171,27 @@ def _unpack_output(x: Any) -> Any:
 
 _RECOMPUTE = object()
 
+#: ``(op name, occurrence)`` -> the op's saved outputs (a pytree whose tensors may be
+#: :class:`_PackedView`), or ``_RECOMPUTE``.
+_SavedOutputs = dict[tuple[str, int], PyTree]
+
 
 class _PackingMode(TorchDispatchMode):
     """Forward half of selective checkpointing with packed saves."""
 
-    def __init__(self, decisions: RegionDecisions, storage: dict) -> None:
+    def __init__(self, decisions: RegionDecisions, storage: _SavedOutputs) -> None:
         super().__init__()
         self.decisions = decisions
         self.storage = storage
         self.counter = _Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in SAC_IGNORED_OPS:
@@ -202,12 +215,18 @@ class _PackingMode(TorchDispatchMode):
 class _UnpackingMode(TorchDispatchMode):
     """Recompute half: replays ops, returning saved (dequantized) outputs instead."""
 
-    def __init__(self, storage: dict) -> None:
+    def __init__(self, storage: _SavedOutputs) -> None:
         super().__init__()
         self.storage = storage
         self.counter = _Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
@@ -228,22 +247,32 @@ def packing_context_fn(decisions: RegionDecisions) -> Callable[[], tuple[Any, An
     """A ``context_fn`` for ``checkpoint`` that keeps some outputs packed (eager only)."""
 
     def context_fn() -> tuple[Any, Any]:
-        storage: dict = {}
+        storage: _SavedOutputs = {}
         return _PackingMode(decisions, storage), _UnpackingMode(storage)
 
     return context_fn
 
 
+#: storage key -> (the storage, the format its packed copy uses)
+_Marks = dict[int, tuple[weakref.ref[torch.UntypedStorage], str]]
+
+
 class _StorageMarker(TorchDispatchMode):
     """Remember which storages the ops to pack created (for saved-tensor hooks)."""
 
-    def __init__(self, decisions: RegionDecisions, marks: dict) -> None:
+    def __init__(self, decisions: RegionDecisions, marks: _Marks) -> None:
         super().__init__()
         self.decisions = decisions
         self.marks = marks
         self.counter = _Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in SAC_IGNORED_OPS:
@@ -257,11 +286,16 @@ class _StorageMarker(TorchDispatchMode):
         return out
 
 
-def _run_none_packed(decisions: RegionDecisions, fn: Callable, args: tuple, kwargs: dict) -> Any:
-    marks: dict[int, tuple[weakref.ref, str]] = {}
+def _run_none_packed(
+    decisions: RegionDecisions,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    marks: _Marks = {}
     # storage key -> (the storage, its packed copy), both weak: a key may be reused by a
     # new storage once the old one is freed, so the storage itself is compared.
-    packed: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+    packed: dict[int, tuple[weakref.ref[torch.UntypedStorage], weakref.ref[PackedStorage]]] = {}
 
     def pack(t: torch.Tensor) -> Any:
         st = t.untyped_storage()
@@ -293,9 +327,9 @@ def _run_none_packed(decisions: RegionDecisions, fn: Callable, args: tuple, kwar
 
 def run_region(
     decisions: RegionDecisions,
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     *,
     traced: bool = False,
 ) -> Any:

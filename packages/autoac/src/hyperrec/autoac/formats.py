@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from hyperrec.autoac._validate import check_choice, check_int, check_tensor
+
+if TYPE_CHECKING:
+    from hyperrec.mxfp8 import MXTensor
 
 __all__ = [
     "SAVE_FORMATS",
@@ -47,7 +50,8 @@ SaveFormat = Literal["mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4"]
 #: Every format, from the most to the least precise.
 SAVE_FORMATS: tuple[str, ...] = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4")
 
-_SPEC: dict[str, tuple[object, int]] = {
+#: format -> (``to_mx`` element dtype, block size)
+_SPEC: dict[str, tuple[torch.dtype | str, int]] = {
     "mxfp8": (torch.float8_e4m3fn, 32),
     "fp8_e4m3": (torch.float8_e4m3fn, 128),
     "fp8_e5m2": (torch.float8_e5m2, 128),
@@ -105,12 +109,12 @@ class PackedStorage:
 
     __slots__ = ("__weakref__", "_flat", "dtype", "fmt", "mx", "numel")
 
-    def __init__(self, mx, numel: int, dtype: torch.dtype, fmt: str) -> None:
+    def __init__(self, mx: MXTensor, numel: int, dtype: torch.dtype, fmt: str) -> None:
         self.mx = mx
         self.numel = numel
         self.dtype = dtype
         self.fmt = fmt
-        self._flat: weakref.ref | None = None
+        self._flat: weakref.ref[torch.Tensor] | None = None
 
     def dequantize_shared(self) -> torch.Tensor:
         """:meth:`dequantize`, reusing the result while it is alive (several views of

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyperrec.autoac.formats import can_pack, packed_nbytes
-from hyperrec.autoac.profiler import Profile, SavedOp
+from hyperrec.autoac.profiler import Profile, SavedOp, StorageLife
 
 __all__ = [
     "Assignment",
@@ -143,7 +143,7 @@ def _ws(profile: Profile, fmt: str, key: str, numel: int) -> int:
     return 0 if c is None else int(c[key] * numel)
 
 
-def _packable(profile: Profile, lv, fmt: str) -> bool:
+def _packable(profile: Profile, lv: StorageLife, fmt: str) -> bool:
     return lv.nbytes >= max(profile.config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, fmt)
 
 
@@ -202,8 +202,14 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
             if not _packable(profile, lv, fmt) or lv.rc_alloc is None:
                 ivs += _iv(lv.fwd_free, lv.rc_alloc, lv.nbytes)
                 continue
-            use = lv.bwd_use if lv.bwd_use is not None else lv.rc_free
-            use = max(min(use, lv.rc_free if lv.rc_free is not None else use), lv.rc_alloc)
+            last = lv.bwd_use if lv.bwd_use is not None else lv.rc_free
+            if last is None:
+                # The profiler sets rc_free whenever it sets rc_alloc.
+                raise ValueError(
+                    f"profile of {o.op} has a recomputed storage with neither a backward "
+                    "use nor a release (rc_free)"
+                )
+            use = max(min(last, lv.rc_free if lv.rc_free is not None else last), lv.rc_alloc)
             pb = packed_nbytes(lv.numel, fmt)
             ivs += _iv(lv.fwd_alloc, use, pb)
             ivs += _iv(lv.rc_alloc, use, -lv.nbytes)

@@ -452,7 +452,11 @@ def plan(
             added += c.time_s
             if c.kind in ("recompute", "drop") or (mode == "none" and c.kind == "keep"):
                 continue
-            saves[prob.groups[gi].op.key] = c.kind
+            op = prob.groups[gi].op
+            if op is None:
+                # build_problem gives every group its op; only hand-built problems lack one.
+                raise RuntimeError(f"group {gi} of the planning problem has no op")
+            saves[op.key] = c.kind
         rp = profile.regions[r]
         region_plans.append(
             RegionPlan(

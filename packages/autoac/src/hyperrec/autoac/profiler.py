@@ -36,9 +36,12 @@ from hyperrec.autoac._exec import (
 )
 from hyperrec.autoac._validate import check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
-from hyperrec.autoac.tracker import MemoryTracker
+from hyperrec.autoac.tracker import MemoryTracker, OpRecord
 
 __all__ = ["Profile", "ProfileConfig", "RegionProfile", "SavedOp", "StorageLife", "profile"]
+
+#: ``step_fn(model) -> loss``: one forward of the step.
+_StepFn = Callable[[nn.Module], torch.Tensor]
 
 CostSource = Literal["time", "flops"]
 
@@ -263,7 +266,7 @@ class Profile:
                 )
         return rows
 
-    def timeline(self) -> dict[str, list]:
+    def timeline(self) -> dict[str, list[int]]:
         """The fully checkpointed step's memory timeline: positions, live bytes, phase."""
         return {
             "position": list(range(len(self.live))),
@@ -273,10 +276,27 @@ class Profile:
 
 
 # --------------------------------------------------------------------------- recording
+class _ProfilingTracker(MemoryTracker):
+    """The tracker of one profiled step, plus what the recording runner learns per region."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(record_ops=True, time_ops=True, device=device)
+        #: region -> number of ops recorded when its recomputation ended
+        self.rc_exit: dict[int, int] = {}
+        #: region -> the ops its selective-checkpoint policy saw, in order
+        self.policy_calls: defaultdict[int, list[Any]] = defaultdict(list)
+        #: regions whose forward runs an in-place collective (replayed unchecked)
+        self.inplace_collective: set[int] = set()
+        #: region -> bytes of each input the step created
+        self.region_inputs: dict[int, list[int]] = {}
+
+
 class _PhaseContext:
     """Enter ``inner`` with the tracker switched to a region (and phase)."""
 
-    def __init__(self, tracker: MemoryTracker, phase: str | None, region: int, inner: Any):
+    def __init__(
+        self, tracker: _ProfilingTracker, phase: str | None, region: int, inner: Any
+    ) -> None:
         self.tracker, self.phase, self.region, self.inner = tracker, phase, region, inner
         self.marks: dict[int, int] = {}
 
@@ -294,11 +314,13 @@ class _PhaseContext:
         finally:
             self.tracker.phase, self.tracker.region = self.prev
             if self.phase == "rc":
-                self.tracker.rc_exit[self.region] = len(self.tracker.ops)  # type: ignore[attr-defined]
+                self.tracker.rc_exit[self.region] = len(self.tracker.ops)
 
 
-def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., Any]:
-    def runner(state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[..., Any]:
+    def runner(
+        state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         j = state.index
         # Inputs the step created (activations); resident ones (parameters, a shared
         # mask) are held anyway.
@@ -307,7 +329,7 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
             sid = tracker._live.get(t.untyped_storage()._cdata)
             if sid is not None and tracker.storages[sid].alloc >= 0:
                 seen[sid] = tracker.storages[sid].nbytes
-        tracker.region_inputs[j] = list(seen.values())  # type: ignore[attr-defined]
+        tracker.region_inputs[j] = list(seen.values())
         if j in plain or not torch.is_grad_enabled():
             prev = tracker.region
             tracker.region = j
@@ -316,7 +338,7 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
             finally:
                 tracker.region = prev
 
-        calls = tracker.policy_calls[j]  # type: ignore[attr-defined]
+        calls = tracker.policy_calls[j]
 
         def on_op(func: Any) -> None:
             # Only the sequence of ops the policy saw: torch up to 2.11 asks the policy
@@ -337,7 +359,7 @@ def _recording_runner(tracker: MemoryTracker, plain: set[int]) -> Callable[..., 
     return runner
 
 
-def _number_policy_ops(tracker: MemoryTracker) -> None:
+def _number_policy_ops(tracker: _ProfilingTracker) -> None:
     """Give every forward op of a checkpointed region its ``sac_ordinal``: its position
     among the ops the selective-checkpoint policy saw (the numbering plan decisions use).
 
@@ -355,14 +377,14 @@ def _number_policy_ops(tracker: MemoryTracker) -> None:
     for o in tracker.ops:
         if o.phase == "fwd" and o.region >= 0 and o.func not in SAC_IGNORED_OPS:
             by_region[o.region].append(o)
-    for j, calls in tracker.policy_calls.items():  # type: ignore[attr-defined]
+    for j, calls in tracker.policy_calls.items():
         i = 0
         for o in by_region.get(j, ()):
             if i < len(calls) and o.func is calls[i]:
                 o.sac_ordinal = i
                 i += 1
                 if o.collective and _mutates(o.func, o):
-                    tracker.inplace_collective.add(j)  # type: ignore[attr-defined]
+                    tracker.inplace_collective.add(j)
         if not calls and any(o.new for o in by_region.get(j, ())):
             raise RuntimeError(
                 f"autoac: region {j} ran under a selective checkpoint and allocated tensors, "
@@ -386,7 +408,9 @@ def _mutates(func: Any, rec: Any) -> bool:
 
 
 def _decision_runner(decisions: dict[int, RegionDecisions]) -> Callable[..., Any]:
-    def runner(state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def runner(
+        state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         d = decisions.get(state.index)
         if d is None:
             return fn(*args, **kwargs)
@@ -407,7 +431,7 @@ def _seed_all(seed: int, device: torch.device) -> None:
         torch.cuda.manual_seed(seed)
 
 
-def _run_step(model: nn.Module, step_fn: Callable, tracker: MemoryTracker | None) -> float:
+def _run_step(model: nn.Module, step_fn: _StepFn, tracker: MemoryTracker | None) -> float:
     """One forward (``step_fn``) + backward; returns the wall time."""
     t0 = time.perf_counter()
     if tracker is not None:
@@ -483,7 +507,7 @@ def grad_error(ref: list[torch.Tensor | None], got: list[torch.Tensor | None]) -
 
 # --------------------------------------------------------------------------- building
 def _build_regions(
-    tracker: MemoryTracker,
+    tracker: _ProfilingTracker,
     names: list[str],
     times: dict[int, float],
     config: ProfileConfig,
@@ -496,7 +520,7 @@ def _build_regions(
     for j, name in enumerate(names):
         fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
         rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
-        inputs = sum(tracker.region_inputs.get(j, []))  # type: ignore[attr-defined]
+        inputs = sum(tracker.region_inputs.get(j, []))
         fwd_start = fwd[0].position if fwd else 0
         forward_s = sum(times.get(o.index, o.time_s) for o in fwd)
         if j in plain or not rc:
@@ -505,27 +529,28 @@ def _build_regions(
             )
             continue
         # Match the k-th call of each op in the recomputation to the forward's.
-        by_key: dict[tuple[str, int], Any] = {}
-        occ: Counter = Counter()
+        # (op name, occurrence) -> (sac ordinal, forward op), for the ops the policy saw
+        by_key: dict[tuple[str, int], tuple[int, OpRecord]] = {}
+        occ: Counter[object] = Counter()
         for o in fwd:
             if o.sac_ordinal is None:
                 continue
-            by_key[(op_name(o.func), occ[o.func])] = o
+            by_key[(op_name(o.func), occ[o.func])] = (o.sac_ordinal, o)
             occ[o.func] += 1
-        rc_of: dict[int, Any] = {}
+        rc_of: dict[int, OpRecord] = {}
         occ = Counter()
         for o in rc:
-            if o.func not in {f.func for f in by_key.values()}:
+            if o.func not in {f.func for _, f in by_key.values()}:
                 continue
             k = (op_name(o.func), occ[o.func])
             occ[o.func] += 1
             if k in by_key:
-                rc_of[by_key[k].index] = o
+                rc_of[by_key[k][1].index] = o
         rc_start = rc[0].position
-        exit_op = tracker.rc_exit.get(j, len(tracker.ops))  # type: ignore[attr-defined]
+        exit_op = tracker.rc_exit.get(j, len(tracker.ops))
         rc_end = tracker.ops[exit_op].position if exit_op < len(tracker.ops) else end
         stop = max(
-            (by_key_o.sac_ordinal for by_key_o in by_key.values() if by_key_o.index in rc_of),
+            (ordinal for ordinal, f in by_key.values() if f.index in rc_of),
             default=-1,
         )
         written: dict[int, int] = {}
@@ -534,7 +559,7 @@ def _build_regions(
                 written[s] = max(written.get(s, -1), o.index)
         ops: list[SavedOp] = []
         fixed = 0.0
-        for key, o in by_key.items():
+        for key, (ordinal, o) in by_key.items():
             t_meas = times.get(o.index, o.time_s)
             if rates is not None:
                 flops_rate, byte_rate = rates
@@ -579,7 +604,7 @@ def _build_regions(
                 )
             )
             saved = SavedOp(
-                ordinal=o.sac_ordinal,
+                ordinal=ordinal,
                 key=key,
                 op=op_name(o.func),
                 op_class=str(getattr(o.func, "overloadpacket", o.func)),
@@ -596,7 +621,7 @@ def _build_regions(
                 formats=fmts,
                 shapes=tuple(tuple(x[0]) for x in o.outputs),
             )
-            if o.sac_ordinal is not None and o.sac_ordinal <= stop or saved.needed:
+            if ordinal <= stop or saved.needed:
                 ops.append(saved)
         ops.sort(key=lambda s: s.ordinal)
         out.append(
@@ -760,24 +785,20 @@ def profile(
 
 def _profile(
     model: nn.Module,
-    step_fn: Callable,
-    states: list,
+    step_fn: _StepFn,
+    states: list[_regions._RegionState],
     names: list[str],
     config: ProfileConfig,
     device: torch.device,
 ) -> Profile:
     plain: set[int] = set()
     for _attempt in range(2):
-        traces: list[MemoryTracker] = []
+        traces: list[_ProfilingTracker] = []
         walls: list[float] = []
         alloc_peak = None
         for _ in range(config.steps):
             set_grads(model, None)
-            tracker = MemoryTracker(record_ops=True, time_ops=True, device=device)
-            tracker.rc_exit = {}  # type: ignore[attr-defined]
-            tracker.policy_calls = defaultdict(list)  # type: ignore[attr-defined]
-            tracker.inplace_collective = set()  # type: ignore[attr-defined]
-            tracker.region_inputs = {}  # type: ignore[attr-defined]
+            tracker = _ProfilingTracker(device)
             runner = _recording_runner(tracker, plain)
             for s in states:
                 s.runner = runner
@@ -798,7 +819,7 @@ def _profile(
                         "(make each call its own region)"
                     )
             traces.append(tracker)
-        new_plain = set(traces[-1].inplace_collective) - plain  # type: ignore[attr-defined]
+        new_plain = set(traces[-1].inplace_collective) - plain
         if not new_plain:
             break
         plain |= new_plain  # replay without checkpointing the regions that cannot be
@@ -836,10 +857,7 @@ def _profile(
         "backward_on_other_thread": bool(
             (last.threads.get("bwd", set()) | last.threads.get("rc", set())) - fwd_threads
         ),
-        "policy_ops_per_region": [
-            len(last.policy_calls.get(j, ()))  # type: ignore[attr-defined]
-            for j in range(len(names))
-        ],
+        "policy_ops_per_region": [len(last.policy_calls.get(j, ())) for j in range(len(names))],
         "recompute_ops_per_region": [
             sum(1 for o in last.ops if o.region == j and o.phase == "rc") for j in range(len(names))
         ],
@@ -863,12 +881,12 @@ def _profile(
 
 def _class_errors(
     model: nn.Module,
-    step_fn: Callable,
-    states: list,
+    step_fn: _StepFn,
+    states: list[_regions._RegionState],
     regions_p: tuple[RegionProfile, ...],
     config: ProfileConfig,
     device: torch.device,
-    ref_grads: list,
+    ref_grads: list[torch.Tensor | None],
 ) -> dict[tuple[str, str], float]:
     """Gradient error of packing every candidate of one op class in one format."""
     errors: dict[tuple[str, str], float] = {}

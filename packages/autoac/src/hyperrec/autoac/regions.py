@@ -56,8 +56,22 @@ class _RegionState:
         self.calls = 0
 
 
+def _state(module: nn.Module) -> _RegionState | None:
+    """The autoac state of ``module``, or None.
+
+    Kept in the instance ``__dict__`` (where ``module._autoac = ...`` would put it too):
+    ``nn.Module`` types its dynamic attributes as parameters, buffers and submodules only.
+    """
+    st = module.__dict__.get("_autoac")
+    return st if isinstance(st, _RegionState) else None
+
+
 def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    state: _RegionState = module._autoac  # type: ignore[assignment]
+    state = _state(module)
+    if state is None:
+        raise RuntimeError(
+            f"autoac's dispatcher ran on a {type(module).__name__} that has no autoac state"
+        )
     state.calls += 1
     if state.runner is None:
         return state.orig_forward(*args, **kwargs)
@@ -68,15 +82,15 @@ def install(modules: list[nn.Module], names: list[str]) -> list[_RegionState]:
     """Put the dispatcher on each region (idempotent per module)."""
     states = []
     for i, (m, n) in enumerate(zip(modules, names)):
-        st = getattr(m, "_autoac", None)
+        st = _state(m)
         if st is None:
             st = _RegionState(m, n, i)
-            m._autoac = st  # type: ignore[attr-defined]
+            m.__dict__["_autoac"] = st
 
             def fwd(*args: Any, _m: nn.Module = m, **kwargs: Any) -> Any:
                 return _dispatch(_m, *args, **kwargs)
 
-            m.forward = fwd  # type: ignore[method-assign]
+            m.forward = fwd
         st.name, st.index = n, i
         states.append(st)
     return states
@@ -85,14 +99,14 @@ def install(modules: list[nn.Module], names: list[str]) -> list[_RegionState]:
 def uninstall(modules: Iterable[nn.Module]) -> None:
     """Restore the original ``forward`` of each region."""
     for m in modules:
-        st = m.__dict__.get("_autoac")
+        st = _state(m)
         if st is None:
             continue
         if st.had_instance_forward:
-            m.forward = st.orig_forward  # type: ignore[method-assign]
+            m.forward = st.orig_forward
         else:
             del m.forward
-        del m._autoac
+        del m.__dict__["_autoac"]
 
 
 def installed_regions(model: nn.Module) -> list[nn.Module]:
@@ -100,8 +114,9 @@ def installed_regions(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if "_autoac" in m.__dict__]
 
 
-def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
-    best, best_n = None, 0
+def _largest_module_list(model: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    best: nn.ModuleList | nn.Sequential | None = None
+    best_n = 0
     for m in model.modules():
         if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 1:
             n = sum(p.numel() for p in m.parameters())
@@ -199,7 +214,7 @@ def resolve_regions(
 
 def region_names(model: nn.Module) -> list[str]:
     """Names of the regions autoac currently manages in ``model``."""
-    return [m._autoac.name for m in installed_regions(model)]  # type: ignore[union-attr]
+    return [st.name for m in installed_regions(model) if (st := _state(m)) is not None]
 
 
 def flat_tensors(tree: Any) -> list[torch.Tensor]:

@@ -26,8 +26,9 @@ import functools
 import numbers
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -75,7 +76,19 @@ def compile_mechanism() -> CompileMechanism:
     return "sac"
 
 
-def _ckpt(fn: Callable, ctx: Callable, *args: Any, **kwargs: Any) -> Any:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _not_compiled(fn: _F) -> _F:
+    """``torch.compiler.disable(fn)`` (torch leaves it unannotated; it returns a function
+    of the same signature)."""
+    disabled: _F = torch.compiler.disable(fn)
+    return disabled
+
+
+def _ckpt(
+    fn: Callable[..., Any], ctx: Callable[[], tuple[Any, Any]], *args: Any, **kwargs: Any
+) -> Any:
     return checkpoint(
         fn,
         *args,
@@ -105,9 +118,11 @@ class _Runner:
         # Context functions are made once, outside any trace: Dynamo accepts them as
         # constants.
         self.ctx = {n: _exec.sac_context_fn(d) for n, d in decisions.items() if d.mode == "sac"}
-        self._compiled: dict[str, Callable] = {}
+        self._compiled: dict[str, Callable[..., Any]] = {}
 
-    def eager(self, state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def eager(
+        self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         d = self.decisions.get(state.name)
         if d is None:
             return fn(*args, **kwargs)
@@ -115,7 +130,9 @@ class _Runner:
             return _ckpt(fn, self.ctx[state.name], *args, **kwargs)
         return _eager_region(d, fn, args, kwargs)
 
-    def __call__(self, state: Any, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def __call__(
+        self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if not self.compiled:
             return self.eager(state, fn, args, kwargs)
         d = self.decisions.get(state.name)
@@ -127,7 +144,7 @@ class _Runner:
             self._compiled[state.name] = c
         return c(*args, **kwargs)
 
-    def _build(self, name: str, fn: Callable) -> Callable:
+    def _build(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         d = self.decisions.get(name)
         if d is None or d.mode == "none":
             return torch.compile(fn, **self.compile_kwargs)
@@ -154,7 +171,9 @@ class _Runner:
         return run
 
 
-def _with_region_budget(ctx: Callable, frac: float, fn: Callable) -> Callable:
+def _with_region_budget(
+    ctx: Callable[[float], AbstractContextManager[Any]], frac: float, fn: Callable[..., Any]
+) -> Callable[..., Any]:
     # Dynamo traces float values it reads as symbols; the annotation needs a constant,
     # which ``float`` of a constant string is.
     text = repr(float(frac))
@@ -166,8 +185,10 @@ def _with_region_budget(ctx: Callable, frac: float, fn: Callable) -> Callable:
     return run
 
 
-@torch.compiler.disable
-def _eager_region(d: RegionDecisions, fn: Callable, args: tuple, kwargs: dict) -> Any:
+@_not_compiled
+def _eager_region(
+    d: RegionDecisions, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     return run_region(d, fn, args, kwargs)
 
 
@@ -427,7 +448,10 @@ def _default_loss(out: Any) -> torch.Tensor:
     ts = [t for t in _regions.flat_tensors(out) if t.is_floating_point() and t.requires_grad]
     if not ts:
         raise TypeError("the model output has no floating tensor that requires grad; pass loss_fn")
-    return sum(t.float().square().mean() for t in ts)
+    loss = ts[0].float().square().mean()
+    for t in ts[1:]:
+        loss = loss + t.float().square().mean()
+    return loss
 
 
 def apply(
@@ -437,7 +461,7 @@ def apply(
     region_budgets: Mapping[str, float] | None = None,
     regions: Any = None,
     step_fn: Callable[[nn.Module], torch.Tensor] | None = None,
-    sample_inputs: tuple | None = None,
+    sample_inputs: tuple[Any, ...] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     formats: tuple[str, ...] = (),
     profile_config: ProfileConfig | None = None,
@@ -533,7 +557,7 @@ def apply(
 
 def _verify(
     handle: AutoAC,
-    step_fn: Callable,
+    step_fn: Callable[[nn.Module], torch.Tensor],
     budget: float | None,
     region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
@@ -560,7 +584,8 @@ def _verify(
             for o in r.ops
             if (d := rp.saves.get(o.key)) not in (None, "keep")
         }
-        worst = max(used, key=lambda k: prof.pack_errors.get(k, 0.0))
+        pack_errors = prof.pack_errors
+        worst = max(used, key=lambda k: pack_errors.get(k, 0.0))
         excluded.add(worst)
         replans += 1
         prof = restrict(prof, excluded)
@@ -580,7 +605,9 @@ def _verify(
     }
 
 
-def _reference_grads(handle: AutoAC, step_fn: Callable, prof: Profile) -> list:
+def _reference_grads(
+    handle: AutoAC, step_fn: Callable[[nn.Module], torch.Tensor], prof: Profile
+) -> list[torch.Tensor | None]:
     """Gradients of the exact step (every region fully recomputed: bit-identical to no
     checkpointing for deterministic ops)."""
     current = handle.plan

@@ -27,7 +27,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hyperrec.autoac.model import Assignment, Choice, Problem, min_memory, profile_of, time_of
+from hyperrec.autoac.model import (
+    Assignment,
+    Choice,
+    Interval,
+    Problem,
+    min_memory,
+    profile_of,
+    time_of,
+)
 
 __all__ = ["SolveResult", "lagrangian_bound", "solve_exact", "solve_greedy"]
 
@@ -81,7 +89,7 @@ class _State:
         grp = self.prob.groups[g]
         return grp.choices[self.modes[grp.region]][self.picks[g]]
 
-    def _delta(self, plus: list, minus: list) -> list[tuple[int, int, int]]:
+    def _delta(self, plus: list[Interval], minus: list[Interval]) -> list[Interval]:
         ev: dict[int, int] = {}
         for s, e, d in plus:
             ev[s] = ev.get(s, 0) + d
@@ -90,14 +98,15 @@ class _State:
             ev[s] = ev.get(s, 0) - d
             ev[e] = ev.get(e, 0) + d
         keys = sorted(ev)
-        out, run = [], 0
+        out: list[Interval] = []
+        run = 0
         for a, b in zip(keys, keys[1:]):
             run += ev[a]
             if run:
                 out.append((a, b, run))
         return out
 
-    def try_apply(self, region: int, plus: list, minus: list) -> bool:
+    def try_apply(self, region: int, plus: list[Interval], minus: list[Interval]) -> bool:
         delta = self._delta(plus, minus)
         for s, e, d in delta:
             if d > 0 and self.T[s:e].max() + d > self.cap:
@@ -112,8 +121,8 @@ class _State:
             self.T[s:e] += d
         return True
 
-    def _region_intervals(self, r: int) -> list:
-        out = []
+    def _region_intervals(self, r: int) -> list[Interval]:
+        out: list[Interval] = []
         for g in self.prob.regions[r].groups:
             out += list(self.choice(g).intervals)
         return out
@@ -128,10 +137,13 @@ def solve_greedy(prob: Problem) -> SolveResult:
         for m, opts in grp.choices.items()
         for i, c in enumerate(opts)
     }
-    blocked: set[tuple] = set()
+    # refused moves: (group, mode, option) or ("switch", region)
+    blocked: set[tuple[int, str, int] | tuple[str, int]] = set()
     version = [0] * len(prob.groups)
     rversion = [0] * len(prob.regions)
-    heap: list = []
+    # (-seconds saved per byte, -seconds saved, kind (0 group, 1 region switch), group or
+    # region, its version when pushed, option)
+    heap: list[tuple[float, float, int, int, int, int]] = []
     applied = 0
 
     def group_move(g: int) -> None:
@@ -139,7 +151,7 @@ def solve_greedy(prob: Problem) -> SolveResult:
         m = st.modes[grp.region]
         cur = st.choice(g)
         wc = weights[(g, m, st.picks[g])]
-        best = None
+        best: tuple[tuple[float, float], int] | None = None
         for i, c in enumerate(grp.choices[m]):
             if (g, m, i) in blocked or c.time_s >= cur.time_s - _EPS:
                 continue
@@ -153,9 +165,12 @@ def solve_greedy(prob: Problem) -> SolveResult:
             (eff, gain), i = best
             heapq.heappush(heap, (-eff, -gain, 0, g, version[g], i))
 
-    def switch_plan(r: int) -> tuple[list[int], float, list, list]:
+    def switch_plan(r: int) -> tuple[list[int], float, list[Interval], list[Interval]]:
         reg = prob.regions[r]
-        picks, t_new, plus, minus = [], reg.fixed_s["none"], [], []
+        picks: list[int] = []
+        plus: list[Interval] = []
+        minus: list[Interval] = []
+        t_new = reg.fixed_s["none"]
         for g in reg.groups:
             opts = prob.groups[g].choices["none"]
             i = min(range(len(opts)), key=lambda k: (weights[(g, "none", k)], opts[k].time_s))
@@ -291,17 +306,18 @@ def solve_exact(
     for r, reg in enumerate(prob.regions):
         for m in reg.fixed_s:
             acc_v, acc_t = np.zeros(n, dtype=np.int64), 0.0
-            lst = [(acc_v, acc_t)]
+            suffix = [(acc_v, acc_t)]
             for g in reversed(reg.groups):
                 acc_v = acc_v + gmin_v[(g, m)]
                 acc_t = acc_t + gmin_t[(g, m)]
-                lst.append((acc_v, acc_t))
-            gsuf[(r, m)] = list(reversed(lst))
+                suffix.append((acc_v, acc_t))
+            gsuf[(r, m)] = list(reversed(suffix))
 
     start = incumbent if incumbent is not None else solve_greedy(prob).assignment
-    best = [time_of(prob, start), start]
+    best_t = time_of(prob, start)
+    best_a: Assignment | None = start
     if not _feasible_vec(prob, start):
-        best = [math.inf, None]
+        best_t, best_a = math.inf, None
     modes = [""] * R
     picks = [0] * len(prob.groups)
     nodes = [0]
@@ -314,16 +330,17 @@ def solve_exact(
         return vec[h] + gsuf[(r, m)][i][0][h] <= prob.region_caps[r]
 
     def region(r: int, cur_v: np.ndarray, cur_t: float) -> None:
+        nonlocal best_t, best_a
         if r == R:
-            if cur_t < best[0] - 1e-15:
-                best[0] = cur_t
-                best[1] = Assignment(tuple(modes), tuple(picks))
+            if cur_t < best_t - 1e-15:
+                best_t = cur_t
+                best_a = Assignment(tuple(modes), tuple(picks))
             return
         reg = prob.regions[r]
         order = sorted(reg.fixed_s, key=lambda m: reg.fixed_s[m] + gsuf[(r, m)][0][1])
         for m in order:
             t0 = cur_t + reg.fixed_s[m]
-            if t0 + gsuf[(r, m)][0][1] + suf_t[r + 1] >= best[0] - 1e-15:
+            if t0 + gsuf[(r, m)][0][1] + suf_t[r + 1] >= best_t - 1e-15:
                 continue
             if np.any(cur_v + gsuf[(r, m)][0][0] + suf_v[r + 1] > room):
                 continue
@@ -344,7 +361,7 @@ def solve_exact(
             if stopped[0]:
                 return
             nt = cur_t + t
-            if nt + gsuf[(r, m)][i + 1][1] + suf_t[r + 1] >= best[0] - 1e-15:
+            if nt + gsuf[(r, m)][i + 1][1] + suf_t[r + 1] >= best_t - 1e-15:
                 break  # options are sorted by time
             nv = cur_v + v
             if np.any(nv + gsuf[(r, m)][i + 1][0] + suf_v[r + 1] > room):
@@ -356,7 +373,7 @@ def solve_exact(
             group(r, m, i + 1, nv, nt, nreg)
 
     region(0, np.zeros(n, dtype=np.int64), 0.0)
-    a = best[1] if best[1] is not None else start
+    a = best_a if best_a is not None else start
     return SolveResult(a, time_of(prob, a), not stopped[0], nodes[0])
 
 
@@ -408,7 +425,7 @@ def lagrangian_bound(prob: Problem, *, iters: int = 200, upper: float | None = N
     mu = np.zeros(n)
     nu = np.zeros(len(capped))
     has_cap = prob.cap is not None
-    cap = float(prob.cap) if has_cap else 0.0
+    cap = float(prob.cap) if prob.cap is not None else 0.0
     best = -math.inf
     theta = 1.0
     stall = 0
@@ -444,8 +461,8 @@ def lagrangian_bound(prob: Problem, *, iters: int = 200, upper: float | None = N
         # Subgradient at the minimiser.
         diff = np.zeros(n + 1)
         held = np.zeros(len(capped))
-        sel = np.isin(iv_row_a, np.asarray(pick_rows, dtype=np.int64)) if len(iv_row_a) else []
         if len(iv_row_a):
+            sel = np.isin(iv_row_a, np.asarray(pick_rows, dtype=np.int64))
             np.add.at(diff, iv_s_a[sel], iv_d_a[sel])
             np.add.at(diff, iv_e_a[sel], -iv_d_a[sel])
             for j in range(len(capped)):
@@ -472,8 +489,8 @@ def lagrangian_bound(prob: Problem, *, iters: int = 200, upper: float | None = N
     return best
 
 
-def _rows_of_region(prob: Problem, index: dict, r: int) -> np.ndarray:
-    rows = []
+def _rows_of_region(prob: Problem, index: dict[tuple[int, str], list[int]], r: int) -> np.ndarray:
+    rows: list[int] = []
     for g in prob.regions[r].groups:
         for (gg, _m), ids in index.items():
             if gg == g:

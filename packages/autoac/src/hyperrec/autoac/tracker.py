@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -78,7 +79,7 @@ def is_collective(func: Any) -> bool:
 _SEEDED: dict[Any, int | None] = {}  # op -> index of its dropout_p argument (-1: none)
 
 
-def is_random(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+def is_random(func: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
     """True for ops that draw from a random generator.
 
     Ops tagged ``nondeterministic_seeded`` draw random numbers, except attention ops
@@ -103,7 +104,7 @@ def is_random(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
         return True
 
 
-def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
     packet = getattr(func, "overloadpacket", None)
     formula = _FLOP_REGISTRY.get(packet) if packet is not None else None
     if formula is None:
@@ -223,11 +224,11 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "fwd"
         self.region = -1
         self._live: dict[int, int] = {}  # storage _cdata -> sid
-        self._finalizers: list[weakref.finalize] = []
+        self._finalizers: list[weakref.finalize[[int, int], torch.UntypedStorage]] = []
         # Reentrant: a garbage collection inside a locked section can free a storage,
         # whose finalizer takes the lock again on the same thread.
         self._lock = threading.RLock()
-        self._cuda_events: list[tuple[int, Any, Any]] = []
+        self._cuda_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._active = True
         self._resident = 0
         #: phase -> ids of the threads its ops ran on (diagnostics: on CUDA the
@@ -286,7 +287,13 @@ class MemoryTracker(TorchDispatchMode):
         return len(self.deltas)
 
     # ------------------------------------------------------------------ dispatch
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         ins = _plain_tensors((args, kwargs))
         # Storages passed as such (``set_``) are inputs too.
@@ -302,24 +309,25 @@ class MemoryTracker(TorchDispatchMode):
             in_keys.add(st._cdata)
             in_sids.append(self._sid(st, op=op_index))
         pos = len(self.deltas)
-        timer = None
+        # Timing: CUDA events (resolved in ``finish``) for ops on CUDA tensors, the
+        # wall clock otherwise.
+        events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        cpu_start: float | None = None
         if self.time_ops:
             if any(t.is_cuda for t in ins):
-                start, end = (
+                events = (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
                 )
-                start.record()
-                timer = ("cuda", start, end)
+                events[0].record()
             else:
-                timer = ("cpu", time.perf_counter(), None)
+                cpu_start = time.perf_counter()
         out = func(*args, **kwargs)
         elapsed = 0.0
-        if timer is not None:
-            if timer[0] == "cuda":
-                timer[2].record()
-            else:
-                elapsed = time.perf_counter() - timer[1]
+        if events is not None:
+            events[1].record()
+        elif cpu_start is not None:
+            elapsed = time.perf_counter() - cpu_start
         schema = getattr(func, "_schema", None)
         # An output storage that is neither an input's nor already known was created
         # by this op (even for ops whose schema says they *may* alias: ``to``,
@@ -379,8 +387,8 @@ class MemoryTracker(TorchDispatchMode):
                 flops=_flops(func, args, kwargs, out),
             )
             self.ops.append(rec)
-            if timer is not None and timer[0] == "cuda":
-                self._cuda_events.append((op_index, timer[1], timer[2]))
+            if events is not None:
+                self._cuda_events.append((op_index, *events))
         return out
 
     def finish(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -57,20 +57,22 @@ def schema(*, before: str = "", returns: str = "Tensor") -> str:
 # (never on symbolic values, which torch.compile may pass); the caches are small and reset
 # when full.
 _CACHE_LIMIT = 256
-_ENCODED: dict[tuple, str] = {}
-_DECODED: dict[tuple, AttentionSpec] = {}
-_SPECS: dict[tuple, AttentionSpec] = {}
+_Key = tuple[object, ...]  # plain values (and their types)
+_ENCODED: dict[_Key, str] = {}
+_DECODED: dict[_Key, AttentionSpec] = {}
+_SPECS: dict[_Key, AttentionSpec] = {}
 _PLAIN = (bool, int, float, str)
+_V = TypeVar("_V")
 
 
-def _remember(cache: dict, key: tuple, value: Any) -> Any:
+def _remember(cache: dict[_Key, _V], key: _Key, value: _V) -> _V:
     if len(cache) >= _CACHE_LIMIT:
         cache.clear()
     cache[key] = value
     return value
 
 
-def _plain(values: tuple) -> bool:
+def _plain(values: tuple[object, ...]) -> bool:
     # Plain Python values only, and never while Dynamo traces (a dynamic int looks like an
     # int there, and a dict lookup would specialise the graph on it); float zeros are left
     # out too (0.0 == -0.0 would share an entry, and the sign of a zero output_scale
@@ -227,12 +229,12 @@ class AttentionCall:
         """The tensor arguments, in op order (what autograd saves)."""
         return tuple(getattr(self, n) for n in _TENSOR_NAMES)
 
-    def with_tensors(self, **tensors: torch.Tensor) -> AttentionCall:
-        """A copy with some tensors replaced (e.g. made contiguous); ``self`` if every one
-        given is already the call's own."""
-        if all(getattr(self, n) is t for n, t in tensors.items()):
+    def with_tensors(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
+        """A copy with ``q``, ``k``, ``v`` replaced (e.g. made contiguous); ``self`` if each
+        is already the call's own."""
+        if q is self.q and k is self.k and v is self.v:
             return self
-        return replace(self, **tensors)
+        return replace(self, q=q, k=k, v=v)
 
     @staticmethod
     def split_op_args(args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:

@@ -438,7 +438,10 @@ def _assert_async(cond: torch.Tensor, message: str) -> None:
 # scalars they were checked against; weak references and version counters make sure a
 # freed or modified tensor is checked again.
 _CHECKED_SIZE = 64
-_checked: OrderedDict[tuple, tuple[tuple, tuple[int, ...]]] = OrderedDict()
+# (ids of the tensors, scalars) -> (weak references to the tensors, their versions)
+_CheckKey = tuple[tuple[int, ...], tuple[int, ...]]
+_CheckEntry = tuple[tuple[weakref.ref[torch.Tensor] | None, ...], tuple[int, ...]]
+_checked: OrderedDict[_CheckKey, _CheckEntry] = OrderedDict()
 
 
 def _versions(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int, ...] | None:
@@ -448,7 +451,7 @@ def _versions(tensors: tuple[torch.Tensor | None, ...]) -> tuple[int, ...] | Non
         return None
 
 
-def _already_checked(tensors: tuple[torch.Tensor | None, ...], scalars: tuple) -> bool:
+def _already_checked(tensors: tuple[torch.Tensor | None, ...], scalars: tuple[int, ...]) -> bool:
     versions = _versions(tensors)
     if versions is None:
         return False

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -207,7 +208,7 @@ class FP8Config:
             )
 
 
-def mxfp8_module():
+def mxfp8_module() -> ModuleType:
     """``hyperrec.mxfp8`` (the optional dependency of ``precision="mxfp8"``).
 
     Raises:

@@ -47,8 +47,7 @@ def _window(window_size: object) -> tuple[int, int]:
 def _scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    check_float("scale", scale)
-    return float(scale)
+    return float(check_float("scale", scale))
 
 
 def _dispatch(

@@ -25,7 +25,9 @@ Inputs are assumed valid (the public functions validate them).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -105,8 +107,9 @@ def _tiles(pairs: _Pairs, spec: AttentionSpec) -> list[_Tile]:
     return tiles
 
 
-def _groups(pairs: _Pairs, spec: AttentionSpec, heads: int) -> list[tuple[torch.Tensor, ...]]:
-    """Tiles bucketed and chunked into groups: ``(G, 6)`` int64 tile tables."""
+def _groups(pairs: _Pairs, spec: AttentionSpec, heads: int) -> list[tuple[torch.Tensor, int, int]]:
+    """Tiles bucketed and chunked into groups: ``(G, 6)`` int64 tile tables, with the
+    padded query and key lengths."""
     buckets: dict[tuple[int, int], list[_Tile]] = {}
     for tile in _tiles(pairs, spec):
         buckets.setdefault((tile[2].bit_length(), tile[5].bit_length()), []).append(tile)
@@ -122,7 +125,9 @@ def _groups(pairs: _Pairs, spec: AttentionSpec, heads: int) -> list[tuple[torch.
     return groups
 
 
-def _gather(x: torch.Tensor, token: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype):
+def _gather(
+    x: torch.Tensor, token: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Jagged ``(T, H, D)`` rows at ``token`` ``(G, P)`` -> padded ``(G, H, P, D)``."""
     # where(), not a multiply: a NaN in another sequence's row must not leak through a
     # clamped padding index (NaN * 0 is NaN).
@@ -210,7 +215,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _without_autocast(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _without_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``fn`` with autocast off for its inputs' device.
 
     The reference computes in float32 (float64 for float64 inputs) on purpose; under an
@@ -218,7 +227,7 @@ def _without_autocast(fn):
     """
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
         with torch.autocast(device_type, enabled=False):
             return fn(*args, **kwargs)

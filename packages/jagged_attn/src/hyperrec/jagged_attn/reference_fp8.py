@@ -50,6 +50,7 @@ Inputs are assumed valid (the public functions validate them).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -295,7 +296,11 @@ def dequantize(
     total: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``(T, H, D)`` values of a quantized tensor (rotated values for Q/K with Hadamard)."""
+    """``(T, H, D)`` values of a quantized tensor (rotated values for Q/K with Hadamard).
+
+    Raises:
+        ValueError: a ``"cols"`` tensor without ``pad_offsets``.
+    """
     if t.layout == "rows":
         vals = t.data.float()
         if config.mx:
@@ -303,6 +308,8 @@ def dequantize(
         else:
             s = t.scale[..., None]
         return (vals * s).to(dtype)
+    if t.pad_offsets is None:
+        raise ValueError("t.pad_offsets must be given for layout='cols', got None")
     seq, pos = _positions(offsets, total)
     col = t.pad_offsets.long()[seq] + pos
     vals = t.data.float()[:, :, col].permute(2, 0, 1)  # (T, H, Dv)
@@ -360,7 +367,13 @@ def _activation_tiles(
     return torch.matmul((p8 * torch.exp2(-k)[..., None]).reshape(h, r, lk), v)
 
 
-def _pairs(q_offsets, kv_offsets, kv_index, num_targets):
+def _pairs(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """Per query sequence ``b``: ``(b, q start, q end, kv start, kv end, targets)``."""
     qo, ko = q_offsets.long().tolist(), kv_offsets.long().tolist()
     kvi = None if kv_index is None else kv_index.long().tolist()
     nt = None if num_targets is None else num_targets.long().tolist()
@@ -369,8 +382,23 @@ def _pairs(q_offsets, kv_offsets, kv_index, num_targets):
         yield b, qo[b], qo[b + 1], ko[kb], ko[kb + 1], 0 if nt is None else nt[b]
 
 
-def _pair_loop(qd, kd, vd, q_offsets, kv_offsets, spec, kv_index, num_targets, n, weights_fn,
-               chunk_elements):  # fmt: skip
+#: ``weights_fn(scores, allowed, values) -> (H, R, Dv)`` (see :func:`_pair_loop`)
+_WeightsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _pair_loop(
+    qd: torch.Tensor,
+    kd: torch.Tensor,
+    vd: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    spec: AttentionSpec,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    n: int,
+    weights_fn: _WeightsFn,
+    chunk_elements: int,
+) -> torch.Tensor:
     """Shared driver: for each pair, rows in chunks, keys padded to a multiple of ``n``;
     ``weights_fn(s, ok, v) -> (H, R, Dv)`` un-normalised by ``coef``."""
     heads = qd.shape[1]
@@ -477,7 +505,7 @@ def naive_attention_forward(
     unquantized weights. ``(Tq, H, Dv)`` in ``q.dtype``."""
     qd, kd, vd = (_per_tensor(t, dtype) for t in (q, k, v))
 
-    def softmax(s, ok, vb):
+    def softmax(s: torch.Tensor, ok: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
         t = torch.where(ok, s, float("-inf"))
         mx = t.amax(-1, keepdim=True)
         e = torch.exp(t - torch.where(mx > float("-inf"), mx, 0.0))
@@ -485,7 +513,7 @@ def naive_attention_forward(
         num = torch.matmul(round_e4m3(e), vb)
         return torch.where(denom > 0, num / torch.where(denom > 0, denom, 1.0), 0.0)
 
-    def act(s, ok, vb):
+    def act(s: torch.Tensor, ok: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
         return torch.matmul(round_e4m3(torch.where(ok, activation(spec.activation, s), 0.0)), vb)
 
     fn = softmax if spec.activation == "softmax" else act

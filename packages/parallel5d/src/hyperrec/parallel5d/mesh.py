@@ -549,7 +549,7 @@ class ParallelMesh:
         if not dist.is_initialized() and init_process_group:
             backend = "nccl" if torch.cuda.is_available() and device_type != "cpu" else "gloo"
             if topology.world_size == 1 and os.environ.get("WORLD_SIZE", "1") == "1":
-                store = dist.HashStore()  # type: ignore[attr-defined]
+                store = dist.HashStore()
                 dist.init_process_group(backend, store=store, rank=0, world_size=1)
             else:
                 dist.init_process_group(backend)

@@ -91,7 +91,7 @@ def _worker(
         timeout = datetime.timedelta(seconds=timeout_s)
         # A file store in a private temporary directory: no TCP port, so any number of
         # test processes can run side by side without colliding.
-        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+        store = dist.FileStore(store_path, world_size)
         store.set_timeout(timeout)  # rendezvous: the last rank may start minutes late
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -75,7 +76,7 @@ def _contiguous(call: AttentionCall) -> AttentionCall:
     mutates_args=(),
     schema=schema(before=_PRECISION, returns="(Tensor, Tensor)"),
 )
-def attention_fp8_triton_fwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fp8_triton_fwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 forward: ``out`` ``(Tq, H, Dv)`` and ``lse`` (``(H, Tq)`` fp32 for softmax, empty
     otherwise)."""
     from hyperrec.jagged_attn._triton._fp8_launch import attention_forward_fp8
@@ -85,20 +86,34 @@ def attention_fp8_triton_fwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @attention_fp8_triton_fwd.register_fake
-def _fp8_triton_fwd_fake(precision, q, k, v, q_offsets, kv_offsets, kv_index, num_targets,
-                         spec, *scalars):  # fmt: skip
+def _fp8_triton_fwd_fake(
+    precision: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    spec: str,
+    *scalars: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse_shape = (q.shape[1], q.shape[0]) if activation_of(spec) == "softmax" else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _triton_setup_context(ctx, inputs, output) -> None:
+def _triton_setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
     ctx.n_tensors = len(tensors)
     ctx.save_for_backward(*output, *tensors)
 
 
-def _triton_backward(ctx, grad_out, grad_lse):
+def _triton_backward(
+    ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
     del grad_lse  # auxiliary output: nothing flows back through it
     out, lse, *tensors = ctx.saved_tensors
     dq, dk, dv = attention_triton_bwd(grad_out, out, lse, *tensors, *ctx.spec_args)
@@ -108,14 +123,22 @@ def _triton_backward(ctx, grad_out, grad_lse):
 attention_fp8_triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup_context)
 
 
-def attention_fp8_triton(*args) -> torch.Tensor:
+def attention_fp8_triton(*args: Any) -> torch.Tensor:
     """:func:`attention_fp8_triton_fwd` returning ``out`` only."""
     out, _ = attention_fp8_triton_fwd(*args)
     return out
 
 
 @register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_triton_fwd)
-def _fp8_flop_formula(precision, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+def _fp8_flop_formula(
+    precision: str,
+    q_shape: torch.Size,
+    k_shape: torch.Size,
+    v_shape: torch.Size,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     max_q, max_kv = AttentionCall.max_lengths(args)
     return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
                                  v_shape[2], pass_="fwd"))  # fmt: skip
@@ -129,7 +152,7 @@ def _fp8_flop_formula(precision, q_shape, k_shape, v_shape, *args, out_shape=Non
 @torch.library.custom_op(
     f"{NAMESPACE}::attention_fp8_torch", mutates_args=(), schema=schema(before=_PRECISION)
 )
-def attention_fp8_torch(*args) -> torch.Tensor:
+def attention_fp8_torch(*args: Any) -> torch.Tensor:
     """The emulated FP8 forward: ``(Tq, H, Dv)`` in ``q.dtype``, contiguous."""
     from hyperrec.jagged_attn import reference_fp8
 
@@ -143,16 +166,18 @@ def attention_fp8_torch(*args) -> torch.Tensor:
 
 
 @attention_fp8_torch.register_fake
-def _fp8_torch_fake(precision, q, k, v, *args):
+def _fp8_torch_fake(
+    precision: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any
+) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
-def _torch_setup_context(ctx, inputs, output) -> None:
+def _torch_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
     ctx.save_for_backward(*tensors)
 
 
-def _torch_backward(ctx, grad_out):
+def _torch_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     dq, dk, dv = attention_torch_backward(grad_out, *ctx.saved_tensors, *ctx.spec_args)
     return (None, dq, dk, dv) + (None,) * (len(ctx.saved_tensors) - 3 + len(ctx.spec_args))
 

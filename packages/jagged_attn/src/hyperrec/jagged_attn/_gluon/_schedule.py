@@ -30,7 +30,16 @@ import torch
 __all__ = ["tile_table", "upper_bound"]
 
 _CACHE_SIZE = 16
-_cache: OrderedDict[tuple, tuple] = OrderedDict()
+# (ids of the offsets, block_m, causal, total_q) ->
+# (weak references to the offsets, their versions, the table)
+_cache: OrderedDict[
+    tuple[int, int, int, bool, int],
+    tuple[
+        tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]],
+        tuple[int | None, int | None],
+        tuple[torch.Tensor, torch.Tensor],
+    ],
+] = OrderedDict()
 
 
 def upper_bound(total_q: int, n_seq: int, block_m: int) -> int:

@@ -80,7 +80,7 @@ class Relauncher:
     """Replays one compiled launch key (see the module doc). ``ok`` is False when this
     Triton or this kernel does not allow it."""
 
-    def __init__(self, kernel: Any, compiled: Any, args: tuple, kw: dict[str, Any],
+    def __init__(self, kernel: Any, compiled: Any, args: tuple[Any, ...], kw: dict[str, Any],
                  options: dict[str, Any]) -> None:  # fmt: skip
         self.ok = False
         if not _convention_ok():
@@ -110,11 +110,11 @@ class Relauncher:
         self.compiled, self.device = compiled, device
         self.ok = True
 
-    def _ints_ok(self, args: tuple) -> bool:
+    def _ints_ok(self, args: tuple[Any, ...]) -> bool:
         lo, hi = _INT32
         return all(lo <= args[i] < hi for i in self.ints)
 
-    def __call__(self, grid0: int, args: tuple) -> bool:
+    def __call__(self, grid0: int, args: tuple[Any, ...]) -> bool:
         """Launch on ``(grid0,)`` and return True, or return False (nothing launched) if
         ``args`` would specialise differently from the first launch."""
         ptr = 0

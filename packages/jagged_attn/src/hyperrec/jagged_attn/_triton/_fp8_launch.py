@@ -57,7 +57,7 @@ def _device_signs(n: int, seed: int, device: torch.device) -> torch.Tensor:
     return hit
 
 
-_SIGNS: dict[tuple, torch.Tensor] = {}
+_SIGNS: dict[tuple[str, int, int, str], torch.Tensor] = {}
 
 
 def _padded(offsets: torch.Tensor, pad: int) -> torch.Tensor:
@@ -88,23 +88,21 @@ def quantize_qkv(
     width = cols_width(total_kv, n_kv, config.v_pad)
     qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
     poff = _padded(ko, config.v_pad)
-    u8 = dict(dtype=torch.uint8, device=device)
-    qd = torch.empty((total_q, heads, dim), **u8)
-    kd = torch.empty((total_kv, heads, dim), **u8)
-    vd = torch.empty((heads, dim_v, width), **u8)
+    qd = torch.empty((total_q, heads, dim), dtype=torch.uint8, device=device)
+    kd = torch.empty((total_kv, heads, dim), dtype=torch.uint8, device=device)
+    vd = torch.empty((heads, dim_v, width), dtype=torch.uint8, device=device)
     if mx:
-        qs = torch.empty((total_q, heads, dim // 32), **u8)
-        ks = torch.empty((total_kv, heads, dim // 32), **u8)
-        vs = torch.empty((heads, dim_v, width // 32), **u8)
+        qs = torch.empty((total_q, heads, dim // 32), dtype=torch.uint8, device=device)
+        ks = torch.empty((total_kv, heads, dim // 32), dtype=torch.uint8, device=device)
+        vs = torch.empty((heads, dim_v, width // 32), dtype=torch.uint8, device=device)
         tile_q = group_q = tile_kv = group_kv = 32
         from hyperrec.jagged_attn.fp8 import mxfp8_module
 
         add, odd = _rceil_constants(mxfp8_module().E4M3.max_value)
     else:
-        f32 = dict(dtype=torch.float32, device=device)
-        qs = torch.empty((total_q, heads), **f32)
-        ks = torch.empty((total_kv, heads), **f32)
-        vs = torch.empty((total_kv, heads), **f32)
+        qs = torch.empty((total_q, heads), dtype=torch.float32, device=device)
+        ks = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
+        vs = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
         group_q, tile_q = config.q_block, max(config.q_block, 32)
         group_kv = tile_kv = config.kv_block
         add = odd = 0
@@ -174,7 +172,7 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
 
 
 _SMS: dict[int, int] = {}
-_OCCUPANCY: dict[tuple, int] = {}
+_OCCUPANCY: dict[tuple[object, ...], int] = {}
 
 
 def _num_sms(device: torch.device) -> int:

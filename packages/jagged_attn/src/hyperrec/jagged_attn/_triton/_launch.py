@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 import triton
@@ -131,7 +131,7 @@ def _num_sms(device: torch.device) -> int:
     return _sm_props(device)["sms"]
 
 
-class _Key(tuple):
+class _Key(tuple[object, ...]):
     """A launch key: a tuple whose hash is computed once (keys hold ~30 entries and are
     looked up at every launch)."""
 
@@ -145,7 +145,7 @@ class _Key(tuple):
 # Programs of a persistent kernel that fit on one SM at once, per compiled variant. Filled
 # from the compiled kernel's registers and shared memory after its first launch (which uses
 # a safe one-per-SM grid).
-_OCCUPANCY: dict[tuple, int] = {}
+_OCCUPANCY: dict[tuple[object, ...], int] = {}
 
 # The CUDA runtime reserves 1 KiB of shared memory per resident block (sm80 and later).
 _SMEM_RESERVED_PER_BLOCK = 1024
@@ -198,16 +198,16 @@ def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig,
 
 
 # Opt-in direct relaunches (``_direct.py``), per launch key.
-_RELAUNCH: dict[tuple, Relauncher] = {}
+_RELAUNCH: dict[tuple[object, ...], Relauncher] = {}
 
 
 # The compiled kernel of each key (for benchmarks: registers, spills, shared memory, IR).
-_COMPILED: dict[tuple, Any] = {}
+_COMPILED: dict[tuple[object, ...], Any] = {}
 
 
 # Forward variants whose build failed once (warp specialisation): their key -> the error.
 # Such a key is launched without the variant from then on.
-_FAILED_BUILDS: dict[tuple, str] = {}
+_FAILED_BUILDS: dict[tuple[object, ...], str] = {}
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:
@@ -245,7 +245,9 @@ def _ensure_allocator() -> None:
     from triton.runtime import _allocation
 
     current = getattr(_allocation, "_allocator", None)
-    current = current.get() if hasattr(current, "get") else current
+    get = getattr(current, "get", None)  # a ContextVar in newer Tritons
+    if get is not None:
+        current = get()
     if current is None or isinstance(current, _allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
@@ -295,11 +297,12 @@ def _check_inputs(call: AttentionCall) -> None:
     assert 16 <= q.shape[2] <= 256 and v.shape[2] <= 256, "head dims must be in [16, 256]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         assert t.stride(2) == 1, f"{name} must be contiguous in its last dim"
-    for name, t in (("q_offsets", call.q_offsets), ("kv_offsets", call.kv_offsets),
-                    ("kv_index", call.kv_index), ("num_targets", call.num_targets)):  # fmt: skip
-        if t is not None:
-            assert t.device == q.device, f"{name} must be on {q.device}, got {t.device}"
-            assert t.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64"
+    indices = (("q_offsets", call.q_offsets), ("kv_offsets", call.kv_offsets),
+               ("kv_index", call.kv_index), ("num_targets", call.num_targets))  # fmt: skip
+    for name, index in indices:
+        if index is not None:
+            assert index.device == q.device, f"{name} must be on {q.device}, got {index.device}"
+            assert index.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64"
     assert q.device == k.device == v.device, "q, k, v must be on one device"
 
 
@@ -355,12 +358,12 @@ class _ForwardPlan:
     set)."""
 
 
-_FWD_PLANS: dict[tuple, _ForwardPlan] = {}
-_BWD_PLANS: dict[tuple, Any] = {}
+_FWD_PLANS: dict[tuple[object, ...], _ForwardPlan] = {}
+_BWD_PLANS: dict[tuple[object, ...], _BackwardPlan] = {}
 _PLAN_LIMIT = 256
 
 
-def _signature(call: AttentionCall, *extra: Any) -> tuple:
+def _signature(call: AttentionCall, *extra: Any) -> tuple[object, ...]:
     """What the launchers' decisions depend on, as a cheap hashable key: dtypes, devices,
     heads and head dims, strides, which optional tensors are given, the spec's static
     fields, the length bucket, whether the inputs are empty and 16-byte aligned (tensor
@@ -380,7 +383,10 @@ def _signature(call: AttentionCall, *extra: Any) -> tuple:
     )  # fmt: skip
 
 
-def _remember(cache: dict, key: tuple, value: Any) -> Any:
+_V = TypeVar("_V")
+
+
+def _remember(cache: dict[tuple[object, ...], _V], key: tuple[object, ...], value: _V) -> _V:
     if len(cache) >= _PLAN_LIMIT:
         cache.clear()
     cache[key] = value
@@ -461,6 +467,24 @@ def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str 
     return None
 
 
+def _gluon_activation(activation: str) -> Literal["softmax", "silu"]:
+    if activation == "softmax":
+        return "softmax"
+    if activation == "silu":
+        return "silu"
+    raise ValueError(f"activation must be 'softmax' or 'silu' for Gluon, got {activation!r}")
+
+
+def _gluon_normalization(normalization: str) -> Literal["none", "max_seqlen"]:
+    if normalization == "none":
+        return "none"
+    if normalization == "max_seqlen":
+        return "max_seqlen"
+    raise ValueError(
+        f"normalization must be 'none' or 'max_seqlen' for Gluon, got {normalization!r}"
+    )
+
+
 def _gluon_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     from hyperrec.jagged_attn._gluon import jagged_attention_fwd_gluon
 
@@ -472,8 +496,9 @@ def _gluon_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     return jagged_attention_fwd_gluon(
         call.q, call.k, call.v, call.q_offsets, spec.max_seqlen_q, causal=spec.mask.causal,
         scale=spec.scale, kv_offsets=None if same else call.kv_offsets,
-        max_seqlen_kv=None if same else spec.max_seqlen_kv, activation=spec.activation,
-        output_scale=spec.output_scale, normalization=spec.normalization,
+        max_seqlen_kv=None if same else spec.max_seqlen_kv,
+        activation=_gluon_activation(spec.activation), output_scale=spec.output_scale,
+        normalization=_gluon_normalization(spec.normalization),
     )  # fmt: skip
 
 
@@ -574,13 +599,15 @@ def _coef(spec) -> float:
     return coef
 
 
-def _fwd_schedule(call: AttentionCall, block_m: int, order: str, prefetch: bool = False) -> tuple:
+def _fwd_schedule(
+    call: AttentionCall, block_m: int, order: str, prefetch: bool = False
+) -> tuple[torch.Tensor, ...]:
     """(int32 q offsets, int32 kv offsets, the query-tile schedule of the forward or the dQ
     kernel...): one cache lookup per call (see :mod:`._schedule`)."""
     causal, total_q = call.spec.mask.causal, call.q.shape[0]
     tensors = (call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets)
 
-    def build():
+    def build() -> tuple[torch.Tensor, ...]:
         if not prefetch and order == "cost":  # the default: one kernel launch
             upper = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, block_m)
             q32, kv32, *table = tile_schedule(
@@ -592,13 +619,14 @@ def _fwd_schedule(call: AttentionCall, block_m: int, order: str, prefetch: bool 
             return (q32, kv32, *table)
         q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
         kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
+        schedule: tuple[torch.Tensor, ...]
         if prefetch:
-            table = q_tile_meta(q_offsets, kv_offsets, kv_index, num_targets, block_m, causal,
-                                total_q, order)  # fmt: skip
+            schedule = q_tile_meta(q_offsets, kv_offsets, kv_index, num_targets, block_m, causal,
+                                   total_q, order)  # fmt: skip
         else:
-            table = q_tile_schedule(q_offsets, kv_offsets, kv_index, block_m, causal, total_q,
-                                    order)  # fmt: skip
-        return (q_offsets, kv_offsets, *table)
+            schedule = q_tile_schedule(q_offsets, kv_offsets, kv_index, block_m, causal, total_q,
+                                       order)  # fmt: skip
+        return (q_offsets, kv_offsets, *schedule)
 
     return cached_schedule(tensors, ("fwd", block_m, causal, total_q, order, prefetch), build)
 
@@ -637,7 +665,7 @@ def _forward_packed(call, cfg, coef, ce, out, lse) -> None:
     _launch_persistent(_kernels._fwd_packed_kernel, work, q.device, cfg, key, args, kw)
 
 
-def forward_build_failures() -> dict[tuple, str]:
+def forward_build_failures() -> dict[tuple[object, ...], str]:
     """Forward builds that failed with warp specialisation (and ran without it)."""
     return dict(_FAILED_BUILDS)
 
@@ -708,7 +736,7 @@ def attention_backward(
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if plan.dq_atomic else dq
     q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
     num_targets = as_int32(call.num_targets)
-    args = (
+    args: tuple[object, ...] = (
         q, k, v, grad_out, lse_arg, delta_arg, dk, dv, dqa,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
@@ -784,7 +812,7 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
     )  # fmt: skip
 
 
-def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple:
+def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple[torch.Tensor, ...]:
     """(int32 q offsets, int32 kv offsets, the dK/dV kernel's key-tile schedule...): one
     cache lookup per call."""
     causal, total_kv = call.spec.mask.causal, call.k.shape[0]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -43,10 +43,17 @@ __all__ = [
 ]
 
 _CACHE_SIZE = 64
-_cache: OrderedDict[tuple, tuple[tuple, tuple[int, ...], Any]] = OrderedDict()
+# (ids of the tensors, extra) -> (weak references to them, their versions, the value)
+_cache: OrderedDict[
+    tuple[tuple[int, ...], tuple[object, ...]],
+    tuple[tuple[weakref.ref[torch.Tensor] | None, ...], tuple[int, ...], Any],
+] = OrderedDict()
+_T = TypeVar("_T")
 
 
-def _cached(tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Callable[[], Any]):
+def _cached(
+    tensors: tuple[torch.Tensor | None, ...], extra: tuple[object, ...], build: Callable[[], _T]
+) -> _T:
     if torch.compiler.is_compiling():
         return build()
     try:  # inference tensors carry no version counter: never cached
@@ -73,11 +80,17 @@ def _cached(tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Calla
 
 
 def cached_schedule(
-    tensors: tuple[torch.Tensor | None, ...], extra: tuple, build: Callable[[], Any]
-) -> Any:
+    tensors: tuple[torch.Tensor | None, ...], extra: tuple[object, ...], build: Callable[[], _T]
+) -> _T:
     """``build()``, cached per the index tensors' identities and versions and ``extra``
     (see the module doc): what the launchers use to keep one schedule per offsets object."""
     return _cached(tensors, extra, build)
+
+
+@overload
+def as_int32(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def as_int32(t: None) -> None: ...
 
 
 def as_int32(t: torch.Tensor | None) -> torch.Tensor | None:
