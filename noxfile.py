@@ -484,22 +484,31 @@ def _fresh_venv(session: nox.Session, where: Path) -> str:
 
 
 def _releases(path: Path) -> list[tuple[str, str]]:
-    """``[(version, commit)]`` of a distribution, oldest first: each version string with the
-    commit that first set it in ``_version.py`` (the release; later commits under the same
-    number are unreleased work)."""
+    """``[(version, commit)]`` of a distribution, oldest first: each version with its
+    release commit, the first commit in which ``_version.py`` sets it AND the CHANGELOG
+    has its heading (``## <version>``). A version number set during development, before
+    its CHANGELOG heading replaced ``## Unreleased``, is not a release yet; later commits
+    under the same number are unreleased work."""
     version_file = next((path / "src" / "hyperrec").glob("*/_version.py"))
     rel = str(version_file.relative_to(ROOT))
+    changelog = str((path / "CHANGELOG.md").relative_to(ROOT))
     log = subprocess.run(
-        ["git", "log", "--reverse", "--format=%H", "--", rel],
+        ["git", "log", "--reverse", "--format=%H", "--", rel, changelog],
         cwd=ROOT, check=True, capture_output=True, text=True,
     ).stdout.split()  # fmt: skip
+
+    def show(commit: str, file: str) -> str:
+        return subprocess.run(
+            ["git", "show", f"{commit}:{file}"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
+
     out: list[tuple[str, str]] = []
     for commit in log:
-        text = subprocess.run(
-            ["git", "show", f"{commit}:{rel}"], cwd=ROOT, capture_output=True, text=True
-        ).stdout
-        m = re.search(r'__version__\s*=\s*"([^"]+)"', text)
-        if m and m.group(1) not in {v for v, _ in out}:
+        m = re.search(r'__version__\s*=\s*"([^"]+)"', show(commit, rel))
+        if not m or m.group(1) in {v for v, _ in out}:
+            continue
+        heading = re.compile(rf"^## {re.escape(m.group(1))}\b", re.M)
+        if heading.search(show(commit, changelog)):
             out.append((m.group(1), commit))
     return out
 
