@@ -163,6 +163,33 @@ def check(case: Case, seed: int = 0, *, backward: bool = True, configs=(SMALL, D
         num_targets=nt,
     )  # fmt: skip
     base_grads = torch.autograd.grad(base, leaves, do, allow_unused=True)
+    exact_grads = _with_stored_output_rounding(
+        exact_grads, out, exact, do, q, k, qo, ko, kvi, nt, spec
+    )
     for name, got, b, e in zip(("dq", "dk", "dv"), (dq, dk, dv), base_grads, exact_grads):
         b = torch.zeros_like(e) if b is None else b
         assert_close_to_reference(got, b, e, atol=atol, name=name)
+
+
+def _with_stored_output_rounding(exact_grads, out, exact_out, do, q, k, qo, ko, kvi, nt, spec):
+    """The float64 gradients of the algorithm the kernels run, given their stored output.
+
+    Like FlashAttention (and FlexAttention), the softmax backward takes
+    ``D_i = rowsum(dO_i * O_i)`` from the output as stored (bf16/fp16), so ``D`` carries
+    that output's rounding ``dD_i = dO_i . (O_stored - O)_i``, and ``dS = P (dP - D)``
+    moves by ``-P_ij dD_i``: ``dq_i`` by ``-scale dD_i (P k)_i`` and ``dk_j`` by
+    ``-scale sum_i P_ij dD_i q_i``. Rows that see few keys cancel in ``dP - D`` and expose
+    it (17 causal queries over 2 keys: several times the eager bf16 error), so the
+    accuracy rule is applied against exact gradients carrying exactly this term, computed
+    in float64 with the reference; everything else stays under the rule as is. Only
+    plain softmax (output scale 1, no normalisation) uses ``D``.
+    """
+    if spec.activation != "softmax" or spec.output_scale != 1 or spec.normalization != "none":
+        return exact_grads
+    q64, k64 = q.double(), k.double()
+    d_err = (do.double() * (out.double() - exact_out)).sum(-1, keepdim=True)  # [T, H, 1]
+    kw = dict(kv_index=kvi, num_targets=nt)
+    p_k = reference.attention_forward(q64, k64, k64, qo, ko, spec, **kw)  # (P k)_i
+    _, _, pt_dq = reference.attention_backward(d_err * q64, q64, k64, k64, qo, ko, spec, **kw)
+    dq_e, dk_e, dv_e = exact_grads
+    return dq_e - spec.scale * d_err * p_k, dk_e - spec.scale * pt_dq, dv_e
