@@ -55,11 +55,15 @@ def test_plan_near_lower_bound_and_far_better_than_arrival_order():
         s = np.sort(costs)
         bound = max(costs.sum() / w, s[-1] + s[: k - 1].sum())
         to_bound.append(steps.max() / bound)
-        before.append(natural.max() / natural.mean() - 1)
-        after.append(steps.max() / steps.mean() - 1)
+        before.append(natural.max() / bound - 1)
+        after.append(steps.max() / bound - 1)
     assert min(to_bound) >= 1 - 1e-12
     assert np.mean(to_bound) < 1.03
-    assert np.mean(after) < 0.25 * np.mean(before)
+    # The slowest step's excess over what any plan could reach: arrival order keeps it,
+    # the plan removes >= 90% of it (measured over 300 seeded repetitions of this test:
+    # at most 2.6% left). Excess over the MEAN step is not a stable yardstick: when one
+    # item outweighs the mean step, no plan can get close to the mean.
+    assert np.mean(after) < 0.1 * np.mean(before)
 
 
 def test_plan_matches_brute_force_oracle_on_small_windows():
