@@ -281,7 +281,7 @@ class MXLinear(nn.Linear):
 
     Raises:
         TypeError: ``in_features``/``out_features`` not ints, ``policy`` not a
-            :class:`PrecisionPolicy`; in ``forward``, an input that is not a tensor.
+            :class:`PrecisionPolicy`; in ``forward``, an input that is not a floating-point tensor.
         ValueError: negative ``in_features``/``out_features``, an unknown
             ``input_activation``; in ``forward``, an input whose last dim is not
             ``in_features`` (or a 0-d input).
@@ -344,6 +344,10 @@ class MXLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            # The high-precision fallback would cast the weight to x's dtype: an integer x
+            # would be multiplied by truncated weights.
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         _check_features(x, self.in_features)
         rows = x.numel() // max(x.shape[-1], 1)
         use_mx = x.dtype in (torch.float32, torch.bfloat16, torch.float16) and rows >= max(
