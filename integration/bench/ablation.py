@@ -1,6 +1,8 @@
 """Ablation of the GEM-style model's training speed on one GPU, in the GEM paper's style.
 
     python integration/bench/ablation.py --out integration/results           # one H200, <= 10 min
+    python integration/bench/ablation.py --out integration/results \
+        --resume integration/results/ablation_gem_full_<date>.json             # the rows left out
     python integration/bench/ablation.py --out integration/results --quick   # <= 5 min
     python integration/bench/ablation.py --out /tmp/ablation --smoke         # CPU, < 1 min
     python integration/bench/ablation.py --print integration/results/<file>.json
@@ -378,6 +380,10 @@ def _launch(spec: dict[str, Any], timeout: float, in_process: bool) -> dict[str,
 def _mode_settings(args: argparse.Namespace) -> tuple[str, dict[str, Any], str, str]:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     settings = dict(MODES[mode])
+    if getattr(args, "budget", None) is not None:
+        if args.budget <= 0:
+            raise SystemExit(f"--budget must be positive seconds, got {args.budget}")
+        settings["budget"] = float(args.budget)
     device = "cpu" if args.smoke else "cuda"
     preset = args.preset or ("tiny" if args.smoke else "gem")
     return mode, settings, device, preset
@@ -413,6 +419,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     cumulative: list[str] = []
     naive_rps = None
+    # --resume: rows measured by an earlier invocation (same mode, preset and extra
+    # overrides) are kept as they are; only the rest run now. One invocation must fit in
+    # the budget; a full table on a GPU shared in time slices takes two.
+    earlier: dict[str, dict[str, Any]] = {}
+    invocations = 1
+    if args.resume:
+        prev = json.loads(Path(args.resume).read_text())
+        for key, want in (
+            ("mode", mode),
+            ("preset", preset_name),
+            ("extra_overrides", list(args.set)),
+        ):
+            if prev.get(key) != want:
+                raise SystemExit(
+                    f"--resume: {args.resume} has {key}={prev.get(key)!r}, this run {want!r}"
+                )
+        earlier = {r["name"]: r for r in prev["rows"] if r.get("status") == "ok"}
+        invocations = int(prev.get("invocations", 1)) + 1
+        if "naive" in earlier:
+            batch = earlier["naive"]["global_batch_size"]
+            naive_rps = earlier["naive"]["requests_per_s"]
 
     def budget_left() -> float:
         return settings["budget"] - (time.perf_counter() - t_start)
@@ -424,6 +451,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"preset": preset_name, "overrides": final, "batch": b,
                 "warmup": settings["warmup"], "timed": settings["timed"], "device": device,
                 **extra}  # fmt: skip
+
+    def save() -> tuple[dict[str, Any], Path]:
+        """Write the table so far: a row killed by the time limit loses only itself."""
+        doc = {
+            "benchmark": "integration ablation",
+            "machine": machine_info(),
+            "mode": mode,
+            "preset": preset_name,
+            "device": device,
+            "global_batch_size": batch,
+            "preset_batch_size": preset_batch,
+            "warmup_steps": settings["warmup"],
+            "timed_steps": settings["timed"],
+            "eval_requests": settings["eval"],
+            "extra_overrides": list(args.set),
+            "peak_tflops": next((r.get("peak_tflops") for r in rows if r.get("peak_tflops")), None),
+            "measured_matmul_tflops": next((r.get("measured_matmul_tflops") for r in rows if r.get("measured_matmul_tflops")), None),
+            "rows": rows,
+            "invocations": invocations,
+            "total_wall_s": time.perf_counter() - t_start,
+            "notes": [
+                "MFU = analytic model FLOPs (matmuls on unpadded tokens, attention over allowed "
+                "pairs, training = 3x forward, no recomputation, no padding) / step time / peak.",
+                "On one GPU BBS cannot raise throughput (no rank waits for another); its effect "
+                "is the step-cost spread (step_cost_cv).",
+                "speedup_vs_naive compares requests/s at the same batch, data and steps.",
+                "Held-out AUC: the same requests and evaluation code (jagged kernels) for every "
+                "row; the naive row's model is switched to them after its timed steps.",
+                "Rows run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set.",
+            ],
+        }  # fmt: skip
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = dt.date.today().isoformat()
+        path = out_dir / f"ablation_{preset_name}_{mode}_{stamp}.json"
+        path.write_text(json.dumps(jsonable(doc), indent=1) + "\n")
+        path.with_suffix(".md").write_text(markdown(doc) + "\n")
+        return doc, path
 
     for row, overrides, why in row_configs(preset_name, common):
         record: dict[str, Any] = {
@@ -438,6 +503,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cumulative = overrides
         if mode == "quick" and row.name not in QUICK_ROWS:
             record.update(status="skipped (--quick)")
+            rows.append(record)
+            continue
+        if row.name in earlier:
+            record = {**earlier[row.name], "from_earlier_invocation": True}
+            print(_row_line(record), flush=True)
             rows.append(record)
             continue
         limit = settings["row_timeout"]
@@ -460,6 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record["speedup_vs_naive"] = record["requests_per_s"] / naive_rps if naive_rps else None
         print(_row_line(record), flush=True)
         rows.append(record)
+        save()
 
     # The full stack at the preset's own batch (the preset's MFU figure) and, in full
     # mode, at a batch only autoac fits: not comparable with the rows above.
@@ -476,6 +547,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "description": f"'all' at a batch of {b} (the preset's is {preset_batch})",
             "overrides": cumulative,
         }
+        if name in earlier:
+            record = {**earlier[name], "from_earlier_invocation": True}
+            print(_row_line(record), flush=True)
+            rows.append(record)
+            continue
         timeout = min(settings["row_timeout"], budget_left())
         record.update(
             _launch(spec_for(cumulative, b), timeout, False)
@@ -486,40 +562,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record["speedup_vs_naive"] = None  # a different batch: not comparable
         print(_row_line(record), flush=True)
         rows.append(record)
+        save()
 
-    doc = {
-        "benchmark": "integration ablation",
-        "machine": machine_info(),
-        "mode": mode,
-        "preset": preset_name,
-        "device": device,
-        "global_batch_size": batch,
-        "preset_batch_size": preset_batch,
-        "warmup_steps": settings["warmup"],
-        "timed_steps": settings["timed"],
-        "eval_requests": settings["eval"],
-        "extra_overrides": list(args.set),
-        "peak_tflops": next((r.get("peak_tflops") for r in rows if r.get("peak_tflops")), None),
-        "measured_matmul_tflops": next((r.get("measured_matmul_tflops") for r in rows if r.get("measured_matmul_tflops")), None),
-        "rows": rows,
-        "total_wall_s": time.perf_counter() - t_start,
-        "notes": [
-            "MFU = analytic model FLOPs (matmuls on unpadded tokens, attention over allowed "
-            "pairs, training = 3x forward, no recomputation, no padding) / step time / peak.",
-            "On one GPU BBS cannot raise throughput (no rank waits for another); its effect "
-            "is the step-cost spread (step_cost_cv).",
-            "speedup_vs_naive compares requests/s at the same batch, data and steps.",
-            "Held-out AUC: the same requests and evaluation code (jagged kernels) for every "
-            "row; the naive row's model is switched to them after its timed steps.",
-            "Rows run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless set.",
-        ],
-    }  # fmt: skip
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.date.today().isoformat()
-    path = out_dir / f"ablation_{preset_name}_{mode}_{stamp}.json"
-    path.write_text(json.dumps(jsonable(doc), indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(doc) + "\n")
+    doc, path = save()
     print(markdown(doc))
     print(f"wrote {path} and {path.with_suffix('.md')} in {doc['total_wall_s']:.0f} s")
     return doc
@@ -547,7 +592,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['timed_steps']} timed steps after {doc['warmup_steps']} warm-up; "
         f"{m.get('gpu') or m.get('cpu')}, torch {m.get('torch')}, triton {m.get('triton')}, {m.get('date')}. "
         f"Peak {_fmt(doc.get('peak_tflops'), ',.1f')} TFLOP/s (datasheet dense BF16), "
-        f"measured BF16 GEMM {_fmt(doc.get('measured_matmul_tflops'), ',.0f')} TFLOP/s.",
+        f"measured BF16 GEMM {_fmt(doc.get('measured_matmul_tflops'), ',.0f')} TFLOP/s."
+        + (f" Rows measured in {doc['invocations']} consecutive invocations on the same machine."
+           if doc.get("invocations", 1) > 1 else ""),
         "",
         "| configuration | requests/s | speedup vs naive | MFU | model TFLOP/s | peak memory (GB) | held-out CTR AUC | step-cost CV |",
         "|---|---|---|---|---|---|---|---|",
@@ -583,6 +630,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SECTION.FIELD=VALUE",
         help="extra overrides for every row",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for this invocation's rows (default: the mode's; rows past it are "
+        "recorded as skipped and can be run with --resume)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="JSON",
+        help="an earlier result of the same mode: keep its measured rows, run the others",
     )
     p.add_argument(
         "--print", metavar="JSON", help="print the markdown table of a result file and exit"

@@ -174,6 +174,53 @@ def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
     return out
 
 
+def _where(key: tuple[str, int, str]) -> str:
+    file, line, func = key
+    for marker in ("site-packages/", "/src/", "/bench/"):
+        if marker in file:
+            file = file.split(marker, 1)[1]
+            break
+    return f"{file}:{line}({func})"
+
+
+def _host_profile(run: Any, steps: int, host_s: dict[str, float]) -> dict[str, Any]:
+    """Host time of ``steps`` more steps, outside the torch profiler: how long enqueueing a
+    step takes (``launch_step``; if it approaches the step time the GPU waits for the
+    host) and cProfile's top functions by own and cumulative time (cProfile slows Python
+    down, so its times are shares, not absolute costs)."""
+    import cProfile
+    import pstats
+
+    host_s.update(launch=0.0, finish=0.0)
+    plain: list[dict[str, float]] = []
+    t = time.perf_counter()
+    run(steps, plain)
+    wall = time.perf_counter() - t
+    launch, finish = host_s["launch"] / steps, host_s["finish"] / max(steps - 1, 1)
+    prof = cProfile.Profile()
+    prof.enable()
+    run(steps, [])
+    prof.disable()
+    st = pstats.Stats(prof)
+    entries = [(k, v) for k, v in st.stats.items()]  # type: ignore[attr-defined]
+    total = sum(v[2] for _, v in entries) or 1.0
+
+    def top(index: int) -> list[dict[str, Any]]:
+        rows = sorted(entries, key=lambda kv: -kv[1][index])[:40]
+        return [{"where": _where(k), "calls": v[1], "own_s": v[2], "cum_s": v[3],
+                 "own_share": v[2] / total} for k, v in rows]  # fmt: skip
+
+    return {
+        "steps": steps,
+        "wall_s_per_step": wall / steps,
+        "launch_step_s": launch,
+        "finish_step_s": finish,
+        "step_times_s": [m["step_time_s"] for m in plain],
+        "cprofile_top_own": top(2),
+        "cprofile_top_cumulative": top(3),
+    }
+
+
 def profile(args: argparse.Namespace) -> dict[str, Any]:
     """Run the profile; returns the summary (also written into ``args.out``)."""
     import torch
@@ -185,7 +232,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("profiling needs a CUDA GPU (use --smoke on a CPU)")
     name = args.preset or ("tiny" if args.smoke else "gem")
-    overrides = [f"train.steps={args.warmup + args.steps + 1}", "train.eval_every=0",
+    overrides = [f"train.steps={args.warmup + args.steps * (3 if args.host else 1) + 1}", "train.eval_every=0",
                  "train.ckpt_every=0", "train.warmup_steps=1", *args.set]  # fmt: skip
     if args.smoke:
         overrides += ["train.data_workers=1"]
@@ -197,12 +244,18 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(preset, out_dir=Path(args.out) / "profile-run", device=device, progress=False)
     build_s = time.perf_counter() - t0
 
+    host_s = {"launch": 0.0, "finish": 0.0}
+
     def run(n: int, metrics: list[dict[str, float]]) -> None:
         pending = None
         for _ in range(n):
+            t = time.perf_counter()
             launched = trainer.launch_step()
+            host_s["launch"] += time.perf_counter() - t
             if pending is not None:
+                t = time.perf_counter()
                 metrics.append(trainer.finish_step(pending))
+                host_s["finish"] += time.perf_counter() - t
             pending = launched
         if pending is not None:
             metrics.append(trainer.finish_step(pending))
@@ -232,6 +285,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     summary = _summarize(prof, cuda)
     summary["implicit_host_syncs"] = {"count": len(syncs), "messages": sorted(set(syncs))[:10]}
+    if args.host:
+        summary["host"] = _host_profile(run, args.steps, host_s)
     trainer.close()
 
     stamp = dt.date.today().isoformat()
@@ -292,6 +347,14 @@ def _print(doc: dict[str, Any], path: Path) -> None:
     for name, where in doc["blocking_call_sites"].items():
         for site, n in sorted(where.items(), key=lambda kv: -kv[1])[:3]:
             print(f"  {n:4d} x {name} from {site}")
+    host = doc.get("host")
+    if host:
+        print(f"host: launch_step {host['launch_step_s'] * 1e3:.1f} ms/step, finish_step "
+              f"{host['finish_step_s'] * 1e3:.1f} ms, wall {host['wall_s_per_step'] * 1e3:.1f} ms/step")  # fmt: skip
+        for r in host["cprofile_top_own"][:12]:
+            print(
+                f"  {r['own_share']:6.1%} own {r['cum_s']:8.3f} s cum {r['calls']:7d} x {r['where']}"
+            )
     print(f"time by category ({doc['time_basis']}):")
     for k, v in doc["time_by_category"].items():
         print(f"  {k:<15} {v['ms']:10.2f} ms  {v['fraction']:6.1%}")
@@ -313,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
     p.add_argument("--tag", help="name part of the output file (default: default/custom)")
     p.add_argument("--trace", action="store_true", help="also write the Chrome trace")
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="also time the host: launch_step per step and cProfile's top functions",
+    )
     p.add_argument(
         "--stacks",
         action="store_true",

@@ -178,8 +178,11 @@ def _torch_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor
 
 
 def _torch_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    dq, dk, dv = attention_torch_backward(grad_out, *ctx.saved_tensors, *ctx.spec_args)
-    return (None, dq, dk, dv) + (None,) * (len(ctx.saved_tensors) - 3 + len(ctx.spec_args))
+    # Unpack once: under non-reentrant (selective) checkpointing a saved tensor may be
+    # unpacked only once per backward.
+    saved = ctx.saved_tensors
+    dq, dk, dv = attention_torch_backward(grad_out, *saved, *ctx.spec_args)
+    return (None, dq, dk, dv) + (None,) * (len(saved) - 3 + len(ctx.spec_args))
 
 
 attention_fp8_torch.register_autograd(_torch_backward, setup_context=_torch_setup_context)
