@@ -67,6 +67,30 @@ def test_one_rank_mesh_dtensors_have_the_global_shape():
             assert torch.equal(v.full_tensor(), t)
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp", "hsdp"])
+def test_offloaded_views_stay_on_the_host_of_a_mesh_of_another_device(mesh_shape):
+    # An offloaded shard lives on the host while the mesh is the accelerator's (CUDA in
+    # training; "meta" stands in for it here). DTensor.from_local moves local tensors to
+    # the mesh's device type: the views were copies there, not views of the host shard.
+    ts = [torch.randn(6, 4), torch.randn(5), torch.randn(3, 3)]
+    with fake_mesh(mesh_shape, device_type="meta") as mesh:
+        buf = DBuffer(
+            [t.shape for t in ts], mesh=mesh, offload=True, pin_memory=False, device="meta"
+        )
+        assert buf.shard.device.type == "cpu" and buf.full.device.type == "meta"
+        buf.shard.copy_(torch.randn(buf.shard_numel))
+        for flat in (None, torch.randn(buf.shard_numel)):
+            base = buf.shard if flat is None else flat
+            for i, v in enumerate(buf.as_dtensors(flat)):
+                assert v.device_mesh is mesh and v.shape == ts[i].shape
+                assert v.placements[-1] == buf.placement(i)
+                local = v.to_local()
+                assert local.device.type == "cpu" and _inside(local, base)
+                assert torch.equal(local.reshape(-1), buf.flat_view(base, i))
+        for v in buf.state_dict().values():
+            assert _inside(v.to_local(), buf.shard)
+
+
 def test_given_layout_is_wrapped_and_checked():
     shapes = [(6, 4), (5,), (3, 3)]
     layout = plan_layout([24, 5, 9], [4, 1, 9], 1, alignment=4)

@@ -286,3 +286,108 @@ def test_to_dtype_rebuilds_the_buffers_and_device_moves_are_refused():
             assert (
                 p.to_local().untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr()
             )
+
+
+# CPUOffloadPolicy on an accelerator mesh: the shards live on the host, the mesh (which
+# runs the collectives) on the device. On the GPU that is a CUDA mesh; here a mesh of
+# device type "meta" stands in for it (anything but "cpu" makes DTensor.from_local move
+# local tensors). The benchmark's pattern: fully_shard per block and at the root, then the
+# first forward's lazy init, which checks that every parameter still views its buffer.
+
+
+def _offloaded_on(mesh) -> tuple[nn.Sequential, list[torch.Tensor]]:
+    from hyperrec.parallel5d import MixedPrecisionPolicy
+
+    model = _mlp()
+    ref = [p.detach().clone() for p in model.parameters()]
+    kw = {
+        "mesh": mesh,
+        "offload_policy": CPUOffloadPolicy(pin_memory=False),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
+    fully_shard(model[0], **kw)
+    fully_shard(model, **kw)
+    return model, ref
+
+
+def _host_views(model: nn.Module) -> list[tuple[torch.Tensor, int, object]]:
+    """(parameter, index in its buffer, buffer) for every parameter; each checked to be a
+    host view of its buffer's shard."""
+    out = []
+    for module in (model[0], model):
+        buf = module.dbuffers[0]
+        state = get_state(module)
+        for s in state.group.slots:
+            p = s.registrations[0][0]._parameters[s.registrations[0][1]]
+            assert p is s.sharded and isinstance(p, DTensor)
+            local = p.to_local()
+            assert local.device.type == "cpu" and buf.shard.device.type == "cpu"
+            assert local.untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr()
+            assert torch.equal(local.reshape(-1), buf.shard_view(s.index))
+            out.append((p, s.index, buf))
+    return out
+
+
+def test_offload_on_an_accelerator_mesh_keeps_host_views_through_lazy_init():
+    with fake_mesh((2,), device_type="meta") as mesh:
+        model, ref = _offloaded_on(mesh)
+        views = _host_views(model)
+        assert {buf.full.device.type for _, _, buf in views} == {"meta"}
+        by_id = {id(p): r for p, r in zip(model.parameters(), ref)}
+        for p, i, buf in views:
+            lo, hi = buf.local_range(i)
+            assert torch.equal(p.to_local().reshape(-1), by_id[id(p)].reshape(-1)[lo:hi])
+        # Raised "fully_shard keeps these sharded parameters on the host
+        # (CPUOffloadPolicy); moving them to ['meta'] is not supported" (['cuda:0'] on
+        # the GPU) when the views were device copies.
+        get_state(model).lazy_init()
+        assert [p for p, _, _ in _host_views(model)] == [p for p, _, _ in views]
+        # Reduced gradients are exposed as host views of grad_shard too.
+        for module in (model[0], model):
+            group = get_state(module).group
+            buf = module.dbuffers[0]
+            buf.set_grad_(torch.randn(buf.shard_numel))
+            group._reduced = True
+            group.finalize_backward()
+            for s in group.slots:
+                g = s.sharded.grad.to_local()
+                assert g.device.type == "cpu"
+                assert g.untyped_storage().data_ptr() == buf.grad_shard.untyped_storage().data_ptr()
+
+
+def test_offloaded_parameters_moved_to_the_mesh_device_go_back_to_the_host():
+    # FSDP2 (pin_memory=True) copies offloaded parameters that model.cuda() /
+    # to_empty(device="cuda") moved back to pinned host memory; so do we.
+    with fake_mesh((2,), device_type="meta") as mesh:
+        model, ref = _offloaded_on(mesh)
+        before = [p for p, _, _ in _host_views(model)]
+        model.to(torch.float64)  # values kept, on the host
+        views = _host_views(model)
+        assert [p for p, _, _ in views] == before
+        by_id = {id(p): r for p, r in zip(model.parameters(), ref)}
+        for p, i, buf in views:
+            lo, hi = buf.local_range(i)
+            assert p.dtype == torch.float64 and buf.dtype == torch.float64
+            assert torch.equal(p.to_local().reshape(-1), by_id[id(p)].double().reshape(-1)[lo:hi])
+        model.to("meta")  # the mesh's device ("cuda" in training): accepted
+        assert [p for p, _, _ in _host_views(model)] == before
+        model.to_empty(device="meta")
+        assert [p for p, _, _ in _host_views(model)] == before
+        get_state(model).lazy_init()
+    with fake_mesh((2,)) as mesh:  # a CPU mesh: "meta" is another device, refused
+        model, _ = _offloaded_on(mesh)
+        with pytest.raises(RuntimeError, match="on the host \\(CPUOffloadPolicy\\).*not supported"):
+            model.to("meta")
+        _host_views(model)
+
+
+def test_optimizer_states_of_offloaded_parameters_stay_on_the_host():
+    from hyperrec.parallel5d.optim._local import state_tensor
+
+    with fake_mesh((2,), device_type="meta") as mesh:
+        model, _ = _offloaded_on(mesh)
+        for p in model.parameters():
+            st = state_tensor(p, torch.float32)
+            assert isinstance(st, DTensor) and st.placements == p.placements
+            assert st.shape == p.shape and st.to_local().shape == p.to_local().shape
+            assert st.to_local().device.type == "cpu" and not st.to_local().any()

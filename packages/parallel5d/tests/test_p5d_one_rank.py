@@ -42,7 +42,15 @@ def mesh(request, tmp_path):
 
 
 def _train(
-    impl: str, mesh, mp, *, reshard: bool, accumulate: int, steps: int = 4, offload: bool = False
+    impl: str,
+    mesh,
+    mp,
+    *,
+    reshard: bool,
+    accumulate: int,
+    steps: int = 4,
+    offload: bool = False,
+    move: bool = False,
 ):
     if impl == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -57,8 +65,12 @@ def _train(
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
+    if move:  # model.cuda() after fully_shard: offloaded parameters go back to the host
+        model.to(device)
     if offload:
-        assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+        for p in model.parameters():
+            assert p.to_local().device.type == "cpu"
+            assert p.to_local().is_pinned() == (device == "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     g = torch.Generator(device=device).manual_seed(7)
     losses = []
@@ -103,6 +115,18 @@ def test_one_rank_cpu_offload_matches_fsdp2(mesh, mp):
     ours_loss, ours = _train("hyperrec", mesh, mp, reshard=True, accumulate=2, offload=True)
     ref_loss, ref = _train("fsdp2", mesh, mp, reshard=True, accumulate=2, offload=True)
     assert torch.isfinite(ours_loss).all()
+    torch.testing.assert_close(ours_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_cpu_offload_then_model_to_device_matches_fsdp2(mesh):
+    """Moving an offloaded model to the mesh's device after fully_shard (``model.cuda()``)
+    is accepted by FSDP2 (the shards go back to pinned host memory); ours too."""
+    mp = (torch.bfloat16, torch.float32)
+    kw = {"reshard": True, "accumulate": 1, "steps": 2, "offload": True, "move": True}
+    ours_loss, ours = _train("hyperrec", mesh, mp, **kw)
+    ref_loss, ref = _train("fsdp2", mesh, mp, **kw)
     torch.testing.assert_close(ours_loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 from hyperrec.dbuffer._streams import Pending, on_stream
 from hyperrec.dbuffer._validate import check_bool, check_float, check_int
@@ -918,6 +918,11 @@ class DBuffer:
         Stock ``torch`` ops on these DTensors (an optimizer step, ``clip_grad_norm_``)
         run shard-locally only under :func:`hyperrec.raggedshard.enable_local_ops` /
         :func:`hyperrec.raggedshard.local_ops`; this method does not switch them on.
+
+        The local tensors stay on ``flat``'s device also when that is not the mesh's
+        (an ``offload`` buffer's host shard on a CUDA mesh, as FSDP2's offloaded
+        parameters): such views are not differentiable. On the mesh's device they are
+        (like ``DTensor.from_local``).
         """
         flat = self.shard if flat is None else flat
         out: list[torch.Tensor] = []
@@ -929,7 +934,11 @@ class DBuffer:
             placement = self.placement(i)
             local = local.view(placement.local_shape(shape, self.rank))
             placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
-            out.append(from_local(local, self.mesh, placements, shape=shape))
+            if local.device.type != self.mesh.device_type and not local.is_meta:
+                # DTensor.from_local would copy it to the mesh's device: a view no more.
+                out.append(_dtensor_as_is(local, self.mesh, placements, shape))
+            else:
+                out.append(from_local(local, self.mesh, placements, shape=shape))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -976,6 +985,22 @@ class DBuffer:
         for i, name in enumerate(self.names):
             if name in state_dict:
                 _copy_into(views[i], state_dict[name], self.local_range(i), self.shard_view(i))
+
+
+def _dtensor_as_is(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], shape: Sequence[int]
+) -> DTensor:
+    """A DTensor whose local tensor is ``local`` itself, wherever it lives (no copy)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    size = torch.Size(shape)
+    stride = [1] * len(size)
+    for d in range(len(size) - 2, -1, -1):
+        stride[d] = stride[d + 1] * max(size[d + 1], 1)
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(size, tuple(stride), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)
 
 
 def _check_flat(flat: object, shard_numel: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._group import ParamGroup, _Slot
+from hyperrec.parallel5d._views import shard_dtensors
 
 __all__ = ["resync_group"]
 
@@ -67,8 +68,8 @@ def _local_piece(p: torch.Tensor, buf: DBuffer, i: int) -> torch.Tensor | None:
 
 def _views_into(group: ParamGroup, b: int, buf: DBuffer, targets: list[torch.Tensor]) -> None:
     """Make every slot of buffer ``b`` a view of ``buf`` again, keeping parameter objects."""
-    views = buf.as_dtensors()
-    grads = buf.as_dtensors(buf.grad_shard) if buf.has_grad else None
+    views = shard_dtensors(buf)
+    grads = shard_dtensors(buf, buf.grad_shard) if buf.has_grad else None
     for s, target in zip(group._slots_of(b), targets):
         new = nn.Parameter(views[s.index], requires_grad=s.requires_grad)
         had_grad = getattr(target, "grad", None) is not None or s.sharded.grad is not None
@@ -117,7 +118,13 @@ def resync_group(group: ParamGroup, *, partial_ok: bool = True) -> None:
         if not any(stale) or (partial_ok and not all(stale)):
             continue
         devices = {(p._local_tensor if isinstance(p, DTensor) else p).device for p in current}
-        if any(d.type != buf.shard.device.type for d in devices):
+        # Offloaded, the values of parameters moved to the mesh's device (model.cuda(),
+        # to_empty(device="cuda")) go back to the host buffer, as FSDP2 does with pinned
+        # memory; other devices cannot serve the buffer.
+        allowed = {buf.shard.device.type}
+        if group.offload:
+            allowed.add(group.device.type)
+        if any(d.type not in allowed for d in devices):
             _views_into(group, b, buf, current)  # put the old parameters back
             where = "the host (CPUOffloadPolicy)" if group.offload else f"{buf.device}"
             raise RuntimeError(

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from hyperrec.parallel5d._validate import check_float
+from hyperrec.parallel5d._views import local_dtensor
 from hyperrec.raggedshard import RaggedShard, from_local
 
 __all__ = [
@@ -158,4 +159,8 @@ def state_tensor(
         if isinstance(placement, RaggedShard):
             local_shape = list(placement.local_shape(shape, mesh.get_local_rank(axis)))
     local = torch.zeros(local_shape, dtype=dtype, device=p.to_local().device)
+    if local.device.type != mesh.device_type and not local.is_meta:
+        # An offloaded parameter (CPUOffloadPolicy: host shards, CUDA mesh): its states
+        # stay on the host too, where from_local would have moved them to the mesh's device.
+        return local_dtensor(local, mesh, placements, shape)
     return from_local(local, mesh, placements, shape=shape)
