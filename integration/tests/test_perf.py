@@ -145,6 +145,32 @@ def test_loader_workers_deliver_the_inline_batches_and_states(micro, micro_data)
         inline.close()
 
 
+def test_worker_batches_travel_by_value_not_as_shared_tensors(micro_data):
+    """A batch leaves a worker as numpy arrays in the pickle: receiving shared-memory
+    tensors costs the trainer's thread a round trip to the busy worker per tensor."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # registers the tensor reducers
+
+    from hyperrec.integration.loader import _Built
+
+    batch = micro_data.batch(TRAIN, np.arange(12))
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(_Built(4, "plan", batch))
+    assert b"rebuild_storage" not in buf.getvalue() and b"rebuild_tensor" not in buf.getvalue()
+    back = pickle.loads(buf.getvalue())
+    assert back.seq == 4 and back.plan == "plan"
+    for f in dataclasses.fields(batch):
+        a, b = getattr(batch, f.name), getattr(back.batch, f.name)
+        if torch.is_tensor(a):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+            b.add_(0)  # writable, owned memory
+        else:
+            assert a == b, f.name
+
+
 def test_batches_are_validated_at_loading(micro, micro_data, monkeypatch):
     real = SyntheticRecsysData.batch
 

@@ -62,14 +62,11 @@ class PopularityBaseline:
             raise ValueError("items, click and conversion must have the same shape")
         if items.numel() and (int(items.min()) < 0 or int(items.max()) >= self.num_items):
             raise ValueError(f"item ids must lie in [0, {self.num_items})")
-        n = self.num_items
-        self.counts[0] += torch.bincount(items, minlength=n)
-        self.counts[1] += torch.bincount(
-            items, weights=click.detach().cpu().double(), minlength=n
-        ).long()
-        self.counts[2] += torch.bincount(
-            items, weights=conversion.detach().cpu().double(), minlength=n
-        ).long()
+        # O(batch) scatter-adds: a bincount of minlength num_items would touch every item
+        # (8M in the gem preset, ~50 ms of the trainer's thread per step). Labels are 0/1.
+        self.counts[0].index_add_(0, items, torch.ones_like(items))
+        self.counts[1].index_add_(0, items, click.detach().to("cpu", torch.int64))
+        self.counts[2].index_add_(0, items, conversion.detach().to("cpu", torch.int64))
 
     def global_counts(self, device: torch.device | None = None) -> torch.Tensor:
         """The counts summed over every rank (a collective under torch.distributed)."""
