@@ -166,6 +166,29 @@ def test_grad_accumulates_in_place_single_rank():
         DBuffer.from_tensors(ts).reduce_grad()
 
 
+def test_release_keeps_unresizable_host_grad_memory(monkeypatch):
+    """Pinned host memory (an offloaded buffer's gradient on a GPU machine) cannot be
+    resized: releasing keeps it, and the next window still starts empty (the reduce
+    overwrites it). numpy-backed storage stands in for pinned memory on the CPU."""
+    import numpy as np
+
+    def unresizable_zeros(self, numel, dtype):
+        return torch.from_numpy(np.zeros(numel, dtype=np.float32)).to(dtype)
+
+    monkeypatch.setattr(DBuffer, "_host_zeros", unresizable_zeros)
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    buf = DBuffer.from_tensors(ts, offload=True)
+    assert not buf.grad_shard.untyped_storage().resizable()
+    for value in (1.0, 2.0):
+        buf.begin_grad()
+        buf.grad_full_view(0).fill_(value)
+        buf.reduce_grad()
+        buf.wait_reduce()
+        assert torch.equal(buf.grad_shard_view(0), torch.full((12,), value))  # not 1 + 2
+        buf.drop_grad_(release=True)
+        assert buf._grad_shard.untyped_storage().size() == 17 * 4 and not buf.has_grad
+
+
 def test_reduce_casts_into_master_dtype():
     ts = [torch.randn(3, 4)]
     buf = DBuffer.from_tensors(ts, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)

@@ -830,11 +830,17 @@ class DBuffer:
 
         With ``release=True`` its memory is also returned until the next reduction (the
         tensor object and its views stay valid), as ``zero_grad(set_to_none=True)``
-        frees gradients between steps.
+        frees gradients between steps. Pinned host memory (``offload``) cannot be resized
+        in place, so an offloaded shard keeps its host memory.
         """
         self.wait_reduce()
         self._has_grad = False
-        if release and self._grad_shard is not None and not self._grad_full_live:
+        if (
+            release
+            and self._grad_shard is not None
+            and not self._grad_full_live
+            and self._grad_shard.untyped_storage().resizable()
+        ):
             _free(self._grad_shard)
 
     @torch.no_grad()
