@@ -122,11 +122,16 @@ def test_one_rank_cpu_offload_matches_fsdp2(mesh, mp):
 
 def test_one_rank_cpu_offload_then_model_to_device_matches_fsdp2(mesh):
     """Moving an offloaded model to the mesh's device after fully_shard (``model.cuda()``)
-    is accepted by FSDP2 (the shards go back to pinned host memory); ours too."""
+    is accepted by ours (the shards go back to pinned host memory) and trains exactly as
+    FSDP2 does without the move; FSDP2 itself rejects the move at its first forward on a
+    GPU (measured with torch 2.11: "FSDP parameters should be materialized on CPU")."""
     mp = (torch.bfloat16, torch.float32)
-    kw = {"reshard": True, "accumulate": 1, "steps": 2, "offload": True, "move": True}
-    ours_loss, ours = _train("hyperrec", mesh, mp, **kw)
+    kw = {"reshard": True, "accumulate": 1, "steps": 2, "offload": True}
+    ours_loss, ours = _train("hyperrec", mesh, mp, move=True, **kw)
     ref_loss, ref = _train("fsdp2", mesh, mp, **kw)
+    if mesh.device_type == "cuda":
+        with pytest.raises(RuntimeError, match="materialized on CPU"):
+            _train("fsdp2", mesh, mp, move=True, **kw)
     torch.testing.assert_close(ours_loss, ref_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -100,7 +100,7 @@ class _Built:
         return {"seq": self.seq, "plan": self.plan, "batch": fields_}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        kw = {
+        kw: dict[str, Any] = {
             k: torch.from_numpy(v[1]) if isinstance(v, tuple) and v[:1] == ("numpy",) else v
             for k, v in state["batch"].items()
         }
