@@ -98,6 +98,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: Elements per host-to-device chunk of an offloaded shard cast on the device (64 MiB fp32).
+_OFFLOAD_CHUNK = 1 << 24
+
+
 def _free(t: torch.Tensor) -> None:
     # Resizing the storage (not dropping the tensor) keeps every view and every tensor
     # autograd saved for backward attached to the same storage object, so a later
@@ -495,8 +499,15 @@ class DBuffer:
                     # of the output: the gather then runs in place.
                     src = self.full[r * S : (r + 1) * S]
                     if self.offload and self.param_dtype != self.dtype:
-                        keep = self.shard.to(self.device, non_blocking=self.pin_memory)
-                        src.copy_(keep)
+                        # Through the device in chunks: a whole fp32 copy of the shard
+                        # would live beside the gather buffer (measured: 1.27x FSDP2's
+                        # peak allocated memory on one H200). Each chunk is allocated and
+                        # freed on this stream, so the next one reuses its block only
+                        # after the cast that reads it.
+                        for a in range(0, S, _OFFLOAD_CHUNK):
+                            b = min(a + _OFFLOAD_CHUNK, S)
+                            staged = self.shard[a:b].to(self.device, non_blocking=self.pin_memory)
+                            src[a:b].copy_(staged)
                     else:
                         src.copy_(self.shard, non_blocking=self.pin_memory)
                 if self.world_size > 1:
