@@ -57,6 +57,7 @@ evaluation. The naive row's padded attention work is estimated before it runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -67,6 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,20 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+@contextlib.contextmanager
+def _own_group(device: str) -> Iterator[None]:
+    """A one-rank process group for the row, destroyed afterwards if the row created it
+    (smoke rows run in the caller's process, e.g. a test's)."""
+    import torch.distributed as dist
+
+    created = single_rank_group(device)
+    try:
+        yield
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
     import torch
 
@@ -248,8 +264,7 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
            # baseline is the same in every row and would only spend the row's budget.
            "train.baseline_requests=0"]  # fmt: skip
     preset = override(get_preset(spec["preset"]), compose(spec["overrides"], run))
-    with tempfile.TemporaryDirectory() as tmp:
-        single_rank_group(device)
+    with tempfile.TemporaryDirectory() as tmp, _own_group(device):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()

@@ -133,6 +133,11 @@ def test_ablation_smoke_runs_every_row(tmp_path):
     for r in doc["rows"]:
         assert r.get("status") in ("ok", "not available"), (r["name"], r.get("error"))
     assert sum(r.get("status") == "ok" for r in doc["rows"]) >= 8
+    # The rows ran in this process: the one-rank group each made is gone again (a group
+    # left behind turned later tests' trainers into sharded ones).
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
 
 
 def test_compose_is_last_wins():
