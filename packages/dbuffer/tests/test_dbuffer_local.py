@@ -161,6 +161,17 @@ def test_offloaded_cast_unshard_in_chunks(monkeypatch, chunk):
         buf.reshard()
 
 
+def test_placements_are_built_once():
+    """Gradient DTensors are rebuilt every step from these: a RaggedShard validates one
+    count per rank, so they are built on first use and reused (same object after)."""
+    ts = [torch.randn(4, 4), torch.randn(3)]
+    buf = DBuffer.from_tensors(ts)
+    first = [buf.placement(i) for i in range(2)]
+    assert all(buf.placement(i) is first[i] for i in range(2))
+    assert buf.placement(-1) is first[1]
+    assert first == [buf.layout.placement(i, t.shape) for i, t in enumerate(ts)]
+
+
 def test_grad_accumulates_in_place_single_rank():
     ts = [torch.randn(3, 4), torch.randn(5)]
     buf = DBuffer.from_tensors(ts)

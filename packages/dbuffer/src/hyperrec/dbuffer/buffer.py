@@ -307,6 +307,9 @@ class DBuffer:
         # rank's piece of each inside its shard.
         self._offsets = [int(o) for o in layout.offsets]
         self._local = [layout.shard_range(i, self.rank) for i in range(n)]
+        # Built on first use: a RaggedShard holds one count per rank, and gradient
+        # DTensors are rebuilt every step (O(world) validation each time otherwise).
+        self._placements: list[RaggedShard | None] = [None] * n
         self._gaps = _padding_ranges(self._offsets, self.numels, W * S)
 
         self.offload = offload
@@ -923,7 +926,10 @@ class DBuffer:
     def placement(self, i: int) -> RaggedShard:
         """The ``RaggedShard`` of tensor ``i`` on the shard axis (the layout's
         :meth:`~hyperrec.raggedshard.Layout.placement`)."""
-        return self.layout.placement(i, self.shapes[i])
+        placement = self._placements[i]
+        if placement is None:
+            placement = self._placements[i] = self.layout.placement(i, self.shapes[i])
+        return placement
 
     def as_dtensors(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each tensor's piece of ``flat`` (default :attr:`shard`) as a ragged DTensor view.
