@@ -467,11 +467,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "warmup": settings["warmup"], "timed": settings["timed"], "device": device,
                 **extra}  # fmt: skip
 
+    machine = machine_info()
+
     def save() -> tuple[dict[str, Any], Path]:
         """Write the table so far: a row killed by the time limit loses only itself."""
         doc = {
             "benchmark": "integration ablation",
-            "machine": machine_info(),
+            "machine": machine,
             "mode": mode,
             "preset": preset_name,
             "device": device,

@@ -318,8 +318,11 @@ def _clip_grads_(params: Sequence[torch.Tensor], max_norm: float, total: torch.T
     rest: list[torch.Tensor] = []
     for p in params:
         g = cast(torch.Tensor, p.grad)
-        local = g if type(g) is torch.Tensor else _local_grad(g)
-        t = local if isinstance(local, torch.Tensor) else local[0] if local else None
+        if type(g) is torch.Tensor:
+            t: torch.Tensor | None = g
+        else:
+            local = _local_grad(g)
+            t = None if local is None else local[0]
         if t is None or t.device.type not in ("cpu", "cuda"):
             rest.append(p)
             continue

@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hyperrec.dbuffer._streams import Pending, on_stream
 from hyperrec.dbuffer._validate import check_bool, check_float, check_int
@@ -944,8 +946,9 @@ class DBuffer:
 
         The local tensors stay on ``flat``'s device also when that is not the mesh's
         (an ``offload`` buffer's host shard on a CUDA mesh, as FSDP2's offloaded
-        parameters): such views are not differentiable. On the mesh's device they are
-        (like ``DTensor.from_local``).
+        parameters). Only views of a ``flat`` that requires grad, on the mesh's device,
+        are differentiable (built by ``DTensor.from_local``); the others are built
+        directly from the layout's placements, without re-checking them.
         """
         flat = self.shard if flat is None else flat
         out: list[torch.Tensor] = []
@@ -957,11 +960,13 @@ class DBuffer:
             placement = self.placement(i)
             local = local.view(placement.local_shape(shape, self.rank))
             placements = (placement,) if self.mesh.ndim == 1 else (Replicate(), placement)
-            if local.device.type != self.mesh.device_type and not local.is_meta:
-                # DTensor.from_local would copy it to the mesh's device: a view no more.
-                out.append(_dtensor_as_is(local, self.mesh, placements, shape))
-            else:
+            if flat.requires_grad and local.device.type == self.mesh.device_type:
                 out.append(from_local(local, self.mesh, placements, shape=shape))
+            else:
+                # The layout's own placements need no re-validation (this runs for every
+                # gradient every step), and DTensor.from_local would copy a host shard to
+                # the mesh's device: a view no more.
+                out.append(_dtensor_as_is(local, self.mesh, placements, shape))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -1014,15 +1019,9 @@ def _dtensor_as_is(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], shape: Sequence[int]
 ) -> DTensor:
     """A DTensor whose local tensor is ``local`` itself, wherever it lives (no copy)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     size = torch.Size(shape)
-    stride = [1] * len(size)
-    for d in range(len(size) - 2, -1, -1):
-        stride[d] = stride[d + 1] * max(size[d + 1], 1)
-    spec = DTensorSpec(
-        mesh, tuple(placements), tensor_meta=TensorMeta(size, tuple(stride), local.dtype)
-    )
+    meta = TensorMeta(size, make_contiguous_strides_for(size), local.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
 
 

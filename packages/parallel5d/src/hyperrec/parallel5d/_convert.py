@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._group import ParamGroup, _Slot
-from hyperrec.parallel5d._views import shard_dtensors
 
 __all__ = ["resync_group"]
 
@@ -68,8 +67,8 @@ def _local_piece(p: torch.Tensor, buf: DBuffer, i: int) -> torch.Tensor | None:
 
 def _views_into(group: ParamGroup, b: int, buf: DBuffer, targets: list[torch.Tensor]) -> None:
     """Make every slot of buffer ``b`` a view of ``buf`` again, keeping parameter objects."""
-    views = shard_dtensors(buf)
-    grads = shard_dtensors(buf, buf.grad_shard) if buf.has_grad else None
+    views = buf.as_dtensors()
+    grads = buf.as_dtensors(buf.grad_shard) if buf.has_grad else None
     for s, target in zip(group._slots_of(b), targets):
         new = nn.Parameter(views[s.index], requires_grad=s.requires_grad)
         had_grad = getattr(target, "grad", None) is not None or s.sharded.grad is not None

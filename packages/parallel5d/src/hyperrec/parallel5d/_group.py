@@ -16,7 +16,6 @@ from torch.profiler import record_function
 
 from hyperrec.dbuffer import DBuffer, ReduceOptions
 from hyperrec.parallel5d._api import MixedPrecisionPolicy
-from hyperrec.parallel5d._views import shard_dtensors
 
 __all__ = ["ParamGroup", "TrainingState"]
 
@@ -162,7 +161,7 @@ class ParamGroup:
             self.buffers.append(buf)
             # How gradients land in grad_full: see the "gradients" section below.
             self._in_place.append(reduce_dtype == param_dtype)
-            views = shard_dtensors(buf)
+            views = buf.as_dtensors()
             for i, k in enumerate(members):
                 p = params[k]
                 # Its RaggedShard placement (the buffer layout's) is all that optimizers
@@ -446,7 +445,7 @@ class ParamGroup:
                 continue
             slots = [s for s in self._slots_of(b) if s.requires_grad]
             if slots and slots[0].grad_dtensor is None:
-                grads = shard_dtensors(buf, buf.grad_shard)
+                grads = buf.as_dtensors(buf.grad_shard)
                 for s in self._slots_of(b):
                     s.grad_dtensor = grads[s.index]
             for s in slots:
