@@ -143,6 +143,31 @@ class _Table(nn.Module):
             error_msgs.append(str(exc))
 
 
+def unique_padded(keys: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(keys, sorted=True, return_inverse=True)`` without a host sync.
+
+    Args:
+        keys: int64 ``[N]``.
+        pad: the value of the slots past the unique keys; larger than every key, so the
+            result stays sorted.
+
+    Returns:
+        ``(unique, inverse)``: int64 ``[N]`` (the sorted unique keys, then ``pad``) and
+        int64 ``[N]`` with ``unique[inverse] == keys``.
+    """
+    n = keys.numel()
+    if n == 0:
+        return keys.new_empty(0), keys.new_empty(0)
+    ordered, perm = torch.sort(keys)
+    first = torch.ones(n, dtype=torch.bool, device=keys.device)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+    slot = torch.cumsum(first, 0) - 1
+    inverse = torch.empty_like(slot).index_copy_(0, perm, slot)
+    # equal keys write the same value into their slot: the result is deterministic
+    unique = torch.full_like(keys, pad).scatter_(0, slot, ordered)
+    return unique, inverse
+
+
 class _Lookup(torch.autograd.Function):
     """Forward: unique keys of every group -> their rows. Backward: row gradients to the
     owners (kept for the optimizer); nothing flows to ``anchor``."""
@@ -160,7 +185,15 @@ class _Lookup(torch.autograd.Function):
                 keys, module._stages, module._owner_fn(g), module.comm_stats
             )
             local = module._local_index(g, owned)
-            rows = module._storage[g].index_select(0, local)
+            storage = module._storage[g]
+            if module.sync_free:
+                # padding keys (>= the rows) -> the one-past-the-end row, which the
+                # optimizers skip; they gather row 0, which no output reads
+                n = storage.shape[0]
+                local = torch.where(owned < n, local, n)
+                rows = storage.index_select(0, local.clamp(max=max(n - 1, 0)))
+            else:
+                rows = storage.index_select(0, local)
             outs.append(route_rows_back(rows, records, module.comm_stats))
             saved.append((records, local))
         ctx.module, ctx.saved = module, saved
@@ -208,6 +241,16 @@ class ShardedEmbeddingCollection(nn.Module):
         validate: check every input (dtypes, ranges, offsets; host syncs) and agree on
             failures across ranks (one tiny all-reduce per mesh axis) so that no rank is
             left waiting in a collective. Default True.
+        sync_free: look up without a host synchronisation (one rank only). ``None``
+            (default): on when the job has one rank and the rows are on CUDA. The ids
+            are deduplicated by a sort into a buffer as long as the ids, padded past
+            the unique ones with a key beyond every table (``torch.unique`` returns an
+            exact-size result, which costs a device-to-host copy of its length and
+            stalls the host until the GPU has drained). The padding slots gather a real
+            row that no output reads, get zero gradients and are skipped by the
+            optimizers. Several ranks need the split sizes on the host for their
+            all-to-alls, so ``True`` there is an error. With ``validate=False`` an id
+            ``>= num_rows`` is not caught here (it reads a wrong row rather than raising).
 
     ``forward(features)`` takes ``{feature name: ids}`` or ``{name: (ids, offsets)}``
     (every configured feature, on every rank; ids int32/int64 ``[n]``; offsets
@@ -225,7 +268,8 @@ class ShardedEmbeddingCollection(nn.Module):
     Raises:
         TypeError / ValueError: bad configs, repeated names, a feature naming an
             unknown table, a mesh of more than two axes, a 2-D mesh not spanning every
-            rank of the default process group, an unknown ``shard_axis``.
+            rank of the default process group, an unknown ``shard_axis``; ``sync_free=True``
+            with more than one rank.
     """
 
     def __init__(
@@ -241,9 +285,12 @@ class ShardedEmbeddingCollection(nn.Module):
         table_wise_max_bytes: int = 1 << 20,
         gradient_reduction: Literal["mean", "sum"] = "mean",
         validate: bool = True,
+        sync_free: bool | None = None,
     ):
         super().__init__()
         check_choice("routing", routing, ROUTINGS)
+        if sync_free is not None:
+            check_bool("sync_free", sync_free)
         check_choice("gradient_reduction", gradient_reduction, ("mean", "sum"))
         self.validate = check_bool("validate", validate)
         self.seed = check_int("seed", seed, minimum=0)
@@ -266,6 +313,16 @@ class ShardedEmbeddingCollection(nn.Module):
             tables, self.world_size, table_wise_max_bytes=table_wise_max_bytes
         )
         self.table_configs = {t.name: t for t in tables}
+        if sync_free and self.world_size > 1:
+            raise ValueError(
+                f"sync_free=True needs a job of one rank, got {self.world_size} ranks (their "
+                "all-to-alls need the split sizes on the host)"
+            )
+        self.sync_free = (
+            bool(sync_free)
+            if sync_free is not None
+            else self.world_size == 1 and self.device.type == "cuda"
+        )
         for f in features:
             if f.table not in self.table_configs:
                 raise ValueError(
@@ -749,7 +806,10 @@ class ShardedEmbeddingCollection(nn.Module):
             keys = (
                 torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
             )
-            u, inv = torch.unique(keys, sorted=True, return_inverse=True)
+            if self.sync_free:
+                u, inv = unique_padded(keys, pad=gp.local_rows[self.owner_index])
+            else:
+                u, inv = torch.unique(keys, sorted=True, return_inverse=True)
             unique_keys.append(u)
             inverses.append(inv)
             spans.append(span)

@@ -232,6 +232,11 @@ class _RowOptimizer(torch.optim.Optimizer):
                 )
                 grad.index_add_(0, inv, torch.cat([p[1] for p in pending]))
             rows, grad = rows.contiguous(), grad.contiguous()
+            if coll.sync_free and self.backend == "torch":
+                # the padding rows (one past the end) are masked inside the fused
+                # kernels; the PyTorch rules index with them, so drop them (a host sync)
+                keep = rows < coll._storage[g].shape[0]
+                rows, grad = rows[keep], grad[keep]
             hps = [self._group_of_table(name) for name in gp.tables]
             for name in gp.tables:
                 self._steps[name] += 1

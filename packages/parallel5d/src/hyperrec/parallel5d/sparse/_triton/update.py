@@ -38,19 +38,24 @@ def _cast_out(x, IS_BF16: tl.constexpr):
 
 @triton.jit
 def _rowwise_adagrad_kernel(
-    w_ptr, m_ptr, rows_ptr, g_ptr, dim, stride_w, stride_g,
+    w_ptr, m_ptr, rows_ptr, g_ptr, n_rows, dim, stride_w, stride_g,
     lr, eps, wd, MODE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i)
     d = tl.arange(0, BLOCK_D)
-    mask = d < dim
+    # rows past the table are padding (sync-free lookups); the test is a vector because
+    # the interpreter takes no scalar masks
+    real = (r + d * 0) < n_rows
+    mask = (d < dim) & real
     g = tl.load(g_ptr + i * stride_g + d, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + r * stride_w + d, mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:  # L2: the decay joins the gradient
         g = g + wd * w
-    m = tl.load(m_ptr + r) + tl.sum(g * g, axis=0) / dim
-    tl.store(m_ptr + r, m)
+    lane0 = (d == 0) & real  # the row's one momentum value, through lane 0
+    m_old = tl.sum(tl.load(m_ptr + r + d * 0, mask=lane0, other=0.0), axis=0)
+    m = m_old + tl.sum(g * g, axis=0) / dim
+    tl.store(m_ptr + r + d * 0, m + d * 0.0, mask=lane0)
     mult = lr / (tl.sqrt(m) + eps)
     if MODE == 2:  # decoupled
         w = w * (1.0 - lr * wd)
@@ -60,13 +65,13 @@ def _rowwise_adagrad_kernel(
 
 @triton.jit
 def _adagrad_kernel(
-    w_ptr, s_ptr, rows_ptr, g_ptr, dim, stride_w, stride_s, stride_g, lr, eps,
+    w_ptr, s_ptr, rows_ptr, g_ptr, n_rows, dim, stride_w, stride_s, stride_g, lr, eps,
     IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i)
     d = tl.arange(0, BLOCK_D)
-    mask = d < dim
+    mask = (d < dim) & ((r + d * 0) < n_rows)  # padding rows skipped
     g = tl.load(g_ptr + i * stride_g + d, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + r * stride_s + d, mask=mask, other=0.0) + g * g
     tl.store(s_ptr + r * stride_s + d, s, mask=mask)
@@ -77,13 +82,13 @@ def _adagrad_kernel(
 
 @triton.jit
 def _adam_kernel(
-    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, dim, stride_w, stride_m, stride_g,
+    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, n_rows, dim, stride_w, stride_m, stride_g,
     b1, b2, eps, decay, step_size, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i)
     d = tl.arange(0, BLOCK_D)
-    mask = d < dim
+    mask = (d < dim) & ((r + d * 0) < n_rows)  # padding rows skipped
     g = tl.load(g_ptr + i * stride_g + d, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + r * stride_m + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + r * stride_m + d, mask=mask, other=0.0)
@@ -112,13 +117,15 @@ def rowwise_adagrad_rows(
     weight_decay: float,
     weight_decay_mode: str,
 ) -> None:
-    """Row-wise Adagrad on ``weight[rows]`` in place (``rows`` unique)."""
+    """Row-wise Adagrad on ``weight[rows]`` in place (``rows`` unique; rows
+    ``>= weight.shape[0]`` are padding and skipped)."""
     if rows.numel() == 0:
         return
     mode = 0 if not weight_decay else (1 if weight_decay_mode == "l2" else 2)
     block, warps = _launch_shape(weight.shape[1])
     _rowwise_adagrad_kernel[(rows.numel(),)](
-        weight, momentum, rows, grad, weight.shape[1], weight.stride(0), grad.stride(0),
+        weight, momentum, rows, grad, weight.shape[0], weight.shape[1], weight.stride(0),
+        grad.stride(0),
         lr, eps, weight_decay, MODE=mode, IS_BF16=weight.dtype == torch.bfloat16,
         BLOCK_D=block, num_warps=warps,
     )  # fmt: skip
@@ -133,12 +140,14 @@ def adagrad_rows(
     lr: float,
     eps: float,
 ) -> None:
-    """Element-wise Adagrad on ``weight[rows]`` in place (``rows`` unique)."""
+    """Element-wise Adagrad on ``weight[rows]`` in place (``rows`` unique; rows
+    ``>= weight.shape[0]`` are padding and skipped)."""
     if rows.numel() == 0:
         return
     block, warps = _launch_shape(weight.shape[1])
     _adagrad_kernel[(rows.numel(),)](
-        weight, state_sum, rows, grad, weight.shape[1], weight.stride(0), state_sum.stride(0),
+        weight, state_sum, rows, grad, weight.shape[0], weight.shape[1], weight.stride(0),
+        state_sum.stride(0),
         grad.stride(0), lr, eps, IS_BF16=weight.dtype == torch.bfloat16, BLOCK_D=block,
         num_warps=warps,
     )  # fmt: skip
@@ -157,12 +166,14 @@ def adam_rows(
     decay: float,
     step_size: float,
 ) -> None:
-    """Lazy Adam on ``weight[rows]`` in place (``rows`` unique)."""
+    """Lazy Adam on ``weight[rows]`` in place (``rows`` unique; rows
+    ``>= weight.shape[0]`` are padding and skipped)."""
     if rows.numel() == 0:
         return
     block, warps = _launch_shape(weight.shape[1])
     _adam_kernel[(rows.numel(),)](
-        weight, exp_avg, exp_avg_sq, rows, grad, weight.shape[1], weight.stride(0),
+        weight, exp_avg, exp_avg_sq, rows, grad, weight.shape[0], weight.shape[1],
+        weight.stride(0),
         exp_avg.stride(0), grad.stride(0), beta1, beta2, eps, decay, step_size,
         IS_BF16=weight.dtype == torch.bfloat16, BLOCK_D=block, num_warps=warps,
     )  # fmt: skip
