@@ -99,3 +99,43 @@ def test_packed_regions_stay_eager_under_compile():
         autoac.apply(
             model, budget=1e9, sample_inputs=(torch.randn(8, 32),), formats=("mxfp8",), compile=True
         )
+
+
+def test_profiling_adds_nothing_to_the_models_compile_caches():
+    """A model whose blocks call a ``torch.compile``d function (as the integration model
+    does for its small ops): profiling and verification run it eagerly, so the training
+    steps after ``apply`` compile it once, as without autoac. Before, each profiling
+    context compiled its own variant, which counts against Dynamo's recompile limit."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    gelu_mul = torch.compile(lambda h: torch.nn.functional.gelu(h) * 1.5, backend=counting)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+        def forward(self, x):
+            return x + self.fc2(gelu_mul(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(3)])
+    step = step_for(torch.randn(64, 32))
+    handle = autoac.apply(
+        model,
+        budget=1e12,
+        step_fn=step,
+        profile_config=autoac.ProfileConfig(cost="time", steps=1),
+    )
+    assert handle.verification is not None
+    assert graphs == []  # nothing compiled while profiling or verifying
+    step(model).backward()
+    compiled = len(graphs)
+    assert compiled >= 1
+    for _ in range(2):
+        step(model).backward()
+    assert len(graphs) == compiled

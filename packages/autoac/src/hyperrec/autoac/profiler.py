@@ -13,11 +13,13 @@ predicts its peak at every position of the step.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -730,6 +732,20 @@ def _pack_costs(
 
 
 # --------------------------------------------------------------------------- public
+def no_compile() -> AbstractContextManager[Any]:
+    """Run ``torch.compile``'d functions eagerly inside the block (torch >= 2.6's
+    ``set_stance("force_eager")``; nothing on older torch).
+
+    Profiling runs the model under a dispatch-mode tracker, inside checkpoints, in
+    timing loops: compiled regions of the model would compile a variant for each of
+    these contexts. Each variant counts against Dynamo's recompile limit, past which a
+    function runs eagerly for the rest of the process; the training steps after
+    profiling would pay for it.
+    """
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def profile(
     model: nn.Module,
     step_fn: Callable[[nn.Module], torch.Tensor],
@@ -759,6 +775,8 @@ def profile(
 
     Parameter gradients and the RNG state are restored afterwards; buffers that the
     forward updates (e.g. batch-norm statistics) advance once per profiled step.
+    ``torch.compile``'d functions inside the model run eagerly while profiling (see
+    :func:`no_compile`): times and peaks are the eager ones.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -774,7 +792,7 @@ def profile(
     saved_grads = grads_of(model)
     fork_devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=fork_devices):
+        with torch.random.fork_rng(devices=fork_devices), no_compile():
             return _profile(model, step_fn, states, names, config, device)
     finally:
         for s, r in zip(states, prev_runners):

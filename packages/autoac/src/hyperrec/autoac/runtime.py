@@ -22,6 +22,7 @@ Packed saves are eager-only: under compilation those regions run eagerly
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import time
@@ -48,6 +49,7 @@ from hyperrec.autoac.profiler import (
     _seed_all,
     grad_error,
     grads_of,
+    no_compile,
     profile,
     set_grads,
 )
@@ -568,7 +570,10 @@ def _verify(
     excluded: set[tuple[str, str]] = set()
     replans = 0
     while True:
-        m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
+        # autoac's own compiled regions are what it verifies; the model's compiled
+        # functions run eagerly, as they did when profiled (see ``no_compile``)
+        with contextlib.nullcontext() if handle.compiled else no_compile():
+            m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
         err = None
         if handle.plan.packed:
             if ref is None:
