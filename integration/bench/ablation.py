@@ -278,6 +278,7 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
             trainer.model.set_impl("hyperrec")
             final = trainer.evaluate()
             peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+            autoac_plan = trainer.autoac_summary()
         finally:
             trainer.close()
         wall = time.perf_counter() - start
@@ -310,6 +311,8 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
         "step_cost_cv": bbs.get("step_cost_cv"),
         "timed_step_s": times,
         "timed_step_tflop": tflop,
+        # what autoac chose per layer (and its added time): explains a row it slows down
+        "autoac": autoac_plan,
         "build_s": build_s,
         "train_s": trained_s,
         "row_wall_s": wall,
@@ -587,6 +590,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def _speedup(x: Any) -> str:
+    # rows at another batch have none: "n/a", not "n/ax"
+    return f"{x:.2f}x" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
 def _fmt(x: Any, spec: str) -> str:
     return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
@@ -610,7 +618,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{m.get('gpu') or m.get('cpu')}, torch {m.get('torch')}, triton {m.get('triton')}, {m.get('date')}. "
         f"Peak {_fmt(doc.get('peak_tflops'), ',.1f')} TFLOP/s (datasheet dense BF16), "
         f"measured BF16 GEMM {_fmt(doc.get('measured_matmul_tflops'), ',.0f')} TFLOP/s."
-        + (f" Rows measured in {doc['invocations']} consecutive invocations on the same machine."
+        + (f" Rows measured in {doc['invocations']} invocations (`--resume`; rows marked * come "
+           "from an earlier one, possibly on another machine of the same kind)."
            if doc.get("invocations", 1) > 1 else ""),
         "",
         "| configuration | requests/s | speedup vs naive | MFU | model TFLOP/s | peak memory (GB) | held-out CTR AUC | step-cost CV |",
@@ -621,8 +630,9 @@ def markdown(doc: dict[str, Any]) -> str:
             status = r.get("status", "?")
             lines.append(f"| {r['name']} | {status} | | | | | | |")
             continue
+        mark = "*" if r.get("from_earlier_invocation") else ""
         lines.append(
-            f"| {r['name']} | {r['requests_per_s']:,.0f} | {_fmt(r.get('speedup_vs_naive'), '.2f')}x "
+            f"| {r['name']}{mark} | {r['requests_per_s']:,.0f} | {_speedup(r.get('speedup_vs_naive'))} "
             f"| {_fmt(r['mfu'], '.1%')} | {_fmt(r['tflops_per_gpu'], ',.4g')} "
             f"| {_fmt(r['peak_memory_gb'], '.1f')} | {_fmt(r['heldout_ctr_auc'], '.4f')} "
             f"| {_fmt(r.get('step_cost_cv'), '.3f')} |"

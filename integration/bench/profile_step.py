@@ -285,6 +285,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     summary = _summarize(prof, cuda)
     summary["implicit_host_syncs"] = {"count": len(syncs), "messages": sorted(set(syncs))[:10]}
+    summary["autoac"] = trainer.autoac_summary()
     if args.host:
         summary["host"] = _host_profile(run, args.steps, host_s)
     trainer.close()
