@@ -11,6 +11,7 @@ sys.path.insert(0, str(BENCH))
 
 import ablation  # noqa: E402
 import profile_step  # noqa: E402
+import step_variants  # noqa: E402
 
 
 def test_ablation_orchestration(tmp_path, monkeypatch):
@@ -117,7 +118,9 @@ def test_ablation_resume_runs_only_the_rows_left(tmp_path, monkeypatch):
     assert len([1 for inv, _ in launched if inv == 2]) == len(second["rows"]) - 3 - sum(
         r.get("status") == "not available" for r in second["rows"])  # fmt: skip
     assert rows["all"]["speedup_vs_naive"] == pytest.approx(42.0 / 10.0)
-    assert "2 consecutive invocations" in path.with_suffix(".md").read_text()
+    table = path.with_suffix(".md").read_text()
+    assert "Rows measured in 2 invocations" in table
+    assert "| naive* |" in table and "| all |" in table  # kept rows marked, new ones not
     # A result of another mode is refused, not merged.
     bad = ablation.build_parser().parse_args(
         ["--out", str(tmp_path), "--quick", "--resume", str(path)]
@@ -244,3 +247,29 @@ def test_profile_summary_skips_annotations_and_names_blocking_call_sites():
         "triton/testing.py(120): do_bench": 1,
         "(no enclosing op: a direct runtime call)": 1,
     }
+
+
+def test_step_variant_parsing():
+    assert step_variants.parse_variant("base=") == ("base", [], {})
+    assert step_variants.parse_variant("v=train.compile=off,@FOO=1,train.a=b") == (
+        "v",
+        ["train.compile=off", "train.a=b"],
+        {"FOO": "1"},
+    )
+    for bad, match in (("=x", "NAME="), ("v=nothing", "no '='"), ("v=a=1", "neither")):
+        with pytest.raises(ValueError, match=match):
+            step_variants.parse_variant(bad)
+
+
+def test_step_variants_smoke(tmp_path):
+    """Two variants in fresh processes on the CPU: figures recorded, a failing variant
+    recorded as failed without stopping the run."""
+    assert step_variants.main(["--out", str(tmp_path), "--smoke", "--warmup", "1", "--steps",
+                               "2", "--variant", "base=", "--variant",
+                               "broken=train.no_such_field=1"]) == 0  # fmt: skip
+    (path,) = tmp_path.glob("step_variants_tiny_*.json")
+    doc = json.loads(path.read_text())
+    ok, broken = doc["variants"]
+    assert ok["status"] == "ok" and len(ok["step_times_s"]) == 2
+    assert ok["median_step_s"] > 0 and ok["launch_step_s_median"] > 0
+    assert broken["status"] == "failed" and "no_such_field" in broken["error"]
