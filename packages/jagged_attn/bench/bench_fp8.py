@@ -97,7 +97,8 @@ CPU_ACCURACY = [
 ]
 # Kernel configurations timed by --sweep: (block_m, num_warps, num_stages, p_block).
 SWEEP = [(128, 8, 3, 128), (128, 8, 2, 128), (128, 8, 4, 128), (128, 4, 3, 128),
-         (64, 4, 3, 128), (128, 8, 3, 64), (64, 4, 3, 64)]  # fmt: skip
+         (128, 4, 2, 128), (64, 4, 3, 128), (64, 4, 2, 128), (128, 8, 3, 64), (128, 8, 2, 64),
+         (64, 4, 3, 64)]  # fmt: skip
 
 
 def _ba():
