@@ -32,6 +32,7 @@ from hyperrec.raggedshard import (
     redistribute,
     to_local,
     total_norm,
+    wrap_local,
 )
 from hyperrec.testing import fake_mesh
 from hyperrec.testing.bad_inputs import (
@@ -171,6 +172,31 @@ CASES = [
         "3 units",
         lambda: _on_mesh(lambda m: check_placements([RaggedShard((0,), (1, 1, 1))], (6,), m)),
         doc=check_placements,
+    ),
+    # wrap_local
+    case(
+        T,
+        "local_tensor",
+        lambda: _on_mesh(lambda m: wrap_local([1], m, [Replicate()], shape=(4,))),
+        doc=wrap_local,
+    ),
+    case(
+        T,
+        "device_mesh",
+        lambda: wrap_local(torch.ones(4), "mesh", [Replicate()], shape=(4,)),
+        doc=wrap_local,
+    ),
+    case(
+        T,
+        "shape",
+        lambda: _on_mesh(lambda m: wrap_local(torch.ones(4), m, [Replicate()], shape=(4.0,))),
+        doc=wrap_local,
+    ),
+    case(
+        V,
+        "shape",
+        lambda: _on_mesh(lambda m: wrap_local(torch.ones(4), m, [Replicate()], shape=(-4,))),
+        doc=wrap_local,
     ),
     # from_local / distribute_tensor / redistribute
     case(

@@ -9,7 +9,13 @@ import torch
 from _ragged_cases import random_units
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hyperrec.raggedshard import RaggedShard, check_placements, from_local, redistribute
+from hyperrec.raggedshard import (
+    RaggedShard,
+    check_placements,
+    from_local,
+    redistribute,
+    wrap_local,
+)
 from hyperrec.testing import fake_mesh
 
 
@@ -116,3 +122,24 @@ def test_local_ops_and_dcp_helpers_reject_bad_input():
             local_chunks(from_local(torch.zeros(2, 3), mesh, pl, shape=(4, 3)))
         with pytest.raises(ValueError, match="Partial"):
             total_norm([from_local(torch.zeros(2, 3), mesh, pl, shape=(4, 3))])
+
+
+def test_wrap_local_keeps_the_tensor_itself():
+    """No copy, no check, no grad: the DTensor's local tensor is the argument (what the
+    sharding code relies on to keep views into its flat buffers)."""
+    with fake_mesh((4,), rank=1) as mesh:
+        placement = RaggedShard((0,), (1, 2, 0, 3))
+        local = torch.arange(8.0).view(2, 4)
+        d = wrap_local(local, mesh, [placement], shape=(6, 4))
+        assert d.to_local() is local or d.to_local().data_ptr() == local.data_ptr()
+        assert d.placements == (placement,) and d.shape == (6, 4) and d.stride() == (4, 1)
+        assert not d.requires_grad
+        local.add_(1.0)  # a view: the DTensor sees the write
+        assert torch.equal(d.to_local(), local)
+        # the same as the checked constructor, where that one accepts the input
+        ref = from_local(local.clone(), mesh, [placement], shape=(6, 4))
+        assert ref.placements == d.placements and ref.shape == d.shape
+        # trusted: a local shape from_local rejects is taken as it is
+        wrap_local(torch.ones(3, 4), mesh, [placement], shape=(6, 4))
+        with pytest.raises(ValueError, match="local_tensor has shape"):
+            from_local(torch.ones(3, 4), mesh, [placement], shape=(6, 4))

@@ -10,14 +10,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import Replicate
 
 from hyperrec.dbuffer._streams import Pending, on_stream
 from hyperrec.dbuffer._validate import check_bool, check_float, check_int
-from hyperrec.raggedshard import Layout, RaggedShard, from_local, plan_layout
+from hyperrec.raggedshard import Layout, RaggedShard, from_local, plan_layout, wrap_local
 from hyperrec.raggedshard.reference import layout_violations
 
 __all__ = ["DBuffer", "ReduceOptions"]
@@ -966,7 +964,7 @@ class DBuffer:
                 # The layout's own placements need no re-validation (this runs for every
                 # gradient every step), and DTensor.from_local would copy a host shard to
                 # the mesh's device: a view no more.
-                out.append(_dtensor_as_is(local, self.mesh, placements, shape))
+                out.append(wrap_local(local, self.mesh, placements, shape=shape))
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -1013,16 +1011,6 @@ class DBuffer:
         for i, name in enumerate(self.names):
             if name in state_dict:
                 _copy_into(views[i], state_dict[name], self.local_range(i), self.shard_view(i))
-
-
-def _dtensor_as_is(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], shape: Sequence[int]
-) -> DTensor:
-    """A DTensor whose local tensor is ``local`` itself, wherever it lives (no copy)."""
-    size = torch.Size(shape)
-    meta = TensorMeta(size, make_contiguous_strides_for(size), local.dtype)
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
-    return DTensor(local, spec, requires_grad=False)
 
 
 def _check_flat(flat: object, shard_numel: int) -> torch.Tensor:

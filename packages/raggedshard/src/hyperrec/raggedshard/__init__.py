@@ -5,7 +5,8 @@
 - :func:`plan_layout`: tensors -> offsets in one flat rank-major buffer of equal shards
   that never cuts a block (:class:`Layout`, pluggable :class:`Strategy`).
 - :func:`redistribute`: every placement pair, one collective per changed mesh axis,
-  differentiable; :func:`from_local`, :func:`distribute_tensor`.
+  differentiable; :func:`from_local`, :func:`distribute_tensor`; :func:`wrap_local`
+  (a DTensor around a local tensor as it is: no check, copy or device move).
 - Local-shard ops: :func:`ragged_map`, :func:`ragged_foreach`, :func:`total_norm`,
   :func:`to_local`, :func:`full_tensor`.
 - :func:`enable_local_ops` (explicit, process-global) and :func:`local_ops` (a ``with``
@@ -35,6 +36,7 @@ from hyperrec.raggedshard.redistribute import (
     distribute_tensor,
     from_local,
     redistribute,
+    wrap_local,
 )
 from hyperrec.raggedshard.reductions import install as _install_reductions
 
@@ -65,4 +67,5 @@ __all__ = [
     "redistribute",
     "to_local",
     "total_norm",
+    "wrap_local",
 ]

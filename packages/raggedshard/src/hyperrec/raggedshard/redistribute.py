@@ -30,7 +30,38 @@ from hyperrec.raggedshard._geometry import contiguous_stride
 from hyperrec.raggedshard.granularity import _shape_tuple
 from hyperrec.raggedshard.placement import RaggedShard
 
-__all__ = ["check_placements", "distribute_tensor", "from_local", "redistribute"]
+__all__ = ["check_placements", "distribute_tensor", "from_local", "redistribute", "wrap_local"]
+
+
+def wrap_local(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    shape: Sequence[int],
+) -> DTensor:
+    """A DTensor of global ``shape`` whose local tensor is ``local_tensor`` itself.
+
+    Unlike :func:`from_local`: no copy and no move to the mesh's device (a host shard on
+    a CUDA mesh, as CPU offloading keeps its parameters, stays on the host), no check of
+    ``placements`` against ``shape`` or of the local shape (the caller guarantees them:
+    e.g. placements a :class:`~hyperrec.raggedshard.Layout` made; this runs per tensor per
+    step in sharding code), contiguous global stride, not differentiable.
+
+    Raises:
+        TypeError: ``local_tensor`` is not a plain tensor, ``device_mesh`` not a
+            ``DeviceMesh``, ``shape`` not a sequence of ints.
+        ValueError: a negative size in ``shape``.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+        raise TypeError(f"local_tensor must be a plain torch.Tensor, got {type(local_tensor)}")
+    _check_mesh(device_mesh)
+    size = torch.Size(_shape_tuple(shape))
+    meta = TensorMeta(size, contiguous_stride(size), local_tensor.dtype)
+    spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local_tensor, spec, requires_grad=False)
 
 
 def _normalize(placements: Sequence[Placement], ndim: int, name: str) -> tuple[Placement, ...]:

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from hyperrec.raggedshard._geometry import contiguous_stride
 from hyperrec.raggedshard.placement import RaggedShard
+from hyperrec.raggedshard.redistribute import wrap_local
 
 __all__ = ["install", "installed"]
 
@@ -150,28 +150,16 @@ def _comm_device(x: DTensor) -> torch.device:
 
 
 def _replicated(value: torch.Tensor, x: DTensor) -> DTensor:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     mesh = x.device_mesh
-    spec = DTensorSpec(
-        mesh,
-        (Replicate(),) * mesh.ndim,
-        tensor_meta=TensorMeta(value.shape, contiguous_stride(value.shape), value.dtype),
-    )
-    return DTensor(value, spec, requires_grad=False)
+    return wrap_local(value, mesh, (Replicate(),) * mesh.ndim, shape=value.shape)
 
 
 def _same_layout(
     value: torch.Tensor, shape: Sequence[int], x: DTensor, placements: Any = None
 ) -> DTensor:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    spec = DTensorSpec(
-        x.device_mesh,
-        tuple(x.placements if placements is None else placements),
-        tensor_meta=TensorMeta(torch.Size(shape), contiguous_stride(shape), value.dtype),
+    return wrap_local(
+        value, x.device_mesh, x.placements if placements is None else placements, shape=shape
     )
-    return DTensor(value, spec, requires_grad=False)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

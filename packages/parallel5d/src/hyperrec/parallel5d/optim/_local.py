@@ -12,8 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from hyperrec.parallel5d._validate import check_float
-from hyperrec.parallel5d._views import local_dtensor
-from hyperrec.raggedshard import RaggedShard, from_local
+from hyperrec.raggedshard import RaggedShard, from_local, wrap_local
 
 __all__ = [
     "block_placements",
@@ -162,5 +161,5 @@ def state_tensor(
     if local.device.type != mesh.device_type and not local.is_meta:
         # An offloaded parameter (CPUOffloadPolicy: host shards, CUDA mesh): its states
         # stay on the host too, where from_local would have moved them to the mesh's device.
-        return local_dtensor(local, mesh, placements, shape)
+        return wrap_local(local, mesh, placements, shape=shape)
     return from_local(local, mesh, placements, shape=shape)
