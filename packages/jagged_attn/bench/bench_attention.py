@@ -159,7 +159,7 @@ _FLUSH: dict[str, torch.Tensor] = {}
 _CYCLES_PER_S = 2.0e9
 
 
-def device_and_host(fn, reps: int = 10, device: str = "cuda") -> dict:
+def device_and_host(fn, reps: int = 10, device: str = "cuda", flush: bool = True) -> dict:
     """Median GPU time per call with the host's work hidden, and the host's time per call.
 
     ``do_bench`` (``bench_ms``) measures from an event recorded after the L2 flush to one
@@ -171,21 +171,23 @@ def device_and_host(fn, reps: int = 10, device: str = "cuda") -> dict:
     ``do_bench``: the events see the kernels back to back, never the host. The host's
     time to issue each call (``host_us``) is measured meanwhile; ``host_hidden`` is False
     if the head start ran out before the host was done (the device time is then an upper
-    bound).
+    bound). ``flush=False`` leaves L2 as the previous repetition left it (calls back to
+    back, as an eager step runs them).
     """
     if device != "cuda":
         t0 = time.perf_counter()
         fn()
         ms = (time.perf_counter() - t0) * 1e3
         return dict(device_ms=ms, host_us=ms * 1e3, host_hidden=True)
-    if "buf" not in _FLUSH:
+    if flush and "buf" not in _FLUSH:
         _FLUSH["buf"] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device="cuda")
-    flush = _FLUSH["buf"]
+    buf = _FLUSH.get("buf")
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(3):  # host time per repetition, to size the head start
-        flush.zero_()
+        if flush:
+            buf.zero_()
         fn()
     per_rep = (time.perf_counter() - t0) / 3
     torch.cuda.synchronize()
@@ -196,7 +198,8 @@ def device_and_host(fn, reps: int = 10, device: str = "cuda") -> dict:
     torch.cuda._sleep(int(head_start * _CYCLES_PER_S))
     t_issue = time.perf_counter()
     for i in range(reps):
-        flush.zero_()
+        if flush:
+            buf.zero_()
         starts[i].record()
         t = time.perf_counter()
         fn()

@@ -528,6 +528,15 @@ def child_main(path: Path, smoke: bool, deadline: float) -> None:
     fh.close()
 
 
+def log_rows(path: Path) -> list[tuple[str, dict]]:
+    """``(section, row)`` of every line of a child's JSON-lines log (none if it wrote no
+    log)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(row.pop("section"), row) for row in rows]
+
+
 def run_child(path: Path, smoke: bool, timeout: float, stand_in: bool = False,
               flag: str = "--child") -> dict:  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).resolve()), flag, str(path)]
@@ -587,9 +596,6 @@ FWD_BWD_FLOPS = 3.5
 # The float64 reference holds H x L x L scores per sequence (1 GiB at L = 4,096, H = 8).
 REF_MAX_LEN = 4096
 REF_MIN_LEFT_S = 45.0  # no reference when less time than this is left
-# A head start of ~1 ms for the GPU is ~2e6 cycles of the sleep kernel at the H200's
-# boost clock; at lower clocks the sleep only lasts longer.
-SLEEP_CYCLES_PER_S = 2.0e9
 
 
 def draw_lengths(dist: dict, tokens: int, seed: int) -> list[int]:
@@ -685,35 +691,15 @@ def time_split(fn, device) -> dict:
     ``device_ms``, the same with the GPU given a head start long enough for the host to
     issue every repetition, so the events see only kernels; ``host_us``, the host's time to
     issue one call. ``host_hidden`` is False when the head start ran out first (then
-    ``device_ms`` is an upper bound)."""
+    ``device_ms`` is an upper bound). The last three are ``bench_attention.py``'s
+    ``device_and_host`` without its L2 flush."""
+    import bench_attention  # same directory
+
     if device == "cpu":  # the interpreter: one call, wall clock (plumbing, not a number)
-        t0 = time.perf_counter()
-        fn()
-        ms = (time.perf_counter() - t0) * 1e3
-        return {"ms": ms, "device_ms": ms, "host_us": ms * 1e3, "host_hidden": True}
+        split = bench_attention.device_and_host(fn, device=device)
+        return {"ms": split["device_ms"], **split}
     ms = time_ms(fn, device)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    per_call = (time.perf_counter() - t0) / 3
-    torch.cuda.synchronize()
-    head_start = REPS * per_call * 2 + 2e-3
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(REPS)]
-    host = []
-    torch.cuda._sleep(int(head_start * SLEEP_CYCLES_PER_S))
-    t_issue = time.perf_counter()
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        t = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - t)
-        e.record()
-    issued = time.perf_counter() - t_issue
-    torch.cuda.synchronize()
-    device_ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-    return {"ms": ms, "device_ms": device_ms, "host_us": statistics.median(host) * 1e6,
-            "host_hidden": issued < head_start}  # fmt: skip
+    return {"ms": ms, **bench_attention.device_and_host(fn, REPS, device, flush=False)}
 
 
 def _error(e: BaseException) -> dict:
@@ -1032,22 +1018,19 @@ def run_public(out_dir: Path, smoke: bool) -> dict:
     status = run_child(log, smoke, PUBLIC_TIMEOUT_S, flag="--child-public")
     res: dict = {"child": status, "log": log.name, "instances": [], "skipped": [],
                  "lengths": {}}  # fmt: skip
-    if log.exists():
-        for line in log.read_text().splitlines():
-            row = json.loads(line)
-            section = row.pop("section")
-            if section == "public_meta":
-                res["config"] = row
-            elif section == "public_warm":
-                res["compile_in_workers"] = row
-            elif section == "public_lengths":
-                res["lengths"].setdefault(row["dist"], []).append(row)
-            elif section == "public_instance":
-                res["instances"].append(row)
-            elif section == "public_skipped":
-                res["skipped"].append(row)
-            elif section == "public_done":
-                res["child_seconds"] = row["seconds"]
+    for section, row in log_rows(log):
+        if section == "public_meta":
+            res["config"] = row
+        elif section == "public_warm":
+            res["compile_in_workers"] = row
+        elif section == "public_lengths":
+            res["lengths"].setdefault(row["dist"], []).append(row)
+        elif section == "public_instance":
+            res["instances"].append(row)
+        elif section == "public_skipped":
+            res["skipped"].append(row)
+        elif section == "public_done":
+            res["child_seconds"] = row["seconds"]
     res["notes"] = {
         "timing": "per instance, median of REPS calls: ms = CUDA events back to back (the "
                   "host's time where it is slower than the GPU), device_ms = GPU only (the "
@@ -1237,16 +1220,13 @@ def run_equal_lengths(args, result: dict, device, heads: int, dim: int, can_gluo
             torch.cuda.empty_cache()
 
     result["gluon_correctness"] = []
-    if child_log.exists():
-        for line in child_log.read_text().splitlines():
-            row = json.loads(line)
-            section = row.pop("section")
-            if section == "note":
-                result["gluon_note"] = row
-            elif section == "gluon_correctness":
-                result["gluon_correctness"].append(row)
-            else:
-                timings.append(row)
+    for section, row in log_rows(child_log):
+        if section == "note":
+            result["gluon_note"] = row
+        elif section == "gluon_correctness":
+            result["gluon_correctness"].append(row)
+        else:
+            timings.append(row)
     result["timings"] = timings
     print_table(timings, ceiling)
     bad = [r for r in result["gluon_correctness"] if not r.get("ok")]
