@@ -459,6 +459,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             batch = earlier["naive"]["global_batch_size"]
             naive_rps = earlier["naive"]["requests_per_s"]
 
+    def keep_earlier(name: str) -> bool:
+        """Take row ``name`` as an earlier invocation measured it, if it did."""
+        if name not in earlier:
+            return False
+        record = {**earlier[name], "from_earlier_invocation": True}
+        print(_row_line(record), flush=True)
+        rows.append(record)
+        return True
+
     def budget_left() -> float:
         return settings["budget"] - (time.perf_counter() - t_start)
 
@@ -525,10 +534,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             record.update(status="skipped (--quick)")
             rows.append(record)
             continue
-        if row.name in earlier:
-            record = {**earlier[row.name], "from_earlier_invocation": True}
-            print(_row_line(record), flush=True)
-            rows.append(record)
+        if keep_earlier(row.name):
             continue
         limit = settings["row_timeout"]
         extra: dict[str, Any] = {}
@@ -567,10 +573,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "description": f"'all' at a batch of {b} (the preset's is {preset_batch})",
             "overrides": cumulative,
         }
-        if name in earlier:
-            record = {**earlier[name], "from_earlier_invocation": True}
-            print(_row_line(record), flush=True)
-            rows.append(record)
+        if keep_earlier(name):
             continue
         timeout = min(settings["row_timeout"], budget_left())
         record.update(
@@ -592,7 +595,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _speedup(x: Any) -> str:
     # rows at another batch have none: "n/a", not "n/ax"
-    return f"{x:.2f}x" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+    s = _fmt(x, ".2f")
+    return s if s == "n/a" else f"{s}x"
 
 
 def _fmt(x: Any, spec: str) -> str:

@@ -46,7 +46,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from _common import jsonable, single_rank_group  # noqa: E402
+from _common import jsonable, run_steps, single_rank_group  # noqa: E402
 
 RESULTS = _HERE.parent / "results"
 
@@ -247,19 +247,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     host_s = {"launch": 0.0, "finish": 0.0}
 
     def run(n: int, metrics: list[dict[str, float]]) -> None:
-        pending = None
-        for _ in range(n):
-            t = time.perf_counter()
-            launched = trainer.launch_step()
-            host_s["launch"] += time.perf_counter() - t
-            if pending is not None:
-                t = time.perf_counter()
-                metrics.append(trainer.finish_step(pending))
-                host_s["finish"] += time.perf_counter() - t
-            pending = launched
-        if pending is not None:
-            metrics.append(trainer.finish_step(pending))
-        trainer.drain()
+        done, launch, finish = run_steps(trainer, n)
+        metrics.extend(done)
+        host_s["launch"] += sum(launch)
+        host_s["finish"] += sum(finish)
 
     warm: list[dict[str, float]] = []
     t1 = time.perf_counter()

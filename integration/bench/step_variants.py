@@ -34,7 +34,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from _common import jsonable, single_rank_group  # noqa: E402
+from _common import jsonable, run_steps, single_rank_group  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, list[str], dict[str, str]]:
@@ -81,19 +81,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer = Trainer(preset, out_dir=Path(args.out) / "variant-run", device=device, progress=False)
     build_s = time.perf_counter() - t0
-    launch, finish, metrics = [], [], []
-    pending = None
-    for _ in range(total):
-        t = time.perf_counter()
-        launched = trainer.launch_step()
-        launch.append(time.perf_counter() - t)
-        if pending is not None:
-            t = time.perf_counter()
-            metrics.append(trainer.finish_step(pending))
-            finish.append(time.perf_counter() - t)
-        pending = launched
-    metrics.append(trainer.finish_step(pending))
-    trainer.drain()
+    metrics, launch, finish = run_steps(trainer, total)
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     autoac_plan = trainer.autoac_summary()
     trainer.close()
