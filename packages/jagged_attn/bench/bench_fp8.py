@@ -95,10 +95,13 @@ CPU_ACCURACY = [
     Case("cpu-p-B16-L2048-H2", "powerlaw", 16, 2048, heads=2),
     Case("cpu-fixed-B1-L4096-H1-causal", "fixed", 1, 4096, heads=1, causal=True),
 ]
-# Kernel configurations timed by --sweep: (block_m, num_warps, num_stages, p_block).
-SWEEP = [(128, 8, 3, 128), (128, 8, 2, 128), (128, 8, 4, 128), (128, 4, 3, 128),
-         (128, 4, 2, 128), (64, 4, 3, 128), (64, 4, 2, 128), (128, 8, 3, 64), (128, 8, 2, 64),
-         (64, 4, 3, 64)]  # fmt: skip
+# Kernel configurations timed by --sweep: (block_m, num_warps, num_stages, p_block, tma).
+# The pointer-load row is the configuration shipped before K/V tiles went through
+# descriptors (the earlier sweep timed the other pointer-load tiles).
+SWEEP = [(128, 8, 3, 128, True), (128, 8, 2, 128, True), (128, 8, 4, 128, True),
+         (128, 4, 3, 128, True), (64, 4, 3, 128, True), (64, 4, 2, 128, True),
+         (64, 4, 4, 128, True), (64, 4, 3, 64, True), (128, 8, 3, 64, True),
+         (128, 8, 3, 128, False)]  # fmt: skip
 
 
 def _ba():
@@ -399,11 +402,12 @@ def run_sweep(args, device: str) -> list[dict]:
                  Case("fixed-B16-L4096-causal", "fixed", 16, 4096, causal=True)):  # fmt: skip
         lens, offsets, q, k, v, _ = make_inputs(case, 0, device)
         flops = ba.useful_flops(lens, case.heads, case.head_dim, case.causal)
-        for bm, warps, stages, pb in SWEEP:
+        for bm, warps, stages, pb, tma in SWEEP:
             config = FP8Config(p_block=pb)
-            kc = KernelConfig(block_m=bm, block_n=pb, num_warps=warps, num_stages=stages)
+            kc = KernelConfig(block_m=bm, block_n=pb, num_warps=warps, num_stages=stages,
+                              tma=tma)  # fmt: skip
             entry = dict(case=case.name, block_m=bm, num_warps=warps, num_stages=stages,
-                         p_block=pb)  # fmt: skip
+                         p_block=pb, tma=tma)  # fmt: skip
             try:
                 kernel, _ = impl_fp8_parts(case, q, k, v, offsets, config, kc)
                 kernel()

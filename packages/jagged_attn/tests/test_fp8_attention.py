@@ -7,7 +7,9 @@ other side of an E4M3 rounding boundary now and then; the checks therefore requi
 (a) the same NaN pattern, (b) an RMS deviation from the specification at most a tenth of
 the specification's own quantization error against the exact float64 attention, and
 (c) at most 1% of the outputs off by more than bf16's rounding. A wrong scale, tile or
-mask fails (b) by orders of magnitude.
+mask fails (b) by orders of magnitude. On a GPU the ``"fp8"`` products run on FP8 tensor
+cores, whose accumulation is coarser than float32: there (c) becomes "as accurate as the
+specification, and no output off by a fraction of the FP8 error" (``MMA_RMS``).
 
 The kernel runs under ``TRITON_INTERPRET=1`` (allocations poisoned with NaN first). The
 public-API tests cover both backends, the bf16 backward, ``torch.compile`` and ``opcheck``;
@@ -56,9 +58,27 @@ def _forward(q, k, v, qo, ko, kvi, nt, spec, config):
     return attention_forward_fp8(call_of(q, k, v, qo, ko, kvi, nt, spec), config)
 
 
-def check_spec(out, spec_out, exact, name="out"):
+#: Bounds where the products run on FP8 tensor cores (a GPU, ``"fp8"``): their
+#: accumulation keeps fewer bits than float32 (and Triton's Hopper default never promotes
+#: within a dot), so scores differ from the specification's in about the 4th significant
+#: digit and P values near an E4M3 rounding boundary land on the other side far more often
+#: than in float32. Measured on an H200 (2026-12-01, the GPU tests below): 5-23% of
+#: outputs beyond bf16 rounding of the specification (promoting every 32 products cut
+#: that to 2-8% and cost 16-24% speed), RMS deviation up to ~0.1 of the FP8 error, the
+#: error against the exact attention within 0.1% of the specification's. The bounds keep
+#: what matters to users: the kernel is as accurate as its specification, and no output
+#: strays by a fraction of the FP8 error (a wrong scale, tile or mask still fails by
+#: orders of magnitude).
+MMA_RMS = 0.15  # RMS deviation / the specification's RMS error (float32 accumulation: 0.1)
+MMA_MAX = 0.5  # largest deviation / the specification's largest error
+MMA_ERR = 0.01  # |kernel error / specification error - 1| against the exact attention
+MMA_LSE = 2.0**-10  # relative log-sum-exp deviation (float32 accumulation: 1e-4 absolute)
+
+
+def check_spec(out, spec_out, exact, name="out", fp8_mma=False):
     """The kernel ``out`` against the specification ``spec_out`` (float64); ``exact`` is the
-    unquantized float64 attention."""
+    unquantized float64 attention. ``fp8_mma``: the products ran on FP8 tensor cores (see
+    ``MMA_RMS``)."""
     o, s, e = out.double().cpu(), spec_out.double().cpu(), exact.double().cpu()
     assert torch.equal(torch.isnan(o), torch.isnan(s)), f"{name}: NaN pattern"
     fin = torch.isfinite(s)
@@ -67,9 +87,28 @@ def check_spec(out, spec_out, exact, name="out"):
         return
     dev = (o - s).pow(2).mean().sqrt().item()
     quant = (s - e).pow(2).mean().sqrt().item()
-    assert dev <= 0.1 * quant + 1e-6, f"{name}: RMS deviation {dev:.2e} vs FP8 error {quant:.2e}"
-    off = ((o - s).abs() > 2.0**-7 * s.abs() + 1e-5).double().mean().item()
-    assert off <= 0.01, f"{name}: {off:.1%} of outputs off the specification"
+    bound = MMA_RMS if fp8_mma else 0.1
+    assert dev <= bound * quant + 1e-6, f"{name}: RMS deviation {dev:.2e} vs FP8 error {quant:.2e}"
+    if fp8_mma:
+        worst, worst_quant = (o - s).abs().max().item(), (s - e).abs().max().item()
+        assert worst <= MMA_MAX * worst_quant + 1e-6, f"{name}: max deviation {worst:.2e}"
+        err = (o - e).pow(2).mean().sqrt().item()
+        ratio = err / max(quant, 1e-12)
+        assert abs(ratio - 1) <= MMA_ERR, f"{name}: error {err:.3e} = {ratio:.4f}x the spec's"
+    else:
+        off = ((o - s).abs() > 2.0**-7 * s.abs() + 1e-5).double().mean().item()
+        assert off <= 0.01, f"{name}: {off:.1%} of outputs off the specification"
+
+
+def check_lse(lse, ref_lse, fp8_mma=False):
+    """Base-2 log-sum-exp of the kernel against the exact one of the quantized operands."""
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    dev = (lse[fin] - ref_lse[fin]).abs()
+    if fp8_mma:
+        assert (dev <= MMA_LSE * (ref_lse[fin].abs() + 1)).all(), dev.max().item()
+    else:
+        assert dev.max() < 1e-4
 
 
 def check(case: Case, config: FP8Config, seed: int = 0, min_snr: float = 15.0):
@@ -79,7 +118,8 @@ def check(case: Case, config: FP8Config, seed: int = 0, min_snr: float = 15.0):
     kw = dict(kv_index=kvi, num_targets=nt)
     spec_out = reference_fp8.attention_forward(*args, config, **kw)
     exact = reference.attention_forward(*args, **kw)
-    check_spec(out, spec_out, exact)
+    fp8_mma = q.device.type == "cuda" and not config.mx
+    check_spec(out, spec_out, exact, fp8_mma=fp8_mma)
     if exact.abs().sum() > 0:
         snr = reference_fp8.error_metrics(spec_out, exact)["snr_db"]
         assert snr >= min_snr, f"FP8 specification far from the exact attention: {snr:.1f} dB"
@@ -91,9 +131,7 @@ def check(case: Case, config: FP8Config, seed: int = 0, min_snr: float = 15.0):
         kd = reference_fp8.dequantize(qkv.k, config, ko, k.shape[0], torch.float64)
         rot = hadamard_scale(config, q.shape[2])
         ref_lse = _lse(qd, kd, qo, ko, kvi, nt, replace(spec, scale=spec.scale / rot))
-        fin = torch.isfinite(ref_lse)
-        assert torch.equal(fin, torch.isfinite(lse.cpu()))
-        assert (lse.cpu()[fin] - ref_lse[fin]).abs().max() < 1e-4
+        check_lse(lse.cpu(), ref_lse, fp8_mma=fp8_mma)
     return out
 
 
@@ -217,6 +255,57 @@ def test_nan_stays_in_its_sequence():
     assert torch.equal(out[:20], clean[:20]) and torch.equal(out[50:], clean[50:])
 
 
+@needs_kernels
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan_in_neighbour"])
+def test_tma_tiles_equal_pointer_loads(nan):
+    """K and V tiles through tensor descriptors give the pointer loads' outputs bit for bit
+    (masked tiles read the next sequence's keys, which the mask must discard, NaN too)."""
+    from hyperrec.jagged_attn._triton import KernelConfig
+    from hyperrec.jagged_attn._triton._fp8_launch import _use_tma, attention_forward_fp8
+
+    case = Case((20, 37, 0, 64, 5), mask=dict(causal=True))
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 3)
+    if nan:
+        k[60, 0, 5] = float("nan")  # sequence 2 (tokens 57-120); tiles of sequence 1 read it
+        v[58, 1, 2] = float("nan")
+    call = call_of(q, k, v, qo, ko, kvi, nt, spec)
+    kc = KernelConfig(block_m=16, block_n=FP8.tile_n, num_warps=4, num_stages=1)
+    plain, lse = attention_forward_fp8(call, FP8, kernel_config=kc)
+    qkv = ja.quantize_qkv(q, k, v, qo, precision=FP8, backend="triton")
+    assert _use_tma(replace(kc, tma=True), FP8, qkv.k.data, qkv.v.data, 32, 32, 32, 32)
+    tma, lse_t = attention_forward_fp8(call, FP8, kernel_config=replace(kc, tma=True))
+    assert torch.equal(torch.isnan(plain), torch.isnan(tma))
+    assert torch.equal(plain.nan_to_num(), tma.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), lse_t.nan_to_num())
+    if nan:
+        assert not torch.isnan(tma[:57]).any() and not torch.isnan(tma[121:]).any()
+        assert torch.isnan(tma[57:121]).any()
+
+
+def test_tma_needs_packed_power_of_two_operands():
+    from hyperrec.jagged_attn._triton import KernelConfig
+    from hyperrec.jagged_attn._triton._fp8_launch import _use_tma
+
+    kc = KernelConfig(block_m=16, block_n=32, tma=True)
+    k8 = torch.zeros(40, 2, 32, dtype=torch.uint8)
+    vt8 = torch.zeros(2, 32, 48, dtype=torch.uint8)
+    ok = _use_tma(kc, FP8, k8, vt8, 32, 32, 32, 32) == (kernels_available() and DEVICE != "cpu"
+                                                         or _interpreting())  # fmt: skip
+    assert ok
+    assert not _use_tma(replace(kc, tma=0), FP8, k8, vt8, 32, 32, 32, 32)
+    assert not _use_tma(kc, MX, k8, vt8, 32, 32, 32, 32)  # MX scale tiles: pointer loads
+    assert not _use_tma(kc, FP8, k8[:, :, :24], vt8, 32, 32, 24, 32)  # padded head dim
+    assert not _use_tma(kc, FP8, k8, vt8[:, :, :40], 32, 32, 32, 32)  # rows not 16-byte
+    wide = torch.zeros(40, 2, 64, dtype=torch.uint8)
+    assert not _use_tma(kc, FP8, wide[:, :, :32], vt8, 32, 32, 32, 32)  # heads not packed
+
+
+def _interpreting() -> bool:
+    from hyperrec.jagged_attn._triton import interpreting
+
+    return interpreting()
+
+
 # ----------------------------------------------------------------------------------------
 # The public option
 # ----------------------------------------------------------------------------------------
@@ -245,7 +334,7 @@ def test_api_forward_and_bf16_backward(backend):
     emu = reference_fp8.attention_forward(q.double(), k.double(), v.double(), offsets, offsets,
                                           spec, FP8)  # fmt: skip
     exact = reference.attention_forward(q.double(), k.double(), v.double(), offsets, offsets, spec)
-    check_spec(out, emu, exact)
+    check_spec(out, emu, exact, fp8_mma=backend == "triton" and out.device.type == "cuda")
     do = torch.randn_like(out)
     g8 = torch.autograd.grad(out, leaves, do)
     g16 = torch.autograd.grad(ref, base, do)

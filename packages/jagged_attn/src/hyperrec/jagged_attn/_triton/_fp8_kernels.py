@@ -299,6 +299,7 @@ def _mx_dot(a, b, acc):
 @triton.jit
 def _fp8_tiles(
     acc, m_i, l_i, k_i, sv_prev, q, c_row, k_base, vt_base, ks_base, vs_base, v_col0,
+    K_desc, VT_desc, k_row0, k_col, v_row,
     stride_kt, stride_vd, stride_kst, stride_vsd, offs_m, lo, hi, Lq, Lk, n_targets,
     wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
@@ -306,7 +307,8 @@ def _fp8_tiles(
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr, ACT: tl.constexpr,
     MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST: tl.constexpr, MX: tl.constexpr, FMA: tl.constexpr,
+    FAST: tl.constexpr, MX: tl.constexpr, FMA: tl.constexpr, K_TMA: tl.constexpr,
+    V_TMA: tl.constexpr,
 ):  # fmt: skip
     """Key tiles [lo, hi) of one work item. State per row: ``m_i`` running max (softmax,
     base 2), ``l_i`` the sum of the unquantized weights, ``k_i`` the exponent of the last
@@ -316,13 +318,23 @@ def _fp8_tiles(
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k8 = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-                        offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
-        vt_mask = (offs_n < Lk)[None, :]
-        if BLOCK_DV != HEAD_DIM_V:
-            vt_mask = vt_mask & (offs_dv < HEAD_DIM_V)[:, None]
-        vt8 = tl.load(vt_base + offs_dv[:, None] * stride_vd + (v_col0 + offs_n)[None, :],
-                      mask=vt_mask, other=0.0)  # fmt: skip
+        if K_TMA:
+            # Keys past the sequence (the next sequence's, or zeros past the tensor) get
+            # scores that the mask replaces below (tl.where: even a NaN never leaks).
+            k8 = K_desc.load([k_row0 + start_n, k_col])
+        else:
+            k8 = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                            offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        if V_TMA:
+            # Only in mask-free tiles: columns past the sequence are padding that is never
+            # written, and P = 0 times a NaN there would still be NaN.
+            vt8 = VT_desc.load([v_row, v_col0 + start_n])
+        else:
+            vt_mask = (offs_n < Lk)[None, :]
+            if BLOCK_DV != HEAD_DIM_V:
+                vt_mask = vt_mask & (offs_dv < HEAD_DIM_V)[:, None]
+            vt8 = tl.load(vt_base + offs_dv[:, None] * stride_vd + (v_col0 + offs_n)[None, :],
+                          mask=vt_mask, other=0.0)  # fmt: skip
         if MX:
             kmask = (offs_n < Lk)[:, None] & (offs_d < HEAD_DIM)[None, :]
             ksc = tl.load(ks_base + offs_n[:, None] * stride_kst + (offs_d // 32)[None, :],
@@ -401,7 +413,7 @@ def _fp8_tiles(
 
 @triton.jit
 def _fp8_item(
-    Q8, K8, VT8, QS, KS, VS, O, LSE,
+    Q8, K8, VT8, QS, KS, VS, O, LSE, K_desc, VT_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vh, stride_vd,
     stride_qst, stride_qsh, stride_kst, stride_ksh, stride_vsh, stride_vsd,
     stride_ot, stride_oh, stride_lh,
@@ -411,7 +423,7 @@ def _fp8_item(
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FAST: tl.constexpr, MX: tl.constexpr, FMA: tl.constexpr,
+    FAST: tl.constexpr, MX: tl.constexpr, FMA: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One work item: query rows [m0, m0 + BLOCK_M) of one sequence and head."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -449,17 +461,19 @@ def _fp8_item(
     )  # fmt: skip
     acc, m_i, l_i, k_i, sv_prev = _fp8_tiles(
         acc, m_i, l_i, k_i, sv_prev, q, c_row, k_base, vt_base, ks_base, vs_base, v_col0,
+        K_desc, VT_desc, k_start, h * HEAD_DIM, h * HEAD_DIM_V,
         stride_kt, stride_vd, stride_kst, stride_vsd, offs_m, lo, full, Lq, Lk, n_targets,
         wl, wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
         HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        FAST, MX, FMA,
+        FAST, MX, FMA, TMA, TMA,
     )  # fmt: skip
     acc, m_i, l_i, k_i, sv_prev = _fp8_tiles(
         acc, m_i, l_i, k_i, sv_prev, q, c_row, k_base, vt_base, ks_base, vs_base, v_col0,
+        K_desc, VT_desc, k_start, h * HEAD_DIM, h * HEAD_DIM_V,
         stride_kt, stride_vd, stride_kst, stride_vsd, offs_m, full, hi, Lq, Lk, n_targets,
         wl, wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
         HAS_BLOCK, BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-        FAST, MX, FMA,
+        FAST, MX, FMA, TMA, False,
     )  # fmt: skip
     c = coef
     if NORM == 2:
@@ -489,19 +503,33 @@ def _fp8_fwd_kernel(
     stride_qst, stride_qsh, stride_kst, stride_ksh, stride_vsh, stride_vsd,
     stride_ot, stride_oh, stride_lh,
     q_offsets, kv_offsets, v_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
-    qk_scale, coef, wl, wr, ctx, bsz,
+    qk_scale, coef, wl, wr, ctx, bsz, n_kv_rows, n_v_cols,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    MX: tl.constexpr, FMA: tl.constexpr,
+    MX: tl.constexpr, FMA: tl.constexpr, TMA: tl.constexpr = False,
 ):  # fmt: skip
-    """Persistent FP8 forward over the cost-sorted query-tile list of ``_schedule``."""
+    """Persistent FP8 forward over the cost-sorted query-tile list of ``_schedule``.
+
+    ``TMA``: K tiles (all) and V tiles (mask-free ones) arrive through tensor descriptors
+    built here, once per program, over K as ``(tokens, H * D)`` and V as ``(H * Dv, Tp)``:
+    one bulk copy per tile instead of per-thread address arithmetic and masked loads.
+    """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
+    K_desc = K8
+    VT_desc = VT8
+    if TMA:
+        K_desc = tl.make_tensor_descriptor(K8, shape=[n_kv_rows, H * HEAD_DIM],
+                                           strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])  # fmt: skip
+        VT_desc = tl.make_tensor_descriptor(VT8, shape=[H * HEAD_DIM_V, n_v_cols],
+                                            strides=[stride_vd, 1],
+                                            block_shape=[BLOCK_DV, BLOCK_N])  # fmt: skip
     for r in range(0, tl.cdiv(total, nprog)):
         w = _work_item(r, pid, nprog)
         if w < total:
@@ -514,7 +542,7 @@ def _fp8_fwd_kernel(
                 kb = tl.load(kv_index + b)
             v_col0 = tl.load(v_offsets + kb)
             _fp8_item(
-                Q8, K8, VT8, QS, KS, VS, O, LSE,
+                Q8, K8, VT8, QS, KS, VS, O, LSE, K_desc, VT_desc,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vh, stride_vd,
                 stride_qst, stride_qsh, stride_kst, stride_ksh, stride_vsh, stride_vsd,
                 stride_ot, stride_oh, stride_lh,
@@ -522,5 +550,5 @@ def _fp8_fwd_kernel(
                 wl, wr, ctx, bsz,
                 CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                 BLOCK_PREV, ACT, NORM, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                BLOCK_N, FAST, MX, FMA,
+                BLOCK_N, FAST, MX, FMA, TMA,
             )  # fmt: skip

@@ -15,7 +15,14 @@ import torch
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _fp8_kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
-from hyperrec.jagged_attn._triton._launch import _arch, _check_inputs, _common, occupancy_estimate
+from hyperrec.jagged_attn._triton._launch import (
+    _arch,
+    _check_inputs,
+    _common,
+    _ensure_allocator,
+    occupancy_estimate,
+)
+from hyperrec.jagged_attn._triton._probe import hopper_features
 from hyperrec.jagged_attn._triton._schedule import (
     _cached,
     as_int32,
@@ -25,7 +32,7 @@ from hyperrec.jagged_attn._triton._schedule import (
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV, hadamard_scale
 from hyperrec.jagged_attn.reference_fp8 import cols_width, hadamard_signs, pad_offsets
 
-__all__ = ["FP8_TUNED", "attention_forward_fp8", "quantize_qkv", "select_fp8_config"]
+__all__ = ["FP8_TMA", "FP8_TUNED", "attention_forward_fp8", "quantize_qkv", "select_fp8_config"]
 
 
 def _pow2(n: int) -> int:
@@ -144,19 +151,25 @@ def quantize_qkv(
 # ----------------------------------------------------------------------------------------
 
 #: FP8 forward tiles by (arch, padded head dim, format, length bucket): ``block_m``,
-#: ``num_warps``, ``num_stages`` (``block_n`` is the config's P tile). PLACEHOLDERS chosen
-#: by analogy with the bf16 table (not yet tuned on a GPU); ``bench/bench_fp8.py --sweep``
-#: times the alternatives.
+#: ``num_warps``, ``num_stages`` (``block_n`` is the config's P tile). The sm90 ``"fp8"``
+#: entries also move K/V tiles through tensor descriptors (:data:`FP8_TMA`). Timed on an
+#: H200 at D = 128 (``bench/bench_fp8.py --sweep`` and the TMA probe of 2026-12-01: 128 / 8
+#: warps / 3 stages with descriptors was the fastest of the sizes tried); the other head
+#: dims keep tiles chosen by analogy (not timed).
 FP8_TUNED: dict[tuple[str, int, str, str], tuple[int, int, int]] = {
     ("sm90", 64, "fp8", "short"): (128, 4, 3),
     ("sm90", 64, "fp8", "long"): (128, 4, 3),
-    ("sm90", 128, "fp8", "short"): (128, 8, 3),
-    ("sm90", 128, "fp8", "long"): (128, 8, 3),
+    ("sm90", 128, "fp8", "short"): (64, 4, 3),
+    ("sm90", 128, "fp8", "long"): (64, 4, 3),
     ("sm90", 256, "fp8", "short"): (64, 8, 2),
     ("sm90", 256, "fp8", "long"): (64, 8, 2),
     ("sm90", 128, "mxfp8", "short"): (64, 4, 3),
     ("sm90", 128, "mxfp8", "long"): (128, 8, 3),
 }
+
+#: Architectures whose ``"fp8"`` forward reads K/V through tensor descriptors by default
+#: (H200, D = 128: 1.9-2.6x the pointer loads' kernel time; MX tiles keep pointer loads).
+FP8_TMA = frozenset({"sm90"})
 
 
 def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: int) -> KernelConfig:
@@ -168,7 +181,8 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
     d = max(32, _pow2(head_dim))
     bucket = "short" if max_seqlen <= 256 else "long"
     bm, warps, stages = FP8_TUNED.get((arch, d, config.format, bucket), (64, 4, 2))
-    return KernelConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=stages)
+    tma = arch in FP8_TMA and not config.mx
+    return KernelConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=stages, tma=tma)
 
 
 _SMS: dict[int, int] = {}
@@ -241,7 +255,7 @@ def attention_forward_fp8(
         out.stride(0), out.stride(1), lse.stride(0) if softmax else 0,
         q_offsets, kv_offsets, v8.pad_offsets, unused if kv_index is None else kv_index,
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
-        qk_scale, coef, *_mask_ints(call),
+        qk_scale, coef, *_mask_ints(call), k8.data.shape[0], v8.data.shape[2],
     )  # fmt: skip
     # FP8 tensor-core products reduce over >= 32 elements: head dims pad up to 32.
     kw = dict(
@@ -250,6 +264,10 @@ def attention_forward_fp8(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, MX=config.mx, FMA=softmax and qk_scale > 0,
         **ce,
     )  # fmt: skip
+    tma = _use_tma(cfg, config, k8.data, v8.data, kw["BLOCK_D"], kw["BLOCK_DV"], dim, dim_v)
+    if tma:
+        _ensure_allocator()
+        kw["TMA"] = True
     work = work_upper_bound(total_q, n_seq, cfg.block_m) * heads
     key = (q.dtype, cfg, tuple(sorted(kw.items())))
     grid = (max(1, min(work, _num_sms(q.device) * _OCCUPANCY.get(key, 1))),)
@@ -259,6 +277,34 @@ def attention_forward_fp8(
     if key not in _OCCUPANCY and not interpreting() and q.device.type == "cuda":
         _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, q.device)
     return out, lse
+
+
+def _use_tma(
+    cfg: KernelConfig,
+    config: FP8Config,
+    k8: torch.Tensor,
+    vt8: torch.Tensor,
+    block_d: int,
+    block_dv: int,
+    dim: int,
+    dim_v: int,
+) -> bool:
+    """Whether the K/V tiles can go through tensor descriptors: asked for by ``cfg.tma``,
+    ``"fp8"`` (MX tiles also need their scale tiles), unpadded power-of-two head dims, K
+    heads packed in 16-byte rows, V's ``(H, Dv, Tp)`` packed with 16-byte rows, and
+    descriptors on this GPU (or the interpreter)."""
+    if not cfg.tma or config.mx or dim != block_d or dim_v != block_dv:
+        return False
+    on_gpu = k8.device.type == "cuda" and not interpreting()
+    if not interpreting() and not (on_gpu and hopper_features(k8.device.index)["tma"]):
+        return False
+    if k8.shape[0] == 0 or vt8.shape[2] == 0:
+        return False
+    packed_k = k8.stride(2) == 1 and k8.stride(1) == dim and k8.stride(0) % 16 == 0
+    packed_v = (vt8.stride(2) == 1 and vt8.stride(1) == vt8.shape[2]
+                and vt8.stride(0) == dim_v * vt8.shape[2] and vt8.shape[2] % 16 == 0)  # fmt: skip
+    aligned = k8.data_ptr() % 16 == 0 and vt8.data_ptr() % 16 == 0
+    return packed_k and packed_v and aligned
 
 
 def _mask_ints(call: AttentionCall) -> tuple[int, int, int, int]:
