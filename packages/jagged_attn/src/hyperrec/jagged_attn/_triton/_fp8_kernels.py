@@ -228,9 +228,18 @@ def _quant_tile(
             col0 = tl.multiple_of(tl.load(poffsets + b), 16)  # sequences start 16-aligned
             cols64 = (col0 + r).to(tl.int64)
             ptrs = DATA + h * stride_dh + c[None, :].to(tl.int64) * stride_dt + cols64[:, None]
+            if t * TILE + TILE <= n_rows:
+                # A whole tile: no mask along the contiguous tokens, so the stores can be
+                # 16-byte vectors (a per-token mask forces byte stores).
+                if BD == D:
+                    tl.store(ptrs, codes)
+                else:
+                    tl.store(ptrs, codes, mask=(c < D)[None, :])
+            else:
+                tl.store(ptrs, codes, mask=ok)
         else:
             ptrs = DATA + rows64[:, None] * stride_dt + h * stride_dh + c[None, :]
-        tl.store(ptrs, codes, mask=ok)
+            tl.store(ptrs, codes, mask=ok)
 
 
 @triton.jit
