@@ -289,15 +289,31 @@ def test_tma_needs_packed_power_of_two_operands():
     kc = KernelConfig(block_m=16, block_n=32, tma=True)
     k8 = torch.zeros(40, 2, 32, dtype=torch.uint8)
     vt8 = torch.zeros(2, 32, 48, dtype=torch.uint8)
-    ok = _use_tma(kc, FP8, k8, vt8, 32, 32, 32, 32) == (kernels_available() and DEVICE != "cpu"
-                                                         or _interpreting())  # fmt: skip
-    assert ok
+    # CPU tensors qualify under the interpreter only; CUDA ones on Hopper (not interpreting)
+    from hyperrec.jagged_attn._triton._probe import hopper_features
+
+    assert _use_tma(kc, FP8, k8, vt8, 32, 32, 32, 32) == _interpreting()
+    if torch.cuda.is_available() and not _interpreting():
+        want = hopper_features()["tma"]
+        assert _use_tma(kc, FP8, k8.cuda(), vt8.cuda(), 32, 32, 32, 32) == want
     assert not _use_tma(replace(kc, tma=0), FP8, k8, vt8, 32, 32, 32, 32)
     assert not _use_tma(kc, MX, k8, vt8, 32, 32, 32, 32)  # MX scale tiles: pointer loads
     assert not _use_tma(kc, FP8, k8[:, :, :24], vt8, 32, 32, 24, 32)  # padded head dim
     assert not _use_tma(kc, FP8, k8, vt8[:, :, :40], 32, 32, 32, 32)  # rows not 16-byte
     wide = torch.zeros(40, 2, 64, dtype=torch.uint8)
     assert not _use_tma(kc, FP8, wide[:, :, :32], vt8, 32, 32, 32, 32)  # heads not packed
+
+
+def test_shipped_configs_use_descriptors_where_run_on_a_gpu():
+    from hyperrec.jagged_attn._triton._fp8_launch import select_fp8_config
+
+    assert select_fp8_config("sm90", 128, FP8Config(), 4096).tma
+    assert select_fp8_config("sm90", 64, FP8Config(), 100).tma
+    assert not select_fp8_config("sm90", 256, FP8Config(), 4096).tma  # not run with them
+    assert not select_fp8_config("sm90", 128, MX, 4096).tma
+    assert not select_fp8_config("sm80", 128, FP8Config(), 4096).tma
+    cfg = select_fp8_config("sm90", 128, FP8Config(), 4096)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n) == (64, 4, 3, 128)
 
 
 def _interpreting() -> bool:

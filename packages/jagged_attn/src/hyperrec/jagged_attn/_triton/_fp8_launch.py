@@ -151,11 +151,10 @@ def quantize_qkv(
 # ----------------------------------------------------------------------------------------
 
 #: FP8 forward tiles by (arch, padded head dim, format, length bucket): ``block_m``,
-#: ``num_warps``, ``num_stages`` (``block_n`` is the config's P tile). The sm90 ``"fp8"``
-#: entries also move K/V tiles through tensor descriptors (:data:`FP8_TMA`). Timed on an
-#: H200 at D = 128 (``bench/bench_fp8.py --sweep`` and the TMA probe of 2026-12-01: 128 / 8
-#: warps / 3 stages with descriptors was the fastest of the sizes tried); the other head
-#: dims keep tiles chosen by analogy (not timed).
+#: ``num_warps``, ``num_stages`` (``block_n`` is the config's P tile). Timed on an H200 at
+#: D = 128 only (``bench/bench_fp8.py --sweep``, 2026-12-01: 64 rows / 4 warps / 3 stages
+#: with descriptors was the fastest of the tiles tried at lengths 2,048-8,192; the short
+#: bucket copies it untimed); the other head dims keep tiles chosen by analogy.
 FP8_TUNED: dict[tuple[str, int, str, str], tuple[int, int, int]] = {
     ("sm90", 64, "fp8", "short"): (128, 4, 3),
     ("sm90", 64, "fp8", "long"): (128, 4, 3),
@@ -167,9 +166,10 @@ FP8_TUNED: dict[tuple[str, int, str, str], tuple[int, int, int]] = {
     ("sm90", 128, "mxfp8", "long"): (128, 8, 3),
 }
 
-#: Architectures whose ``"fp8"`` forward reads K/V through tensor descriptors by default
-#: (H200, D = 128: 1.9-2.6x the pointer loads' kernel time; MX tiles keep pointer loads).
-FP8_TMA = frozenset({"sm90"})
+#: (arch, padded head dim) whose ``"fp8"`` forward reads K/V through tensor descriptors by
+#: default (H200, D = 128: 1.9-2.6x the pointer loads' kernel time; D = 64 ran the GPU
+#: tests with them; other head dims and MX tiles keep pointer loads until run on a GPU).
+FP8_TMA = frozenset({("sm90", 64), ("sm90", 128)})
 
 
 def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: int) -> KernelConfig:
@@ -181,7 +181,7 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
     d = max(32, _pow2(head_dim))
     bucket = "short" if max_seqlen <= 256 else "long"
     bm, warps, stages = FP8_TUNED.get((arch, d, config.format, bucket), (64, 4, 2))
-    tma = arch in FP8_TMA and not config.mx
+    tma = (arch, d) in FP8_TMA and not config.mx
     return KernelConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=stages, tma=tma)
 
 
