@@ -11,7 +11,8 @@ only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementa
 * ``fp8``: ``jagged_attention(..., precision="fp8")`` (quantization of Q/K/V included;
   Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward;
 * ``fp8_kernel``: the FP8 forward kernel alone on operands quantized beforehand (what a
-  producer that emits FP8 would pay), and ``fp8_quantize``: the quantization alone (ms);
+  producer that emits FP8 would pay), and ``fp8_quantize``: the quantization alone (ms;
+  also without the Hadamard rotation, ``fp8_quantize_no_hadamard``);
 * ``mxfp8``: ``precision="mxfp8"`` (Hopper: MX scales folded into bf16 operands; no speedup
   is expected, the row shows its cost);
 * ``bf16``: ``jagged_attention`` (our bf16 Triton kernels), the same call;
@@ -230,13 +231,17 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
                     continue
                 inst[f"{name}/{key}_ms"] = ms
                 timings.setdefault(name, {}).setdefault(key, []).append(mult * flops / ms * 1e-9)
-        try:
-            quantize()
-            ms = ba.bench_ms(quantize, device)
-            inst["fp8_quantize_ms"] = ms
-            extra_ms.setdefault("fp8_quantize_ms", []).append(ms)
-        except Exception as e:
-            info["results"]["fp8_quantize_error"] = f"{type(e).__name__}: {e}"[:400]
+        # The pass with and without the Hadamard rotation (what the rotation costs).
+        _, plain_quantize = impl_fp8_parts(case, q, k, v, offsets, FP8Config(hadamard=False))
+        for key, fn in (("fp8_quantize_ms", quantize),
+                        ("fp8_quantize_no_hadamard_ms", plain_quantize)):  # fmt: skip
+            try:
+                fn()
+                ms = ba.bench_ms(fn, device)
+                inst[key] = ms
+                extra_ms.setdefault(key, []).append(ms)
+            except Exception as e:
+                info["results"][key.replace("_ms", "_error")] = f"{type(e).__name__}: {e}"[:400]
         info["instances"].append(inst)
         del lens, offsets, q, k, v, do, impls
         if device == "cuda":
@@ -438,15 +443,17 @@ def print_tables(speed: list[dict], acc: list[dict], ceilings: dict) -> None:
 
     for key in ("fwd", "fwd_bwd"):
         print(f"\n{key}: {'case':24s} {'fp8':>13s} {'fp8_kernel':>13s} {'mxfp8':>13s} "
-              f"{'bf16':>13s} {'flex':>13s}  fp8/bf16 fp8/flex kern/bf16 quant_ms")  # fmt: skip
+              f"{'bf16':>13s} {'flex':>13s}  fp8/bf16 fp8/flex kern/bf16 quant_ms (no H)")  # fmt: skip
         for c in speed:
             r = c["results"]
             qms = r.get("fp8_quantize_ms", {}).get("median")
+            qplain = r.get("fp8_quantize_no_hadamard_ms", {}).get("median")
             print(f"     {c['name']:24s} {cell(r, 'fp8', key)} {cell(r, 'fp8_kernel', key)} "
                   f"{cell(r, 'mxfp8', key)} {cell(r, 'bf16', key)} {cell(r, 'flex', key)}  "
                   f"{ratio(r, 'fp8', key, 'bf16')}    {ratio(r, 'fp8', key, 'flex')}    "
                   f"{ratio(r, 'fp8_kernel', key, 'bf16')}    "
-                  f"{'' if qms is None else f'{qms:.3f}'}")  # fmt: skip
+                  f"{'' if qms is None else f'{qms:.3f}'}"
+                  f"{'' if qplain is None else f' ({qplain:.3f})'}")  # fmt: skip
     if acc:
         print("\naccuracy vs float64: RMSE (SNR dB)")
         names = ("fp8", "fp8_no_hadamard", "mxfp8", "naive_fp8", "bf16")
