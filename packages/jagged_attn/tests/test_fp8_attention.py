@@ -312,7 +312,7 @@ def test_tma_tiles_equal_pointer_loads_sweep(lens, causal, activation, window, s
 
 
 def test_tma_needs_packed_power_of_two_operands():
-    from hyperrec.jagged_attn._triton import KernelConfig
+    from hyperrec.jagged_attn._triton import KernelConfig, interpreting
     from hyperrec.jagged_attn._triton._fp8_launch import _use_tma
 
     kc = KernelConfig(block_m=16, block_n=32, tma=True)
@@ -321,8 +321,8 @@ def test_tma_needs_packed_power_of_two_operands():
     # CPU tensors qualify under the interpreter only; CUDA ones on Hopper (not interpreting)
     from hyperrec.jagged_attn._triton._probe import hopper_features
 
-    assert _use_tma(kc, FP8, k8, vt8, 32, 32, 32, 32) == _interpreting()
-    if torch.cuda.is_available() and not _interpreting():
+    assert _use_tma(kc, FP8, k8, vt8, 32, 32, 32, 32) == interpreting()
+    if torch.cuda.is_available() and not interpreting():
         want = hopper_features()["tma"]
         assert _use_tma(kc, FP8, k8.cuda(), vt8.cuda(), 32, 32, 32, 32) == want
     assert not _use_tma(replace(kc, tma=0), FP8, k8, vt8, 32, 32, 32, 32)
@@ -343,12 +343,6 @@ def test_shipped_configs_use_descriptors_where_run_on_a_gpu():
     assert not select_fp8_config("sm80", 128, FP8Config(), 4096).tma
     cfg = select_fp8_config("sm90", 128, FP8Config(), 4096)
     assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_n) == (64, 4, 3, 128)
-
-
-def _interpreting() -> bool:
-    from hyperrec.jagged_attn._triton import interpreting
-
-    return interpreting()
 
 
 # ----------------------------------------------------------------------------------------

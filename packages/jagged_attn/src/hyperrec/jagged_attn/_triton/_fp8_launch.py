@@ -20,6 +20,7 @@ from hyperrec.jagged_attn._triton._launch import (
     _check_inputs,
     _common,
     _ensure_allocator,
+    _tma_ready,
     occupancy_estimate,
 )
 from hyperrec.jagged_attn._triton._probe import hopper_features
@@ -290,21 +291,15 @@ def _use_tma(
     dim_v: int,
 ) -> bool:
     """Whether the K/V tiles can go through tensor descriptors: asked for by ``cfg.tma``,
-    ``"fp8"`` (MX tiles also need their scale tiles), unpadded power-of-two head dims, K
-    heads packed in 16-byte rows, V's ``(H, Dv, Tp)`` packed with 16-byte rows, and
-    descriptors on this GPU (or the interpreter)."""
+    ``"fp8"`` (MX tiles also need their scale tiles), unpadded power-of-two head dims,
+    descriptors on this GPU (or the interpreter), and operands that :func:`_tma_ready`
+    accepts; V is read as the 2-D ``(H * Dv, Tp)`` view, so its heads must be packed too."""
     if not cfg.tma or config.mx or dim != block_d or dim_v != block_dv:
         return False
-    on_gpu = k8.device.type == "cuda" and not interpreting()
-    if not interpreting() and not (on_gpu and hopper_features(k8.device.index)["tma"]):
+    gpu_ok = k8.device.type == "cuda" and hopper_features(k8.device.index)["tma"]
+    if not (interpreting() or gpu_ok):
         return False
-    if k8.shape[0] == 0 or vt8.shape[2] == 0:
-        return False
-    packed_k = k8.stride(2) == 1 and k8.stride(1) == dim and k8.stride(0) % 16 == 0
-    packed_v = (vt8.stride(2) == 1 and vt8.stride(1) == vt8.shape[2]
-                and vt8.stride(0) == dim_v * vt8.shape[2] and vt8.shape[2] % 16 == 0)  # fmt: skip
-    aligned = k8.data_ptr() % 16 == 0 and vt8.data_ptr() % 16 == 0
-    return packed_k and packed_v and aligned
+    return _tma_ready(k8, vt8) and vt8.stride(0) == vt8.shape[1] * vt8.stride(1)
 
 
 def _mask_ints(call: AttentionCall) -> tuple[int, int, int, int]:
