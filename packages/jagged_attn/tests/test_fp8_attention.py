@@ -66,7 +66,7 @@ def _forward(q, k, v, qo, ko, kvi, nt, spec, config):
 #: digit and P values near an E4M3 rounding boundary land on the other side far more often
 #: than in float32. Measured on an H200 (2026-12-01, the GPU tests below): 5-23% of
 #: outputs beyond bf16 rounding of the specification (promoting every 32 products cut
-#: that to 2-8% and cost 16-24% speed), RMS deviation up to ~0.1 of the FP8 error, the
+#: that to 2-8% and cost 10-26% speed), RMS deviation up to ~0.1 of the FP8 error, the
 #: error against the exact attention within 0.1% of the specification's. The bounds keep
 #: what matters to users: the kernel is as accurate as its specification, and no output
 #: strays by a fraction of the FP8 error (a wrong scale, tile or mask still fails by
@@ -268,7 +268,7 @@ def test_tma_tiles_equal_pointer_loads(nan):
     case = Case((20, 37, 0, 64, 5), mask=dict(causal=True))
     q, k, v, _, qo, ko, kvi, nt, spec = build(case, 3)
     if nan:
-        k[60, 0, 5] = float("nan")  # sequence 2 (tokens 57-120); tiles of sequence 1 read it
+        k[60, 0, 5] = float("nan")  # sequence 3 (tokens 57-120); tiles of sequence 1 read it
         v[58, 1, 2] = float("nan")
     call = call_of(q, k, v, qo, ko, kvi, nt, spec)
     kc = KernelConfig(block_m=16, block_n=FP8.tile_n, num_warps=4, num_stages=1)
