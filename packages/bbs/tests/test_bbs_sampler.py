@@ -64,11 +64,14 @@ def test_local_mode_keeps_a_rank_on_its_own_shard():
 
 
 def test_global_mode_balances_better_than_local_and_unbalanced():
+    # One draw of these heavy-tailed costs can hold a sample so large that no window can hide
+    # it (over 200 seeds, global/local reached 0.54 on single draws, median 0.15), so the
+    # claim is checked on the excess summed over five fresh draws: over 100 such sums
+    # local/none stayed <= 0.45 and global/local <= 0.29.
     rng = np.random.default_rng()
     r, n = 8, 8 * 8 * 16 * 48
-    costs = rng.lognormal(5, 1, n) ** 1.5
 
-    def excess(**kw):
+    def excess(costs, **kw):
         sm = [
             BalancedBatchSampler(
                 costs, samples_per_sub_batch=16, sub_batches_per_step=8, rank=i, world_size=r, **kw
@@ -78,9 +81,12 @@ def test_global_mode_balances_better_than_local_and_unbalanced():
         c = np.array([[costs[idx].sum() for idx in s] for s in sm]).T  # (steps, ranks)
         return ImbalanceStats.from_step_costs(c).excess
 
-    none = excess(window_steps=1, mode="local")
-    local = excess(window_steps=8, mode="local")
-    glob = excess(window_steps=8, mode="global")
+    none = local = glob = 0.0
+    for _ in range(5):
+        costs = rng.lognormal(5, 1, n) ** 1.5
+        none += excess(costs, window_steps=1, mode="local")
+        local += excess(costs, window_steps=8, mode="local")
+        glob += excess(costs, window_steps=8, mode="global")
     assert local < 0.7 * none
     assert glob < 0.5 * local
 
