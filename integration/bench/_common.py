@@ -5,9 +5,17 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["jsonable", "run_steps", "single_rank_group"]
+__all__ = [
+    "ALLOCATOR_COUNTERS",
+    "allocator_counters",
+    "counter_delta",
+    "jsonable",
+    "run_steps",
+    "single_rank_group",
+]
 
 
 def single_rank_group(device: str) -> bool:
@@ -25,19 +33,24 @@ def single_rank_group(device: str) -> bool:
     return True
 
 
-def run_steps(trainer: Any, n: int) -> tuple[list[dict[str, float]], list[float], list[float]]:
+def run_steps(
+    trainer: Any, n: int, before_step: Callable[[int], None] | None = None
+) -> tuple[list[dict[str, float]], list[float], list[float]]:
     """``n`` steps exactly as ``Trainer.fit`` runs them (step k + 1 queued before step k's
     metrics are read), then drained. Returns the steps' metrics, the host's seconds to
     queue each step (``launch_step``) and to read each back while the next is queued
     (``finish_step``, where the host waits for the GPU; the last step's read is not timed:
-    nothing is queued behind it)."""
+    nothing is queued behind it). ``before_step(k)``, if given, runs before step k is
+    queued (k = 0 .. n - 1), outside the timed calls."""
     import time
 
     metrics: list[dict[str, float]] = []
     launch: list[float] = []
     finish: list[float] = []
     pending = None
-    for _ in range(n):
+    for k in range(n):
+        if before_step is not None:
+            before_step(k)
         t = time.perf_counter()
         launched = trainer.launch_step()
         launch.append(time.perf_counter() - t)
@@ -50,6 +63,37 @@ def run_steps(trainer: Any, n: int) -> tuple[list[dict[str, float]], list[float]
         metrics.append(trainer.finish_step(pending))
     trainer.drain()
     return metrics, launch, finish
+
+
+#: The CUDA caching allocator's counters that say whether a step went past the cache:
+#: ``cudaMalloc``/``cudaFree`` calls (``num_device_*``), frees of the whole cache after a
+#: failed allocation followed by a retry (``num_alloc_retries``; each synchronises the
+#: device), and the synchronisations for blocks in use on other streams.
+ALLOCATOR_COUNTERS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_device_alloc",
+    "num_device_free",
+    "num_sync_all_streams",
+    "allocation.all.allocated",
+    "segment.all.allocated",
+    "segment.all.freed",
+)
+
+
+def allocator_counters() -> dict[str, int]:
+    """The :data:`ALLOCATOR_COUNTERS` of the current CUDA device (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def counter_delta(before: dict[str, int], after: dict[str, int], steps: int) -> dict[str, float]:
+    """Per-step increase of each counter in both snapshots."""
+    return {k: (after[k] - before[k]) / max(steps, 1) for k in after if k in before}
 
 
 def jsonable(x: Any) -> Any:

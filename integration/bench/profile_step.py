@@ -46,7 +46,13 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from _common import jsonable, run_steps, single_rank_group  # noqa: E402
+from _common import (  # noqa: E402
+    allocator_counters,
+    counter_delta,
+    jsonable,
+    run_steps,
+    single_rank_group,
+)
 
 RESULTS = _HERE.parent / "results"
 
@@ -193,9 +199,11 @@ def _host_profile(run: Any, steps: int, host_s: dict[str, float]) -> dict[str, A
 
     host_s.update(launch=0.0, finish=0.0)
     plain: list[dict[str, float]] = []
+    before = allocator_counters()
     t = time.perf_counter()
     run(steps, plain)
     wall = time.perf_counter() - t
+    allocator = counter_delta(before, allocator_counters(), steps)
     launch, finish = host_s["launch"] / steps, host_s["finish"] / max(steps - 1, 1)
     prof = cProfile.Profile()
     prof.enable()
@@ -216,6 +224,7 @@ def _host_profile(run: Any, steps: int, host_s: dict[str, float]) -> dict[str, A
         "launch_step_s": launch,
         "finish_step_s": finish,
         "step_times_s": [m["step_time_s"] for m in plain],
+        "allocator_per_step": allocator,
         "cprofile_top_own": top(2),
         "cprofile_top_cumulative": top(3),
     }
@@ -343,6 +352,11 @@ def _print(doc: dict[str, Any], path: Path) -> None:
     if host:
         print(f"host: launch_step {host['launch_step_s'] * 1e3:.1f} ms/step, finish_step "
               f"{host['finish_step_s'] * 1e3:.1f} ms, wall {host['wall_s_per_step'] * 1e3:.1f} ms/step")  # fmt: skip
+        if host.get("allocator_per_step"):
+            print(
+                "allocator per step: "
+                + ", ".join(f"{k} {v:g}" for k, v in host["allocator_per_step"].items())
+            )
         for r in host["cprofile_top_own"][:12]:
             print(
                 f"  {r['own_share']:6.1%} own {r['cum_s']:8.3f} s cum {r['calls']:7d} x {r['where']}"

@@ -9,11 +9,13 @@
 A variant is ``NAME=ITEM,ITEM,...``: each item is an override ``SECTION.FIELD=VALUE`` or an
 environment variable ``@NAME=VALUE`` (set before the child imports torch). Each variant
 runs in a fresh process (environment variables such as allocator settings only act at
-start-up), trains ``--warmup`` steps, then ``--steps`` steps exactly as ``Trainer.fit``
+start-up; ``@STEP_VARIANTS_SWITCH_INTERVAL=SECONDS`` sets Python's GIL switch interval), trains ``--warmup`` steps, then ``--steps`` steps exactly as ``Trainer.fit``
 runs them (step n + 1 queued before step n's metrics are read). Per variant: median and
 minimum step time, requests/s, model TFLOP/s and MFU over the timed steps, the host's
 time to queue one step (``launch_step``) and to read one back (``finish_step``, where
-the host waits for the GPU), and peak memory. The profiler slows the host side of a
+the host waits for the GPU), peak memory, and the CUDA caching allocator's counters per
+timed step (``cudaMalloc``/``cudaFree`` calls, cache flushes with retry: a step that goes
+past the cache pays for them on the host and may synchronise the device). The profiler slows the host side of a
 step (``profile_step.py``), so these are the figures to compare configurations with.
 
 Writes ``step_variants_<preset>_<tag>_<date>.json`` into ``--out``.
@@ -34,7 +36,17 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from _common import jsonable, run_steps, single_rank_group  # noqa: E402
+from _common import (  # noqa: E402
+    allocator_counters,
+    counter_delta,
+    jsonable,
+    run_steps,
+    single_rank_group,
+)
+
+#: Environment variable a variant can set (``@STEP_VARIANTS_SWITCH_INTERVAL=0.0005``) to
+#: change ``sys.setswitchinterval`` in its process.
+SWITCH_INTERVAL_ENV = "STEP_VARIANTS_SWITCH_INTERVAL"
 
 
 def parse_variant(text: str) -> tuple[str, list[str], dict[str, str]]:
@@ -69,6 +81,11 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     from hyperrec.integration import Trainer, get_preset, override
 
     cuda = not args.smoke
+    interval = os.environ.get(SWITCH_INTERVAL_ENV)
+    if interval:
+        # How long another thread (the DataLoader's pin-memory thread) may hold the GIL
+        # before the trainer's thread gets it back (Python's default: 5 ms).
+        sys.setswitchinterval(float(interval))
     name = args.preset or ("tiny" if args.smoke else "gem")
     total = args.warmup + args.steps
     overrides = [f"train.steps={total + 1}", "train.eval_every=0", "train.ckpt_every=0",
@@ -81,7 +98,14 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer = Trainer(preset, out_dir=Path(args.out) / "variant-run", device=device, progress=False)
     build_s = time.perf_counter() - t0
-    metrics, launch, finish = run_steps(trainer, total)
+    counters: dict[str, dict[str, int]] = {}
+
+    def before_step(k: int) -> None:
+        if k == args.warmup:
+            counters["before"] = allocator_counters()
+
+    metrics, launch, finish = run_steps(trainer, total, before_step)
+    counters["after"] = allocator_counters()  # after the drain: every timed step is done
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     autoac_plan = trainer.autoac_summary()
     trainer.close()
@@ -105,6 +129,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "launch_step_s_median": statistics.median(launch[args.warmup :]),
         "finish_step_s_median": statistics.median(finish[args.warmup :]) if finish else None,
         "peak_memory_gb": peak,
+        "allocator_per_step": counter_delta(
+            counters.get("before", {}), counters["after"], args.steps
+        ),
+        "switch_interval_s": sys.getswitchinterval(),
         "autoac": autoac_plan,
         "dynamo_counters": dynamo,
     }
@@ -176,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"launch {record['launch_step_s_median'] * 1e3:.1f} ms, finish "
                   f"{record['finish_step_s_median'] * 1e3:.1f} ms, "
                   f"{record['requests_per_s']:.0f} req/s", flush=True)  # fmt: skip
+            alloc = record["allocator_per_step"]
+            if alloc:
+                print(" " * 16 + "per step: " + ", ".join(f"{k} {v:g}" for k, v in alloc.items()))
         else:
             print(f"{name:>14}: {record['status']} {record.get('error', '')[-400:]}", flush=True)
     print(f"wrote {path}")

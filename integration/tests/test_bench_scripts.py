@@ -9,6 +9,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import _common  # noqa: E402
 import ablation  # noqa: E402
 import profile_step  # noqa: E402
 import step_variants  # noqa: E402
@@ -261,15 +262,41 @@ def test_step_variant_parsing():
             step_variants.parse_variant(bad)
 
 
+def test_run_steps_hook_and_counter_delta():
+    """``before_step`` sees every step index before that step is queued; counter deltas are
+    per step and only over counters in both snapshots."""
+    log: list[object] = []
+
+    class Fake:
+        def launch_step(self):
+            log.append("launch")
+            return len(log)
+
+        def finish_step(self, pending):
+            return {"step": pending}
+
+        def drain(self):
+            log.append("drain")
+
+    metrics, launch, finish = _common.run_steps(Fake(), 3, log.append)
+    assert log == [0, "launch", 1, "launch", 2, "launch", "drain"]
+    assert len(metrics) == 3 and len(launch) == 3 and len(finish) == 2
+    got = _common.counter_delta({"a": 1, "b": 5}, {"a": 7, "c": 1}, 3)
+    assert got == {"a": 2.0}
+
+
 def test_step_variants_smoke(tmp_path):
-    """Two variants in fresh processes on the CPU: figures recorded, a failing variant
-    recorded as failed without stopping the run."""
+    """Two variants in fresh processes on the CPU: figures recorded, the GIL switch
+    interval set from the variant's environment, a failing variant recorded as failed
+    without stopping the run."""
     assert step_variants.main(["--out", str(tmp_path), "--smoke", "--warmup", "1", "--steps",
-                               "2", "--variant", "base=", "--variant",
-                               "broken=train.no_such_field=1"]) == 0  # fmt: skip
+                               "2", "--variant", "base=@STEP_VARIANTS_SWITCH_INTERVAL=0.0005",
+                               "--variant", "broken=train.no_such_field=1"]) == 0  # fmt: skip
     (path,) = tmp_path.glob("step_variants_tiny_*.json")
     doc = json.loads(path.read_text())
     ok, broken = doc["variants"]
     assert ok["status"] == "ok" and len(ok["step_times_s"]) == 2
     assert ok["median_step_s"] > 0 and ok["launch_step_s_median"] > 0
+    assert ok["switch_interval_s"] == pytest.approx(0.0005)
+    assert ok["allocator_per_step"] == {}  # no CUDA allocator on a CPU
     assert broken["status"] == "failed" and "no_such_field" in broken["error"]
