@@ -98,6 +98,8 @@ CASES = [
     case(V, "scale", FP8Config, scale="e8m0"),
     case(T, "hadamard", FP8Config, hadamard=1),
     case(V, "hadamard_seed", FP8Config, hadamard_seed=-1),
+    case(V, "backward", FP8Config, backward="int8"),
+    case(V, "backward", FP8Config, format="mxfp8", backward="e5m2"),
     case(V, "block_q applies to format='fp8' only", FP8Config, format="mxfp8", block_q=32),
     case(V, "scale applies", FP8Config, format="mxfp8", scale="pow2"),
 ]
@@ -127,8 +129,9 @@ def test_fp8_without_hyperrec_mxfp8(monkeypatch):
     scale=st.sampled_from([None, "pow2", "fp32"]),
     hadamard=st.sampled_from([None, False, True]),
     seed=st.integers(0, 2**31),
+    backward=st.sampled_from(["bf16", "fp8"]),
 )
-def test_encode_round_trip(fmt, block_q, p_block, scale, hadamard, seed):
+def test_encode_round_trip(fmt, block_q, p_block, scale, hadamard, seed, backward):
     fp8 = fmt == "fp8"
     config = FP8Config(
         format=fmt,
@@ -137,6 +140,7 @@ def test_encode_round_trip(fmt, block_q, p_block, scale, hadamard, seed):
         scale=scale if fp8 else None,
         hadamard=hadamard,
         hadamard_seed=seed,
+        backward=backward,
     )
     assert FP8Config.decode(config.encode()) == config
 

@@ -24,9 +24,27 @@ float32 accumulation:
   known in the log domain) and is folded into the exponent; GDPA: from the tile's row
   maxima of ``|act(s)|``. Softmax and activations run in float32.
 
-The forward is FP8; the backward is the package's bf16 backward, recomputed from the
-original bf16 inputs (autograd keeps them): only the forward output and, for softmax, its
-log-sum-exp come from the FP8 pass. There is no FP8 backward.
+**Backward.** ``FP8Config(backward="bf16")`` (the default) runs the package's bf16
+backward on the original inputs (autograd keeps them): only the forward output and, for
+softmax, its log-sum-exp come from the FP8 pass. ``backward="fp8"`` runs every backward
+product on FP8 operands with float32 accumulation, whatever the forward's format:
+
+* Q and K (rotated as in the forward), V and dO are quantized to E4M3 **per token and
+  head** (one power-of-two scale per row of the head dim), in one pass. Per-token scales
+  factor out of every product of the backward, whichever side they are on.
+* The scores and ``dP = dO V^T`` are recomputed from those operands; P (or the activation
+  output) and dS are formed in float32, then quantized online per row over groups of
+  :data:`GRAD_GROUP` (64) consecutive queries (the operands of ``dV = P^T dO`` and
+  ``dK = dS^T Q``, grouped along the queries they reduce over, aligned at the sequence
+  start) or keys (of ``dQ = dS K``, aligned at the kv sequence start), after the other
+  operand's per-token scale has been folded in. Scales are powers of two.
+* dQ and dK of rotated Q and K are rotated back in the kernels' epilogue.
+
+Gradient scales are unbounded (a loss averaged over a large batch gives tiny ``dO``), so
+the backward's quantizers scale blocks down to ``amax`` = :data:`GRAD_TINY_AMAX` (2**-118)
+instead of the forward's 2**-24. ``bench/fp8_grad_error.py`` measures the gradient error
+against float64 and the bf16 backward; choose ``backward="fp8"`` only where that error is
+acceptable for your model (an 8-bit backward has cost AUC in recommendation models).
 
 :mod:`hyperrec.jagged_attn.reference_fp8` is the pure-PyTorch specification of every
 quantization here (bit-exact against the kernels for Q, K and V; the online P
@@ -45,7 +63,10 @@ import torch
 from hyperrec.jagged_attn._validate import check_bool, check_choice, check_int
 
 __all__ = [
+    "BACKWARDS",
     "FORMATS",
+    "GRAD_GROUP",
+    "GRAD_TINY_AMAX",
     "PRECISIONS",
     "SCALE_RULES",
     "FP8Config",
@@ -62,6 +83,12 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "mxfp8")
 FORMATS: tuple[str, ...] = ("fp8", "mxfp8")
 #: ``FP8Config.scale`` values.
 SCALE_RULES: tuple[str, ...] = ("pow2", "fp32")
+#: ``FP8Config.backward`` values.
+BACKWARDS: tuple[str, ...] = ("bf16", "fp8")
+#: ``backward="fp8"``: queries (dK, dV) or keys (dQ) per P / dS quantization group.
+GRAD_GROUP = 64
+#: ``backward="fp8"``: blocks are scaled as if their absolute max were at least this.
+GRAD_TINY_AMAX = 2.0**-118
 Precision = Literal["bf16", "fp8", "mxfp8"]
 
 #: Largest finite E4M3 value.
@@ -83,7 +110,7 @@ class FP8Config:
 
     Raises:
         TypeError: a field of the wrong type.
-        ValueError: an unknown ``format`` or ``scale``, a block size not in its list,
+        ValueError: an unknown ``format``, ``scale`` or ``backward``, a block size not in its list,
             ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, or a
             block field or ``scale`` given with ``format="mxfp8"``.
     """
@@ -107,9 +134,13 @@ class FP8Config:
     (default): on when the q/k head dim is a power of two; ``True`` requires one."""
     hadamard_seed: int = 0
     """Seed of the Hadamard sign vector."""
+    backward: str = "bf16"
+    """``"bf16"`` (default: the bf16 backward on the unquantized inputs) or ``"fp8"``
+    (FP8 operands in every backward product; see the module doc). Any ``format``."""
 
     def __post_init__(self) -> None:
         check_choice("format", self.format, FORMATS)
+        check_choice("backward", self.backward, BACKWARDS)
         if self.hadamard is not None:
             check_bool("hadamard", self.hadamard)
         check_int("hadamard_seed", self.hadamard_seed, minimum=0)
@@ -185,7 +216,7 @@ class FP8Config:
             raw = pairs[f.name]
             if raw == "None":
                 kw[f.name] = None
-            elif f.name in ("format", "scale"):
+            elif f.name in ("format", "scale", "backward"):
                 kw[f.name] = raw
             elif f.name == "hadamard":
                 kw[f.name] = raw == "True"  # (None handled above)

@@ -54,9 +54,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hyperrec.jagged_attn.activations import activation
+from hyperrec.jagged_attn.activations import activation, activation_derivative
 from hyperrec.jagged_attn.fp8 import (
     E4M3_MAX,
+    GRAD_GROUP,
+    GRAD_TINY_AMAX,
     MX_BLOCK,
     P_EXP_MAX,
     P_LOG2_MAX,
@@ -72,18 +74,21 @@ from hyperrec.jagged_attn.spec import AttentionSpec
 __all__ = [
     "NAN_BYTE",
     "TINY_AMAX",
+    "attention_backward",
     "attention_forward",
     "cols_width",
     "dequantize",
     "error_metrics",
     "fp8_block_scales",
     "fwht",
+    "group_quantize",
     "hadamard_signs",
     "naive_attention_forward",
     "pad_offsets",
     "quantize_cols",
     "quantize_qkv",
     "quantize_rows",
+    "quantize_tokens",
     "round_e4m3",
 ]
 
@@ -128,8 +133,12 @@ def _abs_bits(x: torch.Tensor) -> torch.Tensor:
     return x.float().contiguous().view(torch.int32) & 0x7FFFFFFF
 
 
-def fp8_block_scales(amax_bits: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, inv)`` float32 of blocks whose ``|x|`` max has float32 bits ``amax_bits``.
+def fp8_block_scales(
+    amax_bits: torch.Tensor, rule: str, tiny: float = TINY_AMAX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, inv)`` float32 of blocks whose ``|x|`` max has float32 bits ``amax_bits``,
+    scaled as if that max were at least ``tiny`` (:data:`TINY_AMAX` for the forward's
+    operands, :data:`~hyperrec.jagged_attn.fp8.GRAD_TINY_AMAX` for the FP8 backward's).
 
     ``"pow2"``: ``e = ceil(log2(fl(amax / 448)))`` read from the bits of ``amax`` (for a
     normal ``amax = m * 2**E`` the quotient rounds above ``2**(E - 8)`` exactly when
@@ -140,7 +149,7 @@ def fp8_block_scales(amax_bits: torch.Tensor, rule: str) -> tuple[torch.Tensor, 
     bits = amax_bits.to(torch.int32)
     bad = bits >= 0x7F800000
     zero = bits == 0
-    a = bits.contiguous().view(torch.float32).clamp(min=TINY_AMAX)
+    a = bits.contiguous().view(torch.float32).clamp(min=tiny)
     if rule == "pow2":
         ab = a.view(torch.int32)
         e = ((ab >> 23) & 0xFF) - 135 + ((ab & 0x7FFFFF) > 0x600000).to(torch.int32)
@@ -205,7 +214,7 @@ def _rotate(x: torch.Tensor, config: FP8Config) -> torch.Tensor:
 
 
 def _fp8_rows(
-    xf: torch.Tensor, offsets: torch.Tensor, block: int, rule: str
+    xf: torch.Tensor, offsets: torch.Tensor, block: int, rule: str, tiny: float = TINY_AMAX
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-block quantization of float32 ``(T, H, D)``: ``(data, per-row scale)``."""
     total, heads = xf.shape[:2]
@@ -218,7 +227,7 @@ def _fp8_rows(
     table = torch.zeros(int(n_blocks.sum()), heads, dtype=torch.int32, device=xf.device)
     table = table.scatter_reduce(0, blk[:, None].expand(-1, heads), row_bits, "amax")
     bits = table[blk]
-    scale, inv = fp8_block_scales(bits, rule)
+    scale, inv = fp8_block_scales(bits, rule, tiny)
     data = _e4m3(xf * inv[..., None], (bits >= 0x7F800000)[..., None])
     return data, scale
 
@@ -470,6 +479,151 @@ def attention_forward(
     out = _pair_loop(qd, kd, vd, q_offsets, kv_offsets, spec_q, kv_index, num_targets, n, fn,
                      chunk_elements)  # fmt: skip
     return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------- backward
+def quantize_tokens(x: torch.Tensor, config: FP8Config, *, rotate: bool) -> QuantizedJagged:
+    """``backward="fp8"``'s operand quantization: E4M3 with one power-of-two scale per token
+    and head (``"rows"`` layout, scale ``(T, H)`` float32), blocks scaled as if their
+    ``amax`` were at least :data:`~hyperrec.jagged_attn.fp8.GRAD_TINY_AMAX`; ``rotate``
+    applies the config's Hadamard rotation first (Q and K)."""
+    xf = _rotate(x, config) if rotate else x.float()
+    data, scale = _fp8_rows(xf, _per_token_offsets(xf.shape[0], x.device), 1, "pow2",
+                            GRAD_TINY_AMAX)  # fmt: skip
+    return QuantizedJagged(data=data, scale=scale, layout="rows")
+
+
+def _per_token_offsets(total: int, device: torch.device) -> torch.Tensor:
+    # One "sequence" over all rows: with blocks of one token, sequences do not matter.
+    return torch.tensor([0, total], device=device)
+
+
+def group_quantize(x: torch.Tensor, group: int = GRAD_GROUP) -> torch.Tensor:
+    """Dequantized values of ``x`` (``(..., R, L)``) quantized to E4M3 per row over groups
+    of ``group`` consecutive columns from column 0 (the last group zero-padded): the values
+    are rounded to float32 (what the kernel forms them in), scaled by a power of two per
+    (row, group) with the :func:`fp8_block_scales` ``"pow2"`` rule and
+    :data:`~hyperrec.jagged_attn.fp8.GRAD_TINY_AMAX`. Returned in ``x.dtype``."""
+    *lead, rows, cols = x.shape
+    padded = -(-cols // group) * group
+    xf = torch.nn.functional.pad(x.float(), (0, padded - cols))
+    xf = xf.reshape(*lead, rows, padded // group, group)
+    bits = _abs_bits(xf).amax(-1)
+    scale, inv = fp8_block_scales(bits, "pow2", GRAD_TINY_AMAX)
+    codes = _e4m3(xf * inv[..., None], (bits >= 0x7F800000)[..., None])
+    out = codes.to(x.dtype) * scale[..., None].to(x.dtype)
+    return out.reshape(*lead, rows, padded)[..., :cols]
+
+
+def attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    spec: AttentionSpec,
+    config: FP8Config,
+    *,
+    kv_index: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+    quantize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 backward (``FP8Config(backward="fp8")``): ``(dq, dk, dv)`` in the inputs'
+    dtypes.
+
+    The steps the kernels take, computed in ``dtype`` from the same quantized values:
+
+    1. Q, K (rotated when the config rotates), V and ``grad_out`` quantized per token
+       (:func:`quantize_tokens`); ``sq``, ``sk``, ``sv``, ``sdo`` their scales.
+    2. Per (query sequence, kv sequence) pair: scores ``s = scale / D * Q8 K8^T`` (``D``
+       the Hadamard factor) and ``dP = dO8 V8^T`` of the dequantized operands. Softmax:
+       ``P = exp(s - lse)`` over the allowed keys and ``dS = P * (c dP - delta)``, with
+       ``lse`` and ``delta = c * rowsum(P * dP)`` both of *these* scores and ``dP`` (not
+       the forward's output and log-sum-exp, which come from other scores: only
+       statistics that agree with ``P`` keep ``rowsum(dS) = 0``, without which dQ picks
+       up an error along the attention-weighted key); activations: ``P = act(s)``,
+       ``dS = dP * act'(s)``, both 0 on masked pairs. ``c`` is the output coefficient.
+    3. ``dV = c * sum_g G(P^T sdo) @ dO8``, ``dK = m * sum_g G(dS^T sq) @ Q8`` (``G``:
+       :func:`group_quantize` of the rows of the (keys x queries) matrix over groups of
+       queries; ``X sdo`` scales column ``i`` by ``sdo[i]``), ``dQ = m * G(dS sk) @ K8``
+       (groups of keys), with ``m = scale / D`` (softmax) or ``c * scale / D``; operands
+       in codes (``Q8`` etc. without their scales, which were folded into ``G``'s input).
+    4. With rotation, ``dQ = fwht(dQ) * signs`` and the same for ``dK`` (the transpose of
+       the forward's rotation).
+
+    Args:
+        q, k, v, q_offsets, kv_offsets, spec, kv_index, num_targets: as in
+            :func:`attention_forward`.
+        grad_out: ``(Tq, H, Dv)``, the gradient of the output.
+        config: the quantization (its ``format`` does not matter here).
+        quantize: False runs steps 2-4 without quantizing anything (operands, P and dS
+            keep their values): the exact gradient, computed the FP8 way (rotated
+            operands, float32 rotation back), for checking the steps themselves.
+    """
+    rotate = config.rotates(q.shape[2])
+    d = hadamard_scale(config, q.shape[2])
+
+    def operand(x: torch.Tensor, rot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not quantize:
+            xf = (_rotate(x, config) if rot else x.float()).to(dtype)
+            return xf, torch.ones(x.shape[:2], dtype=dtype, device=x.device)
+        t = quantize_tokens(x, config, rotate=rot)
+        return t.data.to(dtype), t.scale.to(dtype)
+
+    (qc, sq), (kc, sk), (vc, sv), (oc, so) = (
+        operand(q, rotate), operand(k, rotate), operand(v, False), operand(grad_out, False)
+    )  # fmt: skip
+    gq = group_quantize if quantize else (lambda x: x)
+    scale = spec.scale / d
+    softmax = spec.activation == "softmax"
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+    for _, qs, qe, ks, ke, nt in _pairs(q_offsets, kv_offsets, kv_index, num_targets):
+        lq, lk = qe - qs, ke - ks
+        if lq == 0 or lk == 0:
+            continue
+        c = _coef(spec, lk)
+        i = torch.arange(lq, device=q.device)
+        j = torch.arange(lk, device=q.device)
+        ok = allowed(i[:, None], j[None, :], torch.tensor(lq), torch.tensor(lk),
+                     None if nt == 0 else torch.tensor(nt), spec.mask)  # fmt: skip
+
+        def heads_first(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+            return x[lo:hi].transpose(0, 1)  # (H, L, D) or (H, L)
+
+        qh, kh, vh, oh = (heads_first(qc, qs, qe), heads_first(kc, ks, ke),
+                          heads_first(vc, ks, ke), heads_first(oc, qs, qe))  # fmt: skip
+        sqh, skh, svh, soh = (heads_first(sq, qs, qe), heads_first(sk, ks, ke),
+                              heads_first(sv, ks, ke), heads_first(so, qs, qe))  # fmt: skip
+        s = (qh @ kh.transpose(-1, -2)) * (sqh[..., :, None] * skh[..., None, :]) * scale
+        dp = (oh @ vh.transpose(-1, -2)) * (soh[..., :, None] * svh[..., None, :])
+        if softmax:
+            t = torch.where(ok, s, float("-inf"))
+            lse = torch.logsumexp(t, -1, keepdim=True)
+            # (a row without keys has lse = -inf: shift by 0; a NaN lse stays NaN)
+            p = torch.where(ok, torch.exp(t - torch.where(lse == float("-inf"), 0.0, lse)), 0.0)
+            # (a NaN dP on a masked pair must not reach the row: where, not a product)
+            delta = c * torch.where(p > 0, p * dp, 0.0).sum(-1, keepdim=True)
+            ds = p * (dp * c - delta)
+            m = scale
+        else:
+            p = torch.where(ok, activation(spec.activation, s), 0.0)
+            ds = torch.where(ok, dp * activation_derivative(spec.activation, s), 0.0)
+            m = scale * c
+        x = gq(p.transpose(-1, -2) * soh[..., None, :])  # (H, Lk, Lq), groups of queries
+        y = gq(ds.transpose(-1, -2) * sqh[..., None, :])
+        z = gq(ds * skh[..., None, :])  # (H, Lq, Lk), groups of keys
+        dv[ks:ke] += (c * (x @ oh)).transpose(0, 1)
+        dk[ks:ke] += (m * (y @ qh)).transpose(0, 1)
+        dq[qs:qe] += (m * (z @ kh)).transpose(0, 1)
+    if rotate:
+        signs = hadamard_signs(q.shape[2], config.hadamard_seed).to(q.device)
+        dq = (fwht(dq) * signs).to(dtype)
+        dk = (fwht(dk) * signs).to(dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _rescaled(spec: AttentionSpec, factor: float) -> AttentionSpec:

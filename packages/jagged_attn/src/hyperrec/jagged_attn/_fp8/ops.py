@@ -5,14 +5,17 @@ Two forward ops with the package's argument list
 :class:`~hyperrec.jagged_attn.fp8.FP8Config`):
 
 * ``hyperrec_jagged_attn::attention_fp8_triton_fwd`` -> ``(out, lse)``: the quantization
-  kernel and the FP8 forward kernel. Its backward is the bf16 Triton backward
-  (``attention_triton_bwd``) on the saved bf16 inputs, with the FP8 forward's ``out`` and
-  (softmax) ``lse``.
+  kernel and the FP8 forward kernel. Its backward is ``attention_fp8_triton_bwd`` on the
+  saved bf16 inputs: with ``backward="bf16"`` the bf16 Triton backward kernels, with
+  ``"fp8"`` the FP8 backward kernels; both recompute the softmax statistics (log-sum-exp,
+  ``rowsum(P * dP)``) from their own scores instead of reading the FP8 forward's.
 * ``hyperrec_jagged_attn::attention_fp8_torch`` -> ``out``: the pure-PyTorch emulation
   (:func:`hyperrec.jagged_attn.reference_fp8.attention_forward`). Its backward is the
-  reference backward of the unquantized attention (``attention_torch_backward``).
+  reference backward of the unquantized attention (``attention_torch_backward``), or with
+  ``backward="fp8"`` the emulated FP8 backward (``attention_fp8_torch_bwd``,
+  :func:`hyperrec.jagged_attn.reference_fp8.attention_backward`).
 
-Both have fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Importing
+All have fake implementations, so ``torch.compile(fullgraph=True)`` traces them. Importing
 this module does not import Triton.
 """
 
@@ -29,12 +32,13 @@ from hyperrec.jagged_attn._fp8.quantize import fp8_kernels_supported
 from hyperrec.jagged_attn._opschema import NAMESPACE, AttentionCall, activation_of, schema
 from hyperrec.jagged_attn._torch.ops import attention_torch_backward
 from hyperrec.jagged_attn._triton._flops import flops_upper_bound
-from hyperrec.jagged_attn._triton.ops import attention_triton_bwd
 from hyperrec.jagged_attn.fp8 import FP8Config
 
 __all__ = [
     "attention_fp8_torch",
+    "attention_fp8_torch_bwd",
     "attention_fp8_triton",
+    "attention_fp8_triton_bwd",
     "attention_fp8_triton_fwd",
     "resolve_fp8_backend",
     "unsupported_reason_fp8",
@@ -103,9 +107,50 @@ def _fp8_triton_fwd_fake(
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_fp8_triton_bwd",
+    mutates_args=(),
+    schema=schema(
+        before=_PRECISION + "Tensor grad_out, Tensor out, Tensor lse, ",
+        returns="(Tensor, Tensor, Tensor)",
+    ),  # fmt: skip
+)
+def attention_fp8_triton_bwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``attention_fp8_triton_fwd``: ``(dq, dk, dv)``. ``backward="fp8"``: the
+    FP8 backward kernels; ``"bf16"``: the bf16 backward kernels. Neither uses the FP8
+    forward's ``out`` / ``lse`` (kept in the schema for the op's history): both recompute
+    the softmax statistics from their own scores, so that ``P``, ``lse`` and
+    ``rowsum(P * dP)`` agree (mixing the FP8 forward's made dQ wrong on inputs with outlier
+    channels)."""
+    from hyperrec.jagged_attn._triton._fp8_launch import attention_backward_fp8
+    from hyperrec.jagged_attn._triton._launch import attention_backward
+
+    precision, grad_out, out, lse = args[:4]
+    call = _contiguous(AttentionCall.from_op_args(args[4:]))
+    config = FP8Config.decode(precision)
+    if config.backward == "fp8":
+        return attention_backward_fp8(grad_out, call, config)
+    return attention_backward(grad_out, out, lse, call, recompute_stats=True)
+
+
+@attention_fp8_triton_bwd.register_fake
+def _fp8_triton_bwd_fake(
+    precision: str,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _triton_setup_context(
     ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
+    ctx.precision = inputs[0]
     tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
     ctx.n_tensors = len(tensors)
     ctx.save_for_backward(*output, *tensors)
@@ -116,8 +161,9 @@ def _triton_backward(
 ) -> tuple[torch.Tensor | None, ...]:
     del grad_lse  # auxiliary output: nothing flows back through it
     out, lse, *tensors = ctx.saved_tensors
-    dq, dk, dv = attention_triton_bwd(grad_out, out, lse, *tensors, *ctx.spec_args)
-    return (None, dq, dk, dv) + (None,) * (ctx.n_tensors - 3 + len(ctx.spec_args))
+    grads = attention_fp8_triton_bwd(ctx.precision, grad_out.contiguous(), out, lse, *tensors,
+                                     *ctx.spec_args)  # fmt: skip
+    return (None, *grads) + (None,) * (ctx.n_tensors - 3 + len(ctx.spec_args))
 
 
 attention_fp8_triton_fwd.register_autograd(_triton_backward, setup_context=_triton_setup_context)
@@ -172,7 +218,40 @@ def _fp8_torch_fake(
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_fp8_torch_bwd",
+    mutates_args=(),
+    schema=schema(before=_PRECISION + "Tensor grad_out, ", returns="(Tensor, Tensor, Tensor)"),
+)
+def attention_fp8_torch_bwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The emulated FP8 backward (``backward="fp8"``): contiguous ``(dq, dk, dv)``."""
+    from hyperrec.jagged_attn import reference_fp8
+
+    precision, grad_out = args[:2]
+    c = AttentionCall.from_op_args(args[2:])
+    grads = reference_fp8.attention_backward(
+        c.q, c.k, c.v, grad_out, c.q_offsets, c.kv_offsets, c.spec,
+        FP8Config.decode(precision), kv_index=c.kv_index, num_targets=c.num_targets,
+        dtype=torch.promote_types(c.q.dtype, torch.float32),
+    )  # fmt: skip
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@attention_fp8_torch_bwd.register_fake
+def _fp8_torch_bwd_fake(
+    precision: str,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _torch_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.precision = inputs[0]
+    ctx.fp8_backward = FP8Config.decode(inputs[0]).backward == "fp8"
     tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
     ctx.save_for_backward(*tensors)
 
@@ -181,8 +260,12 @@ def _torch_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | No
     # Unpack once: under non-reentrant (selective) checkpointing a saved tensor may be
     # unpacked only once per backward.
     saved = ctx.saved_tensors
-    dq, dk, dv = attention_torch_backward(grad_out, *saved, *ctx.spec_args)
-    return (None, dq, dk, dv) + (None,) * (len(saved) - 3 + len(ctx.spec_args))
+    if ctx.fp8_backward:
+        grads = attention_fp8_torch_bwd(ctx.precision, grad_out.contiguous(), *saved,
+                                        *ctx.spec_args)  # fmt: skip
+    else:
+        grads = attention_torch_backward(grad_out, *saved, *ctx.spec_args)
+    return (None, *grads) + (None,) * (len(saved) - 3 + len(ctx.spec_args))
 
 
 attention_fp8_torch.register_autograd(_torch_backward, setup_context=_torch_setup_context)

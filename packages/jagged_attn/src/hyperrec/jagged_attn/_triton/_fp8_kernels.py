@@ -126,12 +126,12 @@ def _fwht(x, ROWS: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 
 
 @triton.jit
-def _block_scale(bits, POW2: tl.constexpr):
-    """(scale, inv) of blocks whose |x| max has float32 bits ``bits`` (int32):
-    reference_fp8.fp8_block_scales."""
+def _block_scale(bits, POW2: tl.constexpr, TINY: tl.constexpr):
+    """(scale, inv) of blocks whose |x| max has float32 bits ``bits`` (int32), scaled as if
+    that max were at least ``TINY``: reference_fp8.fp8_block_scales."""
     bad = bits >= 0x7F800000
     zero = bits == 0
-    a = tl.maximum(bits.to(tl.float32, bitcast=True), _TINY_AMAX)
+    a = tl.maximum(bits.to(tl.float32, bitcast=True), TINY)
     if POW2:
         ab = a.to(tl.int32, bitcast=True)
         e = ((ab >> 23) & 0xFF) - 135 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -167,7 +167,7 @@ def _quant_tile(
     stride_xt, stride_xh, stride_dt, stride_dh, stride_st, stride_sh,
     D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
     MODE: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
-    LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr,
+    LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, TINY: tl.constexpr,
 ):  # fmt: skip
     """Quantize token rows [t * TILE, (t + 1) * TILE) of work item ``w``'s sequence, head h.
 
@@ -197,7 +197,7 @@ def _quant_tile(
             if GROUP > 1:
                 gb = tl.max(tl.reshape(rb, (TILE // GROUP, GROUP)), 1)
                 rb = tl.reshape(tl.broadcast_to(gb[:, None], (TILE // GROUP, GROUP)), (TILE,))
-            scale, inv = _block_scale(rb, POW2)
+            scale, inv = _block_scale(rb, POW2, TINY)
             codes = _e4m3_codes(x * inv[:, None], (rb >= 0x7F800000)[:, None])
             tl.store(SCALE + rows64 * stride_st + h * stride_sh, scale, mask=row_ok)
         elif MODE == 1:
@@ -264,19 +264,19 @@ def _quant_qkv_kernel(
         _quant_tile(
             Q, QD, QS, SIGNS, q_offsets, q_offsets, q_seq, q_idx, q_total, w, h,
             stride_qt, stride_qh, stride_qdt, stride_qdh, stride_qst, stride_qsh,
-            D, BD, TILE_Q, GROUP_Q, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD,
+            D, BD, TILE_Q, GROUP_Q, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD, _TINY_AMAX,
         )  # fmt: skip
     elif role == 1:
         _quant_tile(
             K, KD, KS, SIGNS, kv_offsets, kv_offsets, kv_seq, kv_idx, kv_total, w, h,
             stride_kt, stride_kh, stride_kdt, stride_kdh, stride_kst, stride_ksh,
-            D, BD, TILE_KV, GROUP_KV, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD,
+            D, BD, TILE_KV, GROUP_KV, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD, _TINY_AMAX,
         )  # fmt: skip
     else:
         _quant_tile(
             V, VD, VS, SIGNS, kv_offsets, v_poffsets, kv_seq, kv_idx, kv_total, w, h,
             stride_vt, stride_vh, stride_vdd, stride_vdh, stride_vst, stride_vsh,
-            DV, BDV, TILE_KV, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD,
+            DV, BDV, TILE_KV, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD, _TINY_AMAX,
         )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Launchers of the FP8 / MXFP8 forward: quantize Q/K/V, pick a configuration, launch.
+"""Launchers of the FP8 / MXFP8 forward (quantize Q/K/V, pick a configuration, launch) and
+of the FP8 backward (``FP8Config(backward="fp8")``).
 
 Like :mod:`hyperrec.jagged_attn._triton._launch` (whose argument checks, mask flags and
 schedules these reuse), each function takes validated input and only asserts its own
@@ -8,18 +9,26 @@ preconditions. Nothing here reads a length on the host.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from hyperrec.jagged_attn._opschema import AttentionCall
-from hyperrec.jagged_attn._triton import _fp8_kernels, interpreting
+from hyperrec.jagged_attn._triton import _fp8_bwd_kernels, _fp8_kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
 from hyperrec.jagged_attn._triton._launch import (
     _arch,
     _check_inputs,
     _common,
     _ensure_allocator,
+    _fwd_schedule,
+    _Key,
+    _kv_schedule,
+    _launch_persistent,
+    _Mask,
+    _pick,
+    _qk_scale,
     _tma_ready,
     occupancy_estimate,
 )
@@ -30,10 +39,24 @@ from hyperrec.jagged_attn._triton._schedule import (
     q_tile_schedule,
     work_upper_bound,
 )
-from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV, hadamard_scale
-from hyperrec.jagged_attn.reference_fp8 import cols_width, hadamard_signs, pad_offsets
+from hyperrec.jagged_attn.fp8 import (
+    GRAD_GROUP,
+    FP8Config,
+    QuantizedJagged,
+    QuantizedQKV,
+    hadamard_scale,
+)
+from hyperrec.jagged_attn.reference_fp8 import cols_width, fwht, hadamard_signs, pad_offsets
 
-__all__ = ["FP8_TMA", "FP8_TUNED", "attention_forward_fp8", "quantize_qkv", "select_fp8_config"]
+__all__ = [
+    "FP8_TMA",
+    "FP8_TUNED",
+    "attention_backward_fp8",
+    "attention_forward_fp8",
+    "quantize_grad_operands",
+    "quantize_qkv",
+    "select_fp8_config",
+]
 
 
 def _pow2(n: int) -> int:
@@ -319,3 +342,140 @@ def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
         threads=int(getattr(p, "max_threads_per_multi_processor", 2048)),
     )
     return occupancy_estimate(n_regs, shared, num_warps, props)
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
+
+#: Token rows per program of the backward's operand quantization.
+_GRAD_QUANT_ROWS = 32
+
+
+def quantize_grad_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    config: FP8Config,
+) -> tuple[QuantizedJagged, QuantizedJagged, QuantizedJagged, QuantizedJagged]:
+    """Q, K (rotated when ``config`` rotates), V and dO as E4M3 with one scale per token and
+    head (``"rows"`` layout, scales ``(T, H)`` float32), one launch; bit-exact against
+    :func:`hyperrec.jagged_attn.reference_fp8.quantize_tokens`."""
+    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    total_q, heads, dim = q.shape
+    total_kv, dim_v = k.shape[0], v.shape[2]
+    device = q.device
+    data = [torch.empty(t.shape, dtype=torch.uint8, device=device) for t in (q, k, v, grad_out)]
+    scales = [torch.empty(t.shape[:2], dtype=torch.float32, device=device)
+              for t in (q, k, v, grad_out)]  # fmt: skip
+    out = tuple(QuantizedJagged(data=d.view(torch.float8_e4m3fn), scale=s, layout="rows")
+                for d, s in zip(data, scales))  # fmt: skip
+    if heads == 0 or (total_q == 0 and total_kv == 0):
+        return out  # type: ignore[return-value]
+    qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
+    rows = _GRAD_QUANT_ROWS
+    q_seq, q_idx, q_tot = q_tile_schedule(qo, qo, None, rows, False, total_q)
+    kv_seq, kv_idx, kv_tot = q_tile_schedule(ko, ko, None, rows, False, total_kv)
+    tiles = max(work_upper_bound(total_q, qo.numel() - 1, rows),
+                work_upper_bound(total_kv, ko.numel() - 1, rows))  # fmt: skip
+    rotate = config.rotates(dim)
+    signs = _device_signs(dim, config.hadamard_seed, device) if rotate else scales[0]
+    strides = [x for t in (q, k, v, grad_out) for x in (t.stride(0), t.stride(1))]
+    dstrides = [x for t in data for x in (t.stride(0), t.stride(1))]
+    _fp8_bwd_kernels._quant_grad_kernel[(tiles, heads, 4)](
+        q, k, v, grad_out, *data, *scales, signs, qo, ko, q_seq, q_idx, q_tot, kv_seq, kv_idx,
+        kv_tot, *strides, *dstrides, scales[0].stride(0), scales[0].stride(1),
+        D=dim, BD=_pow2(dim), DV=dim_v, BDV=_pow2(dim_v), TILE=rows, HADAMARD=rotate,
+        LOG2D=max(dim.bit_length() - 1, 0), num_warps=4,
+    )  # fmt: skip
+    return out  # type: ignore[return-value]
+
+
+def attention_backward_fp8(
+    grad_out: torch.Tensor,
+    call: AttentionCall,
+    config: FP8Config,
+    *,
+    fast_math: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 backward: ``(dq, dk, dv)`` in the input dtype; the numerics of
+    :func:`hyperrec.jagged_attn.reference_fp8.attention_backward`. It reads neither the
+    forward's output nor its log-sum-exp: the dQ kernel runs first and recomputes both
+    softmax statistics from this backward's own scores. The streamed tile of each kernel
+    (keys for dQ, queries for dK/dV) is the quantization group,
+    :data:`~hyperrec.jagged_attn.fp8.GRAD_GROUP`; the other tile dims, warps and stages
+    are the bf16 backward's shipped ones."""
+    _check_inputs(call)
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    total_q, heads, dim = q.shape
+    total_kv, dim_v = k.shape[0], v.shape[2]
+    n_seq, n_kv_seq = call.q_offsets.numel() - 1, call.kv_offsets.numel() - 1
+    softmax = spec.activation == "softmax"
+    assert grad_out.shape == (total_q, heads, dim_v), "grad_out shape"
+    grad_out = _last_dim_contiguous(grad_out)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if total_q == 0 or total_kv == 0 or n_seq == 0 or n_kv_seq == 0 or heads == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    q8, k8, v8, do8 = quantize_grad_operands(q, k, v, grad_out, call.q_offsets,
+                                             call.kv_offsets, config)  # fmt: skip
+    coef, ce = _common(call, fast_math)
+    bd, bdv = max(32, _pow2(dim)), max(32, _pow2(dim_v))
+    rotate = config.rotates(dim)
+    in_kernel_rotation = rotate and bd == dim
+    signs = _device_signs(dim, config.hadamard_seed, q.device) if rotate else q8.scale
+    scale = spec.scale / hadamard_scale(config, dim)
+    qk_scale = _qk_scale(spec.activation, scale)
+    # Written by the dQ kernel (softmax); rows no query tile covers keep +inf / 0, which
+    # give P = 0 and dS = 0 in the dK/dV kernel.
+    shape = (heads, total_q) if softmax else (0,)
+    lse = torch.full(shape, float("inf"), dtype=torch.float32, device=q.device)
+    delta = torch.zeros_like(lse)
+    stride_lh = lse.stride(0) if softmax else 0
+    mask_ints = _Mask(call).ints()
+    num_targets = as_int32(call.num_targets)
+    common = dict(H=heads, HEAD_DIM=dim, HEAD_DIM_V=dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
+                  HADAMARD=in_kernel_rotation, LOG2D=max(dim.bit_length() - 1, 0),
+                  **ce)  # fmt: skip
+    operands = (q8.data, k8.data, v8.data, do8.data, q8.scale, k8.scale, v8.scale, do8.scale)
+    strides = (
+        q8.data.stride(0), q8.data.stride(1), k8.data.stride(0), k8.data.stride(1),
+        v8.data.stride(0), v8.data.stride(1), do8.data.stride(0), do8.data.stride(1),
+        q8.scale.stride(0), q8.scale.stride(1),
+    )  # fmt: skip
+
+    cfg = replace(_pick("dq", call, None), block_n=GRAD_GROUP)
+    q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
+    kv_index = as_int32(call.kv_index)
+    args: tuple[object, ...] = (
+        *operands, lse, delta, dq, signs, *strides, dq.stride(0), dq.stride(1),
+        stride_lh, q_offsets, kv_offsets, total if kv_index is None else kv_index,
+        total if num_targets is None else num_targets, tile_seq, tile_idx, total,
+        qk_scale, scale, coef, *mask_ints,
+    )  # fmt: skip
+    kw = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    work = work_upper_bound(total_q, n_seq, cfg.block_m) * heads
+    key = _Key(("fp8_dq", q.dtype, cfg, tuple(sorted(kw.items()))))
+    _launch_persistent(_fp8_bwd_kernels._fp8_bwd_dq_kernel, work, q.device, cfg, key, args, kw)
+
+    cfg = replace(_pick("dkdv", call, None), block_m=GRAD_GROUP, dq_atomic=False)
+    q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
+    args = (
+        *operands, lse, delta, dk, dv, signs, *strides,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_lh,
+        q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
+        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
+    )  # fmt: skip
+    kw = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    work = work_upper_bound(total_kv, n_kv_seq, cfg.block_n) * heads
+    key = _Key(("fp8_dkdv", q.dtype, cfg, tuple(sorted(kw.items()))))
+    _launch_persistent(_fp8_bwd_kernels._fp8_bwd_dkdv_kernel, work, q.device, cfg, key, args,
+                       kw)  # fmt: skip
+    if rotate and not in_kernel_rotation:
+        # head dims below the 32-wide FP8 tile: rotate back here
+        sgn = signs.float()
+        dq = (fwht(dq) * sgn).to(q.dtype)
+        dk = (fwht(dk) * sgn).to(k.dtype)
+    return dq, dk, dv

@@ -1110,6 +1110,57 @@ def _bwd_dq_tiles(
     return dq
 
 
+@triton.jit
+def _bwd_stats_tiles(
+    m_i, l_i, u_i, q, do, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, Lq, Lk,
+    qk_scale, n_targets, wl, wr, ctx, bsz,
+    CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+    HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Softmax statistics of the backward's own scores (``STATS``): running max ``m``,
+    ``l = sum exp2(s - m)`` and ``u = sum exp2(s - m) * dP`` over the keys ``[lo, hi)``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                       offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                       offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        s = _mm(q, tl.trans(k)) * qk_scale
+        dp = _mm(do, tl.trans(v))
+        if MASKED:
+            ok = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                          CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                          HAS_BLOCK, BLOCK_PREV)  # fmt: skip
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # masked pairs: p = 0 (a NaN dP there must not leak: where, not a product)
+        u_i = u_i * alpha + tl.sum(tl.where(p > 0.0, p * dp, 0.0), 1)
+        m_i = m_new
+    return m_i, l_i, u_i
+
+
+@triton.jit
+def _finish_stats(m_i, l_i, u_i, c, LSE, DELTA, rows, n_rows):
+    """Store ``lse = m + log2(l)`` (+inf for a row without keys) and ``delta = c * u / l``
+    (0 there); return them."""
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    lse = tl.where(has, m_i + tl.log2(l_safe), float("inf"))
+    delta = tl.where(has, c * u_i / l_safe, 0.0)
+    tl.store(LSE + rows, lse, mask=rows < n_rows)
+    tl.store(DELTA + rows, delta, mask=rows < n_rows)
+    return lse, delta
+
+
 @triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
@@ -1123,7 +1174,11 @@ def _bwd_dq_kernel(
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    STATS: tl.constexpr = False,
 ):  # fmt: skip
+    """``STATS`` (softmax): first recompute each row's log-sum-exp and ``delta`` from this
+    backward's own scores and ``dP`` (a pass over the keys) and write them to ``LSE`` and
+    ``DELTA`` for the dK/dV kernel, instead of reading the forward's."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
@@ -1142,7 +1197,35 @@ def _bwd_dq_kernel(
                            offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
             do = _load_rows(DO + h * stride_doh + q_rows * stride_dot + offs_dv[None, :],
                             offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
-            if ACT == 0:
+            c = coef
+            if NORM == 2:
+                c = coef / tl.maximum(Lk, 1).to(tl.float32)
+            k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
+            v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
+            lo, full, hi = _kv_range(
+                m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
+                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                BLOCK_PREV, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            if STATS:
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                u_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                m_i, l_i, u_i = _bwd_stats_tiles(
+                    m_i, l_i, u_i, q, do, k_base, v_base, stride_kt, stride_vt, offs_m, lo,
+                    full, Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                    BLOCK_PREV, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                )  # fmt: skip
+                m_i, l_i, u_i = _bwd_stats_tiles(
+                    m_i, l_i, u_i, q, do, k_base, v_base, stride_kt, stride_vt, offs_m, full,
+                    hi, Lq, Lk, qk_scale, n_targets, wl, wr, ctx, bsz,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
+                    BLOCK_PREV, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                )  # fmt: skip
+                lse, delta = _finish_stats(m_i, l_i, u_i, c, LSE + h * stride_lh + q_start,
+                                           DELTA + h * stride_lh + q_start, offs_m, Lq)  # fmt: skip
+            elif ACT == 0:
                 # rows past the sequence get LSE = +inf, hence P = 0
                 lse = tl.load(LSE + h * stride_lh + q_start + offs_m, mask=offs_m < Lq,
                               other=float("inf"))  # fmt: skip
@@ -1151,17 +1234,7 @@ def _bwd_dq_kernel(
             else:
                 lse = tl.zeros([BLOCK_M], dtype=tl.float32)
                 delta = lse
-            c = coef
-            if NORM == 2:
-                c = coef / tl.maximum(Lk, 1).to(tl.float32)
-            k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
-            v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            lo, full, hi = _kv_range(
-                m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
-                CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
-                BLOCK_PREV, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
             dq = _bwd_dq_tiles(
                 dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lo, full,
                 Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,

@@ -680,8 +680,17 @@ def attention_backward(
     deterministic: bool = False,
     config_dkdv: KernelConfig | None = None,
     config_dq: KernelConfig | None = None,
+    recompute_stats: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_forward`: ``(dq, dk, dv)`` in the input dtype.
+
+    ``recompute_stats`` (softmax): do not read ``out`` and ``lse``; the dQ kernel first
+    recomputes each row's log-sum-exp and ``delta = rowsum(P * dP)`` from the backward's
+    own scores (one more pass over the keys: two more GEMMs per tile pair) and the dK/dV
+    kernel runs after it. Needed when ``out`` and ``lse`` come from another computation
+    than these inputs' scores (the FP8 forward): the softmax gradient is only right when
+    its ``P``, ``lse`` and ``delta`` agree; with the FP8 forward's on inputs with outlier
+    channels, dQ's SNR fell to 9 dB.
 
     ``out`` and ``lse`` are the forward's outputs (``lse`` is only read for softmax).
     dK and dV are accumulated in fp32 registers by one program per key tile and written
@@ -719,6 +728,9 @@ def attention_backward(
     coef = _coef(spec)
     mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(spec.activation, scale)
+    if softmax and recompute_stats:
+        return _backward_recomputing_stats(grad_out, call, plan, dq, dk, dv, coef, qk_scale,
+                                           mask_ints)  # fmt: skip
     if softmax:
         delta = torch.empty_like(lse)
         _kernels._bwd_delta_kernel[(triton.cdiv(total_q, _DELTA_ROWS), n_heads)](
@@ -765,6 +777,49 @@ def attention_backward(
     work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
     _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, plan.dq_key, args,
                        plan.dq_kw)  # fmt: skip
+    return dq, dk, dv
+
+
+def _backward_recomputing_stats(grad_out, call, plan, dq, dk, dv, coef, qk_scale, mask_ints):
+    """Softmax backward with ``recompute_stats`` (see :func:`attention_backward`): the dQ
+    kernel (``STATS``) writes the log-sum-exp and ``delta`` it recomputed, then dK/dV
+    (never with atomic dQ) reads them."""
+    q, k, v, spec = call.q, call.k, call.v, call.spec
+    total_q, n_heads = q.shape[0], q.shape[1]
+    # Rows no query tile covers keep +inf / 0: P = 0 and dS = 0 there.
+    lse = torch.full((n_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
+    delta = torch.zeros_like(lse)
+    num_targets = as_int32(call.num_targets)
+    cfg = plan.dq_cfg
+    q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
+    kv_index = as_int32(call.kv_index)
+    args: tuple[object, ...] = (
+        q, k, v, grad_out, lse, delta, dq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        q_offsets, kv_offsets, total if kv_index is None else kv_index,
+        total if num_targets is None else num_targets, tile_seq, tile_idx, total,
+        qk_scale, spec.scale, coef, *mask_ints,
+    )  # fmt: skip
+    kw = dict(plan.dq_kw, STATS=True)
+    work = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, cfg.block_m) * n_heads
+    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, _Key((*plan.dq_key, "stats")),
+                       args, kw)  # fmt: skip
+
+    cfg = plan.dkdv_cfg
+    q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
+    args = (
+        q, k, v, grad_out, lse, delta, dk, dv, dq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
+        dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
+        tile_seq, tile_idx, total, qk_scale, spec.scale, coef, *mask_ints,
+    )  # fmt: skip
+    kw = dict(plan.dkdv_kw, DQ_ATOMIC=False)
+    work = work_upper_bound(k.shape[0], call.kv_offsets.shape[0] - 1, cfg.block_n) * n_heads
+    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg,
+                       _Key((*plan.dkdv_key, "stats")), args, kw)  # fmt: skip
     return dq, dk, dv
 
 
