@@ -9,7 +9,9 @@ over instances of the useful TFLOP/s (``4 * sum(Lq * Lk) * H * D`` forward, allo
 only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementations:
 
 * ``fp8``: ``jagged_attention(..., precision="fp8")`` (quantization of Q/K/V included;
-  Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward;
+  Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward (which
+  recomputes its softmax statistics since 0.2.4: one more pass over the keys);
+* ``fp8_bwd``: fwd+bwd with ``FP8Config(backward="fp8")`` (the FP8 backward);
 * ``fp8_kernel``: the FP8 forward kernel alone on operands quantized beforehand (what a
   producer that emits FP8 would pay), and ``fp8_quantize``: the quantization alone (ms;
   also without the Hadamard rotation, ``fp8_quantize_no_hadamard``);
@@ -199,8 +201,10 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         lens, offsets, q, k, v, do = make_inputs(case, seed, device)
         flops = ba.useful_flops(lens, case.heads, case.head_dim, case.causal)
         inst = dict(seed=seed, tokens=int(lens.sum()), flops_fwd=flops)
+        fp8_bwd = FP8Config(backward="fp8")
         impls = {
             "fp8": impl_public(case, q, k, v, do, offsets, "fp8", backend),
+            "fp8_bwd": (None, impl_public(case, q, k, v, do, offsets, fp8_bwd, backend)[1]),
             "mxfp8": impl_public(case, q, k, v, do, offsets, "mxfp8", backend),
             "bf16": impl_public(case, q, k, v, do, offsets, "bf16", backend),
         }
@@ -251,7 +255,7 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
             info["results"].setdefault(name, {})[f"{key}_tflops"] = ba._stats(values)
     for name, values in extra_ms.items():
         info["results"][name] = ba._stats(values)
-    for ours in ("fp8", "fp8_kernel", "mxfp8"):
+    for ours in ("fp8", "fp8_bwd", "fp8_kernel", "mxfp8"):
         for peer in ("bf16", "flex"):
             for key in ("fwd", "fwd_bwd"):
                 a, b = timings.get(ours, {}).get(key), timings.get(peer, {}).get(key)
@@ -454,6 +458,9 @@ def print_tables(speed: list[dict], acc: list[dict], ceilings: dict) -> None:
                   f"{ratio(r, 'fp8_kernel', key, 'bf16')}    "
                   f"{'' if qms is None else f'{qms:.3f}'}"
                   f"{'' if qplain is None else f' ({qplain:.3f})'}")  # fmt: skip
+            if key == "fwd_bwd" and r.get("fp8_bwd"):
+                print(f"       FP8 backward: {cell(r, 'fp8_bwd', key)} = "
+                      f"{ratio(r, 'fp8_bwd', key, 'bf16')}x bf16")  # fmt: skip
     if acc:
         print("\naccuracy vs float64: RMSE (SNR dB)")
         names = ("fp8", "fp8_no_hadamard", "mxfp8", "naive_fp8", "bf16")
