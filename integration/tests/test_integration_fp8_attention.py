@@ -17,7 +17,7 @@ def _preset(micro, head_dim=None):
     return dataclasses.replace(micro, model=dataclasses.replace(micro.model, **model))
 
 
-@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "fp8_bwd"])
 def test_fp8_attention_is_close_to_bf16_and_trains(micro, precision):
     preset = _preset(micro, head_dim=32 if precision == "mxfp8" else None)
     batch = SyntheticRecsysData(preset.data).batch(TRAIN, np.arange(32))
@@ -35,6 +35,28 @@ def test_fp8_attention_is_close_to_bf16_and_trains(micro, precision):
     sum(esmm_loss(ctr, cvr, batch.click, batch.conversion)).backward()
     grads = [p.grad for p in low.seq_layers.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_fp8_backward_changes_only_the_gradients(micro):
+    """``fp8_bwd``: the same FP8 forward as ``fp8`` (equal outputs), FP8 operands in the
+    attention backward (different, close gradients)."""
+    preset = _preset(micro)
+    batch = SyntheticRecsysData(preset.data).batch(TRAIN, np.arange(32))
+    torch.manual_seed(0)
+    models = {p: GEMModel(preset.model, preset.data, attention_precision=p)
+              for p in ("fp8", "fp8_bwd")}  # fmt: skip
+    models["fp8_bwd"].load_state_dict(models["fp8"].state_dict())
+    grads = {}
+    outs = {}
+    for name, m in models.items():
+        ctr, cvr = m(batch)
+        outs[name] = ctr.detach()
+        sum(esmm_loss(ctr, cvr, batch.click, batch.conversion)).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in m.seq_layers.parameters()])
+    assert torch.equal(outs["fp8"], outs["fp8_bwd"])
+    a, b = grads["fp8_bwd"], grads["fp8"]
+    assert not torch.equal(a, b)
+    assert (a - b).norm() / b.norm() < 0.2
 
 
 def test_low_precision_attention_needs_the_jagged_kernels(micro):

@@ -52,7 +52,7 @@ COMPILE_MODES = ("off", "inductor", "aot_eager")
 MLP_PRECISIONS = ("bf16", "mxfp8")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
-ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8")
+ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
 EMBEDDING_OPTIMIZERS = ("auto", "adamw", "adagrad", "rowwise_adagrad", "adam")
@@ -640,10 +640,12 @@ class TrainConfig:
     ``fp8_e5m2``, ``mx4``), each only where its measured gradient error is within autoac's
     bound; empty: keep or recompute only. Packed regions run eagerly."""
     attention_precision: str = "bf16"
-    """"bf16", "fp8" or "mxfp8": the sequence tower's attention through
+    """"bf16", "fp8", "mxfp8" or "fp8_bwd": the sequence tower's attention through
     ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
-    and P quantized online; the backward stays bf16). "mxfp8" is emulated on Hopper (MX
-    scales applied to bf16 operands: slower than bf16). Needs ``impl="hyperrec"``."""
+    and P quantized online; the backward stays bf16, except "fp8_bwd": the FP8 forward
+    and ``FP8Config(backward="fp8")``, FP8 operands in the backward too, about 24 dB
+    gradient SNR). "mxfp8" is emulated on Hopper (MX scales applied to bf16 operands:
+    slower than bf16). Needs ``impl="hyperrec"``."""
     mesh: str = "auto"
     """The device mesh: "5d" (``hyperrec.parallel5d.ParallelMesh``: the dense modules are
     sharded on its dense mesh, ``replicate x fsdp``, the sharded tables on its sparse mesh;

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ from hyperrec.integration.config import (
 from hyperrec.integration.data import Batch
 from hyperrec.integration.naive import JaggedLayout
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
-from hyperrec.jagged_attn.fp8 import Precision
+from hyperrec.jagged_attn.fp8 import FP8Config, Precision
 
 __all__ = [
     "TABLES",
@@ -237,8 +237,16 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
-def _is_attention_precision(value: str) -> TypeGuard[Precision]:
+def _is_attention_precision(value: str) -> bool:
     return value in ATTENTION_PRECISIONS
+
+
+def _jagged_precision(name: str) -> Precision | FP8Config:
+    """The ``precision=`` argument of :mod:`hyperrec.jagged_attn` for a config name."""
+    if name == "fp8_bwd":
+        return FP8Config(backward="fp8")
+    assert name in ("bf16", "fp8", "mxfp8"), name
+    return name  # type: ignore[return-value]
 
 
 class SequenceBlock(nn.Module):
@@ -281,6 +289,7 @@ class SequenceBlock(nn.Module):
                 "has no low-precision path"
             )
         self.precision = precision
+        self.jagged_precision = _jagged_precision(precision)
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
         self.impl, self.compile_mode = impl, compile
@@ -329,7 +338,7 @@ class SequenceBlock(nn.Module):
                 causal=True,
                 scale=scale,
                 validate=self.validate,
-                precision=self.precision,
+                precision=self.jagged_precision,
             )
         if self.activation == "softmax":
             return jagged_attention(
@@ -341,7 +350,7 @@ class SequenceBlock(nn.Module):
                 causal=True,
                 scale=scale,
                 validate=self.validate,
-                precision=self.precision,
+                precision=self.jagged_precision,
             )
         return gdpa(
             q,
@@ -356,7 +365,7 @@ class SequenceBlock(nn.Module):
             causal=True,
             output_scale=1.0 / self.max_seqlen,
             validate=self.validate,
-            precision=self.precision,
+            precision=self.jagged_precision,
         )
 
     def forward(
