@@ -19,11 +19,26 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_check import DKDV, DQ, SMALL, Case, check, kernels_available, poison_allocations
+from kernel_check import (
+    DKDV,
+    DQ,
+    SMALL,
+    Case,
+    assert_close_to_reference,
+    baseline,
+    build,
+    call_of,
+    check,
+    kernels_available,
+    poison_allocations,
+    run_forward,
+)
 
-from hyperrec.jagged_attn._triton import KernelConfig
+from hyperrec.jagged_attn import reference
+from hyperrec.jagged_attn._triton import KernelConfig, attention_backward
 
 pytest.importorskip("triton")
 if not kernels_available():
@@ -97,6 +112,35 @@ def test_mask_x_lengths(name, regime):
     activation = "silu" if targets or mask.get("contextual_len") else "softmax"
     dkdv = DKDV_ATOMIC if index % 2 else DKDV
     check(_case(regime, mask, targets, activation), configs=(SMALL, dkdv, DQ))
+
+
+@pytest.mark.parametrize("name", list(MASKS) + list(BLOCK_MASKS))
+def test_backward_recomputing_softmax_statistics(name):
+    """``attention_backward(..., recompute_stats=True)`` (what runs after the FP8 forward)
+    over every mask, the length relation rotating: the dQ kernel's first pass recomputes
+    the log-sum-exp and ``delta`` for every row the dK/dV kernel reads. ``out`` and ``lse``
+    are passed as NaN: a row left unwritten, or a read of them, shows up as NaN. Against
+    the exact float64 gradients (``delta`` is computed from P and dP in float32 here, so
+    there is no stored-output rounding term)."""
+    regimes = list(REGIMES)
+    block = name in BLOCK_MASKS
+    regime = "lq=lk" if block else regimes[list(MASKS).index(name) % 3]
+    mask, targets = (BLOCK_MASKS[name], False) if block else MASKS[name]
+    case = _case(regime, mask, targets, "softmax")
+    q, k, v, do, qo, ko, kvi, nt, spec = build(case, 7)
+    out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec, config=SMALL)
+    call = call_of(q, k, v, qo, ko, kvi, nt, spec)
+    got = attention_backward(do, torch.full_like(out, float("nan")),
+                             torch.full_like(lse, float("nan")), call, config_dkdv=DKDV_ATOMIC,
+                             config_dq=DQ, recompute_stats=True)  # fmt: skip
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    base = baseline(*leaves, qo, ko, kvi, nt, spec)
+    base_grads = torch.autograd.grad(base, leaves, do, allow_unused=True)
+    exact = reference.attention_backward(do.double(), q.double(), k.double(), v.double(), qo,
+                                         ko, spec, kv_index=kvi, num_targets=nt)  # fmt: skip
+    for label, g, b, e in zip(("dq", "dk", "dv"), got, base_grads, exact):
+        b = torch.zeros_like(e) if b is None else b
+        assert_close_to_reference(g, b, e, name=label)
 
 
 @pytest.mark.parametrize("name", list(BLOCK_MASKS))
