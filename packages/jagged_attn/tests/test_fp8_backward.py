@@ -268,6 +268,25 @@ def test_public_option(backend):
         assert _rms(a.double().cpu() - w.double().cpu()) <= 0.1 * _rms(w.double().cpu() - e)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_backward_does_not_depend_on_the_forward_format(backend):
+    """The FP8 backward reads neither the forward's output nor its statistics: with an
+    ``"mxfp8"`` forward its gradients are bit for bit those after an ``"fp8"`` forward."""
+    pytest.importorskip("hyperrec.mxfp8")
+    offsets = offsets_tensor((33, 0, 20), DEVICE)
+    g = torch.Generator().manual_seed(9)
+    q, k, v, do = (torch.randn(53, 2, 32, generator=g).to(DEVICE, torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+    grads = []
+    for fmt in ("fp8", "mxfp8"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ja.jagged_attention(*leaves, offsets, 33, causal=True, backend=backend,
+                                  precision=FP8Config(format=fmt, backward="fp8"))  # fmt: skip
+        grads.append(torch.autograd.grad(out, leaves, do))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 TRITON_OP = pytest.param("attention_fp8_triton_bwd", marks=needs_kernels)
 
 
