@@ -287,6 +287,24 @@ def test_backward_does_not_depend_on_the_forward_format(backend):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_flop_counter_counts_the_fp8_backward(backend):
+    """``FlopCounterMode`` sees the FP8 backward: fwd + bwd = 3.5x the forward's count (the
+    statistics pass is recomputation and not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    offsets = offsets_tensor((20, 12), DEVICE)
+    q, k, v = (torch.randn(32, 2, 32).to(DEVICE, torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    with FlopCounterMode(display=False) as fwd_only:
+        ja.jagged_attention(q, k, v, offsets, 20, backend=backend, precision=BWD)
+    with FlopCounterMode(display=False) as both:
+        out = ja.jagged_attention(q, k, v, offsets, 20, backend=backend, precision=BWD)
+        out.sum().backward()
+    assert fwd_only.get_total_flops() > 0
+    assert both.get_total_flops() == pytest.approx(3.5 * fwd_only.get_total_flops())
+
+
 TRITON_OP = pytest.param("attention_fp8_triton_bwd", marks=needs_kernels)
 
 

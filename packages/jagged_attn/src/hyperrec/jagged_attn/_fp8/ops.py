@@ -190,6 +190,29 @@ def _fp8_flop_formula(
                                  v_shape[2], pass_="fwd"))  # fmt: skip
 
 
+def _bwd_flops(q_shape: torch.Size, k_shape: torch.Size, v_shape: torch.Size, args: Any) -> int:
+    # the backward's useful FLOPs (the statistics pass is recomputation, not counted)
+    max_q, max_kv = AttentionCall.max_lengths(args)
+    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
+                                 v_shape[2], pass_="bwd"))  # fmt: skip
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_triton_bwd)
+def _fp8_bwd_flop_formula(
+    precision: str,
+    grad_shape: torch.Size,
+    out_shape_: torch.Size,
+    lse_shape: torch.Size,
+    q_shape: torch.Size,
+    k_shape: torch.Size,
+    v_shape: torch.Size,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
+    return _bwd_flops(q_shape, k_shape, v_shape, args)
+
+
 # ----------------------------------------------------------------------------------------
 # Reference (emulation)
 # ----------------------------------------------------------------------------------------
@@ -209,6 +232,21 @@ def attention_fp8_torch(*args: Any) -> torch.Tensor:
         dtype=torch.promote_types(c.q.dtype, torch.float32),
     )  # fmt: skip
     return out.contiguous()
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_torch)
+def _fp8_torch_flop_formula(
+    precision: str,
+    q_shape: torch.Size,
+    k_shape: torch.Size,
+    v_shape: torch.Size,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
+    max_q, max_kv = AttentionCall.max_lengths(args)
+    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
+                                 v_shape[2], pass_="fwd"))  # fmt: skip
 
 
 @attention_fp8_torch.register_fake
@@ -235,6 +273,20 @@ def attention_fp8_torch_bwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, tor
         dtype=torch.promote_types(c.q.dtype, torch.float32),
     )  # fmt: skip
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_torch_bwd)
+def _fp8_torch_bwd_flop_formula(
+    precision: str,
+    grad_shape: torch.Size,
+    q_shape: torch.Size,
+    k_shape: torch.Size,
+    v_shape: torch.Size,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
+    return _bwd_flops(q_shape, k_shape, v_shape, args)
 
 
 @attention_fp8_torch_bwd.register_fake
