@@ -23,12 +23,14 @@ only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementa
 The FP8 (``torch._scaled_mm``) and bf16 GEMM ceilings are measured in the same run.
 
 Accuracy (first instance of each case, whole sequences up to ``--acc-tokens`` tokens):
-outputs of ``fp8`` (default config), ``fp8`` without Hadamard, ``mxfp8``, the naive
+outputs of ``fp8`` (default config), ``fp8`` without Hadamard, ``fp8`` without key
+smoothing (``smooth_k=False``), ``mxfp8``, the naive
 per-tensor FP8 baseline (one scale per tensor for Q, K, V; P cast to E4M3 unscaled; see
 ``hyperrec.jagged_attn.reference_fp8.naive_attention_forward``) and our ``bf16`` kernel,
 each against the float64 reference: relative L1, RMSE, cosine similarity, SNR. Two input
-distributions: ``gaussian`` (N(0, 1)) and ``outliers`` (Q and K with two head-dim
-channels 20x larger, then both / 3, as in trained models). Gradients of ``fp8`` (bf16
+distributions: ``gaussian`` (N(0, 1)), ``outliers`` (Q and K with two head-dim
+channels 20x larger, then both / 3, as in trained models) and ``key_bias`` (every key plus
+one common vector per head, 3x the keys' own spread: a projection bias). Gradients of ``fp8`` (bf16
 backward from the FP8 forward's output and log-sum-exp) and of ``bf16`` against the
 float64 reference backward, on one case.
 
@@ -296,6 +298,9 @@ def accuracy_inputs(case: Case, dist: str, budget: int, device: str, seed: int =
         q[..., :2] *= 20
         k[..., :2] *= 20
         q, k = q / 3, k / 3
+    elif dist == "key_bias":
+        # keys sharing a common component (a projection bias): 3x their own spread
+        k = k + 3.0 * torch.randn(1, case.heads, case.head_dim, generator=g)
     return lens, offsets.to(device), *(t.to(device, torch.bfloat16) for t in (q, k, v, do))
 
 
@@ -314,9 +319,10 @@ def run_accuracy(case: Case, args, device: str, grads: bool) -> dict:
     methods = {
         "fp8": "fp8",
         "fp8_no_hadamard": FP8Config(hadamard=False),
+        "fp8_no_smoothing": FP8Config(smooth_k=False),
         "mxfp8": "mxfp8",
     }
-    for dist in ("gaussian", "outliers"):
+    for dist in ("gaussian", "outliers", "key_bias"):
         lens, offsets, q, k, v, do = accuracy_inputs(case, dist, args.acc_tokens, device)
         spec = replace(spec, max_seqlen_q=int(lens.max()), max_seqlen_kv=int(lens.max()))
         args64 = (q.double(), k.double(), v.double(), offsets, offsets, spec)
@@ -463,7 +469,7 @@ def print_tables(speed: list[dict], acc: list[dict], ceilings: dict) -> None:
                       f"{ratio(r, 'fp8_bwd', key, 'bf16')}x bf16")  # fmt: skip
     if acc:
         print("\naccuracy vs float64: RMSE (SNR dB)")
-        names = ("fp8", "fp8_no_hadamard", "mxfp8", "naive_fp8", "bf16")
+        names = ("fp8", "fp8_no_hadamard", "fp8_no_smoothing", "mxfp8", "naive_fp8", "bf16")
         print(f"{'case':30s} {'inputs':9s} " + " ".join(f"{n:>20s}" for n in names)
               + "  naive/fp8")  # fmt: skip
         for row in acc:

@@ -12,11 +12,13 @@ gradients dQ, dK, dV of
   (:func:`hyperrec.jagged_attn.reference_fp8.attention_backward`), Hadamard on (the
   default at D = 128);
 * ``fp8_bwd_no_hadamard``: the same without the rotation;
+* ``fp8_bwd_no_smoothing``: the same without key smoothing (``smooth_k=False``);
 
 each against the float64 reference backward: relative L1, RMSE, cosine similarity and SNR
 (``reference_fp8.error_metrics``), and the ratio of each RMSE to ``bf16``'s. Inputs:
-``gaussian`` (N(0, 1)) and ``outliers`` (two head-dim channels of Q and K 20x larger, then
-both / 3, as in trained models), with ``dO`` N(0, 1) scaled by 2**-20 (a loss averaged over
+``gaussian`` (N(0, 1)), ``outliers`` (two head-dim channels of Q and K 20x larger, then
+both / 3, as in trained models) and ``key_bias`` (keys plus one common vector per head, 3x
+their spread), with ``dO`` N(0, 1) scaled by 2**-20 (a loss averaged over
 a large batch: the backward must not depend on the gradient's scale).
 
 On a GPU the FP8 products accumulate with fewer bits than float32 (see
@@ -74,7 +76,8 @@ def run_case(case: Case, dist: str, budget: int) -> dict:
     out = reference.attention_forward(*leaves, offsets, offsets, spec)
     grads["bf16"] = tuple(g.bfloat16() for g in torch.autograd.grad(out, leaves, do))
     for name, config in (("fp8_bwd", FP8Config(backward="fp8")),
-                         ("fp8_bwd_no_hadamard", FP8Config(backward="fp8", hadamard=False))):  # fmt: skip
+                         ("fp8_bwd_no_hadamard", FP8Config(backward="fp8", hadamard=False)),
+                         ("fp8_bwd_no_smoothing", FP8Config(backward="fp8", smooth_k=False))):  # fmt: skip
         grads[name] = reference_fp8.attention_backward(q, k, v, do, offsets, offsets, spec,
                                                        config, dtype=torch.float32)  # fmt: skip
     res: dict = dict(tokens=int(lens.sum()), sequences=int(lens.numel()),
@@ -82,7 +85,7 @@ def run_case(case: Case, dist: str, budget: int) -> dict:
     for name, g in grads.items():
         res[name] = {n: reference_fp8.error_metrics(a.double(), e.double())
                      for n, a, e in zip(("dq", "dk", "dv"), g, exact)}  # fmt: skip
-    for name in ("fp8_bwd", "fp8_bwd_no_hadamard"):
+    for name in ("fp8_bwd", "fp8_bwd_no_hadamard", "fp8_bwd_no_smoothing"):
         res[f"{name}_rmse_over_bf16"] = {
             n: res[name][n]["rmse"] / max(res["bf16"][n]["rmse"], 1e-300) for n in res[name]
         }
@@ -106,7 +109,7 @@ def main() -> None:
     for case in cases:
         row = dict(case=case.name, dist=case.dist, causal=case.causal, heads=case.heads,
                    head_dim=case.head_dim, results={})  # fmt: skip
-        for dist in ("gaussian", "outliers"):
+        for dist in ("gaussian", "outliers", "key_bias"):
             res = run_case(case, dist, budget)
             row["results"][dist] = res
             ratio = res["fp8_bwd_rmse_over_bf16"]

@@ -128,7 +128,8 @@ def check(case: Case, config: FP8Config, seed: int = 0, min_snr: float = 15.0):
     if spec.activation == "softmax":
         # The log-sum-exp the bf16 backward reads: base 2, of the scores of the quantized
         # operands (rotation undone by the 1/D of the scale), +inf for rows without keys.
-        qkv = reference_fp8.quantize_qkv(q, k, v, qo, ko, config)
+        shift = reference_fp8.smoothing_shift(k, ko, spec, config)
+        qkv = reference_fp8.quantize_qkv(q, k, v, qo, ko, config, key_shift=shift)
         qd = reference_fp8.dequantize(qkv.q, config, qo, q.shape[0], torch.float64)
         kd = reference_fp8.dequantize(qkv.k, config, ko, k.shape[0], torch.float64)
         rot = hadamard_scale(config, q.shape[2])

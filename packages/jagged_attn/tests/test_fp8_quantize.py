@@ -16,6 +16,7 @@ import torch
 from kernel_check import DEVICE, kernels_available, offsets_tensor
 
 from hyperrec.jagged_attn import FP8Config, quantize_qkv, reference_fp8
+from hyperrec.jagged_attn.fp8 import key_shift
 from hyperrec.jagged_attn.reference_fp8 import NAN_BYTE, fwht, hadamard_signs
 
 mx = pytest.importorskip("hyperrec.mxfp8")
@@ -77,6 +78,56 @@ def test_kernel_bit_exact(config):
     got = quantize_qkv(q, k, v, offsets, precision=config, backend="triton")
     want = reference_fp8.quantize_qkv(q, k, v, offsets, offsets, config)
     _assert_same(got, want, offsets, q.shape[0])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+def test_kernel_bit_exact_with_key_shift(fmt):
+    """``smooth_k``'s per-sequence shift is subtracted from each sequence's keys before the
+    rotation, bit for bit as the reference does; keys sharing a large common component
+    quantize about as well as keys without it (their scales follow the variation)."""
+    (q, k, v), offsets = _inputs(LENS)
+    config = FP8Config(format=fmt) if fmt == "mxfp8" else FP8Config(block_kv=32, p_block=32)
+    bias = 30.0 * torch.randn(k.shape[1:], generator=torch.Generator().manual_seed(4))
+    k = (k.float() + bias.to(k.device)).to(k.dtype)
+    shift = key_shift(k, offsets)
+    assert shift.dtype == torch.bfloat16 and shift.shape == (len(LENS), *k.shape[1:])
+    got = quantize_qkv(q, k, v, offsets, precision=config, backend="triton", key_shift=shift)
+    want = reference_fp8.quantize_qkv(q, k, v, offsets, offsets, config, key_shift=shift)
+    _assert_same(got, want, offsets, q.shape[0])
+    plain = reference_fp8.quantize_qkv(q, k, v, offsets, offsets, config)
+    kd = reference_fp8.dequantize(want.k, config, offsets, k.shape[0]).cpu()
+    kp = reference_fp8.dequantize(plain.k, config, offsets, k.shape[0]).cpu()
+    shifted = reference_fp8._rotate(k, config, shift, offsets).cpu()
+    exact = reference_fp8._rotate(k, config).cpu()
+    assert (kd - shifted).norm() < 0.2 * (kp - exact).norm()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_key_shift_per_sequence_finite_mean(backend, monkeypatch):
+    """The shift: per sequence and head, the mean of its keys over the finite values; zeros
+    for an empty sequence; a NaN key moves no other sequence's shift. The kernel and the
+    float64 PyTorch path agree (these sums are exact in float32)."""
+    from hyperrec.jagged_attn._fp8 import quantize as q_mod
+
+    if backend == "torch":
+        monkeypatch.setattr(q_mod, "fp8_kernels_supported", lambda device: False)
+    g = torch.Generator().manual_seed(0)
+    lens = (70, 0, 3)
+    k = torch.randint(-64, 64, (73, 2, 8), generator=g).float() / 8
+    k[71, 1, 3] = float("nan")
+    k[1, 0, 0] = float("inf")
+    offsets = offsets_tensor(lens, DEVICE)
+    got = key_shift(k.bfloat16().to(DEVICE), offsets).float().cpu()
+    assert got.shape == (3, 2, 8)
+    want0 = k[:70].double().mean(0)
+    want0[0, 0] = k[[0, *range(2, 70)], 0, 0].double().mean()
+    assert torch.equal(got[0], want0.bfloat16().float())
+    assert torch.equal(got[1], torch.zeros(2, 8))
+    want2 = k[70:73].double().mean(0)
+    want2[1, 3] = k[[70, 72], 1, 3].double().mean()
+    assert torch.equal(got[2], want2.bfloat16().float())
+    assert torch.isfinite(got).all()
 
 
 @needs_kernels

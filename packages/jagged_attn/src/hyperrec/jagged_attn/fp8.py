@@ -17,6 +17,13 @@ float32 accumulation:
   dim before quantization. ``H H^T = D I``, so
   ``Q' K'^T = D Q K^T`` exactly and the kernel divides the scores by ``D``; outliers are
   spread over the head dim, which shrinks the block scales' dynamic range.
+* **Key smoothing** (softmax, ``smooth_k=True`` by default): each kv sequence's keys are
+  shifted by their mean (:func:`key_shift`) before the rotation and
+  quantization. Every score of a query row moves by the same ``q . shift``, which softmax
+  cancels exactly; what changes is the quantization error: keys that share a large
+  common component (a projection bias) quantize with the range of their own variation
+  (SageAttention's smoothing of K). Activations (GDPA) are not shift-invariant and never
+  smooth.
 * **P quantized online** in the kernel to E4M3 with one power-of-two scale per query row
   and key tile of ``p_block`` keys (32 for ``"mxfp8"``: an MX block along the keys), chosen
   so that the tile's largest weight lands in ``(220, 440]``. Softmax: the scale comes from
@@ -73,6 +80,7 @@ __all__ = [
     "Precision",
     "QuantizedJagged",
     "QuantizedQKV",
+    "key_shift",
     "quantize_qkv",
     "resolve_precision",
 ]
@@ -111,7 +119,8 @@ class FP8Config:
     Raises:
         TypeError: a field of the wrong type.
         ValueError: an unknown ``format``, ``scale`` or ``backward``, a block size not in its list,
-            ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, or a
+            ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, a
+            non-bool ``smooth_k``, or a
             block field or ``scale`` given with ``format="mxfp8"``.
     """
 
@@ -137,12 +146,20 @@ class FP8Config:
     backward: str = "bf16"
     """``"bf16"`` (default: the bf16 backward on the unquantized inputs) or ``"fp8"``
     (FP8 operands in every backward product; see the module doc). Any ``format``."""
+    smooth_k: bool = True
+    """Softmax only: subtract each sequence's mean key per head (:func:`key_shift`) from
+    its keys before quantizing K. Softmax is invariant to it (every score of a row moves by the
+    same ``q . shift``), so only the quantization error changes: keys that share a large
+    common component (a projection bias, channel outliers shared across tokens) quantize
+    with their own variation's range instead of the component's. Activations (GDPA) are
+    not shift-invariant and never smooth."""
 
     def __post_init__(self) -> None:
         check_choice("format", self.format, FORMATS)
         check_choice("backward", self.backward, BACKWARDS)
         if self.hadamard is not None:
             check_bool("hadamard", self.hadamard)
+        check_bool("smooth_k", self.smooth_k)
         check_int("hadamard_seed", self.hadamard_seed, minimum=0)
         fp8 = self.format == "fp8"
         for name in ("block_q", "block_kv", "p_block", "scale"):
@@ -218,7 +235,7 @@ class FP8Config:
                 kw[f.name] = None
             elif f.name in ("format", "scale", "backward"):
                 kw[f.name] = raw
-            elif f.name == "hadamard":
+            elif f.name in ("hadamard", "smooth_k"):
                 kw[f.name] = raw == "True"  # (None handled above)
             else:
                 kw[f.name] = int(raw)
@@ -327,6 +344,7 @@ def quantize_qkv(
     *,
     precision: str | FP8Config = "fp8",
     backend: str = "auto",
+    key_shift: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """Quantize Q, K and V into the FP8 kernels' layout, in one pass.
 
@@ -343,6 +361,10 @@ def quantize_qkv(
         backend: ``"auto"`` (the Triton kernel on CUDA GPUs of compute capability >= 8.9,
             or under ``TRITON_INTERPRET=1``; else the reference), ``"torch"`` (the
             reference, :mod:`hyperrec.jagged_attn.reference_fp8`) or ``"triton"``.
+        key_shift: ``(Bk, H, D)`` (any float dtype, applied in float32), row ``b``
+            subtracted from the keys of kv sequence ``b`` before the rotation and
+            quantization (what softmax attention with ``smooth_k`` does, with
+            :func:`key_shift`); default none.
 
     Returns:
         A :class:`QuantizedQKV` (layouts in :class:`QuantizedJagged`).
@@ -362,8 +384,33 @@ def quantize_qkv(
         raise ValueError("precision must be 'fp8', 'mxfp8' or an FP8Config, got 'bf16'")
     config.check_shapes(q.shape[2], v.shape[2])
     check_choice("backend", backend, ("auto", "torch", "triton"))
+    kv = q_offsets if kv_offsets is None else kv_offsets
+    want = (kv.numel() - 1, *k.shape[1:])
+    if key_shift is not None and (
+        not isinstance(key_shift, torch.Tensor) or tuple(key_shift.shape) != want
+        or not key_shift.is_floating_point() or key_shift.device != k.device
+    ):  # fmt: skip
+        raise ValueError(f"key_shift must be a float tensor of shape {want} on {k.device}, "
+                         f"got {key_shift!r:.80}")  # fmt: skip
     return _impl(q, k, v, q_offsets, q_offsets if kv_offsets is None else kv_offsets, config,
-                 backend)  # fmt: skip
+                 backend, key_shift)  # fmt: skip
+
+
+def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """The ``smooth_k`` shift of keys ``k`` ``(T, H, D)``: per kv sequence and head, the
+    mean of its keys (element-wise over the finite values only), ``(B, H, D)`` bfloat16.
+
+    Per sequence, so a request's numerics never depend on the rest of its batch and a
+    NaN/Inf key reaches no other sequence; any constant shift is exact for softmax (the
+    mean removes a common component best: a mean of a sample of the keys left noise that
+    cost 1.6 dB on keys with outlier channels). One Triton launch where the FP8 kernels run
+    (float32 sums in a fixed order: deterministic), else float64 sums in PyTorch; rounded
+    to bfloat16, so the two agree except when a mean lies within float32 rounding of a
+    bfloat16 rounding boundary. Empty sequences get zeros. No host sync.
+    """
+    from hyperrec.jagged_attn._fp8.quantize import key_shift as _impl
+
+    return _impl(k, kv_offsets)
 
 
 def hadamard_scale(config: FP8Config, head_dim: int) -> float:

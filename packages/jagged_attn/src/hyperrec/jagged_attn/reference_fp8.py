@@ -6,7 +6,10 @@ Everything the kernels quantize is defined here, in the order they do it:
    Walsh-Hadamard transform along the head dim, as float32 butterflies (pairs ``(i, i + h)``,
    ``h = 1, 2, 4, ...``, ``(a + b, a - b)``). The kernel runs the same butterflies in the
    same order, so the rotated values agree bit for bit.
-2. **Q/K/V quantization**. ``"fp8"``: per block of ``block`` consecutive tokens of one
+2. **Key smoothing** (softmax with ``smooth_k``): each kv sequence's keys minus
+   :func:`~hyperrec.jagged_attn.fp8.key_shift` (their mean per head, a bf16 vector),
+   subtracted in float32 before step 1's rotation (:func:`smoothing_shift`).
+3. **Q/K/V quantization**. ``"fp8"``: per block of ``block`` consecutive tokens of one
    sequence and one head (over the head dim), ``amax`` from the float32 values; the scale
    is ``2**e`` with ``e = ceil(log2(fl(amax / 448)))`` (``"pow2"``, the RCEIL rule of MX
    applied to a whole block; computed from ``amax``'s bits, which equals the division
@@ -18,7 +21,7 @@ Everything the kernels quantize is defined here, in the order they do it:
    :func:`hyperrec.mxfp8.reference.quantize_blocks` (E4M3, 32, RCEIL) along the head dim
    (Q, K) or along the tokens of each sequence (V; each sequence's last block
    zero-padded).
-3. **Attention with P quantized per tile.** The keys of each (query sequence, kv sequence)
+4. **Attention with P quantized per tile.** The keys of each (query sequence, kv sequence)
    pair are cut into tiles of ``n = config.tile_n`` keys from its first key (the kernel's
    key tiles). For query row ``i`` and tile ``j``, with ``s`` the scaled scores of the
    dequantized operands:
@@ -66,6 +69,7 @@ from hyperrec.jagged_attn.fp8 import (
     QuantizedJagged,
     QuantizedQKV,
     hadamard_scale,
+    key_shift,
     mxfp8_module,
 )
 from hyperrec.jagged_attn.masks import allowed
@@ -90,6 +94,7 @@ __all__ = [
     "quantize_rows",
     "quantize_tokens",
     "round_e4m3",
+    "smoothing_shift",
 ]
 
 #: E4M3 byte written for every element of a block that holds NaN or Inf.
@@ -205,8 +210,18 @@ def cols_width(total: int, n_seq: int, pad: int) -> int:
 
 
 # --------------------------------------------------------------------------- quantizers
-def _rotate(x: torch.Tensor, config: FP8Config) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor,
+    config: FP8Config,
+    shift: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # ``shift`` (B, H, D): row b subtracted from sequence b of ``offsets`` (float32)
     xf = x.float()
+    if shift is not None:
+        assert offsets is not None, "a per-sequence shift needs the offsets"
+        seq, _ = _positions(offsets, x.shape[0])
+        xf = xf - shift.float()[seq]
     if config.rotates(x.shape[-1]):
         signs = hadamard_signs(x.shape[-1], config.hadamard_seed).to(x.device)
         xf = fwht(xf * signs)
@@ -233,11 +248,17 @@ def _fp8_rows(
 
 
 def quantize_rows(
-    x: torch.Tensor, offsets: torch.Tensor, config: FP8Config, *, role: str
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    config: FP8Config,
+    *,
+    role: str,
+    shift: torch.Tensor | None = None,
 ) -> QuantizedJagged:
     """Q (``role="q"``) or K (``"k"``) in the ``"rows"`` layout of
-    :class:`~hyperrec.jagged_attn.fp8.QuantizedJagged` (Hadamard applied if configured)."""
-    xf = _rotate(x, config)
+    :class:`~hyperrec.jagged_attn.fp8.QuantizedJagged` (``shift`` ``(B, H, D)``: row ``b``
+    subtracted from sequence ``b`` in float32; then Hadamard applied if configured)."""
+    xf = _rotate(x, config, shift, offsets)
     total, heads, dim = xf.shape
     if config.mx:
         mx = mxfp8_module()
@@ -284,11 +305,13 @@ def quantize_qkv(
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor,
     config: FP8Config,
+    *,
+    key_shift: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """Reference of :func:`hyperrec.jagged_attn.fp8.quantize_qkv`."""
     return QuantizedQKV(
         q=quantize_rows(q, q_offsets, config, role="q"),
-        k=quantize_rows(k, kv_offsets, config, role="k"),
+        k=quantize_rows(k, kv_offsets, config, role="k", shift=key_shift),
         v=quantize_cols(v, kv_offsets, config),
         config=config,
     )
@@ -454,15 +477,17 @@ def attention_forward(
         q, k, v, q_offsets, kv_offsets, spec, kv_index, num_targets: as in
             :func:`hyperrec.jagged_attn.reference.attention_forward`.
         config: the quantization.
-        qkv: already quantized operands (else quantized here with :func:`quantize_qkv`).
+        qkv: already quantized operands (else quantized here with :func:`quantize_qkv`,
+            K shifted by :func:`smoothing_shift`).
         dtype: what the dequantized operands, scores and weights are computed in.
         chunk_elements: bound on one ``(H, rows, keys)`` score chunk.
         operands: which of ``q``, ``k``, ``v`` and ``p`` are quantized (the others keep
             their input values; Q and K are still rotated): for attributing the error.
     """
+    shift = smoothing_shift(k, kv_offsets, spec, config)
     if qkv is None:
-        qkv = quantize_qkv(q, k, v, q_offsets, kv_offsets, config)
-    rotated = (_rotate(q, config), _rotate(k, config))
+        qkv = quantize_qkv(q, k, v, q_offsets, kv_offsets, config, key_shift=shift)
+    rotated = (_rotate(q, config), _rotate(k, config, shift, kv_offsets))
     qd = dequantize(qkv.q, config, q_offsets, q.shape[0], dtype) if "q" in operands else None
     kd = dequantize(qkv.k, config, kv_offsets, k.shape[0], dtype) if "k" in operands else None
     vd = dequantize(qkv.v, config, kv_offsets, v.shape[0], dtype) if "v" in operands else None
@@ -481,16 +506,38 @@ def attention_forward(
     return out.to(q.dtype)
 
 
+def smoothing_shift(
+    k: torch.Tensor, kv_offsets: torch.Tensor, spec: AttentionSpec, config: FP8Config
+) -> torch.Tensor | None:
+    """The per-sequence shift subtracted from the keys before quantization:
+    :func:`~hyperrec.jagged_attn.fp8.key_shift` for softmax with ``config.smooth_k``, else
+    None (activations are not shift-invariant)."""
+    if spec.activation != "softmax" or not config.smooth_k:
+        return None
+    return key_shift(k, kv_offsets)
+
+
 # --------------------------------------------------------------------------- backward
-def quantize_tokens(x: torch.Tensor, config: FP8Config, *, rotate: bool) -> QuantizedJagged:
+def quantize_tokens(
+    x: torch.Tensor,
+    config: FP8Config,
+    *,
+    rotate: bool,
+    shift: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> QuantizedJagged:
     """``backward="fp8"``'s operand quantization: E4M3 with one power-of-two scale per token
     and head (``"rows"`` layout, scale ``(T, H)`` float32), blocks scaled as if their
     ``amax`` were at least :data:`~hyperrec.jagged_attn.fp8.GRAD_TINY_AMAX`; ``rotate``
-    applies the config's Hadamard rotation first (Q and K)."""
-    xf = _rotate(x, config) if rotate else x.float()
+    applies the config's Hadamard rotation first (Q and K), after subtracting ``shift``
+    ``(B, H, D)`` per sequence of ``offsets`` (K with ``smooth_k``)."""
+    xf = _rotate(x, config if rotate else _NO_ROTATION, shift, offsets)
     data, scale = _fp8_rows(xf, _per_token_offsets(xf.shape[0], x.device), 1, "pow2",
                             GRAD_TINY_AMAX)  # fmt: skip
     return QuantizedJagged(data=data, scale=scale, layout="rows")
+
+
+_NO_ROTATION = FP8Config(hadamard=False)
 
 
 def _per_token_offsets(total: int, device: torch.device) -> torch.Tensor:
@@ -565,15 +612,20 @@ def attention_backward(
     rotate = config.rotates(q.shape[2])
     d = hadamard_scale(config, q.shape[2])
 
-    def operand(x: torch.Tensor, rot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    shift = smoothing_shift(k, kv_offsets, spec, config)
+
+    def operand(
+        x: torch.Tensor, rot: bool, sh: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not quantize:
-            xf = (_rotate(x, config) if rot else x.float()).to(dtype)
+            xf = _rotate(x, config if rot else _NO_ROTATION, sh, kv_offsets).to(dtype)
             return xf, torch.ones(x.shape[:2], dtype=dtype, device=x.device)
-        t = quantize_tokens(x, config, rotate=rot)
+        t = quantize_tokens(x, config, rotate=rot, shift=sh, offsets=kv_offsets)
         return t.data.to(dtype), t.scale.to(dtype)
 
     (qc, sq), (kc, sk), (vc, sv), (oc, so) = (
-        operand(q, rotate), operand(k, rotate), operand(v, False), operand(grad_out, False)
+        operand(q, rotate), operand(k, rotate, shift), operand(v, False),
+        operand(grad_out, False),
     )  # fmt: skip
     gq = group_quantize if quantize else (lambda x: x)
     scale = spec.scale / d

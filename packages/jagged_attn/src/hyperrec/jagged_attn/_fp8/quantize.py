@@ -8,7 +8,7 @@ from hyperrec.jagged_attn._triton import interpreting
 from hyperrec.jagged_attn._triton._probe import triton_available
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
-__all__ = ["fp8_kernels_supported", "quantize_qkv"]
+__all__ = ["fp8_kernels_supported", "key_shift", "quantize_qkv"]
 
 _FP8_CAPABILITY = (8, 9)  # FP8 tensor cores and E4M3 conversions: Ada, Hopper and later
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -37,6 +37,7 @@ def quantize_qkv(
     kv_offsets: torch.Tensor,
     config: FP8Config,
     backend: str,
+    key_shift: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """The body of :func:`hyperrec.jagged_attn.fp8.quantize_qkv` (arguments checked)."""
     supported = fp8_kernels_supported(q.device) and q.dtype != torch.float64
@@ -49,7 +50,27 @@ def quantize_qkv(
     if backend == "triton" or (backend == "auto" and supported and q.device.type == "cuda"):
         from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv as kernel
 
-        return kernel(q, k, v, q_offsets, kv_offsets, config)
+        return kernel(q, k, v, q_offsets, kv_offsets, config, key_shift=key_shift)
     from hyperrec.jagged_attn import reference_fp8
 
-    return reference_fp8.quantize_qkv(q, k, v, q_offsets, kv_offsets, config)
+    return reference_fp8.quantize_qkv(q, k, v, q_offsets, kv_offsets, config, key_shift=key_shift)
+
+
+def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """The body of :func:`hyperrec.jagged_attn.fp8.key_shift`."""
+    total, heads, dim = k.shape
+    n_seq = kv_offsets.numel() - 1
+    if total == 0 or n_seq <= 0 or heads == 0:
+        return torch.zeros((max(n_seq, 0), heads, dim), dtype=torch.bfloat16, device=k.device)
+    if fp8_kernels_supported(k.device) and k.dtype != torch.float64:
+        from hyperrec.jagged_attn._triton._fp8_launch import key_mean
+
+        return key_mean(k, kv_offsets)
+    lengths = (kv_offsets[1:] - kv_offsets[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(n_seq, device=k.device), lengths,
+                                  output_size=total)  # fmt: skip
+    finite = torch.isfinite(k)
+    sums = torch.zeros((n_seq, heads, dim), dtype=torch.float64, device=k.device)
+    sums.index_add_(0, seq, torch.where(finite, k, 0).double())
+    counts = torch.zeros_like(sums).index_add_(0, seq, finite.double())
+    return (sums / counts.clamp(min=1)).to(torch.bfloat16)

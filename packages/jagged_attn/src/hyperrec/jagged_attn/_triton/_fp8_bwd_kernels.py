@@ -60,16 +60,18 @@ _GRAD_TINY = tl.constexpr(GRAD_TINY_AMAX)
 
 @triton.jit
 def _quant_grad_kernel(
-    Q, K, V, DO, QD, KD, VD, DOD, QS, KS, VS, DOS, SIGNS, q_offsets, kv_offsets,
+    Q, K, V, DO, QD, KD, VD, DOD, QS, KS, VS, DOS, SIGNS, SHIFT, q_offsets, kv_offsets,
     q_seq, q_idx, q_total, kv_seq, kv_idx, kv_total,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_qdt, stride_qdh, stride_kdt, stride_kdh, stride_vdt, stride_vdh, stride_dodt,
     stride_dodh, stride_st, stride_sh,
     D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
-    TILE: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr,
+    TILE: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Grid (tiles, H, 4): axis 2 = 0 quantizes Q, 1 K, 2 V, 3 dO (rows layout, one scale
-    per token and head; all four scale tensors share the strides ``stride_st/sh``)."""
+    per token and head; all four scale tensors share the strides ``stride_st/sh``).
+    ``HAS_SHIFT``: subtract ``SHIFT`` (B, H, D) from each kv sequence's keys first
+    (``smooth_k``)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     role = tl.program_id(2)
@@ -77,25 +79,26 @@ def _quant_grad_kernel(
         _quant_tile(
             Q, QD, QS, SIGNS, q_offsets, q_offsets, q_seq, q_idx, q_total, w, h,
             stride_qt, stride_qh, stride_qdt, stride_qdh, stride_st, stride_sh,
-            D, BD, TILE, 1, 0, False, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY,
+            D, BD, TILE, 1, 0, False, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY, SHIFT, False,
         )  # fmt: skip
     elif role == 1:
         _quant_tile(
             K, KD, KS, SIGNS, kv_offsets, kv_offsets, kv_seq, kv_idx, kv_total, w, h,
             stride_kt, stride_kh, stride_kdt, stride_kdh, stride_st, stride_sh,
-            D, BD, TILE, 1, 0, False, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY,
+            D, BD, TILE, 1, 0, False, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY, SHIFT,
+            HAS_SHIFT,
         )  # fmt: skip
     elif role == 2:
         _quant_tile(
             V, VD, VS, SIGNS, kv_offsets, kv_offsets, kv_seq, kv_idx, kv_total, w, h,
             stride_vt, stride_vh, stride_vdt, stride_vdh, stride_st, stride_sh,
-            DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY,
+            DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY, SHIFT, False,
         )  # fmt: skip
     else:
         _quant_tile(
             DO, DOD, DOS, SIGNS, q_offsets, q_offsets, q_seq, q_idx, q_total, w, h,
             stride_dot, stride_doh, stride_dodt, stride_dodh, stride_st, stride_sh,
-            DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY,
+            DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY, SHIFT, False,
         )  # fmt: skip
 
 

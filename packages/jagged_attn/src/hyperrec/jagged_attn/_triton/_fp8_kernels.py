@@ -162,12 +162,42 @@ def _e8m0_byte(bits, ADD: tl.constexpr, ODD: tl.constexpr):
 
 
 @triton.jit
+def _key_mean_kernel(
+    K, OUT, offsets, stride_kt, stride_kh,
+    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, H): the mean over the finite values of each column of one sequence's keys
+    of one head (``fp8.key_shift``), float32 sums in token order, stored as float32 into
+    ``OUT`` (B, H, D) contiguous (the launcher rounds to bf16: the interpreter's own
+    conversion does not round to nearest)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(offsets + b)
+    n_rows = tl.load(offsets + b + 1) - start
+    c = tl.arange(0, BD)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    cnt = tl.zeros([BD], dtype=tl.float32)
+    for r0 in range(0, n_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        ok = (r < n_rows)[:, None] & (c < D)[None, :]
+        rows64 = (start + r).to(tl.int64)
+        x = tl.load(K + rows64[:, None] * stride_kt + h * stride_kh + c[None, :], mask=ok,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        finite = ok & (tl.abs(x) < float("inf"))  # NaN compares false too
+        acc += tl.sum(tl.where(finite, x, 0.0), 0)
+        cnt += tl.sum(finite.to(tl.float32), 0)
+    mean = acc / tl.maximum(cnt, 1.0)
+    tl.store(OUT + (b * tl.num_programs(1) + h) * D + c, mean, mask=c < D)
+
+
+@triton.jit
 def _quant_tile(
     X, DATA, SCALE, SIGNS, offsets, poffsets, tile_seq, tile_idx, tile_total, w, h,
     stride_xt, stride_xh, stride_dt, stride_dh, stride_st, stride_sh,
     D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
     MODE: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, TINY: tl.constexpr,
+    SHIFT, HAS_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Quantize token rows [t * TILE, (t + 1) * TILE) of work item ``w``'s sequence, head h.
 
@@ -189,6 +219,11 @@ def _quant_tile(
         rows64 = (start + r).to(tl.int64)
         x = tl.load(X + rows64[:, None] * stride_xt + h * stride_xh + c[None, :], mask=ok,
                     other=0.0).to(tl.float32)  # fmt: skip
+        if HAS_SHIFT:
+            # (B, H, D) contiguous, one row per sequence. Rows past the sequence stay 0:
+            # they share block maxima with the sequence's rows (GROUP > 1).
+            sh = tl.load(SHIFT + (b * tl.num_programs(1) + h) * D + c, mask=c < D, other=0.0)
+            x = tl.where(row_ok[:, None], x - sh.to(tl.float32)[None, :], 0.0)
         if HADAMARD:
             x = _fwht(x * tl.load(SIGNS + c)[None, :], TILE, BD, LOG2D)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -244,7 +279,7 @@ def _quant_tile(
 
 @triton.jit
 def _quant_qkv_kernel(
-    Q, K, V, QD, KD, VD, QS, KS, VS, SIGNS,
+    Q, K, V, QD, KD, VD, QS, KS, VS, SIGNS, SHIFT,
     q_offsets, kv_offsets, v_poffsets,
     q_seq, q_idx, q_total, kv_seq, kv_idx, kv_total,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -253,10 +288,11 @@ def _quant_qkv_kernel(
     D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
     TILE_Q: tl.constexpr, GROUP_Q: tl.constexpr, TILE_KV: tl.constexpr, GROUP_KV: tl.constexpr,
     MODE_QK: tl.constexpr, MODE_V: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
-    LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr,
+    LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Grid (tiles, H, 3): axis 2 = 0 quantizes Q, 1 K, 2 V (see ``_quant_tile``; MODE_QK
-    is 0 or 1, MODE_V 0 or 2)."""
+    is 0 or 1, MODE_V 0 or 2). ``HAS_SHIFT``: subtract ``SHIFT`` (B, H, D) from the keys of
+    each kv sequence."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     role = tl.program_id(2)
@@ -265,18 +301,21 @@ def _quant_qkv_kernel(
             Q, QD, QS, SIGNS, q_offsets, q_offsets, q_seq, q_idx, q_total, w, h,
             stride_qt, stride_qh, stride_qdt, stride_qdh, stride_qst, stride_qsh,
             D, BD, TILE_Q, GROUP_Q, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD, _TINY_AMAX,
+            SHIFT, False,
         )  # fmt: skip
     elif role == 1:
         _quant_tile(
             K, KD, KS, SIGNS, kv_offsets, kv_offsets, kv_seq, kv_idx, kv_total, w, h,
             stride_kt, stride_kh, stride_kdt, stride_kdh, stride_kst, stride_ksh,
             D, BD, TILE_KV, GROUP_KV, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD, _TINY_AMAX,
+            SHIFT, HAS_SHIFT,
         )  # fmt: skip
     else:
         _quant_tile(
             V, VD, VS, SIGNS, kv_offsets, v_poffsets, kv_seq, kv_idx, kv_total, w, h,
             stride_vt, stride_vh, stride_vdd, stride_vdh, stride_vst, stride_vsh,
             DV, BDV, TILE_KV, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD, _TINY_AMAX,
+            SHIFT, False,
         )  # fmt: skip
 
 

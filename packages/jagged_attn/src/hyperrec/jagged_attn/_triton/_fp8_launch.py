@@ -46,13 +46,20 @@ from hyperrec.jagged_attn.fp8 import (
     QuantizedQKV,
     hadamard_scale,
 )
-from hyperrec.jagged_attn.reference_fp8 import cols_width, fwht, hadamard_signs, pad_offsets
+from hyperrec.jagged_attn.reference_fp8 import (
+    cols_width,
+    fwht,
+    hadamard_signs,
+    pad_offsets,
+    smoothing_shift,
+)
 
 __all__ = [
     "FP8_TMA",
     "FP8_TUNED",
     "attention_backward_fp8",
     "attention_forward_fp8",
+    "key_mean",
     "quantize_grad_operands",
     "quantize_qkv",
     "select_fp8_config",
@@ -106,10 +113,13 @@ def quantize_qkv(
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor,
     config: FP8Config,
+    *,
+    key_shift: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """Q, K, V in the FP8 layout of :class:`~hyperrec.jagged_attn.fp8.QuantizedJagged`, one
     kernel launch; bit-exact against :func:`hyperrec.jagged_attn.reference_fp8.quantize_qkv`
-    (columns between V's sequences are left unwritten)."""
+    (columns between V's sequences are left unwritten). ``key_shift`` ``(Bk, H, D)``: row
+    ``b`` is subtracted from kv sequence ``b``'s keys first."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     total_q, heads, dim = q.shape
     total_kv, dim_v = k.shape[0], v.shape[2]
@@ -155,8 +165,9 @@ def quantize_qkv(
     signs = _device_signs(dim, config.hadamard_seed, device) if rotate else qs
     # scale strides: rows (T, H[, D/32]) -> (row, head); V MX (H, Dv, Tp/32) -> (d, head)
     vs_strides = (vs.stride(1), vs.stride(0)) if mx else (vs.stride(0), vs.stride(1))
+    shift = qs if key_shift is None else key_shift.contiguous()
     _fp8_kernels._quant_qkv_kernel[(tiles, heads, 3)](
-        q, k, v, qd, kd, vd, qs, ks, vs, signs, qo, ko, poff,
+        q, k, v, qd, kd, vd, qs, ks, vs, signs, shift, qo, ko, poff,
         q_seq, q_idx, q_tot, kv_seq, kv_idx, kv_tot,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         qd.stride(0), qd.stride(1), kd.stride(0), kd.stride(1), vd.stride(1), vd.stride(0),
@@ -165,9 +176,23 @@ def quantize_qkv(
         TILE_Q=tile_q, GROUP_Q=group_q, TILE_KV=tile_kv, GROUP_KV=group_kv,
         MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=config.scale_rule == "pow2",
         HADAMARD=rotate, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
-        num_warps=4 if tile_q * dim <= 8192 else 8,
+        HAS_SHIFT=key_shift is not None, num_warps=4 if tile_q * dim <= 8192 else 8,
     )  # fmt: skip
     return out
+
+
+def key_mean(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`hyperrec.jagged_attn.fp8.key_shift` in one launch (``(B, H)`` programs)."""
+    k = _last_dim_contiguous(k)
+    heads, dim = k.shape[1], k.shape[2]
+    ko = as_int32(kv_offsets)
+    n_seq = ko.numel() - 1
+    out = torch.empty((n_seq, heads, dim), dtype=torch.float32, device=k.device)
+    if n_seq > 0 and heads > 0:
+        _fp8_kernels._key_mean_kernel[(n_seq, heads)](
+            k, out, ko, k.stride(0), k.stride(1), D=dim, BD=_pow2(dim), ROWS=64, num_warps=4,
+        )  # fmt: skip
+    return out.to(torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------
@@ -234,7 +259,9 @@ def attention_forward_fp8(
     :func:`hyperrec.jagged_attn._triton._launch.attention_forward` returns them (``lse``
     from the FP8 scores, so the bf16 backward can use it).
 
-    ``qkv`` passes operands quantized beforehand (by :func:`quantize_qkv` with ``config``);
+    ``qkv`` passes operands quantized beforehand (by :func:`quantize_qkv` with ``config``
+    and, for softmax, the key shift of
+    :func:`~hyperrec.jagged_attn.reference_fp8.smoothing_shift`);
     ``kernel_config`` pins ``block_m``, warps and stages (``block_n`` must equal the P tile).
     """
     _check_inputs(call)
@@ -248,7 +275,9 @@ def attention_forward_fp8(
     if total_q == 0 or n_seq == 0:
         return out, lse
     if qkv is None:
-        qkv = quantize_qkv(q, call.k, call.v, call.q_offsets, call.kv_offsets, config)
+        shift = smoothing_shift(call.k, call.kv_offsets, spec, config)
+        qkv = quantize_qkv(q, call.k, call.v, call.q_offsets, call.kv_offsets, config,
+                           key_shift=shift)  # fmt: skip
     coef, ce = _common(call, fast_math)
     cfg = kernel_config or select_fp8_config(
         _arch(q.device), dim, config, max(spec.max_seqlen_q, spec.max_seqlen_kv)
@@ -360,9 +389,12 @@ def quantize_grad_operands(
     q_offsets: torch.Tensor,
     kv_offsets: torch.Tensor,
     config: FP8Config,
+    *,
+    key_shift: torch.Tensor | None = None,
 ) -> tuple[QuantizedJagged, QuantizedJagged, QuantizedJagged, QuantizedJagged]:
-    """Q, K (rotated when ``config`` rotates), V and dO as E4M3 with one scale per token and
-    head (``"rows"`` layout, scales ``(T, H)`` float32), one launch; bit-exact against
+    """Q, K (rotated when ``config`` rotates; ``key_shift`` subtracted first), V and dO as
+    E4M3 with one scale per token and head (``"rows"`` layout, scales ``(T, H)`` float32),
+    one launch; bit-exact against
     :func:`hyperrec.jagged_attn.reference_fp8.quantize_tokens`."""
     q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
     total_q, heads, dim = q.shape
@@ -385,11 +417,12 @@ def quantize_grad_operands(
     signs = _device_signs(dim, config.hadamard_seed, device) if rotate else scales[0]
     strides = [x for t in (q, k, v, grad_out) for x in (t.stride(0), t.stride(1))]
     dstrides = [x for t in data for x in (t.stride(0), t.stride(1))]
+    shift = scales[0] if key_shift is None else key_shift.contiguous()
     _fp8_bwd_kernels._quant_grad_kernel[(tiles, heads, 4)](
-        q, k, v, grad_out, *data, *scales, signs, qo, ko, q_seq, q_idx, q_tot, kv_seq, kv_idx,
-        kv_tot, *strides, *dstrides, scales[0].stride(0), scales[0].stride(1),
+        q, k, v, grad_out, *data, *scales, signs, shift, qo, ko, q_seq, q_idx, q_tot, kv_seq,
+        kv_idx, kv_tot, *strides, *dstrides, scales[0].stride(0), scales[0].stride(1),
         D=dim, BD=_pow2(dim), DV=dim_v, BDV=_pow2(dim_v), TILE=rows, HADAMARD=rotate,
-        LOG2D=max(dim.bit_length() - 1, 0), num_warps=4,
+        LOG2D=max(dim.bit_length() - 1, 0), HAS_SHIFT=key_shift is not None, num_warps=4,
     )  # fmt: skip
     return out  # type: ignore[return-value]
 
@@ -419,8 +452,10 @@ def attention_backward_fp8(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or total_kv == 0 or n_seq == 0 or n_kv_seq == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q8, k8, v8, do8 = quantize_grad_operands(q, k, v, grad_out, call.q_offsets,
-                                             call.kv_offsets, config)  # fmt: skip
+    q8, k8, v8, do8 = quantize_grad_operands(
+        q, k, v, grad_out, call.q_offsets, call.kv_offsets, config,
+        key_shift=smoothing_shift(k, call.kv_offsets, spec, config),
+    )  # fmt: skip
     coef, ce = _common(call, fast_math)
     bd, bdv = max(32, _pow2(dim)), max(32, _pow2(dim_v))
     rotate = config.rotates(dim)
