@@ -75,12 +75,13 @@ def test_specification_steps_without_quantization_are_the_exact_gradient(name):
         assert _rms(g.double() - e) <= 1e-5 * max(_rms(e), 1e-30)
 
 
-def _kernel_grads(case, config, seed=0, scale_do=1.0):
+def _kernel_grads(case, config, seed=0, scale_do=1.0, transposed_b=None):
     from hyperrec.jagged_attn._triton._fp8_launch import attention_backward_fp8
 
     q, k, v, do, qo, ko, kvi, nt, spec = build(case, seed)
     do = do * scale_do
-    got = attention_backward_fp8(do, call_of(q, k, v, qo, ko, kvi, nt, spec), config)
+    got = attention_backward_fp8(do, call_of(q, k, v, qo, ko, kvi, nt, spec), config,
+                                 transposed_b=transposed_b)  # fmt: skip
     return got, (q, k, v, do, qo, ko, kvi, nt, spec)
 
 
@@ -113,6 +114,30 @@ def test_kernels_match_the_specification(name):
         a, b = g.double().cpu(), s.double().cpu()
         off = ((a - b).abs() > 2.0**-7 * b.abs() + 1e-3 * _rms(b)).double().mean().item()
         assert off <= 0.01, f"d{name_}: {off:.1%} of the gradients off the specification"
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["causal_cross", "cross_map", "silu_norm", "gelu_dv64"])
+def test_transposed_operands_give_the_same_gradients(name):
+    """Reading dO, Q and K from their transposed copies (the default on a GPU, K-major for
+    the FP8 tensor cores) or from the rows copies gives the same gradients bit for bit;
+    the copies hold the rows' bytes."""
+    from hyperrec.jagged_attn._triton._fp8_launch import quantize_grad_operands
+    from hyperrec.jagged_attn.reference_fp8 import dequantize
+
+    case, config = CASES[name]
+    a, inputs = _kernel_grads(case, config, transposed_b=True)
+    b, _ = _kernel_grads(case, config, transposed_b=False)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    q, k, v, do, qo, ko, kvi, nt, spec = inputs
+    ops = quantize_grad_operands(q, k, v, do, qo, ko, config, transposed=True)
+    assert len(ops) == 7
+    for rows, cols, offsets, n in ((ops[0], ops[4], qo, q.shape[0]), (ops[1], ops[5], ko,
+                                   k.shape[0]), (ops[3], ops[6], qo, q.shape[0])):  # fmt: skip
+        assert torch.equal(
+            dequantize(rows, config, offsets, n), dequantize(cols, config, offsets, n)
+        )
 
 
 @needs_kernels

@@ -65,11 +65,16 @@ def _quant_grad_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_qdt, stride_qdh, stride_kdt, stride_kdh, stride_vdt, stride_vdh, stride_dodt,
     stride_dodh, stride_st, stride_sh,
+    QT, KT, DOT, XS, q_poffsets, kv_poffsets,
+    stride_qtd, stride_qth, stride_ktd, stride_kth, stride_dotd, stride_doth,
     D: tl.constexpr, BD: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
     TILE: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tiles, H, 4): axis 2 = 0 quantizes Q, 1 K, 2 V, 3 dO (rows layout, one scale
-    per token and head; all four scale tensors share the strides ``stride_st/sh``).
+    """Grid (tiles, H, 4 or 7): axis 2 = 0 quantizes Q, 1 K, 2 V, 3 dO (rows layout, one
+    scale per token and head; all four scale tensors share the strides ``stride_st/sh``);
+    4, 5, 6 write Q, K, dO again transposed (``"cols"`` layout ``(H, D, Tp)``, sequences
+    at the 16-aligned columns of ``q_poffsets`` / ``kv_poffsets``; their scales go to the
+    scratch ``XS``): the K-major operands of the products that reduce over tokens.
     ``HAS_SHIFT``: subtract ``SHIFT`` (B, H, D) from each kv sequence's keys first
     (``smooth_k``)."""
     w = tl.program_id(0)
@@ -94,12 +99,42 @@ def _quant_grad_kernel(
             stride_vt, stride_vh, stride_vdt, stride_vdh, stride_st, stride_sh,
             DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY, SHIFT, False,
         )  # fmt: skip
-    else:
+    elif role == 3:
         _quant_tile(
             DO, DOD, DOS, SIGNS, q_offsets, q_offsets, q_seq, q_idx, q_total, w, h,
             stride_dot, stride_doh, stride_dodt, stride_dodh, stride_st, stride_sh,
             DV, BDV, TILE, 1, 0, False, True, False, 0, 0, 0, _GRAD_TINY, SHIFT, False,
         )  # fmt: skip
+    elif role == 4:
+        _quant_tile(
+            Q, QT, XS, SIGNS, q_offsets, q_poffsets, q_seq, q_idx, q_total, w, h,
+            stride_qt, stride_qh, stride_qtd, stride_qth, stride_st, stride_sh,
+            D, BD, TILE, 1, 0, True, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY, SHIFT, False,
+        )  # fmt: skip
+    elif role == 5:
+        _quant_tile(
+            K, KT, XS, SIGNS, kv_offsets, kv_poffsets, kv_seq, kv_idx, kv_total, w, h,
+            stride_kt, stride_kh, stride_ktd, stride_kth, stride_st, stride_sh,
+            D, BD, TILE, 1, 0, True, True, HADAMARD, LOG2D, 0, 0, _GRAD_TINY, SHIFT,
+            HAS_SHIFT,
+        )  # fmt: skip
+    else:
+        _quant_tile(
+            DO, DOT, XS, SIGNS, q_offsets, q_poffsets, q_seq, q_idx, q_total, w, h,
+            stride_dot, stride_doh, stride_dotd, stride_doth, stride_st, stride_sh,
+            DV, BDV, TILE, 1, 0, True, True, False, 0, 0, 0, _GRAD_TINY, SHIFT, False,
+        )  # fmt: skip
+
+
+@triton.jit
+def _load_cols(base, col0, cols, n_cols, dims, N_DIMS: tl.constexpr, BLOCK_DIMS: tl.constexpr):
+    """A transposed operand tile ``(BLOCK_DIMS, len(cols))`` of a ``"cols"`` buffer: head-dim
+    rows ``dims``, token columns ``col0 + cols`` (past ``n_cols`` or ``N_DIMS``: 0; the
+    columns between sequences are never written)."""
+    mask = (cols < n_cols)[None, :]
+    if BLOCK_DIMS != N_DIMS:
+        mask = mask & (dims < N_DIMS)[:, None]
+    return tl.load(base + (col0 + cols)[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -133,6 +168,7 @@ def _unrotate(x, SIGNS, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, LOG2D: tl.con
 @triton.jit
 def _fp8_dkdv_tiles(
     dk, dv, k, v, sk, sv, q_base, do_base, qs_base, dos_base, lse_base, delta_base,
+    qt_base, dot_base, col0,
     stride_qt, stride_dot, stride_st, offs_n, lo, hi, Lq, Lk, qk_scale, c, n_targets,
     wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
@@ -140,9 +176,12 @@ def _fp8_dkdv_tiles(
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, FAST: tl.constexpr,
+    TRANS_B: tl.constexpr,
 ):  # fmt: skip
     # Transposed (keys x queries) as in the bf16 kernel; ``lo`` is a multiple of BLOCK_M
-    # (the quantization groups start at the sequence's first query).
+    # (the quantization groups start at the sequence's first query). ``TRANS_B``: the B
+    # operands of dV and dK (dO and Q, reduced over the queries) come from their
+    # transposed copies, K-major as Hopper's FP8 tensor cores read them.
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
@@ -173,15 +212,22 @@ def _fp8_dkdv_tiles(
                 p_t = tl.where(ok_t, p_t, 0.0)
                 ds_t = tl.where(ok_t, ds_t, 0.0)
         x8, sx = _quant_row_groups(p_t * sdo[None, :])
-        dv += tl.dot(x8, do) * sx[:, None]
         y8, sy = _quant_row_groups(ds_t * sq[None, :])
-        dk += tl.dot(y8, q) * sy[:, None]
+        if TRANS_B:
+            dot_t = _load_cols(dot_base, col0, offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)
+            qt = _load_cols(qt_base, col0, offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)
+            dv += tl.dot(x8, tl.trans(dot_t)) * sx[:, None]
+            dk += tl.dot(y8, tl.trans(qt)) * sy[:, None]
+        else:
+            dv += tl.dot(x8, do) * sx[:, None]
+            dk += tl.dot(y8, q) * sy[:, None]
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
 def _fp8_bwd_dkdv_kernel(
-    Q, K, V, DO, QS, KS, VS, DOS, LSE, DELTA, DK, DV, SIGNS,
+    Q, K, V, DO, QS, KS, VS, DOS, LSE, DELTA, DK, DV, SIGNS, QT, DOT, q_poffsets,
+    stride_qtd, stride_qth, stride_dotd, stride_doth,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_st, stride_sh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     q_offsets, kv_offsets, inv_ptr, inv_idx, num_targets, tile_seq, tile_idx, tile_total,
@@ -192,9 +238,10 @@ def _fp8_bwd_dkdv_kernel(
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    HADAMARD: tl.constexpr, LOG2D: tl.constexpr,
+    HADAMARD: tl.constexpr, LOG2D: tl.constexpr, TRANS_B: tl.constexpr,
 ):  # fmt: skip
-    """``scale`` already holds the rotation's ``1 / D``; scales are ``(T, H)`` float32."""
+    """``scale`` already holds the rotation's ``1 / D``; scales are ``(T, H)`` float32;
+    ``QT``/``DOT`` the transposed copies (``TRANS_B``)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
@@ -254,21 +301,26 @@ def _fp8_bwd_dkdv_kernel(
                 dos_base = DOS + q_start * stride_st + h * stride_sh
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
+                qt_base = QT + h * stride_qth + offs_d[:, None] * stride_qtd
+                dot_base = DOT + h * stride_doth + offs_dv[:, None] * stride_dotd
+                col0 = 0
+                if TRANS_B:
+                    col0 = tl.load(q_poffsets + b)
                 dk, dv = _fp8_dkdv_tiles(
                     dk, dv, k, v, sk, sv, q_base, do_base, qs_base, dos_base, lse_base,
-                    delta_base, stride_qt, stride_dot, stride_st, offs_n, lo_aligned, mid, Lq,
-                    Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                    delta_base, qt_base, dot_base, col0, stride_qt, stride_dot, stride_st,
+                    offs_n, lo_aligned, mid, Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
                     CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                     BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                    FAST,
+                    FAST, TRANS_B,
                 )  # fmt: skip
                 dk, dv = _fp8_dkdv_tiles(
                     dk, dv, k, v, sk, sv, q_base, do_base, qs_base, dos_base, lse_base,
-                    delta_base, stride_qt, stride_dot, stride_st, offs_n, mid, hi, Lq,
-                    Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                    delta_base, qt_base, dot_base, col0, stride_qt, stride_dot, stride_st,
+                    offs_n, mid, hi, Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
                     CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                     BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-                    FAST,
+                    FAST, TRANS_B,
                 )  # fmt: skip
             if ACT == 0:
                 dk = dk * scale
@@ -329,13 +381,15 @@ def _fp8_stats_tiles(
 
 @triton.jit
 def _fp8_dq_tiles(
-    dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, stride_kt, stride_vt,
+    dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, kt_base, col0,
+    stride_kt, stride_vt,
     stride_st, offs_m, lo, hi, Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    TRANS_B: tl.constexpr,
 ):  # fmt: skip
     # ``lo`` is a multiple of BLOCK_N (``_kv_range``): key tiles are the groups.
     offs_d = tl.arange(0, BLOCK_D)
@@ -361,13 +415,18 @@ def _fp8_dq_tiles(
                           HAS_BLOCK, BLOCK_PREV)  # fmt: skip
             ds = tl.where(ok, ds, 0.0)
         z8, sz = _quant_row_groups(ds * sk[None, :])
-        dq += tl.dot(z8, k) * sz[:, None]
+        if TRANS_B:
+            kt = _load_cols(kt_base, col0, offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)
+            dq += tl.dot(z8, tl.trans(kt)) * sz[:, None]
+        else:
+            dq += tl.dot(z8, k) * sz[:, None]
     return dq
 
 
 @triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
 def _fp8_bwd_dq_kernel(
-    Q, K, V, DO, QS, KS, VS, DOS, LSE, DELTA, DQ, SIGNS,
+    Q, K, V, DO, QS, KS, VS, DOS, LSE, DELTA, DQ, SIGNS, KT, kv_poffsets, stride_ktd,
+    stride_kth,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_st, stride_sh, stride_dqt, stride_dqh, stride_lh,
     q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
@@ -378,7 +437,7 @@ def _fp8_bwd_dq_kernel(
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    HADAMARD: tl.constexpr, LOG2D: tl.constexpr,
+    HADAMARD: tl.constexpr, LOG2D: tl.constexpr, TRANS_B: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -408,6 +467,13 @@ def _fp8_bwd_dq_kernel(
             v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
             ks_base = KS + k_start * stride_st + h * stride_sh
             vs_base = VS + k_start * stride_st + h * stride_sh
+            kt_base = KT + h * stride_kth + offs_d[:, None] * stride_ktd
+            col0 = 0
+            if TRANS_B:
+                kb = b
+                if HAS_MAP:
+                    kb = tl.load(kv_index + b)
+                col0 = tl.load(kv_poffsets + kb)
             lo, full, hi = _kv_range(
                 m0, Lq, Lk, n_targets, wl, wr, ctx, bsz,
                 CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
@@ -440,18 +506,20 @@ def _fp8_bwd_dq_kernel(
                 delta = lse
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             dq = _fp8_dq_tiles(
-                dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, stride_kt,
+                dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, kt_base, col0,
+                stride_kt,
                 stride_vt, stride_st, offs_m, lo, full, Lq, Lk, qk_scale, c, n_targets, wl,
                 wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                 HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, FAST,
+                BLOCK_N, FAST, TRANS_B,
             )  # fmt: skip
             dq = _fp8_dq_tiles(
-                dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, stride_kt,
+                dq, q, do, sq, sdo, lse, delta, k_base, v_base, ks_base, vs_base, kt_base, col0,
+                stride_kt,
                 stride_vt, stride_st, offs_m, full, hi, Lq, Lk, qk_scale, c, n_targets, wl,
                 wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                 HAS_BLOCK, BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, FAST,
+                BLOCK_N, FAST, TRANS_B,
             )  # fmt: skip
             if ACT == 0:
                 dq = dq * scale

@@ -55,6 +55,7 @@ from hyperrec.jagged_attn.reference_fp8 import (
 )
 
 __all__ = [
+    "FP8_BWD_TRANSPOSED_B",
     "FP8_TMA",
     "FP8_TUNED",
     "attention_backward_fp8",
@@ -391,11 +392,14 @@ def quantize_grad_operands(
     config: FP8Config,
     *,
     key_shift: torch.Tensor | None = None,
-) -> tuple[QuantizedJagged, QuantizedJagged, QuantizedJagged, QuantizedJagged]:
+    transposed: bool = False,
+) -> tuple[QuantizedJagged, ...]:
     """Q, K (rotated when ``config`` rotates; ``key_shift`` subtracted first), V and dO as
     E4M3 with one scale per token and head (``"rows"`` layout, scales ``(T, H)`` float32),
     one launch; bit-exact against
-    :func:`hyperrec.jagged_attn.reference_fp8.quantize_tokens`."""
+    :func:`hyperrec.jagged_attn.reference_fp8.quantize_tokens`. ``transposed`` also returns
+    Q, K and dO in the ``"cols"`` layout (``(H, D, Tp)``, sequences at 16-aligned columns;
+    same bytes; their ``scale`` is the rows copy's)."""
     q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
     total_q, heads, dim = q.shape
     total_kv, dim_v = k.shape[0], v.shape[2]
@@ -403,11 +407,22 @@ def quantize_grad_operands(
     data = [torch.empty(t.shape, dtype=torch.uint8, device=device) for t in (q, k, v, grad_out)]
     scales = [torch.empty(t.shape[:2], dtype=torch.float32, device=device)
               for t in (q, k, v, grad_out)]  # fmt: skip
-    out = tuple(QuantizedJagged(data=d.view(torch.float8_e4m3fn), scale=s, layout="rows")
-                for d, s in zip(data, scales))  # fmt: skip
-    if heads == 0 or (total_q == 0 and total_kv == 0):
-        return out  # type: ignore[return-value]
+    out = [QuantizedJagged(data=d.view(torch.float8_e4m3fn), scale=s, layout="rows")
+           for d, s in zip(data, scales)]  # fmt: skip
     qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
+    pad = 16
+    q_poff, kv_poff = _padded(qo, pad), _padded(ko, pad)
+    q_width = cols_width(total_q, qo.numel() - 1, pad)
+    kv_width = cols_width(total_kv, ko.numel() - 1, pad)
+    cols = [torch.empty((heads, d, w), dtype=torch.uint8, device=device)
+            for d, w in ((dim, q_width), (dim, kv_width), (dim_v, q_width))] if transposed else (
+        [data[0]] * 3)  # fmt: skip
+    if transposed:
+        for c, (rows, poff) in zip(cols, ((out[0], q_poff), (out[1], kv_poff), (out[3], q_poff))):
+            out.append(QuantizedJagged(data=c.view(torch.float8_e4m3fn), scale=rows.scale,
+                                       layout="cols", pad_offsets=poff))  # fmt: skip
+    if heads == 0 or (total_q == 0 and total_kv == 0):
+        return tuple(out)
     rows = _GRAD_QUANT_ROWS
     q_seq, q_idx, q_tot = q_tile_schedule(qo, qo, None, rows, False, total_q)
     kv_seq, kv_idx, kv_tot = q_tile_schedule(ko, ko, None, rows, False, total_kv)
@@ -418,13 +433,24 @@ def quantize_grad_operands(
     strides = [x for t in (q, k, v, grad_out) for x in (t.stride(0), t.stride(1))]
     dstrides = [x for t in data for x in (t.stride(0), t.stride(1))]
     shift = scales[0] if key_shift is None else key_shift.contiguous()
-    _fp8_bwd_kernels._quant_grad_kernel[(tiles, heads, 4)](
+    # the transposed copies' scales equal the rows copies': write them to a scratch buffer
+    scratch = torch.empty((max(total_q, total_kv), heads), dtype=torch.float32, device=device)
+    cstrides = [x for c in cols for x in (c.stride(1), c.stride(0))] if transposed else [0] * 6
+    _fp8_bwd_kernels._quant_grad_kernel[(tiles, heads, 7 if transposed else 4)](
         q, k, v, grad_out, *data, *scales, signs, shift, qo, ko, q_seq, q_idx, q_tot, kv_seq,
         kv_idx, kv_tot, *strides, *dstrides, scales[0].stride(0), scales[0].stride(1),
+        *cols, scratch, q_poff, kv_poff, *cstrides,
         D=dim, BD=_pow2(dim), DV=dim_v, BDV=_pow2(dim_v), TILE=rows, HADAMARD=rotate,
         LOG2D=max(dim.bit_length() - 1, 0), HAS_SHIFT=key_shift is not None, num_warps=4,
     )  # fmt: skip
-    return out  # type: ignore[return-value]
+    return tuple(out)
+
+
+#: Whether the FP8 backward reads the operands of its token-reducing products (dO and Q
+#: for dV and dK, K for dQ) from transposed copies by default: Hopper's FP8 tensor cores
+#: read both operands K-major (as the forward's V). Both paths are tested; which is faster
+#: has not been measured on a GPU yet.
+FP8_BWD_TRANSPOSED_B = True
 
 
 def attention_backward_fp8(
@@ -433,6 +459,7 @@ def attention_backward_fp8(
     config: FP8Config,
     *,
     fast_math: bool = True,
+    transposed_b: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 backward: ``(dq, dk, dv)`` in the input dtype; the numerics of
     :func:`hyperrec.jagged_attn.reference_fp8.attention_backward`. It reads neither the
@@ -440,9 +467,12 @@ def attention_backward_fp8(
     softmax statistics from this backward's own scores. The streamed tile of each kernel
     (keys for dQ, queries for dK/dV) is the quantization group,
     :data:`~hyperrec.jagged_attn.fp8.GRAD_GROUP`; the other tile dims, warps and stages
-    are the bf16 backward's shipped ones."""
+    are the bf16 backward's shipped ones. ``transposed_b`` (default
+    :data:`FP8_BWD_TRANSPOSED_B`): read the token-reducing products' B operands from
+    transposed copies (same values, same results)."""
     _check_inputs(call)
     q, k, v, spec = call.q, call.k, call.v, call.spec
+    trans = FP8_BWD_TRANSPOSED_B if transposed_b is None else bool(transposed_b)
     total_q, heads, dim = q.shape
     total_kv, dim_v = k.shape[0], v.shape[2]
     n_seq, n_kv_seq = call.q_offsets.numel() - 1, call.kv_offsets.numel() - 1
@@ -452,10 +482,15 @@ def attention_backward_fp8(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total_q == 0 or total_kv == 0 or n_seq == 0 or n_kv_seq == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    q8, k8, v8, do8 = quantize_grad_operands(
+    q8, k8, v8, do8, *tr = quantize_grad_operands(
         q, k, v, grad_out, call.q_offsets, call.kv_offsets, config,
-        key_shift=smoothing_shift(k, call.kv_offsets, spec, config),
+        key_shift=smoothing_shift(k, call.kv_offsets, spec, config), transposed=trans,
     )  # fmt: skip
+    # (without the transposed copies any tensor will do: the kernels never read them)
+    qt, kt, dot = tr if trans else (q8, k8, do8)
+    q_poff = qt.pad_offsets if trans else q8.scale
+    kv_poff = kt.pad_offsets if trans else q8.scale
+    tstr = (lambda t: (t.data.stride(1), t.data.stride(0))) if trans else (lambda t: (0, 0))
     coef, ce = _common(call, fast_math)
     bd, bdv = max(32, _pow2(dim)), max(32, _pow2(dim_v))
     rotate = config.rotates(dim)
@@ -473,7 +508,7 @@ def attention_backward_fp8(
     num_targets = as_int32(call.num_targets)
     common = dict(H=heads, HEAD_DIM=dim, HEAD_DIM_V=dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
                   HADAMARD=in_kernel_rotation, LOG2D=max(dim.bit_length() - 1, 0),
-                  **ce)  # fmt: skip
+                  TRANS_B=trans, **ce)  # fmt: skip
     operands = (q8.data, k8.data, v8.data, do8.data, q8.scale, k8.scale, v8.scale, do8.scale)
     strides = (
         q8.data.stride(0), q8.data.stride(1), k8.data.stride(0), k8.data.stride(1),
@@ -485,7 +520,8 @@ def attention_backward_fp8(
     q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
     kv_index = as_int32(call.kv_index)
     args: tuple[object, ...] = (
-        *operands, lse, delta, dq, signs, *strides, dq.stride(0), dq.stride(1),
+        *operands, lse, delta, dq, signs, kt.data, kv_poff, *tstr(kt), *strides, dq.stride(0),
+        dq.stride(1),
         stride_lh, q_offsets, kv_offsets, total if kv_index is None else kv_index,
         total if num_targets is None else num_targets, tile_seq, tile_idx, total,
         qk_scale, scale, coef, *mask_ints,
@@ -498,7 +534,8 @@ def attention_backward_fp8(
     cfg = replace(_pick("dkdv", call, None), block_m=GRAD_GROUP, dq_atomic=False)
     q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
     args = (
-        *operands, lse, delta, dk, dv, signs, *strides,
+        *operands, lse, delta, dk, dv, signs, qt.data, dot.data, q_poff, *tstr(qt), *tstr(dot),
+        *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), stride_lh,
         q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
         tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
