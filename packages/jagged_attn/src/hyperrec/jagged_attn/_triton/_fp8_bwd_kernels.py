@@ -6,7 +6,9 @@ lists, key/query ranges and mask rules are those of the bf16 backward
 
 * ``_quant_grad_kernel``: Q and K (rotated when the config rotates), V and dO quantized to
   E4M3 per token and head, in one launch (grid axis 2 picks the tensor), with
-  ``_fp8_kernels._quant_tile`` (one-token groups, the backward's tiny-amax bound).
+  ``_fp8_kernels._quant_tile`` (one-token groups, the backward's tiny-amax bound); with
+  ``TRANS_B`` the same launch also writes Q, K and dO transposed, the K-major B operands
+  of the products that reduce over tokens.
 * ``_fp8_bwd_dkdv_kernel``: a program owns a key tile; per query tile of ``GRAD_GROUP``
   rows it forms ``S^T`` and ``dP^T`` on the FP8 tensor cores, scales them by the
   per-token scales, computes ``P^T`` and ``dS^T`` in float32 as the bf16 kernel does, and
