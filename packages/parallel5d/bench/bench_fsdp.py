@@ -384,6 +384,27 @@ def train_step(model, opt, batch) -> torch.Tensor:
     return loss.detach()
 
 
+class _GCLog:
+    """Time spent in Python's garbage collector (``gc.callbacks``) since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+    def reset(self) -> None:
+        self.seconds, self.full = 0.0, 0
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     rank = dist.get_rank()
     model = build(cfg, device)
@@ -418,14 +439,31 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     else:
         result.update(cpu_memory(model, opt, cfg, device, rank, args))
 
-    times, losses = [], []
+    if args.gc_freeze:
+        # move everything alive now (the model, the shards, the optimizer) out of the
+        # cyclic collector's reach: its full collections then scan only the step's objects
+        gc.collect()
+        gc.freeze()
+    gc_log = _GCLog()
+    times, losses, gc_s, gc_full = [], [], [], []
     for s in range(args.steps):
         batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
         sync(device)
+        gc_log.reset()
         t0 = time.perf_counter()
         losses.append(train_step(model, opt, batch))
         sync(device)
         times.append(time.perf_counter() - t0)
+        gc_s.append(gc_log.seconds)
+        gc_full.append(gc_log.full)
+    gc_log.close()
+    if args.gc_freeze:
+        gc.unfreeze()
+    # Python's cyclic garbage collector inside the timed steps: seconds and full
+    # (generation-2) collections per step; a full collection walks every tracked object.
+    result["gc_s_per_step"] = gc_s
+    result["gc_full_collections_per_step"] = gc_full
+    result["gc_frozen"] = bool(args.gc_freeze)
     if device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -555,6 +593,12 @@ def main() -> None:
         "is that of an N-rank job (step times then exclude all communication)",
     )
     ap.add_argument("--profile", default=None, help="folder for per-variant profiler tables")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after the warm-up (the timed steps' full garbage collections then "
+        "skip the model's objects); per-step collector time is recorded either way",
+    )
     ap.add_argument(
         "--checkpoint",
         action="store_true",

@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-checkpoint", action="store_true")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() before the measured steps (see bench_fsdp.py)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny presets on the CPU (gloo)")
     args = ap.parse_args()
 
@@ -190,7 +192,7 @@ def main() -> None:
         )
     presets = bench.TINY if args.smoke else bench.PRESETS
     checkpoint = not args.no_checkpoint
-    run_args = SimpleNamespace(warmup=2, steps=args.steps, profile=None)
+    run_args = SimpleNamespace(warmup=2, steps=args.steps, profile=None, gc_freeze=args.gc_freeze)
     rows = []
     for name in args.model:
         cfg = dict(presets[name], checkpoint=checkpoint)
