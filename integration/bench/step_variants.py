@@ -9,14 +9,17 @@
 A variant is ``NAME=ITEM,ITEM,...``: each item is an override ``SECTION.FIELD=VALUE`` or an
 environment variable ``@NAME=VALUE`` (set before the child imports torch). Each variant
 runs in a fresh process (environment variables such as allocator settings only act at
-start-up; ``@STEP_VARIANTS_SWITCH_INTERVAL=SECONDS`` sets Python's GIL switch interval), trains ``--warmup`` steps, then ``--steps`` steps exactly as ``Trainer.fit``
-runs them (step n + 1 queued before step n's metrics are read). Per variant: median and
-minimum step time, requests/s, model TFLOP/s and MFU over the timed steps, the host's
-time to queue one step (``launch_step``) and to read one back (``finish_step``, where
-the host waits for the GPU), peak memory, and the CUDA caching allocator's counters per
-timed step (``cudaMalloc``/``cudaFree`` calls, cache flushes with retry: a step that goes
-past the cache pays for them on the host and may synchronise the device). The profiler slows the host side of a
-step (``profile_step.py``), so these are the figures to compare configurations with.
+start-up; ``@STEP_VARIANTS_SWITCH_INTERVAL=SECONDS`` sets Python's GIL switch interval,
+``@STEP_VARIANTS_GC_FREEZE=1`` freezes the garbage collector's view after the build),
+trains ``--warmup`` steps, then ``--steps`` steps exactly as ``Trainer.fit`` runs them
+(step n + 1 queued before step n's metrics are read). Per variant: median and minimum step
+time, requests/s, model TFLOP/s and MFU over the timed steps, the host's time to queue one
+step (``launch_step``) and to read one back (``finish_step``, where the host waits for
+the GPU), peak memory, and the CUDA caching allocator's counters per timed step
+(``cudaMalloc``/``cudaFree`` calls, cache flushes with retry: a step that goes past the
+cache pays for them on the host and may synchronise the device). The profiler slows the
+host side of a step (``profile_step.py``), so these are the figures to compare
+configurations with.
 
 Writes ``step_variants_<preset>_<tag>_<date>.json`` into ``--out``.
 """
@@ -47,6 +50,9 @@ from _common import (  # noqa: E402
 #: Environment variable a variant can set (``@STEP_VARIANTS_SWITCH_INTERVAL=0.0005``) to
 #: change ``sys.setswitchinterval`` in its process.
 SWITCH_INTERVAL_ENV = "STEP_VARIANTS_SWITCH_INTERVAL"
+#: ``@STEP_VARIANTS_GC_FREEZE=1``: ``gc.freeze()`` once the trainer is built (the collector's
+#: full passes then skip the model, optimizer and data pipeline objects).
+GC_FREEZE_ENV = "STEP_VARIANTS_GC_FREEZE"
 
 
 def parse_variant(text: str) -> tuple[str, list[str], dict[str, str]]:
@@ -98,6 +104,11 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer = Trainer(preset, out_dir=Path(args.out) / "variant-run", device=device, progress=False)
     build_s = time.perf_counter() - t0
+    if os.environ.get(GC_FREEZE_ENV) == "1":
+        import gc
+
+        gc.collect()
+        gc.freeze()
     counters: dict[str, dict[str, int]] = {}
 
     def before_step(k: int) -> None:
