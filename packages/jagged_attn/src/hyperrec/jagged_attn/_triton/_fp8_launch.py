@@ -41,6 +41,7 @@ from hyperrec.jagged_attn._triton._schedule import (
 )
 from hyperrec.jagged_attn.fp8 import (
     GRAD_GROUP,
+    KEY_SHIFT_SAMPLE,
     FP8Config,
     QuantizedJagged,
     QuantizedQKV,
@@ -188,10 +189,11 @@ def key_mean(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
     heads, dim = k.shape[1], k.shape[2]
     ko = as_int32(kv_offsets)
     n_seq = ko.numel() - 1
-    out = torch.empty((n_seq, heads, dim), dtype=torch.float32, device=k.device)
+    out = torch.empty((n_seq, heads, dim), dtype=torch.float64, device=k.device)
     if n_seq > 0 and heads > 0:
         _fp8_kernels._key_mean_kernel[(n_seq, heads)](
-            k, out, ko, k.stride(0), k.stride(1), D=dim, BD=_pow2(dim), ROWS=64, num_warps=4,
+            k, out, ko, k.stride(0), k.stride(1), D=dim, BD=_pow2(dim), ROWS=64,
+            SAMPLE=KEY_SHIFT_SAMPLE, num_warps=4,
         )  # fmt: skip
     return out.to(torch.bfloat16)
 
