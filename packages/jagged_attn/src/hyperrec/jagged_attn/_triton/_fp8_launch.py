@@ -420,8 +420,8 @@ def quantize_grad_operands(
             for d, w in ((dim, q_width), (dim, kv_width), (dim_v, q_width))] if transposed else (
         [data[0]] * 3)  # fmt: skip
     if transposed:
-        for c, (rows, poff) in zip(cols, ((out[0], q_poff), (out[1], kv_poff), (out[3], q_poff))):
-            out.append(QuantizedJagged(data=c.view(torch.float8_e4m3fn), scale=rows.scale,
+        for c, (src, poff) in zip(cols, ((out[0], q_poff), (out[1], kv_poff), (out[3], q_poff))):
+            out.append(QuantizedJagged(data=c.view(torch.float8_e4m3fn), scale=src.scale,
                                        layout="cols", pad_offsets=poff))  # fmt: skip
     if heads == 0 or (total_q == 0 and total_kv == 0):
         return tuple(out)
