@@ -18,7 +18,7 @@ float32 accumulation:
   ``Q' K'^T = D Q K^T`` exactly and the kernel divides the scores by ``D``; outliers are
   spread over the head dim, which shrinks the block scales' dynamic range.
 * **Key smoothing** (softmax, ``smooth_k=True`` by default): each kv sequence's keys are
-  shifted by the mean of up to 256 of them (:func:`key_shift`) before the rotation and
+  shifted by their mean (:func:`key_shift`) before the rotation and
   quantization. Every score of a query row moves by the same ``q . shift``, which softmax
   cancels exactly; what changes is the quantization error: keys that share a large
   common component (a projection bias) quantize with the range of their own variation
@@ -74,7 +74,6 @@ __all__ = [
     "FORMATS",
     "GRAD_GROUP",
     "GRAD_TINY_AMAX",
-    "KEY_SHIFT_SAMPLE",
     "PRECISIONS",
     "SCALE_RULES",
     "FP8Config",
@@ -96,8 +95,6 @@ SCALE_RULES: tuple[str, ...] = ("pow2", "fp32")
 BACKWARDS: tuple[str, ...] = ("bf16", "fp8")
 #: ``backward="fp8"``: queries (dK, dV) or keys (dQ) per P / dS quantization group.
 GRAD_GROUP = 64
-#: Keys per sequence (evenly spaced) whose mean is ``smooth_k``'s shift (:func:`key_shift`).
-KEY_SHIFT_SAMPLE = 256
 #: ``backward="fp8"``: blocks are scaled as if their absolute max were at least this.
 GRAD_TINY_AMAX = 2.0**-118
 Precision = Literal["bf16", "fp8", "mxfp8"]
@@ -401,17 +398,14 @@ def quantize_qkv(
 
 def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
     """The ``smooth_k`` shift of keys ``k`` ``(T, H, D)``: per kv sequence and head, the
-    mean of up to :data:`KEY_SHIFT_SAMPLE` (256) evenly spaced keys (rows
-    ``start + i * L // n``, ``n = min(L, 256)``: every key of a short sequence),
-    element-wise over the finite values only, ``(B, H, D)`` bfloat16.
+    mean of its keys (element-wise over the finite values only), ``(B, H, D)`` bfloat16.
 
     Per sequence, so a request's numerics never depend on the rest of its batch and a
-    NaN/Inf key reaches no other sequence; any constant shift is exact for softmax, so an
-    estimate of the common component is enough (the mean of only the first 32 keys left
-    sampling noise that cost 1.6 dB with outlier channels; 256 keys, 1/16 of the spread).
-    Summed in float64 in a fixed order (exact for bf16/fp16 keys) and rounded to
-    bfloat16: the Triton launch and the PyTorch path agree bit for bit. Empty sequences
-    get zeros. No host sync.
+    NaN/Inf key reaches no other sequence; any constant shift is exact for softmax, and
+    the mean removes a common component best (means of samples of the keys, 32 or 256 of
+    them, cost up to 1.6 or 1.1 dB with outlier channels; the full mean 0.0-0.1 dB).
+    Summed in float64 (exact for bf16/fp16 keys, so the Triton launch and the PyTorch path
+    agree bit for bit) and rounded to bfloat16. Empty sequences get zeros. No host sync.
     """
     from hyperrec.jagged_attn._fp8.quantize import key_shift as _impl
 

@@ -66,18 +66,14 @@ def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
         from hyperrec.jagged_attn._triton._fp8_launch import key_mean
 
         return key_mean(k, kv_offsets)
-    from hyperrec.jagged_attn.fp8 import KEY_SHIFT_SAMPLE
-
-    starts = kv_offsets[:-1].long()
-    lengths = kv_offsets[1:].long() - starts
-    out = torch.empty((n_seq, heads, dim), dtype=torch.bfloat16, device=k.device)
-    i = torch.arange(KEY_SHIFT_SAMPLE, device=k.device)
-    for b0 in range(0, n_seq, 64):  # bounded float64 temporaries
-        st, ln = starts[b0 : b0 + 64], lengths[b0 : b0 + 64]
-        n = ln.clamp(max=KEY_SHIFT_SAMPLE)
-        rows = st[:, None] + (i[None, :] * ln[:, None]) // n.clamp(min=1)[:, None]
-        x = k[rows.clamp(max=total - 1)].double()  # (b, S, H, D)
-        ok = (i[None, :] < n[:, None])[:, :, None, None] & torch.isfinite(x)
-        sums = torch.where(ok, x, 0.0).sum(1)
-        out[b0 : b0 + 64] = (sums / ok.sum(1).clamp(min=1)).to(torch.bfloat16)
-    return out
+    lengths = (kv_offsets[1:] - kv_offsets[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(n_seq, device=k.device), lengths,
+                                  output_size=total)  # fmt: skip
+    sums = torch.zeros((n_seq, heads, dim), dtype=torch.float64, device=k.device)
+    counts = torch.zeros_like(sums)
+    for t0 in range(0, total, 4096):  # bounded float64 temporaries
+        x = k[t0 : t0 + 4096].double()
+        finite = torch.isfinite(x)
+        sums.index_add_(0, seq[t0 : t0 + 4096], torch.where(finite, x, 0.0))
+        counts.index_add_(0, seq[t0 : t0 + 4096], finite.double())
+    return (sums / counts.clamp(min=1)).to(torch.bfloat16)

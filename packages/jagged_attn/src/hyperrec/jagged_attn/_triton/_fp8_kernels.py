@@ -164,26 +164,25 @@ def _e8m0_byte(bits, ADD: tl.constexpr, ODD: tl.constexpr):
 @triton.jit
 def _key_mean_kernel(
     K, OUT, offsets, stride_kt, stride_kh,
-    D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, SAMPLE: tl.constexpr,
+    D: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, H): the mean over the finite values of each column of up to ``SAMPLE``
-    evenly spaced keys of one sequence and head (``fp8.key_shift``: rows
-    ``start + i * L // n``), float64 sums in sample order, stored as float64 into ``OUT``
-    (B, H, D) contiguous (the launcher rounds to bf16: the interpreter's own conversions do
-    not round to nearest)."""
+    """Grid (B, H, cdiv(D, COLS)): the mean over the finite values of ``COLS`` columns of
+    one sequence's keys of one head (``fp8.key_shift``), float64 sums in token order
+    (exact for bf16/fp16 keys), stored as float64 into ``OUT`` (B, H, D) contiguous (the
+    launcher rounds to bf16: the interpreter's own conversions do not round to nearest).
+    Column blocks give long sequences more programs."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2) * COLS + tl.arange(0, COLS)
     start = tl.load(offsets + b)
-    length = tl.load(offsets + b + 1) - start
-    n = tl.minimum(length, SAMPLE)
-    c = tl.arange(0, BD)
-    acc = tl.zeros([BD], dtype=tl.float64)
-    cnt = tl.zeros([BD], dtype=tl.float64)
-    for i0 in range(0, n, ROWS):
-        i = i0 + tl.arange(0, ROWS)
-        r = (i.to(tl.int64) * length) // tl.maximum(n, 1)
-        ok = (i < n)[:, None] & (c < D)[None, :]
-        x = tl.load(K + (start + r)[:, None] * stride_kt + h * stride_kh + c[None, :], mask=ok,
+    n_rows = tl.load(offsets + b + 1) - start
+    acc = tl.zeros([COLS], dtype=tl.float64)
+    cnt = tl.zeros([COLS], dtype=tl.float64)
+    for r0 in range(0, n_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        ok = (r < n_rows)[:, None] & (c < D)[None, :]
+        rows64 = (start + r).to(tl.int64)
+        x = tl.load(K + rows64[:, None] * stride_kt + h * stride_kh + c[None, :], mask=ok,
                     other=0.0).to(tl.float64)  # fmt: skip
         finite = ok & (tl.abs(x) < float("inf"))  # NaN compares false too
         acc += tl.sum(tl.where(finite, x, 0.0), 0)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import triton
 
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _fp8_bwd_kernels, _fp8_kernels, interpreting
@@ -41,7 +42,6 @@ from hyperrec.jagged_attn._triton._schedule import (
 )
 from hyperrec.jagged_attn.fp8 import (
     GRAD_GROUP,
-    KEY_SHIFT_SAMPLE,
     FP8Config,
     QuantizedJagged,
     QuantizedQKV,
@@ -184,16 +184,16 @@ def quantize_qkv(
 
 
 def key_mean(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
-    """:func:`hyperrec.jagged_attn.fp8.key_shift` in one launch (``(B, H)`` programs)."""
+    """:func:`hyperrec.jagged_attn.fp8.key_shift` in one launch (``(B, H, D / 32)``
+    programs)."""
     k = _last_dim_contiguous(k)
     heads, dim = k.shape[1], k.shape[2]
     ko = as_int32(kv_offsets)
     n_seq = ko.numel() - 1
     out = torch.empty((n_seq, heads, dim), dtype=torch.float64, device=k.device)
     if n_seq > 0 and heads > 0:
-        _fp8_kernels._key_mean_kernel[(n_seq, heads)](
-            k, out, ko, k.stride(0), k.stride(1), D=dim, BD=_pow2(dim), ROWS=64,
-            SAMPLE=KEY_SHIFT_SAMPLE, num_warps=4,
+        _fp8_kernels._key_mean_kernel[(n_seq, heads, triton.cdiv(dim, 32))](
+            k, out, ko, k.stride(0), k.stride(1), D=dim, COLS=32, ROWS=128, num_warps=4,
         )  # fmt: skip
     return out.to(torch.bfloat16)
 
