@@ -61,6 +61,11 @@ class DistributedContext:
         """Rank 0: the one that prints and writes metrics."""
         return self.rank == 0
 
+    def barrier(self) -> None:
+        """Wait for every rank (no-op on one rank or without a process group)."""
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+
     def close(self) -> None:
         """Destroy the process group if this context created it."""
         if self.owns_process_group and dist.is_initialized():

@@ -1569,7 +1569,12 @@ class Trainer:
             record = self.evaluate(TEST, logistic=logistic)
             if self.ctx.is_main:
                 self.test_record = record or None
-        return self._report(interrupted=interrupted, plot=plot)
+        result = self._report(interrupted=interrupted, plot=plot)
+        # Every rank past its last collective before any of them can tear the group down
+        # (CI once saw rank 1 abort in the gloo teardown after a run had trained every
+        # step; not reproduced since, so this is a precaution, not a proven fix).
+        self.ctx.barrier()
+        return result
 
     def _log_step(self, m: dict[str, float], bar: ProgressBar) -> None:
         cfg = self.preset.train
