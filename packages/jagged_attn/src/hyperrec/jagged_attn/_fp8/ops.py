@@ -31,7 +31,7 @@ from torch.utils.flop_counter import register_flop_formula
 from hyperrec.jagged_attn._fp8.quantize import fp8_kernels_supported
 from hyperrec.jagged_attn._opschema import NAMESPACE, AttentionCall, activation_of, schema
 from hyperrec.jagged_attn._torch.ops import attention_torch_backward
-from hyperrec.jagged_attn._triton._flops import flops_upper_bound
+from hyperrec.jagged_attn._triton.ops import _spec_flops
 from hyperrec.jagged_attn.fp8 import FP8Config
 
 __all__ = [
@@ -185,16 +185,7 @@ def _fp8_flop_formula(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    max_q, max_kv = AttentionCall.max_lengths(args)
-    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
-                                 v_shape[2], pass_="fwd"))  # fmt: skip
-
-
-def _bwd_flops(q_shape: torch.Size, k_shape: torch.Size, v_shape: torch.Size, args: Any) -> int:
-    # the backward's useful FLOPs (the statistics pass is recomputation, not counted)
-    max_q, max_kv = AttentionCall.max_lengths(args)
-    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
-                                 v_shape[2], pass_="bwd"))  # fmt: skip
+    return _spec_flops(q_shape, k_shape, v_shape, args, "fwd")
 
 
 @register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_triton_bwd)
@@ -210,7 +201,7 @@ def _fp8_bwd_flop_formula(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    return _bwd_flops(q_shape, k_shape, v_shape, args)
+    return _spec_flops(q_shape, k_shape, v_shape, args, "bwd")
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,9 +235,7 @@ def _fp8_torch_flop_formula(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    max_q, max_kv = AttentionCall.max_lengths(args)
-    return int(flops_upper_bound(q_shape[0], k_shape[0], max_q, max_kv, q_shape[1], q_shape[2],
-                                 v_shape[2], pass_="fwd"))  # fmt: skip
+    return _spec_flops(q_shape, k_shape, v_shape, args, "fwd")
 
 
 @attention_fp8_torch.register_fake
@@ -286,7 +275,7 @@ def _fp8_torch_bwd_flop_formula(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    return _bwd_flops(q_shape, k_shape, v_shape, args)
+    return _spec_flops(q_shape, k_shape, v_shape, args, "bwd")
 
 
 @attention_fp8_torch_bwd.register_fake
@@ -303,7 +292,6 @@ def _fp8_torch_bwd_fake(
 
 def _torch_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.precision = inputs[0]
-    ctx.fp8_backward = FP8Config.decode(inputs[0]).backward == "fp8"
     tensors, ctx.spec_args = AttentionCall.split_op_args(inputs[1:])
     ctx.save_for_backward(*tensors)
 
@@ -312,7 +300,7 @@ def _torch_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | No
     # Unpack once: under non-reentrant (selective) checkpointing a saved tensor may be
     # unpacked only once per backward.
     saved = ctx.saved_tensors
-    if ctx.fp8_backward:
+    if FP8Config.decode(ctx.precision).backward == "fp8":
         grads = attention_fp8_torch_bwd(ctx.precision, grad_out.contiguous(), *saved,
                                         *ctx.spec_args)  # fmt: skip
     else:

@@ -47,6 +47,7 @@ from hyperrec.jagged_attn._triton._kernels import (
     _load_rows,
     _q_range,
     _query_tile,
+    _stats_update,
     _store_rows,
     _work_item,
 )
@@ -371,13 +372,7 @@ def _fp8_stats_tiles(
                           CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                           HAS_BLOCK, BLOCK_PREV)  # fmt: skip
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        u_i = u_i * alpha + tl.sum(tl.where(p > 0.0, p * dp, 0.0), 1)
-        m_i = m_new
+        m_i, l_i, u_i = _stats_update(m_i, l_i, u_i, s, dp)
     return m_i, l_i, u_i
 
 

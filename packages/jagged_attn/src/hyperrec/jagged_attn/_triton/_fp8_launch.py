@@ -436,7 +436,8 @@ def quantize_grad_operands(
     dstrides = [x for t in data for x in (t.stride(0), t.stride(1))]
     shift = scales[0] if key_shift is None else key_shift.contiguous()
     # the transposed copies' scales equal the rows copies': write them to a scratch buffer
-    scratch = torch.empty((max(total_q, total_kv), heads), dtype=torch.float32, device=device)
+    scratch = (torch.empty((max(total_q, total_kv), heads), dtype=torch.float32, device=device)
+               if transposed else scales[0])  # fmt: skip
     cstrides = [x for c in cols for x in (c.stride(1), c.stride(0))] if transposed else [0] * 6
     _fp8_bwd_kernels._quant_grad_kernel[(tiles, heads, 7 if transposed else 4)](
         q, k, v, grad_out, *data, *scales, signs, shift, qo, ko, q_seq, q_idx, q_tot, kv_seq,

@@ -1137,15 +1137,22 @@ def _bwd_stats_tiles(
                           CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                           HAS_BLOCK, BLOCK_PREV)  # fmt: skip
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # masked pairs: p = 0 (a NaN dP there must not leak: where, not a product)
-        u_i = u_i * alpha + tl.sum(tl.where(p > 0.0, p * dp, 0.0), 1)
-        m_i = m_new
+        m_i, l_i, u_i = _stats_update(m_i, l_i, u_i, s, dp)
     return m_i, l_i, u_i
+
+
+@triton.jit
+def _stats_update(m_i, l_i, u_i, s, dp):
+    """One key tile of the statistics pass: base-2 scores ``s`` (masked ones ``-inf``)
+    and ``dP`` fold into the running ``(m, l, u)`` (see ``_bwd_stats_tiles``)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # masked pairs: p = 0 (a NaN dP there must not leak: where, not a product)
+    u_i = u_i * alpha + tl.sum(tl.where(p > 0.0, p * dp, 0.0), 1)
+    return m_new, l_i, u_i
 
 
 @triton.jit
