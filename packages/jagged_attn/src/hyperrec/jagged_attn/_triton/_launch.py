@@ -705,7 +705,6 @@ def attention_backward(
     q, k, v, spec = call.q, call.k, call.v, call.spec
     scale = spec.scale
     total_q, n_heads = q.shape[0], q.shape[1]
-    total_kv = k.shape[0]
     n_seq = call.q_offsets.shape[0] - 1
     n_kv_seq = call.kv_offsets.shape[0] - 1
     softmax = spec.activation == "softmax"
@@ -729,8 +728,19 @@ def attention_backward(
     mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(spec.activation, scale)
     if softmax and recompute_stats:
-        return _backward_recomputing_stats(grad_out, call, plan, dq, dk, dv, coef, qk_scale,
-                                           mask_ints)  # fmt: skip
+        # The dQ kernel (``STATS``) writes the log-sum-exp and delta it recomputed, then
+        # dK/dV (never with atomic dQ) reads them. Rows no query tile covers keep +inf / 0:
+        # P = 0 and dS = 0 there.
+        stats = torch.full((n_heads, total_q), float("inf"), dtype=torch.float32,
+                           device=q.device)  # fmt: skip
+        delta = torch.zeros_like(stats)
+        rest = (stats.stride(0), qk_scale, scale, coef, mask_ints)
+        _launch_dq(call, plan, grad_out, stats, delta, dq, dict(plan.dq_kw, STATS=True),
+                   _Key((*plan.dq_key, "stats")), *rest)  # fmt: skip
+        _launch_dkdv(call, plan, grad_out, stats, delta, dk, dv, dq,
+                     dict(plan.dkdv_kw, DQ_ATOMIC=False), _Key((*plan.dkdv_key, "stats")),
+                     *rest)  # fmt: skip
+        return dq, dk, dv
     if softmax:
         delta = torch.empty_like(lse)
         _kernels._bwd_delta_kernel[(triton.cdiv(total_q, _DELTA_ROWS), n_heads)](
@@ -741,86 +751,55 @@ def attention_backward(
     else:
         lse_arg = delta_arg = grad_out  # never read
         stride_lh = 0
+    rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
     # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
     # tile's share of dQ into a zeroed fp32 buffer, and the dQ kernel is skipped.
-    cfg = plan.dkdv_cfg
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if plan.dq_atomic else dq
+    _launch_dkdv(call, plan, grad_out, lse_arg, delta_arg, dk, dv, dqa, plan.dkdv_kw,
+                 plan.dkdv_key, *rest)  # fmt: skip
+    if plan.dq_atomic:
+        return dqa.mul_(scale).to(q.dtype), dk, dv
+    _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key, *rest)
+    return dq, dk, dv
+
+
+def _launch_dkdv(call, plan, grad_out, lse, delta, dk, dv, dqa, kw, key, stride_lh, qk_scale,
+                 scale, coef, mask_ints) -> None:  # fmt: skip
+    """The dK/dV kernel (one work item per key tile) of :func:`attention_backward`."""
+    q, k, v = call.q, call.k, call.v
+    cfg = plan.dkdv_cfg
     q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
     num_targets = as_int32(call.num_targets)
-    args: tuple[object, ...] = (
-        q, k, v, grad_out, lse_arg, delta_arg, dk, dv, dqa,
+    args = (
+        q, k, v, grad_out, lse, delta, dk, dv, dqa,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1), stride_lh,
         q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
         tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
-    work = work_upper_bound(total_kv, n_kv_seq, cfg.block_n) * n_heads
-    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, plan.dkdv_key, args,
-                       plan.dkdv_kw)  # fmt: skip
-    if plan.dq_atomic:
-        return dqa.mul_(scale).to(q.dtype), dk, dv
+    work = work_upper_bound(k.shape[0], call.kv_offsets.shape[0] - 1, cfg.block_n) * q.shape[1]
+    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, key, args, kw)
 
-    # dQ: the forward's schedule (one work item per query tile).
+
+def _launch_dq(call, plan, grad_out, lse, delta, dq, kw, key, stride_lh, qk_scale, scale, coef,
+               mask_ints) -> None:  # fmt: skip
+    """The dQ kernel (the forward's schedule: one work item per query tile)."""
+    q, k, v = call.q, call.k, call.v
     cfg = plan.dq_cfg
     q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
-    kv_index = as_int32(call.kv_index)
+    kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     args = (
-        q, k, v, grad_out, lse_arg, delta_arg, dq,
+        q, k, v, grad_out, lse, delta, dq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), stride_lh,
         q_offsets, kv_offsets, total if kv_index is None else kv_index,
         total if num_targets is None else num_targets, tile_seq, tile_idx, total,
         qk_scale, scale, coef, *mask_ints,
     )  # fmt: skip
-    work = work_upper_bound(total_q, n_seq, cfg.block_m) * n_heads
-    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, plan.dq_key, args,
-                       plan.dq_kw)  # fmt: skip
-    return dq, dk, dv
-
-
-def _backward_recomputing_stats(grad_out, call, plan, dq, dk, dv, coef, qk_scale, mask_ints):
-    """Softmax backward with ``recompute_stats`` (see :func:`attention_backward`): the dQ
-    kernel (``STATS``) writes the log-sum-exp and ``delta`` it recomputed, then dK/dV
-    (never with atomic dQ) reads them."""
-    q, k, v, spec = call.q, call.k, call.v, call.spec
-    total_q, n_heads = q.shape[0], q.shape[1]
-    # Rows no query tile covers keep +inf / 0: P = 0 and dS = 0 there.
-    lse = torch.full((n_heads, total_q), float("inf"), dtype=torch.float32, device=q.device)
-    delta = torch.zeros_like(lse)
-    num_targets = as_int32(call.num_targets)
-    cfg = plan.dq_cfg
-    q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(call, cfg.block_m, "cost")
-    kv_index = as_int32(call.kv_index)
-    args: tuple[object, ...] = (
-        q, k, v, grad_out, lse, delta, dq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        q_offsets, kv_offsets, total if kv_index is None else kv_index,
-        total if num_targets is None else num_targets, tile_seq, tile_idx, total,
-        qk_scale, spec.scale, coef, *mask_ints,
-    )  # fmt: skip
-    kw = dict(plan.dq_kw, STATS=True)
-    work = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, cfg.block_m) * n_heads
-    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, _Key((*plan.dq_key, "stats")),
-                       args, kw)  # fmt: skip
-
-    cfg = plan.dkdv_cfg
-    q_offsets, kv_offsets, tile_seq, tile_idx, total, inv_ptr, inv_idx = _kv_schedule(call, cfg)
-    args = (
-        q, k, v, grad_out, lse, delta, dk, dv, dq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
-        tile_seq, tile_idx, total, qk_scale, spec.scale, coef, *mask_ints,
-    )  # fmt: skip
-    kw = dict(plan.dkdv_kw, DQ_ATOMIC=False)
-    work = work_upper_bound(k.shape[0], call.kv_offsets.shape[0] - 1, cfg.block_n) * n_heads
-    _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg,
-                       _Key((*plan.dkdv_key, "stats")), args, kw)  # fmt: skip
-    return dq, dk, dv
+    work = work_upper_bound(q.shape[0], call.q_offsets.shape[0] - 1, cfg.block_m) * q.shape[1]
+    _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, key, args, kw)
 
 
 # Token rows per program of the softmax backward's row-sum kernel.
