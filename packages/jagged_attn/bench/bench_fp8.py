@@ -12,8 +12,8 @@ only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementa
   Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward (which
   recomputes its softmax statistics since 0.2.4: one more pass over the keys);
 * ``fp8_bwd``: fwd+bwd with ``FP8Config(backward="fp8")`` (the FP8 backward), and
-  ``fp8_bwd_rows``: the same reading the token-reducing products' B operands from the rows
-  copies instead of the K-major transposed ones;
+  ``fp8_bwd_transposed``: the same reading the token-reducing products' B operands from
+  K-major transposed copies instead of the rows copies (``FP8_BWD_TRANSPOSED_B``);
 * ``fp8_kernel``: the FP8 forward kernel alone on operands quantized beforehand (what a
   producer that emits FP8 would pay), and ``fp8_quantize``: the quantization alone (ms;
   also without the Hadamard rotation, ``fp8_quantize_no_hadamard``);
@@ -149,13 +149,13 @@ def impl_public(case, q, k, v, do, offsets, precision, backend):
     return fwd, fwd_bwd
 
 
-def _with_rows_operands(fn):
-    """``fn`` run with the FP8 backward reading its B operands from the rows copies."""
+def _with_transposed_operands(fn):
+    """``fn`` run with the FP8 backward reading its B operands from transposed copies."""
     from hyperrec.jagged_attn._triton import _fp8_launch
 
     def run():
         saved = _fp8_launch.FP8_BWD_TRANSPOSED_B
-        _fp8_launch.FP8_BWD_TRANSPOSED_B = False
+        _fp8_launch.FP8_BWD_TRANSPOSED_B = True
         try:
             return fn()
         finally:
@@ -224,10 +224,12 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         impls = {
             "fp8": impl_public(case, q, k, v, do, offsets, "fp8", backend),
             "fp8_bwd": (None, impl_public(case, q, k, v, do, offsets, fp8_bwd, backend)[1]),
-            # the same with the token-reducing products on the rows copies (not K-major)
-            "fp8_bwd_rows": (
+            # the same with the token-reducing products on K-major transposed copies
+            "fp8_bwd_transposed": (
                 None,
-                _with_rows_operands(impl_public(case, q, k, v, do, offsets, fp8_bwd, backend)[1]),
+                _with_transposed_operands(
+                    impl_public(case, q, k, v, do, offsets, fp8_bwd, backend)[1]
+                ),
             ),
             "mxfp8": impl_public(case, q, k, v, do, offsets, "mxfp8", backend),
             "bf16": impl_public(case, q, k, v, do, offsets, "bf16", backend),
@@ -279,7 +281,7 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
             info["results"].setdefault(name, {})[f"{key}_tflops"] = ba._stats(values)
     for name, values in extra_ms.items():
         info["results"][name] = ba._stats(values)
-    for ours in ("fp8", "fp8_bwd", "fp8_bwd_rows", "fp8_kernel", "mxfp8"):
+    for ours in ("fp8", "fp8_bwd", "fp8_bwd_transposed", "fp8_kernel", "mxfp8"):
         for peer in ("bf16", "flex"):
             for key in ("fwd", "fwd_bwd"):
                 a, b = timings.get(ours, {}).get(key), timings.get(peer, {}).get(key)
@@ -488,8 +490,8 @@ def print_tables(speed: list[dict], acc: list[dict], ceilings: dict) -> None:
                   f"{'' if qplain is None else f' ({qplain:.3f})'}")  # fmt: skip
             if key == "fwd_bwd" and r.get("fp8_bwd"):
                 print(f"       FP8 backward: {cell(r, 'fp8_bwd', key)} = "
-                      f"{ratio(r, 'fp8_bwd', key, 'bf16')}x bf16; rows operands "
-                      f"{cell(r, 'fp8_bwd_rows', key)}")  # fmt: skip
+                      f"{ratio(r, 'fp8_bwd', key, 'bf16')}x bf16; transposed operands "
+                      f"{cell(r, 'fp8_bwd_transposed', key)}")  # fmt: skip
     if acc:
         print("\naccuracy vs float64: RMSE (SNR dB)")
         names = ("fp8", "fp8_no_hadamard", "fp8_no_smoothing", "mxfp8", "naive_fp8", "bf16")

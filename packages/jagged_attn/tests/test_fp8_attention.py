@@ -72,7 +72,11 @@ def _forward(q, k, v, qo, ko, kvi, nt, spec, config):
 #: strays by a fraction of the FP8 error (a wrong scale, tile or mask still fails by
 #: orders of magnitude).
 MMA_RMS = 0.15  # RMS deviation / the specification's RMS error (float32 accumulation: 0.1)
-MMA_MAX = 0.5  # largest deviation / the specification's largest error
+# largest deviation / the specification's largest error: 0.5 until key smoothing (0.2.5)
+# changed the specification's errors; then the block-mask case of test_gpu_gdpa_and_masks
+# measured 0.502 (H200, 2026-12-02; the RMS and error-ratio bounds held). A wrong scale,
+# tile or mask gives ratios far above 1.
+MMA_MAX = 0.75
 MMA_ERR = 0.01  # |kernel error / specification error - 1| against the exact attention
 MMA_LSE = 2.0**-10  # relative log-sum-exp deviation (float32 accumulation: 1e-4 absolute)
 

@@ -56,6 +56,7 @@ from hyperrec.jagged_attn.reference_fp8 import (
 )
 
 __all__ = [
+    "FP8_BWD_ROTATE_IN_KERNEL",
     "FP8_BWD_TRANSPOSED_B",
     "FP8_TMA",
     "FP8_TUNED",
@@ -193,7 +194,7 @@ def key_mean(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_seq, heads, dim), dtype=torch.float64, device=k.device)
     if n_seq > 0 and heads > 0:
         _fp8_kernels._key_mean_kernel[(n_seq, heads, triton.cdiv(dim, 32))](
-            k, out, ko, k.stride(0), k.stride(1), D=dim, COLS=32, ROWS=128, num_warps=4,
+            k, out, ko, k.stride(0), k.stride(1), D=dim, COLS=32, ROWS=64, num_warps=4,
         )  # fmt: skip
     return out.to(torch.bfloat16)
 
@@ -450,10 +451,17 @@ def quantize_grad_operands(
 
 
 #: Whether the FP8 backward reads the operands of its token-reducing products (dO and Q
-#: for dV and dK, K for dQ) from transposed copies by default: Hopper's FP8 tensor cores
-#: read both operands K-major (as the forward's V). Both paths are tested; which is faster
-#: has not been measured on a GPU yet.
-FP8_BWD_TRANSPOSED_B = True
+#: for dV and dK, K for dQ) from transposed (K-major) copies. Off: on an H200 (2026-12-02,
+#: 32 x 2,048 tokens, H = 8, D = 128; ``bench/results/fp8_bwd_probe_h200_2026-12-02.json``)
+#: the transposed path's dK/dV kernel spilled 408 registers against 118 and took 28.3 ms
+#: against 9.8 ms, and its quantization launch (seven roles instead of four) 0.94 ms
+#: against 0.46 ms. Both paths are tested and give bit-identical gradients.
+FP8_BWD_TRANSPOSED_B = False
+
+#: Whether the FP8 backward undoes the Hadamard rotation of dQ and dK in its kernels'
+#: epilogues (else one ``fwht`` pass over each afterwards, as for head dims below 32).
+#: A switch for measuring the epilogue's register cost.
+FP8_BWD_ROTATE_IN_KERNEL = True
 
 
 def attention_backward_fp8(
@@ -497,7 +505,7 @@ def attention_backward_fp8(
     coef, ce = _common(call, fast_math)
     bd, bdv = max(32, _pow2(dim)), max(32, _pow2(dim_v))
     rotate = config.rotates(dim)
-    in_kernel_rotation = rotate and bd == dim
+    in_kernel_rotation = rotate and bd == dim and FP8_BWD_ROTATE_IN_KERNEL
     signs = _device_signs(dim, config.hadamard_seed, q.device) if rotate else q8.scale
     scale = spec.scale / hadamard_scale(config, dim)
     qk_scale = _qk_scale(spec.activation, scale)
