@@ -109,14 +109,14 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 
         gc.collect()
         gc.freeze()
-    counters: dict[str, dict[str, int]] = {}
+    alloc: dict[str, dict[str, int]] = {}
 
     def before_step(k: int) -> None:
         if k == args.warmup:
-            counters["before"] = allocator_counters()
+            alloc["before"] = allocator_counters()
 
     metrics, launch, finish = run_steps(trainer, total, before_step)
-    counters["after"] = allocator_counters()  # after the drain: every timed step is done
+    alloc["after"] = allocator_counters()  # after the drain: every timed step is done
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     autoac_plan = trainer.autoac_summary()
     trainer.close()
@@ -140,9 +140,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "launch_step_s_median": statistics.median(launch[args.warmup :]),
         "finish_step_s_median": statistics.median(finish[args.warmup :]) if finish else None,
         "peak_memory_gb": peak,
-        "allocator_per_step": counter_delta(
-            counters.get("before", {}), counters["after"], args.steps
-        ),
+        "allocator_per_step": counter_delta(alloc.get("before", {}), alloc["after"], args.steps),
         "switch_interval_s": sys.getswitchinterval(),
         "autoac": autoac_plan,
         "dynamo_counters": dynamo,
