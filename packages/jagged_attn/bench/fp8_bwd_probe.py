@@ -15,6 +15,8 @@ Two parts, one JSON each (H = 8, D = 128, fixed-length batches, one fresh instan
   ``n_regs``, ``n_spills``, shared bytes. -> ``fp8_bwd_probe_<tag>.json``
   ``--configs transposed`` is the first sweep (the 0.2.6 default, transposed operands),
   ``--configs rows`` the second (rows operands, rotation on/off).
+* ``quant`` (only when asked): ``quantize_qkv`` and ``key_shift`` alone under several warp
+  counts of the quantization launch. -> ``fp8_quant_probe_<tag>.json``
 
     python bench/fp8_bwd_probe.py --out bench/results --tag h200_2026-12-02  # CUDA only
 """
@@ -25,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -156,11 +159,55 @@ def run_configs(which: str, budget_s: float) -> dict:
     return dict(rows=rows, compiled=compiled)
 
 
+def run_quant() -> dict:
+    """``quantize_qkv`` (the default config) and ``key_shift`` at 32 x 2,048 and
+    8 x 8,192 tokens under several warp counts of the quantization launch: CUDA-event
+    time, median of 20 calls, on 3 fresh instances each."""
+    import bench_fp8 as bf
+
+    from hyperrec.jagged_attn import FP8Config
+    from hyperrec.jagged_attn._triton import _fp8_launch
+
+    def ms(fn, reps: int = 20) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[reps // 2]
+
+    config = FP8Config()
+    rows = []
+    saved = _fp8_launch.QUANT_NUM_WARPS
+    try:
+        for name, batch, length in (("fixed-B32-L2048", 32, 2048), ("fixed-B8-L8192", 8, 8192)):
+            case = bf.Case(name, "fixed", batch, length)
+            for seed in range(3):
+                _, offsets, q, k, v, _ = bf.make_inputs(case, seed, "cuda")
+                row = dict(case=name, seed=seed,
+                           key_shift_ms=ms(partial(_fp8_launch.key_mean, k, offsets)))  # fmt: skip
+                for warps in (None, 2, 4, 8, 16):
+                    _fp8_launch.QUANT_NUM_WARPS = warps
+                    row[f"quantize_ms_warps_{warps or 'default'}"] = ms(
+                        partial(_fp8_launch.quantize_qkv, q, k, v, offsets, offsets, config)
+                    )
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        _fp8_launch.QUANT_NUM_WARPS = saved
+    return dict(rows=rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tag", default="h200")
-    p.add_argument("--part", choices=("profile", "configs", "both"), default="both")
+    p.add_argument("--part", choices=("profile", "configs", "quant", "both"), default="both")
     p.add_argument("--configs", choices=tuple(CONFIGS), default="rows")
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="no new configuration after this many seconds")  # fmt: skip
@@ -177,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         doc = dict(meta, part="configs", configs=args.configs,
                    **run_configs(args.configs, args.budget_s))  # fmt: skip
         (args.out / f"fp8_bwd_probe_{args.tag}.json").write_text(json.dumps(doc, indent=1))
+    if args.part == "quant":
+        doc = dict(meta, part="quant", **run_quant())
+        (args.out / f"fp8_quant_probe_{args.tag}.json").write_text(json.dumps(doc, indent=1))
     return 0
 
 

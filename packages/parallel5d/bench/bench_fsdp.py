@@ -445,13 +445,14 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         gc.collect()
         gc.freeze()
     gc_log = _GCLog()
-    times, losses, gc_s, gc_full = [], [], [], []
+    times, host, losses, gc_s, gc_full = [], [], [], [], []
     for s in range(args.steps):
         batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
         sync(device)
         gc_log.reset()
         t0 = time.perf_counter()
         losses.append(train_step(model, opt, batch))
+        host.append(time.perf_counter() - t0)
         sync(device)
         times.append(time.perf_counter() - t0)
         gc_s.append(gc_log.seconds)
@@ -464,6 +465,11 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     result["gc_s_per_step"] = gc_s
     result["gc_full_collections_per_step"] = gc_full
     result["gc_frozen"] = bool(args.gc_freeze)
+    # Seconds until train_step returned, before the device sync: on a GPU the host's time
+    # to enqueue the step (plus any wait inside it). Close to step_s means the host, not
+    # the GPU, set the step time; the cost model has no host term.
+    result["host_s"] = statistics.median(host)
+    result["host_s_all"] = host
     if device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -676,7 +682,8 @@ def main() -> None:
 def print_table(rows: list[dict], device: torch.device) -> None:
     mem = "peak_alloc_GiB peak_resv_GiB" if device.type == "cuda" else "peak_live_MiB"
     print(
-        f"\n{'model':6} {'variant':18} {'step_ms':>8} {mem:>28} {'colls':>6} {'copy_MiB':>9} {'cast_MiB':>9}"
+        f"\n{'model':6} {'variant':18} {'step_ms':>8} {'host_ms':>8} {mem:>28} {'colls':>6} "
+        f"{'copy_MiB':>9} {'cast_MiB':>9}"
     )
     for r in rows:
         variant = f"{r['impl']}:{r['optimizer']}"
@@ -689,7 +696,7 @@ def print_table(rows: list[dict], device: torch.device) -> None:
             live = r.get("peak_live_bytes")
             m = f"{(live or math.nan) / 2**20:28.1f}"
         print(
-            f"{r['model']:6} {variant:18} {r['step_s'] * 1e3:8.1f} {m:>28} "
+            f"{r['model']:6} {variant:18} {r['step_s'] * 1e3:8.1f} {r['host_s'] * 1e3:8.1f} {m:>28} "
             f"{r['collectives_per_step']:6d} {r['copy_bytes'] / 2**20:9.1f} {r['cast_bytes'] / 2**20:9.1f}"
         )
 

@@ -60,6 +60,7 @@ __all__ = [
     "FP8_BWD_TRANSPOSED_B",
     "FP8_TMA",
     "FP8_TUNED",
+    "QUANT_NUM_WARPS",
     "attention_backward_fp8",
     "attention_forward_fp8",
     "key_mean",
@@ -107,6 +108,14 @@ def _padded(offsets: torch.Tensor, pad: int) -> torch.Tensor:
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+#: Warps of the Q/K/V quantization launch; ``None``: 4 for tiles of up to 16,384 elements,
+#: else 8. At 128 tokens x D = 128, 4 warps took 0.50-0.52 ms for 65,536 tokens x 8 heads
+#: on an H200 against 0.66-0.78 ms with the 8 used before (2, 16: 0.65-0.80;
+#: ``bench/results/fp8_quant_probe_h200_2026-12-02.json``, ``bench/fp8_bwd_probe.py
+#: --part quant``); larger tiles (D = 256) keep 8, untimed.
+QUANT_NUM_WARPS: int | None = None
 
 
 def quantize_qkv(
@@ -179,7 +188,8 @@ def quantize_qkv(
         TILE_Q=tile_q, GROUP_Q=group_q, TILE_KV=tile_kv, GROUP_KV=group_kv,
         MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=config.scale_rule == "pow2",
         HADAMARD=rotate, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
-        HAS_SHIFT=key_shift is not None, num_warps=4 if tile_q * dim <= 8192 else 8,
+        HAS_SHIFT=key_shift is not None,
+        num_warps=QUANT_NUM_WARPS or (4 if tile_q * dim <= 16384 else 8),
     )  # fmt: skip
     return out
 
