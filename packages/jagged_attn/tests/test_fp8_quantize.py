@@ -134,6 +134,32 @@ def test_key_shift_per_sequence_finite_mean(backend, monkeypatch):
     assert torch.equal(got[0], long.double().mean(0).bfloat16().float())
 
 
+def test_key_shift_bad_inputs():
+    """Clear errors naming the argument, before any kernel runs."""
+    k = torch.zeros(5, 2, 8, dtype=torch.bfloat16)
+    good = torch.tensor([0, 2, 5])
+    with pytest.raises(TypeError, match="k must be"):
+        key_shift(k.float().numpy(), good)
+    with pytest.raises(TypeError, match="k must be"):
+        key_shift(k.long(), good)
+    with pytest.raises(ValueError, match="k must be 3-D"):
+        key_shift(k[0], good)
+    with pytest.raises(TypeError, match="kv_offsets"):
+        key_shift(k, good.float())
+    with pytest.raises(ValueError, match="kv_offsets must be 1-D"):
+        key_shift(k, good[None])
+    with pytest.raises(ValueError, match="kv_offsets must have B \\+ 1 >= 1 entries"):
+        key_shift(k, good[:0])
+    with pytest.raises(ValueError, match=r"kv_offsets\[0\] must be 0"):
+        key_shift(k, torch.tensor([1, 2, 5]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        key_shift(k, torch.tensor([0, 4, 3, 5]))
+    with pytest.raises(ValueError, match=r"kv_offsets\[-1\] must equal k.shape\[0\] = 5"):
+        key_shift(k, torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="kv_offsets must be on meta like k"):
+        key_shift(k.to("meta"), good)
+
+
 @needs_kernels
 def test_kernel_bit_exact_cross_attention_and_strided_views():
     """Q from one length distribution, K/V from another; K and V are column slices of one

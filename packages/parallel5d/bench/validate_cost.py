@@ -12,7 +12,11 @@ For each model (Llama-like, GEM-like tower), on the process layout it is launche
    ``calibrate_cost.py``; cited H200 figures otherwise). One GPU or the fake backend
    (``--fake-world-size N``: collectives move no data) predict compute only; under
    ``torchrun`` with several GPUs the full step with NCCL collectives on the topology
-   from the environment.
+   from the environment;
+4. the same two with the host term (``ModelConfig.host_s``): the host's issue time per
+   step, measured (``bench_fsdp``'s ``host_s``) on a copy of the model with the same
+   tensors and collectives but small dims (``host_copy``), same runtime and mesh; the
+   measured step's own ``host_s`` is recorded beside it.
 
     python packages/parallel5d/bench/validate_cost.py --out DIR                 # one GPU
     python packages/parallel5d/bench/validate_cost.py --fake-world-size 8 --out DIR
@@ -106,7 +110,24 @@ def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
     return {"full_s": full, "blocks": rows, "flops": total_flops, "params": n_params}
 
 
-def to_model_config(prof: dict, checkpoint: bool, *, measured: bool):
+#: Dims of the host-calibration copy of each model kind (``host_copy``): the same layers,
+#: tensors and collectives per step, GPU work small enough to leave only the host's time.
+HOST_COPY_DIMS = {
+    "gem": dict(dim=128, batch=256),
+    "llama": dict(dim=128, ffn=256, vocab=1000, seq=64),
+    "moe": dict(dim=128, ffn=64, vocab=1000, seq=64),
+}
+
+
+def host_copy(cfg: dict) -> dict:
+    """``cfg`` with its dims shrunk (never grown) to :data:`HOST_COPY_DIMS`: same layer
+    count, parameter tensors, experts, features and heads, so the same kernels,
+    hooks and collectives per step, on much less data."""
+    small = HOST_COPY_DIMS[cfg["kind"]]
+    return dict(cfg, **{k: min(v, cfg[k]) for k, v in small.items()})
+
+
+def to_model_config(prof: dict, checkpoint: bool, *, measured: bool, host_s=None):
     from hyperrec.parallel5d.cost import LayerSpec, ModelConfig
 
     blocks = prof["blocks"]
@@ -132,7 +153,9 @@ def to_model_config(prof: dict, checkpoint: bool, *, measured: bool):
                 measured_bwd_s=b["bwd_s"] if measured else None,
             )
         )
-    return ModelConfig(name="bench", layers=tuple(layers), activation_checkpointing=checkpoint)
+    return ModelConfig(
+        name="bench", layers=tuple(layers), activation_checkpointing=checkpoint, host_s=host_s
+    )
 
 
 def main() -> None:
@@ -200,17 +223,28 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
+        # The host's issue time per step, measured on a small copy of the model (same
+        # tensors and collectives, little GPU work) with the same runtime and mesh.
+        small = host_copy(cfg)
+        host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
         spec = MeshSpec(fsdp=world)
         preds = {}
         for kind in ("measured_layers", "roofline"):
-            p = predict(
-                to_model_config(prof, checkpoint, measured=kind == "measured_layers"),
-                topo,
-                spec,
-                world,
-                device=dev,
-            )
-            preds[kind] = p.compute_s if (fake or world == 1) else p.step_s
+            for host_s in (None, host["host_s"]):
+                p = predict(
+                    to_model_config(
+                        prof, checkpoint, measured=kind == "measured_layers", host_s=host_s
+                    ),
+                    topo,
+                    spec,
+                    world,
+                    device=dev,
+                )
+                key = kind if host_s is None else f"{kind}_with_host"
+                # compute only where no data moves (one GPU, fake backend); the host
+                # bound applies either way
+                gpu = p.compute_s if (fake or world == 1) else p.step_s
+                preds[key] = max(gpu, p.host_s)
         m = measured["step_s"]
         row = {
             "model": name,
@@ -219,6 +253,13 @@ def main() -> None:
             "activation_checkpointing": checkpoint,
             "measured_step_ms": m * 1e3,
             "measured_step_ms_all": [t * 1e3 for t in measured["step_s_all"]],
+            "measured_host_ms": measured["host_s"] * 1e3,
+            "host_calibration": {
+                "config": small,
+                "host_ms": host["host_s"] * 1e3,
+                "step_ms": host["step_s"] * 1e3,
+                "host_ms_all": [t * 1e3 for t in host["host_s_all"]],
+            },
             "predicted": "compute only (no data moved)"
             if (fake or world == 1)
             else "full step incl. collectives",
@@ -230,9 +271,13 @@ def main() -> None:
         rows.append(row)
         if rank == 0:
             print(
-                f"{name}: measured {m * 1e3:.1f} ms, predicted (layers) "
-                f"{preds['measured_layers'] * 1e3:.1f} ms ({row['error_measured_layers_pct']:+.1f}%), "
-                f"(roofline) {preds['roofline'] * 1e3:.1f} ms ({row['error_roofline_pct']:+.1f}%)",
+                f"{name}: measured {m * 1e3:.1f} ms (host {measured['host_s'] * 1e3:.1f}), "
+                f"predicted (layers) {preds['measured_layers'] * 1e3:.1f} ms "
+                f"({row['error_measured_layers_pct']:+.1f}%), (roofline) "
+                f"{preds['roofline'] * 1e3:.1f} ms ({row['error_roofline_pct']:+.1f}%); with the "
+                f"host term ({host['host_s'] * 1e3:.1f} ms on the small copy): layers "
+                f"{row['error_measured_layers_with_host_pct']:+.1f}%, roofline "
+                f"{row['error_roofline_with_host_pct']:+.1f}%",
                 flush=True,
             )
     if rank == 0:

@@ -119,6 +119,29 @@ def test_predict_one_gpu_by_hand() -> None:
         predict(_one_layer(), Topology(gpus_per_host=2, hosts=1), MeshSpec(fsdp=2), 3)
 
 
+def test_host_issue_time_bounds_the_step() -> None:
+    """A measured host issue time longer than the GPU schedule sets the step (and the
+    MFU); a shorter one changes nothing; exposed communication stays the GPU's."""
+    dev = DeviceSpec(matmul_tflops=500.0, hbm_gbps=2000.0, launch_us=3.0)
+    t = Topology(gpus_per_host=2, hosts=1)
+    spec = MeshSpec(fsdp=2)
+    gpu = predict(_one_layer(), t, spec, 4, device=dev)
+    assert gpu.host_s == 0.0 and not gpu.host_bound
+    fast_host = predict(_one_layer(host_s=0.5 * gpu.step_s), t, spec, 4, device=dev)
+    assert fast_host.step_s == gpu.step_s and not fast_host.host_bound
+    assert fast_host.host_s == pytest.approx(0.5 * gpu.step_s)
+    slow_host = predict(_one_layer(host_s=3 * gpu.step_s), t, spec, 4, device=dev)
+    assert slow_host.host_bound and slow_host.step_s == pytest.approx(3 * gpu.step_s)
+    assert slow_host.compute_s == gpu.compute_s
+    assert slow_host.exposed_comm_s == pytest.approx(gpu.exposed_comm_s)
+    assert slow_host.mfu == pytest.approx(gpu.mfu / 3)
+    assert slow_host.scaling_ratio == pytest.approx(gpu.scaling_ratio / 3)
+    assert _one_layer(host_s=0.01).describe()["host_s"] == 0.01
+    # plan_mesh prices every candidate with it
+    plan = plan_mesh(_one_layer(host_s=1.0), t, 4, device=dev)
+    assert all(c.step_s >= 1.0 and c.host_bound for c in plan.candidates)
+
+
 def test_overlap_schedule_hand_traced() -> None:
     # Two layers on 2 GPUs of one host, measured compute, communication slower than
     # compute so the timeline has waits; SM-free so nothing slows compute.
@@ -227,6 +250,12 @@ def test_config_bad_input() -> None:
         SparseSpec(name="t", rows=1, dim=0, lookups_per_sample=1.0)
     with pytest.raises(TypeError, match="sm_free must be a bool"):
         CostOptions(sm_free=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="host_s must be >= 0"):
+        _one_layer(host_s=-1.0)
+    with pytest.raises((TypeError, ValueError), match="host_s"):
+        _one_layer(host_s="fast")
+    with pytest.raises((TypeError, ValueError), match="host_s"):
+        _one_layer(host_s=float("nan"))
 
 
 @settings(max_examples=40, deadline=None)

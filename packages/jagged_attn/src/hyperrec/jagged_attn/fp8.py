@@ -405,10 +405,36 @@ def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
     the mean removes a common component best (means of samples of the keys, 32 or 256 of
     them, cost up to 1.6 or 1.1 dB with outlier channels; the full mean 0.0-0.1 dB).
     Summed in float64 (exact for bf16/fp16 keys, so the Triton launch and the PyTorch path
-    agree bit for bit) and rounded to bfloat16. Empty sequences get zeros. No host sync.
+    agree bit for bit) and rounded to bfloat16. Empty sequences get zeros. No host sync:
+    the offsets' values are checked only for CPU tensors (elsewhere they are trusted, as
+    by :func:`quantize_qkv`).
+
+    Raises:
+        TypeError: ``k`` not a dense float tensor, ``kv_offsets`` not an int32/int64 tensor.
+        ValueError: ``k`` not 3-D, ``kv_offsets`` not 1-D with >= 1 entries or on another
+            device; on the CPU, offsets that do not start at 0, decrease, or end elsewhere
+            than ``k.shape[0]``.
     """
     from hyperrec.jagged_attn._fp8.quantize import key_shift as _impl
+    from hyperrec.jagged_attn._validate import (
+        FLOAT_DTYPES,
+        _check_offsets,
+        _dense,
+        _offsets_summary,
+        check_index_tensor,
+    )
 
+    _dense("k", k, FLOAT_DTYPES)
+    if k.dim() != 3:
+        raise ValueError(
+            f"k must be 3-D (total_tokens, heads, head_dim), got shape {tuple(k.shape)}"
+        )
+    if isinstance(kv_offsets, torch.Tensor) and kv_offsets.device != k.device:
+        raise ValueError(f"kv_offsets must be on {k.device} like k, got {kv_offsets.device}")
+    check_index_tensor("kv_offsets", kv_offsets, k.device, what="(B + 1 sequence offsets)")
+    if k.device.type == "cpu":
+        values = [int(x) for x in _offsets_summary(kv_offsets)]
+        _check_offsets("kv_offsets", values, k.shape[0], "k.shape[0]")
     return _impl(k, kv_offsets)
 
 

@@ -69,7 +69,6 @@ from hyperrec.jagged_attn.fp8 import (
     QuantizedJagged,
     QuantizedQKV,
     hadamard_scale,
-    key_shift,
     mxfp8_module,
 )
 from hyperrec.jagged_attn.masks import allowed
@@ -514,7 +513,10 @@ def smoothing_shift(
     None (activations are not shift-invariant)."""
     if spec.activation != "softmax" or not config.smooth_k:
         return None
-    return key_shift(k, kv_offsets)
+    # the attention entry points validated k and the offsets already
+    from hyperrec.jagged_attn._fp8.quantize import key_shift as _key_shift
+
+    return _key_shift(k, kv_offsets)
 
 
 # --------------------------------------------------------------------------- backward

@@ -24,8 +24,11 @@ What a step is made of, per rank (local batch ``b = global_batch / world``):
   by ``DeviceSpec.sm_slowdown`` (calibrated on one GPU); SM-free collectives (copy
   engines / RDMA offload, ``CostOptions.sm_free``) take nothing from compute.
 * **optimizer**: AdamW over this rank's shard at the copy bandwidth.
+* **host**: where the model carries a measured host issue time per step
+  (:attr:`ModelConfig.host_s`), the step lasts at least that long: a step of many small
+  kernels (hundreds of small parameters) can be bound by the CPU that launches them.
 
-Outputs: step time, compute time, exposed communication (step - compute), MFU (model
+Outputs: step time, compute time, exposed communication (GPU schedule - compute), MFU (model
 FLOPs / step time / peak), local MFU (same over compute time) and scaling ratio (compute
 / step), so ``mfu = local_mfu * scaling_ratio`` as in Meta's GEM accounting.
 """
@@ -225,6 +228,15 @@ class ModelConfig:
     """HBM bytes AdamW moves per parameter (reads p, g, m, v; writes p, m, v; fp32)."""
     activation_checkpointing: bool = True
     """Recompute each layer's forward in backward (keeps only layer inputs)."""
+    host_s: float | None = None
+    """Measured seconds the host (CPU) takes to issue one step on one rank of the target
+    runtime: Python, dispatch, kernel launches, the sharding runtime's hooks and its
+    collective calls. The GPU cannot finish a step before the host has issued it, so a
+    step lasts at least this long. ``None``: not modelled (fine where the GPU work is
+    much longer). Measure it with the runtime and mesh layout being predicted (the number
+    of collectives per step matters, their size does not), e.g. on a copy of the model
+    with the same tensors but small dims, whose GPU work is negligible
+    (``bench/validate_cost.py``)."""
 
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(x, LayerSpec) for x in self.layers):
@@ -239,6 +251,8 @@ class ModelConfig:
         ):
             check_int(name, getattr(self, name), minimum=0)
         check_bool("activation_checkpointing", self.activation_checkpointing)
+        if self.host_s is not None:
+            check_float("host_s", self.host_s, minimum=0.0)
 
     @property
     def model_flops_per_sample(self) -> float:
@@ -262,6 +276,7 @@ class ModelConfig:
             "embedding_bytes": sum(s.rows * s.dim * s.param_bytes for s in self.sparse),
             "model_flops_per_sample": self.model_flops_per_sample,
             "layers": len(self.layers),
+            "host_s": self.host_s,
         }
 
 
@@ -312,6 +327,10 @@ class Prediction:
     """Total seconds per collective kind and axis (``"all_gather/fsdp"``, ...)."""
     algorithms: dict[str, str] = field(default_factory=dict)
     """Algorithm priced per collective kind and axis."""
+    host_s: float = 0.0
+    """The model's :attr:`ModelConfig.host_s` (0 when not given)."""
+    host_bound: bool = False
+    """The host's issue time, not the GPU schedule, set ``step_s``."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -565,6 +584,11 @@ def predict(
     # The sparse backward all-to-all blocks the end of backward (its gradients feed the
     # table update), so it is on the critical path whatever the overlap.
     compute = sum(x.fwd + x.bwd for x in costs) + tail
+    gpu_step = step
+    host = model.host_s or 0.0
+    # A host slower than the GPU work issues kernels one by one as the GPU drains them:
+    # the step is the host's time (the last kernels' tail is within it to first order).
+    step = max(gpu_step, host)
     blocking = sum(x.blocking_fwd + x.blocking_bwd for x in costs) + pre
     comm_total = sum(breakdown.values())
 
@@ -598,7 +622,7 @@ def predict(
         local_batch=b,
         step_s=step,
         compute_s=compute,
-        exposed_comm_s=step - compute,
+        exposed_comm_s=gpu_step - compute,
         blocking_comm_s=blocking,
         comm_s=comm_total,
         mfu=useful / (step * peak),
@@ -609,6 +633,8 @@ def predict(
         reason=reason,
         breakdown=breakdown,
         algorithms=algos,
+        host_s=host,
+        host_bound=host > gpu_step,
     )
 
 

@@ -1,0 +1,65 @@
+"""The host term's measurement in the benchmarks: ``bench_fsdp.run_variant`` records the
+host's issue time per step, and ``validate_cost.host_copy`` keeps a model's structure
+while shrinking its work (fake process group, CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"p5d_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["gem", "llama", "moe"])
+def test_host_copy_keeps_structure_and_shrinks_work(kind: str) -> None:
+    vc = _load("validate_cost")
+    bench = vc.bench
+    cfg = dict(bench.PRESETS[kind], checkpoint=True)
+    small = vc.host_copy(cfg)
+    for key, value in cfg.items():
+        if key in vc.HOST_COPY_DIMS[kind]:
+            assert value >= small[key]  # never grown
+        else:
+            assert small[key] == value, key  # layers, experts, features, heads kept
+    big = bench.build(dict(cfg), torch.device("meta"))
+    little = bench.build(dict(small), torch.device("meta"))
+    shapes = [tuple(p.shape) for p in big.parameters()]
+    assert len(shapes) == len(list(little.parameters()))  # same tensors, so same hooks
+    assert sum(p.numel() for p in little.parameters()) < sum(p.numel() for p in big.parameters())
+    tiny = dict(bench.TINY[kind], checkpoint=True)
+    assert all(vc.host_copy(tiny)[k] <= tiny[k] for k in vc.HOST_COPY_DIMS[kind])
+
+
+def test_run_variant_records_host_time() -> None:
+    """``host_s`` is the time until the step returned, before the device sync: on a CPU
+    (synchronous) it is the step, and every timed step has one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    bench = _load("bench_fsdp")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        cfg = dict(bench.TINY["gem"], checkpoint=True)
+        args = SimpleNamespace(warmup=1, steps=3, profile=None, gc_freeze=False)
+        r = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, torch.device("cpu"), args)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
+    assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
+    assert r["host_s"] == sorted(r["host_s_all"])[1]
