@@ -10,6 +10,8 @@ Sections (each in the same run, same process):
   cuBLAS 1x128 block scaling (where this torch exposes it), and ours: exact MX
   (32-wide scales), fast (128-wide scales) and ``tl.dot_scaled``;
 * linear: ``MXLinear`` forward + backward vs bf16 ``nn.Linear``, with a time breakdown;
+* dequantize: ``MXTensor.dequantize`` to bf16, the Triton pass vs the reference and a
+  two-pass bf16 PyTorch peer, GB/s vs the copy ceiling;
 * accuracy: GEMM SQNR vs dequantize-then-FP32 matmul on the GPU.
 
 Usage: ``python bench_mxfp8.py [--quick] [--explore] [--out PATH]``. Prints tables and
@@ -116,6 +118,38 @@ def quantize_section(m: int, k: int, explore: bool) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- gemm
+# --------------------------------------------------------------------------- dequantize
+def dequantize_section(m: int, k: int) -> list[dict]:
+    """``MXTensor.dequantize`` to bf16: the one-pass Triton kernel vs the reference (four
+    passes through FP32) and the two-pass bf16 PyTorch path autoac used before; GB/s of
+    bytes read (elements + scales) + written, 3 freshly quantized inputs each."""
+    rows = []
+    for elem, block in ((torch.float8_e4m3fn, 32), (torch.float8_e4m3fn, 128)):
+        per: dict[str, list[float]] = {"triton": [], "torch": [], "two_pass_bf16": []}
+        for seed in range(3):
+            torch.manual_seed(seed)
+            q = to_mx(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), elem_dtype=elem,
+                      block_size=block)  # fmt: skip
+            s = torch.exp2(q.scale.float() - 127.0).to(torch.bfloat16)
+
+            def two_pass(q=q, s=s, block=block) -> torch.Tensor:
+                d = q.data.to(torch.bfloat16).view(m, k // block, block)
+                return (d * s.reshape(m, k // block, 1)).view(m, k)
+
+            per["triton"].append(
+                bench_ms(lambda q=q: q.dequantize(torch.bfloat16, backend="triton"))
+            )
+            per["torch"].append(bench_ms(lambda q=q: q.dequantize(torch.bfloat16, backend="torch")))
+            per["two_pass_bf16"].append(bench_ms(two_pass))
+        moved = m * k * (1 + 1 / block + 2)
+        for name, times in per.items():
+            med = sorted(times)[1]
+            rows.append({"elem": str(elem).split(".")[-1], "block": block, "shape": [m, k],
+                         "impl": name, "ms_median": round(med, 4), "ms_min": round(min(times), 4),
+                         "GBps": round(moved / med / 1e6, 1)})  # fmt: skip
+    return rows
+
+
 def _blockwise_peer(xq, wq, m, k, n):
     """cuBLAS DeepSeek-style block scaling (1x128 activations, 1x128 weights) through
     ``F.scaled_mm`` where this torch exposes it; tries the documented scale layouts."""
@@ -390,6 +424,11 @@ def main() -> None:
             if "GBps" in r:
                 r["% of copy"] = round(100 * r["GBps"] / payload["ceilings"]["copy_GBps"], 1)
         save("quantize", rows)
+    if "dequantize" not in args.skip:
+        rows = dequantize_section(16384, 8192)
+        for r in rows:
+            r["% of copy"] = round(100 * r["GBps"] / payload["ceilings"]["copy_GBps"], 1)
+        save("dequantize", rows)
     if "accuracy" not in args.skip:
         save("accuracy", accuracy_section())
     if "mlp" not in args.skip:

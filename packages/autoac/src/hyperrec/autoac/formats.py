@@ -18,7 +18,8 @@ block, up to 8192), which keeps the quantizer's launch grid small for any size.
 
 Scales are RCEIL (``amax / max_elem`` rounded up to a power of two, nothing
 saturates). The quantizer is ``hyperrec.mxfp8.to_mx`` (Triton on CUDA, the reference
-on the CPU); dequantization is ``MXTensor.dequantize``.
+on the CPU); dequantization is ``MXTensor.dequantize`` (one Triton pass for the FP8
+formats on CUDA).
 """
 
 from __future__ import annotations
@@ -133,13 +134,13 @@ class PackedStorage:
     def dequantize(self) -> torch.Tensor:
         """The flat storage contents back in :attr:`dtype`, shape ``(numel,)``.
 
-        FP8 formats: two passes in :attr:`dtype` (widen the elements, multiply by the
-        block scale as a power of two), bit-identical to ``MXTensor.dequantize`` (which
-        works in FP32 through four passes): both round the exact product once.
-        ``hyperrec.mxfp8`` has no dequantize kernel; this is autoac's stand-in. MX4 uses
-        ``MXTensor.dequantize``.
+        FP8 formats: on CUDA ``MXTensor.dequantize``'s one-pass Triton kernel
+        (hyperrec-mxfp8 >= 0.3.2); elsewhere two passes in :attr:`dtype` (widen the
+        elements, multiply by the block scale as a power of two) instead of the
+        reference's four in FP32. All three round the exact product once: the same bits.
+        MX4 uses ``MXTensor.dequantize`` (the reference).
         """
-        if self.fmt == "mx4":
+        if self.fmt == "mx4" or self.mx.data.is_cuda:
             return self.mx.dequantize(self.dtype).reshape(-1)
         return _dequantize_fp8(self.mx.data, self.mx.scale, self.mx.block_size, self.dtype)
 

@@ -58,9 +58,43 @@ class MXTensor:
         """Device of ``data`` and ``scale``."""
         return self.data.device
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(
+        self, dtype: torch.dtype | None = None, *, backend: str = "auto"
+    ) -> torch.Tensor:
         """``decode(data) * 2**(scale - 127)`` with ``shape``, in ``dtype`` (default
-        ``orig_dtype``). Blocks with a NaN scale dequantize to NaN."""
+        ``orig_dtype``). Blocks with a NaN scale dequantize to NaN.
+
+        ``backend``: ``"auto"`` (one Triton pass for FP8 elements on CUDA, see below; the
+        reference otherwise), ``"torch"`` or ``"triton"`` (CUDA, or CPU tensors under
+        ``TRITON_INTERPRET=1``). The Triton pass serves FP8 formats blocked along the last
+        dim with that dim contiguous, into float32/bfloat16/float16; other cases (MX4,
+        column-wise copies) run the reference whatever ``backend`` says. Both give the
+        same bits (the product of an FP8 value and a power of two, rounded once), except
+        that a GPU may flush products below float32's normal range to zero.
+
+        Raises:
+            ValueError: unknown ``backend``, or ``"triton"`` for CPU tensors without the
+                interpreter.
+        """
+        from hyperrec.mxfp8._dispatch import resolve_backend
+
+        out_dtype = dtype or self.orig_dtype
+        last = self.data.dim() - 1
+        if (
+            resolve_backend(backend, self.data.device) == "triton"
+            and not self.fmt.packed
+            and self.data.dim() >= 1
+            and self.axis == last
+            and self.data.shape[-1] == self.shape[-1]
+            and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and self.data.stride(-1) == 1
+        ):
+            from hyperrec.mxfp8._triton.dequantize import dequantize_rows
+
+            width = self.data.shape[-1]
+            data = self.data.reshape(-1, width)
+            scale = self.scale.reshape(-1, self.scale.shape[-1])
+            return dequantize_rows(data, scale, self.block_size, out_dtype).view(self.shape)
         return ref.dequantize(
             self.data,
             self.scale,
@@ -68,7 +102,7 @@ class MXTensor:
             self.block_size,
             self.axis,
             self.shape[self.axis],
-            dtype or self.orig_dtype,
+            out_dtype,
         )
 
     def t(self) -> MXTensor:
