@@ -11,6 +11,7 @@ sys.path.insert(0, str(BENCH))
 
 import _common  # noqa: E402
 import ablation  # noqa: E402
+import precision_quality  # noqa: E402
 import profile_step  # noqa: E402
 import step_variants  # noqa: E402
 
@@ -323,3 +324,29 @@ def test_step_variants_allocator_counters_per_step(tmp_path, monkeypatch):
         if created and dist.is_initialized():
             dist.destroy_process_group()
     assert got["allocator_per_step"] == {"num_device_alloc": 3.0, "num_alloc_retries": 2.0}
+
+
+def test_precision_quality_pairs_runs_by_seed(tmp_path, monkeypatch):
+    """Differences against bf16 are paired by seed, a failed run is recorded and makes
+    the exit status 1 without hiding the others, and the bf16 seed spread is reported."""
+    auc = {("bf16", 0): 0.70, ("fp8", 0): 0.69, ("bf16", 1): 0.72, ("fp8", 1): 0.73}
+
+    def fake_run(args, precision, seed, out):
+        if (precision, seed) not in auc:
+            return {"status": "failed", "error": "boom", "wall_s": 0.1}
+        v = auc[(precision, seed)]
+        return {"status": "ok", "wall_s": 1.0, "ctr_auc": v, "cvr_auc": v, "ctcvr_auc": v,
+                "ctr_ne": 1 - v, "loss": 1 - v, "steps": 5}  # fmt: skip
+
+    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    rc = precision_quality.main(["--out", str(tmp_path), "--steps", "5", "--seeds", "0", "1"])
+    assert rc == 1  # fp8_bwd failed
+    (path,) = tmp_path.glob("precision_quality_*.json")
+    doc = json.loads(path.read_text())
+    d = doc["difference_vs_bf16"]["fp8"]["ctr_auc"]
+    assert d["min"] == pytest.approx(-0.01) and d["max"] == pytest.approx(0.01)
+    assert d["mean"] == pytest.approx(0.0)
+    assert doc["bf16_seed_spread"]["ctr_auc"] == pytest.approx(0.02)
+    assert [r["status"] for r in doc["runs"] if r["precision"] == "fp8_bwd"] == ["failed"] * 2
+    with pytest.raises(SystemExit):
+        precision_quality.main(["--out", str(tmp_path), "--steps", "0"])

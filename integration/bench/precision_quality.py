@@ -1,0 +1,112 @@
+"""Held-out quality of the sequence tower's attention precisions at equal steps.
+
+Trains one preset for ``--steps`` steps per attention precision (``train.attention_precision``:
+``bf16``, ``fp8`` (FP8 forward, bf16 backward), ``fp8_bwd`` (FP8 backward too)) and per
+initialisation seed (``train.seed``; the synthetic world, ``data.seed``, stays fixed), each
+in a fresh process through the ``hyperrec-train`` command line, and records the test
+evaluation (CTR / CVR / CTCVR AUC, NE) of every run and the per-seed differences against
+``bf16``. On a CPU the FP8 attention runs ``hyperrec.jagged_attn``'s pure-PyTorch
+specification (the kernels' quantized operands bit for bit; the accumulation differs),
+so a CPU run measures the quality effect of the FP8 numerics, not of the GPU kernels.
+
+    python integration/bench/precision_quality.py --out DIR                  # tiny, CPU
+    python integration/bench/precision_quality.py --out DIR --steps 40 --seeds 0 --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
+
+
+def run_one(args: argparse.Namespace, precision: str, seed: int, out: Path) -> dict:
+    """One training run in a fresh process; its test evaluation and wall time."""
+    cmd = [
+        sys.executable, "-m", "hyperrec.integration.train", "--preset", args.preset,
+        "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0",
+        "--set", f"train.attention_precision={precision}", "--set", f"train.seed={seed}",
+        "--out", str(out), "--device", args.device, "--no-plot", "--quiet", *args.extra,
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ),
+                          timeout=args.timeout)  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"status": "failed", "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
+    doc = json.loads((out / "metrics.json").read_text())
+    final = doc.get("final") or {}
+    return {"status": "ok", "wall_s": wall, **{m: final.get(m) for m in METRICS},
+            "steps": doc.get("steps_completed")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny data sizes (a code-path check)")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    args.extra = []
+    if args.smoke:
+        args.extra = ["--set", "data.eval_requests=256", "--set", "train.global_batch_size=32"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for seed in args.seeds:
+        for precision in args.precisions:
+            r = run_one(args, precision, seed, args.out / f"run-{precision}-seed{seed}")
+            runs.append({"precision": precision, "seed": seed, **r})
+            print(f"{precision:8s} seed {seed}: " + (
+                f"ctr_auc {r['ctr_auc']:.4f} cvr_auc {r['cvr_auc']:.4f} "
+                f"ctcvr_auc {r['ctcvr_auc']:.4f} ({r['wall_s']:.0f} s)"
+                if r["status"] == "ok" else f"FAILED: {r['error'][-300:]}"), flush=True)  # fmt: skip
+    # per-seed differences against bf16 (paired: same seed, same data)
+    base = {r["seed"]: r for r in runs if r["precision"] == "bf16" and r["status"] == "ok"}
+    diffs: dict[str, dict[str, dict[str, float]]] = {}
+    for precision in args.precisions:
+        if precision == "bf16":
+            continue
+        per = {m: [r[m] - base[r["seed"]][m] for r in runs
+                   if r["precision"] == precision and r["status"] == "ok" and r["seed"] in base]
+               for m in METRICS}  # fmt: skip
+        diffs[precision] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
+                            for m, v in per.items() if v}  # fmt: skip
+    # seed-to-seed spread of bf16 itself: the noise floor of the comparison
+    spread = {}
+    if len(base) > 1:
+        for m in METRICS:
+            vals = [r[m] for r in base.values()]
+            spread[m] = max(vals) - min(vals)
+    tag = args.tag or f"{args.preset}_{args.device}"
+    from hyperrec.testing.bench import write_result
+
+    for r in runs:
+        r.pop("out", None)
+    path = write_result(
+        args.out / f"precision_quality_{tag}.json",
+        {"benchmark": "attention precision: held-out quality at equal steps",
+         "preset": args.preset, "steps": args.steps, "seeds": args.seeds, "runs": runs,
+         "difference_vs_bf16": diffs, "bf16_seed_spread": spread},
+    )  # fmt: skip
+    print(json.dumps(diffs, indent=1))
+    print(f"wrote {path}")
+    return 0 if all(r["status"] == "ok" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
