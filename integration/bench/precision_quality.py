@@ -59,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--tag", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny data sizes (a code-path check)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   help="SECTION.FIELD=VALUE for every run (e.g. longer histories)")  # fmt: skip
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    args.extra = []
+    args.extra = [x for item in args.overrides for x in ("--set", item)]
     if args.smoke:
-        args.extra = ["--set", "data.eval_requests=256", "--set", "train.global_batch_size=32"]
+        args.extra += ["--set", "data.eval_requests=256", "--set", "train.global_batch_size=32"]
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         args.out / f"precision_quality_{tag}.json",
         {"benchmark": "attention precision: held-out quality at equal steps",
-         "preset": args.preset, "steps": args.steps, "seeds": args.seeds, "runs": runs,
+         "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
+         "seeds": args.seeds, "runs": runs,
          "difference_vs_bf16": diffs, "bf16_seed_spread": spread},
     )  # fmt: skip
     print(json.dumps(diffs, indent=1))
