@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,8 +36,7 @@ def run_one(args: argparse.Namespace, precision: str, seed: int, out: Path) -> d
         "--out", str(out), "--device", args.device, "--no-plot", "--quiet", *args.extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ),
-                          timeout=args.timeout)  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"status": "failed", "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
@@ -97,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     tag = args.tag or f"{args.preset}_{args.device}"
     from hyperrec.testing.bench import write_result
 
-    for r in runs:
-        r.pop("out", None)
     path = write_result(
         args.out / f"precision_quality_{tag}.json",
         {"benchmark": "attention precision: held-out quality at equal steps",

@@ -251,9 +251,16 @@ def check_qkv(q: Any, k: Any, v: Any) -> None:
 
 
 def check_index_tensor(
-    name: str, t: Any, device: torch.device, *, length: int | None = None, what: str
+    name: str,
+    t: Any,
+    device: torch.device,
+    *,
+    length: int | None = None,
+    what: str,
+    like: str = "q",
 ) -> torch.Tensor:
-    """A 1-D int32/int64 tensor on ``device``: ``length`` entries, or >= 1 if None.
+    """A 1-D int32/int64 tensor on ``device`` (that of the tensor named ``like``):
+    ``length`` entries, or >= 1 if None.
 
     Raises:
         TypeError: not a dense tensor, or not int32/int64.
@@ -267,7 +274,7 @@ def check_index_tensor(
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} entries {what}, got {t.numel()}")
     if t.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+        raise ValueError(f"{name} must be on {device} like {like}, got {t.device}")
     return t
 
 

@@ -429,9 +429,8 @@ def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"k must be 3-D (total_tokens, heads, head_dim), got shape {tuple(k.shape)}"
         )
-    if isinstance(kv_offsets, torch.Tensor) and kv_offsets.device != k.device:
-        raise ValueError(f"kv_offsets must be on {k.device} like k, got {kv_offsets.device}")
-    check_index_tensor("kv_offsets", kv_offsets, k.device, what="(B + 1 sequence offsets)")
+    check_index_tensor("kv_offsets", kv_offsets, k.device, what="(B + 1 sequence offsets)",
+                       like="k")  # fmt: skip
     if k.device.type == "cpu":
         values = [int(x) for x in _offsets_summary(kv_offsets)]
         _check_offsets("kv_offsets", values, k.shape[0], "k.shape[0]")

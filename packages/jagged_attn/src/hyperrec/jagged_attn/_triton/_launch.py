@@ -735,11 +735,10 @@ def attention_backward(
                            device=q.device)  # fmt: skip
         delta = torch.zeros_like(stats)
         rest = (stats.stride(0), qk_scale, scale, coef, mask_ints)
-        _launch_dq(call, plan, grad_out, stats, delta, dq, dict(plan.dq_kw, STATS=True),
-                   _Key((*plan.dq_key, "stats")), *rest)  # fmt: skip
-        _launch_dkdv(call, plan, grad_out, stats, delta, dk, dv, dq,
-                     dict(plan.dkdv_kw, DQ_ATOMIC=False), _Key((*plan.dkdv_key, "stats")),
-                     *rest)  # fmt: skip
+        _launch_dq(call, plan, grad_out, stats, delta, dq, plan.dq_stats_kw,
+                   plan.dq_stats_key, *rest)  # fmt: skip
+        _launch_dkdv(call, plan, grad_out, stats, delta, dk, dv, dq, plan.dkdv_stats_kw,
+                     plan.dkdv_stats_key, *rest)  # fmt: skip
         return dq, dk, dv
     if softmax:
         delta = torch.empty_like(lse)
@@ -818,6 +817,11 @@ class _BackwardPlan:
     dq_cfg: KernelConfig
     dq_kw: dict[str, Any]
     dq_key: _Key
+    # ``recompute_stats``: the dQ kernel with ``STATS`` first, then dK/dV without atomics
+    dq_stats_kw: dict[str, Any]
+    dq_stats_key: _Key
+    dkdv_stats_kw: dict[str, Any]
+    dkdv_stats_key: _Key
 
 
 def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _BackwardPlan:
@@ -837,12 +841,14 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
         BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, **ce,
     )  # fmt: skip
+    dq_key = _Key(("dq", q.dtype, dq, tuple(sorted(dq_kw.items()))))
+    dkdv_key = _Key(("dkdv", q.dtype, dkdv, tuple(sorted(dkdv_kw.items()))))
     return _BackwardPlan(
         delta_kw=dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv, BLOCK_T=_DELTA_ROWS),
-        dkdv_cfg=dkdv, dkdv_kw=dkdv_kw,
-        dkdv_key=_Key(("dkdv", q.dtype, dkdv, tuple(sorted(dkdv_kw.items())))),
-        dq_atomic=dq_atomic, dq_cfg=dq, dq_kw=dq_kw,
-        dq_key=_Key(("dq", q.dtype, dq, tuple(sorted(dq_kw.items())))),
+        dkdv_cfg=dkdv, dkdv_kw=dkdv_kw, dkdv_key=dkdv_key,
+        dq_atomic=dq_atomic, dq_cfg=dq, dq_kw=dq_kw, dq_key=dq_key,
+        dq_stats_kw=dict(dq_kw, STATS=True), dq_stats_key=_Key((*dq_key, "stats")),
+        dkdv_stats_kw=dict(dkdv_kw, DQ_ATOMIC=False), dkdv_stats_key=_Key((*dkdv_key, "stats")),
     )  # fmt: skip
 
 
