@@ -64,7 +64,9 @@ def plot(result: dict[str, Any], out: Path) -> Path:
             label, marker, colour = _style(p["method"])
             x, y = p["peak_bytes"] / GIB, p["time_ms_median"]
             face = "none" if "compiled" in label else colour
-            colours = {"color": colour} if marker == "x" else {"facecolors": face, "edgecolors": colour}
+            colours = (
+                {"color": colour} if marker == "x" else {"facecolors": face, "edgecolors": colour}
+            )
             ax.scatter([x], [y], marker=marker, s=60, label=None if label in seen else label,
                        zorder=3, **colours)  # fmt: skip
             seen.add(label)
