@@ -9,7 +9,13 @@ evaluation (CTR / CVR / CTCVR AUC, NE) of every run and the per-seed differences
 specification (the kernels' quantized operands bit for bit; the accumulation differs),
 so a CPU run measures the quality effect of the FP8 numerics, not of the GPU kernels.
 
+With ``--rows`` the variants are rows of the ablation table instead (``bench/ablation.py``:
+each row's composed overrides, e.g. ``--rows naive all``): the held-out quality of the full
+stack against the naive baseline at equal steps, the other half of the ablation's
+speed-at-equal-quality claim. The first variant is the baseline of the differences.
+
     python integration/bench/precision_quality.py --out DIR                  # tiny, CPU
+    python integration/bench/precision_quality.py --out DIR --rows naive all
     python integration/bench/precision_quality.py --out DIR --steps 40 --seeds 0 --smoke
 """
 
@@ -27,12 +33,14 @@ PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
 
 
-def run_one(args: argparse.Namespace, precision: str, seed: int, out: Path) -> dict:
-    """One training run in a fresh process; its test evaluation and wall time."""
+def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict:
+    """One training run in a fresh process; its test evaluation and wall time. The
+    variant's ``overrides`` come first, ``--set`` last (it wins)."""
+    variant = [x for item in overrides for x in ("--set", item)]
     cmd = [
         sys.executable, "-m", "hyperrec.integration.train", "--preset", args.preset,
-        "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0",
-        "--set", f"train.attention_precision={precision}", "--set", f"train.seed={seed}",
+        "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0", *variant,
+        "--set", f"train.seed={seed}",
         "--out", str(out), "--device", args.device, "--no-plot", "--quiet", *args.extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -46,6 +54,32 @@ def run_one(args: argparse.Namespace, precision: str, seed: int, out: Path) -> d
             "steps": doc.get("steps_completed")}  # fmt: skip
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """``(label, overrides)`` per variant; the first is the baseline."""
+    if not args.rows:
+        return [(p, [f"train.attention_precision={p}"]) for p in args.precisions]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import ablation
+
+    # As the ablation's smoke mode off a GPU: no Inductor build (aot_eager traces the
+    # same graphs; numerics are eager's), and autoac needs an explicit budget.
+    cpu = ["train.data_workers=1", "train.ac_budget_gb=1"] if args.device == "cpu" else []
+    configs = {row.name: (ov, why) for row, ov, why in ablation.row_configs(args.preset, cpu)}
+    out = []
+    for name in args.rows:
+        if name not in configs:
+            raise SystemExit(f"--rows: no ablation row {name!r}; rows: {list(configs)}")
+        overrides, why = configs[name]
+        if why is not None:
+            raise SystemExit(f"--rows: row {name!r} is not available here: {why}")
+        if args.device == "cpu":
+            overrides = ablation.compose(overrides, cpu)
+            if "train.compile=inductor" in overrides:
+                overrides = ablation.compose(overrides, ["train.compile=aot_eager"])
+        out.append((name, overrides))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -53,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                   help="compare rows of the ablation table instead (e.g. naive all)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--tag", default=None)
@@ -65,42 +101,44 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = [x for item in args.overrides for x in ("--set", item)]
     if args.smoke:
         args.extra += ["--set", "data.eval_requests=256", "--set", "train.global_batch_size=32"]
+    chosen = variants(args)
+    base_name = chosen[0][0]
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:
-        for precision in args.precisions:
-            r = run_one(args, precision, seed, args.out / f"run-{precision}-seed{seed}")
-            runs.append({"precision": precision, "seed": seed, **r})
-            print(f"{precision:8s} seed {seed}: " + (
+        for name, overrides in chosen:
+            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+            r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}")
+            runs.append({"variant": name, "seed": seed, **r})
+            print(f"{name:12s} seed {seed}: " + (
                 f"ctr_auc {r['ctr_auc']:.4f} cvr_auc {r['cvr_auc']:.4f} "
                 f"ctcvr_auc {r['ctcvr_auc']:.4f} ({r['wall_s']:.0f} s)"
                 if r["status"] == "ok" else f"FAILED: {r['error'][-300:]}"), flush=True)  # fmt: skip
-    # per-seed differences against bf16 (paired: same seed, same data)
-    base = {r["seed"]: r for r in runs if r["precision"] == "bf16" and r["status"] == "ok"}
+    # per-seed differences against the baseline (paired: same seed, same data)
+    base = {r["seed"]: r for r in runs if r["variant"] == base_name and r["status"] == "ok"}
     diffs: dict[str, dict[str, dict[str, float]]] = {}
-    for precision in args.precisions:
-        if precision == "bf16":
-            continue
+    for name, _ in chosen[1:]:
         per = {m: [r[m] - base[r["seed"]][m] for r in runs
-                   if r["precision"] == precision and r["status"] == "ok" and r["seed"] in base]
+                   if r["variant"] == name and r["status"] == "ok" and r["seed"] in base]
                for m in METRICS}  # fmt: skip
-        diffs[precision] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
-                            for m, v in per.items() if v}  # fmt: skip
-    # seed-to-seed spread of bf16 itself: the noise floor of the comparison
+        diffs[name] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
+                       for m, v in per.items() if v}  # fmt: skip
+    # seed-to-seed spread of the baseline itself: the noise floor of the comparison
     spread = {}
     if len(base) > 1:
         for m in METRICS:
             vals = [r[m] for r in base.values()]
             spread[m] = max(vals) - min(vals)
+    kind = "ablation rows" if args.rows else "attention precision"
     tag = args.tag or f"{args.preset}_{args.device}"
     from hyperrec.testing.bench import write_result
 
     path = write_result(
-        args.out / f"precision_quality_{tag}.json",
-        {"benchmark": "attention precision: held-out quality at equal steps",
+        args.out / f"{'ablation' if args.rows else 'precision'}_quality_{tag}.json",
+        {"benchmark": f"{kind}: held-out quality at equal steps",
          "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
-         "seeds": args.seeds, "runs": runs,
-         "difference_vs_bf16": diffs, "bf16_seed_spread": spread},
+         "seeds": args.seeds, "variants": dict(chosen), "baseline": base_name,
+         "runs": runs, "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
     )  # fmt: skip
     print(json.dumps(diffs, indent=1))
     print(f"wrote {path}")

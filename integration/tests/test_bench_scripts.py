@@ -331,7 +331,8 @@ def test_precision_quality_pairs_runs_by_seed(tmp_path, monkeypatch):
     the exit status 1 without hiding the others, and the bf16 seed spread is reported."""
     auc = {("bf16", 0): 0.70, ("fp8", 0): 0.69, ("bf16", 1): 0.72, ("fp8", 1): 0.73}
 
-    def fake_run(args, precision, seed, out):
+    def fake_run(args, overrides, seed, out):
+        (precision,) = [o.split("=")[1] for o in overrides if "attention_precision" in o]
         if (precision, seed) not in auc:
             return {"status": "failed", "error": "boom", "wall_s": 0.1}
         v = auc[(precision, seed)]
@@ -343,10 +344,36 @@ def test_precision_quality_pairs_runs_by_seed(tmp_path, monkeypatch):
     assert rc == 1  # fp8_bwd failed
     (path,) = tmp_path.glob("precision_quality_*.json")
     doc = json.loads(path.read_text())
-    d = doc["difference_vs_bf16"]["fp8"]["ctr_auc"]
+    assert doc["baseline"] == "bf16"
+    d = doc["difference_vs_baseline"]["fp8"]["ctr_auc"]
     assert d["min"] == pytest.approx(-0.01) and d["max"] == pytest.approx(0.01)
     assert d["mean"] == pytest.approx(0.0)
-    assert doc["bf16_seed_spread"]["ctr_auc"] == pytest.approx(0.02)
-    assert [r["status"] for r in doc["runs"] if r["precision"] == "fp8_bwd"] == ["failed"] * 2
+    assert doc["baseline_seed_spread"]["ctr_auc"] == pytest.approx(0.02)
+    assert [r["status"] for r in doc["runs"] if r["variant"] == "fp8_bwd"] == ["failed"] * 2
     with pytest.raises(SystemExit):
         precision_quality.main(["--out", str(tmp_path), "--steps", "0"])
+
+
+def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch):
+    """``--rows naive all``: each run gets its row's composed overrides (on the CPU with
+    aot_eager for Inductor and an autoac budget); the first row is the baseline; an
+    unknown row is refused with the list of rows."""
+    seen = {}
+
+    def fake_run(args, overrides, seed, out):
+        seen[out.name] = overrides
+        return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7, "cvr_auc": 0.6,
+                "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
+
+    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0", "--rows", "naive", "all"]
+    assert precision_quality.main(argv) == 0
+    naive, full = seen["run-naive-seed0"], seen["run-all-seed0"]
+    assert "train.impl=naive" in naive and "train.sharding=fsdp2" in naive
+    assert "train.impl=hyperrec" in full and "train.window_steps=8" in full
+    assert "train.compile=aot_eager" in full and "train.compile=inductor" not in full
+    assert "train.ac_budget_gb=1" in full
+    doc = json.loads(next(tmp_path.glob("ablation_quality_*.json")).read_text())
+    assert doc["baseline"] == "naive" and set(doc["difference_vs_baseline"]) == {"all"}
+    with pytest.raises(SystemExit, match="no ablation row"):
+        precision_quality.main(["--out", str(tmp_path), "--rows", "naive", "fastest"])
