@@ -66,6 +66,15 @@ def _dispatch(
     precision: Precision | FP8Config = "bf16",
 ) -> torch.Tensor:
     check_choice("backend", backend, BACKENDS)
+    # The Triton kernels (attention, schedules, the device value check) index the offsets,
+    # kv_index and num_targets as dense arrays: a strided view (e.g. ``offsets[::2]``) would
+    # be read as the wrong values. contiguous() returns a contiguous tensor itself, so the
+    # per-object caches keep working; one offsets object for queries and keys stays one.
+    same = kv_offsets is q_offsets
+    q_offsets = q_offsets.contiguous()
+    kv_offsets = q_offsets if same else kv_offsets.contiguous()
+    kv_index = None if kv_index is None else kv_index.contiguous()
+    num_targets = None if num_targets is None else num_targets.contiguous()
     mode = value_check_mode(check_validate(validate), q.device)
     run_value_checks(
         mode,

@@ -716,14 +716,17 @@ def attention_backward(
     assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
     assert grad_out.shape == out.shape == (total_q, n_heads, v.shape[2]), "grad_out/out shape"
     assert grad_out.dtype == q.dtype, "grad_out must have the input dtype"
-    assert grad_out.stride(2) == 1 and out.stride(2) == 1, "grad_out/out: last dim contiguous"
     if softmax:
         assert lse.shape == (n_heads, total_q) and lse.dtype == torch.float32, "lse shape"
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if total_q == 0 or n_seq == 0 or n_kv_seq == 0:
+        # Before the stride check: an empty grad_out (B = 0, or only empty query sequences)
+        # may have any strides (autograd expands the gradient of a sum with stride 0), and
+        # nothing is read from it here.
         return dq.zero_(), dk.zero_(), dv.zero_()
+    assert grad_out.stride(2) == 1 and out.stride(2) == 1, "grad_out/out: last dim contiguous"
     coef = _coef(spec)
     mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(spec.activation, scale)

@@ -211,15 +211,38 @@ class _EagerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         from hyperrec.jagged_attn._triton._launch import attention_backward
 
         out, lse, *tensors = ctx.saved_tensors
         call = AttentionCall(**dict(zip(("q", "k", "v", "q_offsets", "kv_offsets", "kv_index",
                                          "num_targets"), tensors)), spec=ctx.spec)  # fmt: skip
-        dq, dk, dv = attention_backward(_aligned(grad_out), out, lse, call)
+        with torch.no_grad():
+            dq, dk, dv = attention_backward(_aligned(grad_out), out, lse, call)
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients depend on q, k and v (and grad_out), but the
+            # kernels' backward has no backward of its own. Not once_differentiable, which
+            # only looks at grad_out: with a grad_out that needs no gradient (a loss linear
+            # in the output) the gradients would come back detached and a gradient penalty
+            # would be dropped silently. Give them a grad_fn that raises instead, as the
+            # custom op (and the reference backend) does.
+            dq, dk, dv = _FirstOrderOnly.apply(*(g.detach().requires_grad_() for g in (dq, dk, dv)))
         return dq, dk, dv, None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes the eager backward's gradients through; differentiating them raises."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "hyperrec.jagged_attn: the attention backward is not differentiable "
+            "(first-order gradients only: no double backward)"
+        )
 
 
 # FLOP counts for torch.utils.flop_counter. The counter sees shapes, not the offsets'
