@@ -146,6 +146,22 @@ def _detach(x: Any) -> Any:
 
 
 @dataclass
+class _Kept:
+    """A kept (unpacked) output and its version when it was saved: like torch's own
+    selective checkpointing, a kept tensor that was mutated in place before the
+    recomputation reads it is an error, not silently different data."""
+
+    tensor: torch.Tensor
+    version: int
+
+
+def _keep(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return _Kept(_detach(x), x._version)
+
+
+@dataclass
 class _PackedView:
     packed: PackedStorage
     size: torch.Size
@@ -159,13 +175,22 @@ def _pack_output(x: Any, fmt: str, min_bytes: int) -> Any:
     st = x.untyped_storage()
     numel = st.nbytes() // max(x.element_size(), 1)
     if st.nbytes() < max(min_bytes, 1) or not can_pack(x.dtype, numel, fmt):
-        return _detach(x)
+        return _keep(x)
     return _PackedView(pack_storage(x, fmt), x.size(), x.stride(), x.storage_offset())
 
 
 def _unpack_output(x: Any) -> Any:
     if isinstance(x, _PackedView):
         return x.packed.dequantize().as_strided(x.size, x.stride, x.offset)
+    if isinstance(x, _Kept):
+        if x.tensor._version != x.version:
+            raise RuntimeError(
+                "autoac: a tensor kept for the recomputation of a checkpointed region was "
+                "mutated in place after it was saved (as torch's selective checkpointing "
+                "reports it: 'Tensor cached during selective activation checkpoint has "
+                "been mutated'); recompute that op instead of keeping it"
+            )
+        return x.tensor
     return x
 
 
@@ -205,7 +230,7 @@ class _PackingMode(TorchDispatchMode):
                         lambda x: _pack_output(x, decision, self.decisions.min_pack_bytes), out
                     )
             else:
-                entry = tree_map(_detach, out)
+                entry = tree_map(_keep, out)
             self.storage[key] = entry
         else:
             self.storage[key] = _RECOMPUTE

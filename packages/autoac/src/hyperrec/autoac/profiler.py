@@ -140,7 +140,8 @@ class SavedOp:
         flops: FLOPs from ``torch.utils.flop_counter`` (0 where it has no formula).
         random: draws random numbers (always recomputed under checkpointing).
         collective: a c10d op (always kept under checkpointing).
-        mutated: a later op of the region writes into its output (never kept).
+        mutated: a later op of the step (in the region or after it) writes into its
+            output (never kept).
         recomputed: replayed by the recomputation (ops after the last tensor autograd
             needs are not: early stop).
         needed: autograd needs one of its storages in the backward.
@@ -519,6 +520,14 @@ def _build_regions(
     end = len(tracker.deltas)
     st = tracker.storages
     out = []
+    # Last op that writes into each storage, anywhere in the step: a forward output
+    # that a later op mutates in place (in its region or after it, e.g. the caller
+    # writing into a tensor the region returned) cannot be kept, since the kept copy
+    # would no longer hold what the recomputation needs.
+    written: dict[int, int] = {}
+    for o in tracker.ops:
+        for s in o.writes:
+            written[s] = max(written.get(s, -1), o.index)
     for j, name in enumerate(names):
         fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
         rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
@@ -555,10 +564,6 @@ def _build_regions(
             (ordinal for ordinal, f in by_key.values() if f.index in rc_of),
             default=-1,
         )
-        written: dict[int, int] = {}
-        for o in fwd:
-            for s in o.writes:
-                written[s] = max(written.get(s, -1), o.index)
         ops: list[SavedOp] = []
         fixed = 0.0
         for key, (ordinal, o) in by_key.items():
@@ -773,8 +778,12 @@ def profile(
             grad, bad ``regions``/``config`` types.
         ValueError: bad ``regions``; a region that ran more than once in the step.
 
-    Parameter gradients and the RNG state are restored afterwards; buffers that the
-    forward updates (e.g. batch-norm statistics) advance once per profiled step.
+    Parameter gradients and the RNG state are restored afterwards. Buffers that the
+    forward updates in place (e.g. batch-norm running statistics) are not restored, and
+    in a checkpointed region the recomputation updates them a second time (as with
+    ``torch.utils.checkpoint``): twice per profiled step, and twice per training step
+    wherever the plan recomputes the updating op. Keep such layers out of regions, or
+    in eval mode.
     ``torch.compile``'d functions inside the model run eagerly while profiling (see
     :func:`no_compile`): times and peaks are the eager ones.
     """
