@@ -84,11 +84,24 @@ def _unpack(
 
 
 def _act_backward(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torch.Tensor:
-    # d act(x) / dx through autograd on the reference activation (FP32 math).
-    with torch.enable_grad():
-        xx = x.detach().float().requires_grad_(True)
-        (g,) = torch.autograd.grad(ref.apply_activation(xx, activation), xx, grad.float())
-    return g.to(grad.dtype)
+    # d act(x) / dx of the reference activation (FP32 math), written out with the ops
+    # autograd would run (same bits), not through torch.autograd.grad: torch.compile
+    # (fullgraph) cannot trace autograd.grad inside a backward.
+    xx, g = x.detach().float(), grad.float()
+    pos = xx > 0
+    if activation == "relu":
+        out = torch.where(pos, g, torch.zeros_like(g))
+    elif activation == "relu2":
+        r = torch.where(pos, xx, torch.zeros_like(xx))
+        out = torch.where(pos, g * r + g * r, torch.zeros_like(g))
+    elif activation == "silu":
+        sig = torch.sigmoid(xx)
+        out = g * sig + torch.ops.aten.sigmoid_backward(g * xx, sig)
+    elif activation == "gelu_tanh":
+        out = torch.ops.aten.gelu_backward(g, xx, approximate="tanh")
+    else:
+        raise ValueError(f"no backward for activation {activation!r}")
+    return out.to(grad.dtype)
 
 
 class _MXLinearFunction(torch.autograd.Function):
