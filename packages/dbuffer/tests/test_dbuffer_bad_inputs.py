@@ -58,6 +58,8 @@ CASES = [
     case(T, "shapes[1]", DBuffer, [(4,), (2, 2.5)]),
     case(T, "shapes[0]", DBuffer, [("a",)]),
     case(T, "shapes[0]", DBuffer, [(True, 2)]),
+    case(T, "trainable", DBuffer, [(2,)], trainable=1),
+    case(T, "trainable", DBuffer, [(2,)], trainable="yes"),
     case(V, "shapes[0]", DBuffer, [(4, -1)]),
     case(V, "shapes[1]", DBuffer, [(4,), (-3,)]),
     case(T, "dtype", DBuffer, [(2,)], dtype="float32"),

@@ -272,6 +272,25 @@ def test_group_ops_match_torch():
         bufs[0].add_(bufs[1])
 
 
+def test_flat_params_leave_non_trainable_buffers_out():
+    """A frozen buffer (``trainable=False``) is not handed to the optimizer: with weight
+    decay, a zero gradient would still move it."""
+    frozen = DBuffer([(3,)], trainable=False)
+    frozen.copy_from_full_([torch.ones(3)])
+    live = DBuffer([(2,)])
+    live.copy_from_full_([torch.ones(2)])
+    live.begin_grad()
+    live.grad_full_view(0).copy_(torch.full((2,), 0.5))
+    live.reduce_grad()
+    params = flat_params([frozen, live])
+    assert len(params) == 1 and params[0] is live.shard
+    assert frozen.trainable is False and live.trainable is True
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)
+    opt.step()
+    assert torch.equal(frozen.full_view(0), torch.ones(3))
+    assert not torch.equal(live.full_view(0), torch.ones(2))
+
+
 def test_state_dict_round_trip_single_rank():
     ts = [torch.randn(3, 4), torch.randn(5)]
     buf = DBuffer.from_tensors(ts, names=["w", "b"])

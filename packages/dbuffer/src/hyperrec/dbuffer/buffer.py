@@ -201,11 +201,15 @@ class DBuffer:
             FSDP2's ``CPUOffloadPolicy``). Default ``False``.
         pin_memory: with ``offload``, pin the host storages (when CUDA is available) so
             the copies are asynchronous. Default ``True``.
+        trainable: whether an optimizer updates these tensors. :func:`flat_params` leaves
+            a buffer with ``trainable=False`` out (frozen parameters: a zero gradient
+            would still let weight decay or momentum move them). Default ``True``.
 
     Raises:
         TypeError: ``shapes`` is not a sequence of shapes of ints; a dtype is not a
             floating dtype; ``granularities``/``names`` not sequences of ints/strings;
-            ``alignment`` not an int; ``offload``/``pin_memory`` not bools; ``mesh`` not
+            ``alignment`` not an int; ``offload``/``pin_memory``/``trainable`` not bools;
+            ``mesh`` not
             a ``DeviceMesh``; ``device`` not a device; ``layout`` is not a ``Layout``.
         ValueError: a negative dim, ``granularities``/``names`` of the wrong length,
             non-positive granularity or alignment, duplicate names, an unknown device
@@ -229,6 +233,7 @@ class DBuffer:
         layout: Layout | None = None,
         offload: bool = False,
         pin_memory: bool = True,
+        trainable: bool = True,
     ) -> None:
         if isinstance(shapes, torch.Tensor | str) or not isinstance(shapes, Sequence):
             raise TypeError(f"shapes must be a sequence of shapes, got {type(shapes).__name__}")
@@ -244,6 +249,8 @@ class DBuffer:
         check_int("alignment", alignment, minimum=1)
         check_bool("offload", offload)
         check_bool("pin_memory", pin_memory)
+        check_bool("trainable", trainable)
+        self.trainable = trainable
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
         if device is not None:

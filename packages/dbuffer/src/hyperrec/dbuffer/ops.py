@@ -90,12 +90,15 @@ def zero_grad_(buffers: Iterable[DBuffer]) -> None:
 
 
 def flat_params(buffers: Iterable[DBuffer]) -> list[torch.Tensor]:
-    """The flat shard storages, each with ``.grad`` set to its flat gradient.
+    """The flat shard storages of the trainable buffers, each with ``.grad`` set to its
+    flat gradient.
 
     Hand them to any ``torch.optim`` optimizer (e.g. ``AdamW(..., fused=True)``) to update
     every tensor of a buffer with one kernel per step; the per-tensor views see the update
     because they alias the storage. Padding has zero value and zero gradient, so it stays
-    zero under the usual optimizers (weight decay included).
+    zero under the usual optimizers (weight decay included). Buffers built with
+    ``trainable=False`` are left out: frozen tensors given a zero gradient would still
+    be moved by weight decay and momentum.
 
     Raises:
         TypeError: ``buffers`` is not an iterable of DBuffers.
@@ -103,6 +106,8 @@ def flat_params(buffers: Iterable[DBuffer]) -> list[torch.Tensor]:
     """
     out = []
     for b in _check(buffers):
+        if not b.trainable:
+            continue
         b.wait_reduce()
         b.shard.grad = b.grad_shard
         out.append(b.shard)

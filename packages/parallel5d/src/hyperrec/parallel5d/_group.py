@@ -133,13 +133,16 @@ class ParamGroup:
         self._reduced = False
         self.defer_grad_landing = False  # set for the root group at lazy init
 
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        # One buffer per (dtype, requires_grad): frozen parameters never share a flat
+        # shard with trainable ones, so a fused optimizer over flat_params (which leaves
+        # non-trainable buffers out) cannot move them through weight decay or momentum.
+        by_kind: dict[tuple[torch.dtype, bool], list[int]] = {}
         for k, p in enumerate(params):
-            by_dtype.setdefault(p.dtype, []).append(k)
+            by_kind.setdefault((p.dtype, p.requires_grad), []).append(k)
         self.buffers: list[DBuffer] = []
         self.slots: list[_Slot] = []
         self._in_place: list[bool] = []
-        for b, (dtype, members) in enumerate(by_dtype.items()):
+        for b, ((dtype, trainable), members) in enumerate(by_kind.items()):
             floating = dtype.is_floating_point
             param_dtype = (mp_policy.param_dtype if floating else None) or dtype
             reduce_dtype = (mp_policy.reduce_dtype if floating else None) or param_dtype
@@ -155,6 +158,7 @@ class ParamGroup:
                 names=[fqns[k] for k in members],
                 offload=offload,
                 pin_memory=pin_memory,
+                trainable=trainable,
             )
             if not any(params[k].is_meta for k in members):
                 buf.copy_from_full_([params[k] for k in members])

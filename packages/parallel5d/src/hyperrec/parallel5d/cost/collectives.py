@@ -157,6 +157,13 @@ def collective_time(
         if algorithm not in ("auto", "ring"):
             raise ValueError(f"algorithm must be 'auto' for all_to_all, got {algorithm!r}")
         g, q = shape.ranks_per_host, shape.ranks_per_zone
+        # A group on one host (zone) has all its ranks there, whatever the per-host
+        # (per-zone) counts say: price its peers on the tier ``hosts`` / ``zones`` name,
+        # as the ring formulas and ``bus_bandwidth`` do.
+        if shape.hosts == 1:
+            g = p
+        if shape.zones == 1:
+            q = p
         g, q = min(g, p), min(max(q, g), p)
         nvl_bytes = (g - 1) / p * nbytes
         nic_bytes = (q - g) / p * nbytes
