@@ -36,12 +36,15 @@ METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
 def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict:
     """One training run in a fresh process; its test evaluation and wall time. The
     variant's ``overrides`` come first, ``--set`` last (it wins)."""
-    variant = [x for item in overrides for x in ("--set", item)]
+    # One assignment per field (the command line refuses two): later entries win.
+    merged: dict[str, str] = {}
+    for item in [*overrides, f"train.seed={seed}", *args.extra]:
+        merged[item.split("=", 1)[0].strip()] = item
     cmd = [
         sys.executable, "-m", "hyperrec.integration.train", "--preset", args.preset,
-        "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0", *variant,
-        "--set", f"train.seed={seed}",
-        "--out", str(out), "--device", args.device, "--no-plot", "--quiet", *args.extra,
+        "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0",
+        *(x for item in merged.values() for x in ("--set", item)),
+        "--out", str(out), "--device", args.device, "--no-plot", "--quiet",
     ]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -98,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    args.extra = [x for item in args.overrides for x in ("--set", item)]
+    args.extra = list(args.overrides)
     if args.smoke:
-        args.extra += ["--set", "data.eval_requests=256", "--set", "train.global_batch_size=32"]
+        args.extra += ["data.eval_requests=256", "train.global_batch_size=32"]
     chosen = variants(args)
     base_name = chosen[0][0]
     args.out.mkdir(parents=True, exist_ok=True)
