@@ -671,7 +671,9 @@ class TrainConfig:
     """The tables' optimizer: dense tables "adamw" (default) or "adagrad"; sharded tables
     "rowwise_adagrad" (default: FBGEMM's exact row-wise Adagrad), "adagrad" or "adam"
     (lazy). "auto" picks the default of the placement. Learning rate ``embedding_lr``,
-    with the warm-up/cosine schedule."""
+    with the warm-up/cosine schedule. On the ``tiny`` preset (CPU, 500 steps) row-wise
+    Adagrad reached a lower held-out AUC than AdamW on dense tables (0.009-0.013 CTR),
+    "adam" the same within 0.0025 (integration README)."""
 
     def __post_init__(self) -> None:
         if self.sharding not in ("hyperrec", "fsdp2"):
