@@ -116,6 +116,11 @@ def partial_to_ragged(
     """Reduce-scatter a partial tensor into ragged row ranges."""
     if reduce_op not in _REDUCE_OPS:
         raise ValueError(f"unsupported Partial reduce_op {reduce_op!r}")
+    if reduce_op == "avg" and not (partial.is_floating_point() or partial.is_complex()):
+        # Sum-then-divide would turn the tensor into float32 behind the DTensor's back.
+        raise ValueError(
+            f"Partial('avg') -> RaggedShard needs a floating-point tensor, got {partial.dtype}"
+        )
     trailing = tuple(partial.shape[k:])
     row = math.prod(trailing)
     counts = [(e - s) * row for s, e in rows]

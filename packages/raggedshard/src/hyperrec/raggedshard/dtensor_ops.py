@@ -98,6 +98,40 @@ def _is_scalar_operand(x: DTensor) -> bool:
     return x.dim() == 0 and not _is_ragged(x)
 
 
+def _same_layout(x: DTensor, ref: DTensor) -> bool:
+    # The mesh matters too: equal placements on two meshes (e.g. two axes of a 2-D mesh)
+    # put different elements on a rank.
+    return (
+        x.device_mesh == ref.device_mesh and x.placements == ref.placements and x.shape == ref.shape
+    )
+
+
+def _foreach_positions_match(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether, at every position ``j``, the (non-scalar) DTensors of all tensor lists of a
+    foreach/fused op share one layout, so the op is elementwise on the local shards."""
+    lists = [
+        v
+        for v in (*args, *kwargs.values())
+        if isinstance(v, list | tuple) and any(isinstance(t, DTensor) for t in v)
+    ]
+    if not lists:
+        return True
+    n = len(lists[0])
+    if any(len(lst) != n for lst in lists):
+        return False
+    for j in range(n):
+        ref = None
+        for lst in lists:
+            t = lst[j]
+            if not isinstance(t, DTensor) or _is_scalar_operand(t):
+                continue
+            if ref is None:
+                ref = t
+            elif not _same_layout(t, ref):
+                return False
+    return True
+
+
 def _upstream(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handler = handlers.pop(op)
@@ -130,8 +164,11 @@ def _local_handler(
     dts = [x for x in leaves if isinstance(x, DTensor) and not _is_scalar_operand(x)]
     plain = [x for x in leaves if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)]
     foreach = op.name().startswith(("aten::_foreach_", "aten::_fused_"))
-    same_layout = all(d.placements == dts[0].placements and d.shape == dts[0].shape for d in dts)
-    local_ok = any(_is_ragged(d) for d in dts) and (foreach or same_layout)
+    if foreach:
+        layouts_ok = _foreach_positions_match(args, kwargs)
+    else:
+        layouts_ok = all(_same_layout(d, dts[0]) for d in dts)
+    local_ok = any(_is_ragged(d) for d in dts) and layouts_ok
     if not local_ok:
         return _upstream(op, args, kwargs)
     call = (args, kwargs)
@@ -172,7 +209,7 @@ def _local_flat(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
                 continue
             if ref is None:
                 ref = x
-            elif x.placements != ref.placements or x.shape != ref.shape:
+            elif not _same_layout(x, ref):
                 return _upstream(op, args, kwargs)
         elif isinstance(x, torch.Tensor) and x.dim() != 0:
             plain = True

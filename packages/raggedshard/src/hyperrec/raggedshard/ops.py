@@ -32,6 +32,9 @@ from hyperrec.raggedshard.redistribute import redistribute
 
 __all__ = ["full_tensor", "ragged_foreach", "ragged_map", "to_local", "total_norm"]
 
+# torch 2.13 renamed the single-tensor all-gather; 2.11 only has the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _grad_placements(placements: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(Replicate() if p.is_partial() else p for p in placements)
@@ -266,9 +269,17 @@ def total_norm(tensors: DTensor | Sequence[DTensor], norm_type: float = 2.0) -> 
             )
             parts.append(local.abs().pow(p).sum() / copies)
     stacked = torch.stack(parts)
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     for axis in range(mesh.ndim):
-        dist.all_reduce(stacked, op=op, group=mesh.get_group(axis))
+        group = mesh.get_group(axis)
+        if math.isinf(p):
+            # Gather, then torch.amax: an all-reduce MAX drops NaN (gloo keeps the other
+            # operand), so a NaN gradient would go unnoticed; torch's max propagates it.
+            n = mesh.size(axis)
+            everyone = stacked.new_empty(n * stacked.numel())
+            _all_gather(everyone, stacked.contiguous(), group=group)
+            stacked = torch.amax(everyone.view(n, -1), 0)
+        else:
+            dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
     if math.isinf(p):
         return stacked.max()
     return stacked.sum().pow(1.0 / p)
