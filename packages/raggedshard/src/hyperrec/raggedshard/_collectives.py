@@ -46,6 +46,21 @@ _REDUCE_OPS = {
 }
 
 
+# torch 2.13 renamed the single-tensor all-gather; 2.11 only has the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_stacked(flat: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """Every rank's 1-D ``flat`` (same length on each) stacked as ``(size, n)``.
+
+    For max/min-like combinations: reducing the stack with torch (``torch.amax``, ...)
+    propagates NaN exactly like the op on the full tensor, where an all-reduce MAX/MIN
+    drops it (gloo keeps the other operand)."""
+    everyone = flat.new_empty(size * flat.numel())
+    _all_gather_single(everyone, flat.contiguous(), group=group)
+    return everyone.view(size, -1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Axis:
     """One mesh axis as seen from this rank."""

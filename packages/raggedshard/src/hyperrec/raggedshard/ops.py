@@ -27,13 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyperrec.raggedshard._collectives import gather_stacked
 from hyperrec.raggedshard._geometry import contiguous_stride
 from hyperrec.raggedshard.redistribute import redistribute
 
 __all__ = ["full_tensor", "ragged_foreach", "ragged_map", "to_local", "total_norm"]
-
-# torch 2.13 renamed the single-tensor all-gather; 2.11 only has the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _grad_placements(placements: Sequence[Any]) -> tuple[Any, ...]:
@@ -272,12 +270,8 @@ def total_norm(tensors: DTensor | Sequence[DTensor], norm_type: float = 2.0) -> 
     for axis in range(mesh.ndim):
         group = mesh.get_group(axis)
         if math.isinf(p):
-            # Gather, then torch.amax: an all-reduce MAX drops NaN (gloo keeps the other
-            # operand), so a NaN gradient would go unnoticed; torch's max propagates it.
-            n = mesh.size(axis)
-            everyone = stacked.new_empty(n * stacked.numel())
-            _all_gather(everyone, stacked.contiguous(), group=group)
-            stacked = torch.amax(everyone.view(n, -1), 0)
+            # Not an all-reduce MAX, which drops a NaN gradient (see gather_stacked).
+            stacked = torch.amax(gather_stacked(stacked, group, mesh.size(axis)), 0)
         else:
             dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
     if math.isinf(p):

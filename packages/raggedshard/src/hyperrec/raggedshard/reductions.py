@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyperrec.raggedshard._collectives import gather_stacked
 from hyperrec.raggedshard.placement import RaggedShard
 from hyperrec.raggedshard.redistribute import wrap_local
 
@@ -47,8 +48,6 @@ __all__ = ["install", "installed"]
 
 _aten = torch.ops.aten
 _INSTALLED = False
-# torch 2.13 renamed the single-tensor all-gather; 2.11 only has the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -255,12 +254,8 @@ def _combine_over_axis(
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         combined = flat
     else:
-        # Gather rather than all-reduce MAX/MIN: torch's own reduction of the gathered
-        # contributions propagates NaN exactly like the op on the full tensor.
-        W = mesh.size(axis)
-        everyone = flat.new_empty(W * flat.numel())
-        _all_gather(everyone, flat, group=group)
-        everyone = everyone.view(W, -1)
+        # Gather rather than all-reduce MAX/MIN (see gather_stacked: NaN propagates).
+        everyone = gather_stacked(flat, group, mesh.size(axis))
         if dtype == torch.bool:
             everyone = everyone.bool()
         fns: dict[str, Callable[..., torch.Tensor]] = {
