@@ -29,21 +29,22 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ablation
+
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
 
 
 def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict:
-    """One training run in a fresh process; its test evaluation and wall time. The
-    variant's ``overrides`` come first, ``--set`` last (it wins)."""
-    # One assignment per field (the command line refuses two): later entries win.
-    merged: dict[str, str] = {}
-    for item in [*overrides, f"train.seed={seed}", *args.extra]:
-        merged[item.split("=", 1)[0].strip()] = item
+    """One training run in a fresh process; its test evaluation and wall time. One
+    assignment per field (the command line refuses two): the variant's ``overrides``,
+    then the seed, then ``--set``, later ones winning."""
+    merged = ablation.compose(overrides, [f"train.seed={seed}"], args.extra)
     cmd = [
         sys.executable, "-m", "hyperrec.integration.train", "--preset", args.preset,
         "--steps", str(args.steps), "--eval-every", "0", "--ckpt-every", "0",
-        *(x for item in merged.values() for x in ("--set", item)),
+        *(x for item in merged for x in ("--set", item)),
         "--out", str(out), "--device", args.device, "--no-plot", "--quiet",
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -61,11 +62,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """``(label, overrides)`` per variant; the first is the baseline."""
     if not args.rows:
         return [(p, [f"train.attention_precision={p}"]) for p in args.precisions]
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import ablation
-
-    # As the ablation's smoke mode off a GPU: no Inductor build (aot_eager traces the
-    # same graphs; numerics are eager's), and autoac needs an explicit budget.
+    # As the ablation's smoke mode off a GPU: no Inductor build, and autoac needs an
+    # explicit budget.
     cpu = ["train.data_workers=1", "train.ac_budget_gb=1"] if args.device == "cpu" else []
     configs = {row.name: (ov, why) for row, ov, why in ablation.row_configs(args.preset, cpu)}
     out = []
@@ -76,9 +74,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         if why is not None:
             raise SystemExit(f"--rows: row {name!r} is not available here: {why}")
         if args.device == "cpu":
-            overrides = ablation.compose(overrides, cpu)
-            if "train.compile=inductor" in overrides:
-                overrides = ablation.compose(overrides, ["train.compile=aot_eager"])
+            overrides = ablation.without_inductor(ablation.compose(overrides, cpu))
         out.append((name, overrides))
     return out
 
