@@ -131,8 +131,8 @@ def _bn_case():
     "in-place running-stat update (as torch's own checkpoint does)",
 )
 def test_profile_advances_batchnorm_statistics_once_per_profiled_step():
-    # profile()'s docstring: "buffers that the forward updates (e.g. batch-norm
-    # statistics) advance once per profiled step". They advance twice: forward + replay.
+    # What an un-checkpointed step does: one update per step. Under profile()'s full
+    # recompute they advance twice (forward + replay), as its docstring now says.
     model, step = _bn_case()
     autoac.profile(model, step, config=autoac.ProfileConfig(steps=1, cost="flops"))
     assert [int(b.bn.num_batches_tracked) for b in model.layers] == [1, 1]

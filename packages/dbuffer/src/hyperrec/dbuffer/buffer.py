@@ -209,8 +209,8 @@ class DBuffer:
         TypeError: ``shapes`` is not a sequence of shapes of ints; a dtype is not a
             floating dtype; ``granularities``/``names`` not sequences of ints/strings;
             ``alignment`` not an int; ``offload``/``pin_memory``/``trainable`` not bools;
-            ``mesh`` not
-            a ``DeviceMesh``; ``device`` not a device; ``layout`` is not a ``Layout``.
+            ``mesh`` not a ``DeviceMesh``; ``device`` not a device; ``layout`` is not a
+            ``Layout``.
         ValueError: a negative dim, ``granularities``/``names`` of the wrong length,
             non-positive granularity or alignment, duplicate names, an unknown device
             type, a mesh of more than 2 axes; a ``layout`` for other numels or another
