@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -10,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
+    "JitLog",
     "allocator_counters",
     "counter_delta",
     "jsonable",
@@ -63,6 +65,61 @@ def run_steps(
         metrics.append(trainer.finish_step(pending))
     trainer.drain()
     return metrics, launch, finish
+
+
+class JitLog:
+    """Triton kernels compiled (or loaded from Triton's disk cache) in this process, with
+    when: a kernel first met in a timed step is a stall no warm-up covered (a new
+    specialisation, e.g. an integer argument that became divisible by 16). Uses Triton's
+    ``knobs.runtime`` JIT hooks where they exist (Triton >= 3.4); otherwise records
+    nothing (``available`` False). Kernels Inductor generates are compiled outside these
+    hooks (see the dynamo counters for its recompiles)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.perf_counter
+        self.events: list[tuple[float, float, str]] = []  # (start, end, kernel)
+        self._open: dict[int, tuple[float, str]] = {}
+        self.available = False
+        try:
+            from triton import knobs
+
+            runtime = knobs.runtime
+            prev_cache, prev_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        except (ImportError, AttributeError):
+            return
+
+        def name_of(kwargs: dict[str, Any]) -> str:
+            fn = kwargs.get("fn")
+            return str(getattr(fn, "name", None) or kwargs.get("repr", "?"))[:120]
+
+        # A diagnostic must not break the run it watches: a hook that fails (another
+        # Triton version's arguments) records nothing.
+        def on_miss(*args: Any, **kwargs: Any) -> Any:
+            with contextlib.suppress(Exception):
+                self._open[id(kwargs.get("key"))] = (self._clock(), name_of(kwargs))
+            # falsy return: Triton goes on to compile (a truthy one would skip it)
+            return prev_cache(*args, **kwargs) if prev_cache else None
+
+        def on_compiled(*args: Any, **kwargs: Any) -> Any:
+            with contextlib.suppress(Exception):
+                now = self._clock()
+                start, name = self._open.pop(id(kwargs.get("key")), (now, name_of(kwargs)))
+                self.events.append((start, now, name))
+            return prev_post(*args, **kwargs) if prev_post else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled
+        self.available = True
+
+    def per_step(self, step_starts: list[float]) -> list[dict[str, Any]]:
+        """Events after ``step_starts[0]``, each with the index of the step it fell in."""
+        out = []
+        for start, end, name in self.events:
+            if step_starts and start >= step_starts[0]:
+                k = sum(1 for t in step_starts if t <= start) - 1
+                out.append({"step": k, "kernel": name, "seconds": end - start})
+        return out
 
 
 #: The CUDA caching allocator's counters that say whether a step went past the cache:

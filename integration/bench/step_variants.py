@@ -15,7 +15,7 @@ trains ``--warmup`` steps, then ``--steps`` steps exactly as ``Trainer.fit`` run
 (step n + 1 queued before step n's metrics are read). Per variant: median and minimum step
 time, requests/s, model TFLOP/s and MFU over the timed steps, the host's time to queue one
 step (``launch_step``) and to read one back (``finish_step``, where the host waits for
-the GPU), peak memory, and the CUDA caching allocator's counters per timed step
+the GPU), peak memory, the Triton kernels compiled during timed steps, and the CUDA caching allocator's counters per timed step
 (``cudaMalloc``/``cudaFree`` calls, cache flushes with retry: a step that goes past the
 cache pays for them on the host and may synchronise the device). The profiler slows the
 host side of a step (``profile_step.py``), so these are the figures to compare
@@ -40,6 +40,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 from _common import (  # noqa: E402
+    JitLog,
     allocator_counters,
     counter_delta,
     jsonable,
@@ -101,6 +102,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     preset = override(get_preset(name), overrides)
     device = "cuda" if cuda else "cpu"
     single_rank_group(device)
+    jit = JitLog()
     t0 = time.perf_counter()
     trainer = Trainer(preset, out_dir=Path(args.out) / "variant-run", device=device, progress=False)
     build_s = time.perf_counter() - t0
@@ -110,10 +112,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         gc.collect()
         gc.freeze()
     alloc: dict[str, dict[str, int]] = {}
+    queued: list[float] = []  # when each timed step was queued
 
     def before_step(k: int) -> None:
         if k == args.warmup:
             alloc["before"] = allocator_counters()
+        if k >= args.warmup:
+            queued.append(time.perf_counter())
 
     metrics, launch, finish = run_steps(trainer, total, before_step)
     alloc["after"] = allocator_counters()  # after the drain: every timed step is done
@@ -144,6 +149,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "switch_interval_s": sys.getswitchinterval(),
         "autoac": autoac_plan,
         "dynamo_counters": dynamo,
+        # Triton kernels first compiled/loaded while a timed step was queued or run (step =
+        # index among the timed steps): stalls the warm-up did not cover
+        "triton_jit_in_timed_steps": jit.per_step(queued) if jit.available else None,
+        "triton_jit_total": len(jit.events) if jit.available else None,
     }
 
 
@@ -213,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"launch {record['launch_step_s_median'] * 1e3:.1f} ms, finish "
                   f"{record['finish_step_s_median'] * 1e3:.1f} ms, "
                   f"{record['requests_per_s']:.0f} req/s", flush=True)  # fmt: skip
+            late = record.get("triton_jit_in_timed_steps")
+            if late:
+                print(" " * 16 + f"{len(late)} Triton kernel(s) compiled in timed steps: "
+                      + ", ".join(f"step {e['step']} {e['kernel']} {e['seconds']:.2f} s"
+                                  for e in late[:6]))  # fmt: skip
             alloc = record["allocator_per_step"]
             if alloc:
                 print(" " * 16 + "per step: " + ", ".join(f"{k} {v:g}" for k, v in alloc.items()))

@@ -446,7 +446,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
-    formats = ("mxfp8",) if (args.quick or args.smoke) else ("mxfp8", "fp8_e4m3", "mx4")
+    few = args.quick or args.smoke or args.compiled
+    formats = ("mxfp8",) if few else ("mxfp8", "fp8_e4m3", "mx4")
     pcfg = autoac.ProfileConfig(
         steps=2 if args.smoke else 3,
         formats=formats,
@@ -585,27 +586,40 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             res["activation_bytes"] = act
             res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
 
-    # Most informative points first: the deadline cuts from the end.
-    autoac_point("autoac", 0.0)
-    autoac_point("autoac", 0.0, matched=tb)
-    autoac_point("autoac_quant", 0.0)
-    autoac_point("autoac", 0.5)
-    autoac_point("autoac_quant", 0.5)
-    if prof.pack_errors:
-        pack_all_point()
-    autoac_point("autoac", 0.0, matched=osac)
-    if not args.quick:
-        budget_point(1.0)
-        budget_point(0.0)
-        for f in (0.25, 0.75):
-            autoac_point("autoac", f)
-            autoac_point("autoac_quant", f)
-        budget_point(0.25)
-        budget_point(0.75)
+    def _eager_and_other_points() -> None:
+        # Most informative points first: the deadline cuts from the end.
+        autoac_point("autoac", 0.0)
+        autoac_point("autoac", 0.0, matched=tb)
+        autoac_point("autoac_quant", 0.0)
+        autoac_point("autoac", 0.5)
+        autoac_point("autoac_quant", 0.5)
+        if prof.pack_errors:
+            pack_all_point()
+        autoac_point("autoac", 0.0, matched=osac)
+        if not args.quick:
+            budget_point(1.0)
+            budget_point(0.0)
+            for f in (0.25, 0.75):
+                autoac_point("autoac", f)
+                autoac_point("autoac_quant", f)
+            budget_point(0.25)
+            budget_point(0.75)
+            autoac_compiled_point(0.5)
+            if tb is not None and "peak_bytes" in tb:
+                f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
+                autoac_compiled_point(f_tb, matched=tb["method"])
+
+    if args.compiled:
+        # The compiled comparison alone: autoac's plan under torch.compile against torch's
+        # compiled budget at the same memory and compiled no-AC (eager autoac beside it).
+        autoac_point("autoac", 0.5)
         autoac_compiled_point(0.5)
         if tb is not None and "peak_bytes" in tb:
             f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
             autoac_compiled_point(f_tb, matched=tb["method"])
+        budget_point(1.0)
+    else:
+        _eager_and_other_points()
     for r in rows:  # ratios against the eager baselines of the same run
         if "time_ms_median" in r:
             r["speedup_vs_full_ac"] = full["time_ms_median"] / r["time_ms_median"]
@@ -668,6 +682,11 @@ def main() -> None:
     ap.add_argument("--models", default="hstu,llama")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (default 7 / 1.9)")
     ap.add_argument("--max-grad-error", type=float, default=0.03)
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="baselines, torch's compiled budget, compiled no AC and autoac under torch.compile only",
+    )
     args = ap.parse_args()
     t_start = time.monotonic()
     # Start-up (imports, CUDA context) and the last point's overrun fit in the rest of
@@ -682,7 +701,9 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     out: dict[str, Any] = {
         "benchmark": "autoac",
-        "mode": "smoke" if args.smoke else ("quick" if args.quick else "full"),
+        "mode": "smoke"
+        if args.smoke
+        else ("quick" if args.quick else ("compiled" if args.compiled else "full")),
         "device": device,
         "dtype": str(dtype),
         "ceilings_h200": H200,
@@ -720,7 +741,11 @@ def main() -> None:
 def _write(args: argparse.Namespace, out: dict) -> Path:
     path = Path(args.out)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
-    tag = "smoke" if args.smoke else ("h200_quick" if args.quick else "h200")
+    tag = (
+        "smoke"
+        if args.smoke
+        else ("h200_quick" if args.quick else ("h200_compiled" if args.compiled else "h200"))
+    )
     try:
         from hyperrec.testing import write_result
 
