@@ -8,6 +8,12 @@ under ``torch.compile``, the insertion or removal of other ops.
 Safety rules, applied here whatever a plan says:
 
 * collectives (c10d ops) are always saved, never replayed;
+* the recomputation leaves module state as it found it: buffers the region's forward
+  wrote (batch norm's running statistics and batch counter, spectral norm's power
+  iteration) are put back after a recomputation writes them again, so a checkpointed
+  step updates them once, like an un-checkpointed one (``torch.utils.checkpoint``
+  updates them twice). Buffers of modules outside the region module (a :class:`Span`
+  closing over another module) are not covered;
 * ops that draw random numbers are always recomputed, and checkpoints always restore
   the RNG state before recomputation (``preserve_rng_state=True``): every random op of
   the region is replayed in order from the same generator state, so dropout masks are
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import PyTree, tree_leaves, tree_map
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -38,7 +44,7 @@ from torch.utils.checkpoint import (
 from hyperrec.autoac.formats import SAVE_FORMATS, PackedStorage, can_pack, pack_storage
 from hyperrec.autoac.tracker import is_collective, is_random
 
-__all__ = ["RegionDecisions", "run_region"]
+__all__ = ["RegionDecisions", "keep_module_state", "run_region"]
 
 SAC_IGNORED_OPS = getattr(
     torch.utils.checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default}
@@ -376,6 +382,61 @@ def run_region(
         ctx = packing_context_fn(decisions)
     else:
         ctx = sac_context_fn(decisions)
+    if not traced:
+        # Under torch.compile the compiler applies buffer writes once, outside the
+        # recomputed graph.
+        fn = keep_module_state(fn)
     return checkpoint(
         fn, *args, use_reentrant=False, context_fn=ctx, preserve_rng_state=_RNG_GUARD, **kwargs
     )
+
+
+def _written_state(
+    module: torch.nn.Module, before: list[tuple[torch.Tensor, int]]
+) -> list[torch.Tensor]:
+    """Buffers of ``module`` its forward wrote: those whose version counter moved, and the
+    running statistics of normalisation layers in training mode (batch norm's kernels
+    write them without bumping the counter)."""
+    out = {id(b): b for b, v in before if b._version != v}
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training:
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked):
+                if isinstance(b, torch.Tensor):
+                    out[id(b)] = b
+    return list(out.values())
+
+
+def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a region module's bound ``forward``) for ``checkpoint``: its first call is
+    the forward; on a later call (a recomputation) the buffers the forward wrote are put
+    back afterwards to the values they had before it, without bumping their version
+    counters (autograd nodes of the recomputation saved them at the current version).
+    Other callables are returned as they are."""
+    module = getattr(fn, "__self__", None)
+    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling():
+        return fn
+    written: list[torch.Tensor] = []
+    calls = 0
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            before = [(b, b._version) for b in module.buffers()]
+            out = fn(*args, **kwargs)
+            written.extend(_written_state(module, before))
+            return out
+        if not written:
+            return fn(*args, **kwargs)
+        # Outside the dispatch modes: the checkpoint's own (selective caching) and the
+        # profiler's must not see these copies as ops of the region.
+        with _disable_current_modes(), torch.no_grad():
+            saved = [b.detach().clone() for b in written]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with _disable_current_modes(), torch.no_grad():
+                for b, old in zip(written, saved):
+                    b.data.copy_(old)  # through .data: no version bump
+
+    return run

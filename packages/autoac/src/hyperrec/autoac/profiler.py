@@ -32,6 +32,7 @@ from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import (
     SAC_IGNORED_OPS,
     RegionDecisions,
+    keep_module_state,
     op_name,
     run_region,
     sac_context_fn,
@@ -356,7 +357,12 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
             return _PhaseContext(tracker, None, j, fwd), _PhaseContext(tracker, "rc", j, rc)
 
         return checkpoint(
-            fn, *args, use_reentrant=False, context_fn=context_fn, preserve_rng_state=True, **kwargs
+            keep_module_state(fn),
+            *args,
+            use_reentrant=False,
+            context_fn=context_fn,
+            preserve_rng_state=True,
+            **kwargs,
         )
 
     return runner
@@ -779,11 +785,9 @@ def profile(
         ValueError: bad ``regions``; a region that ran more than once in the step.
 
     Parameter gradients and the RNG state are restored afterwards. Buffers that the
-    forward updates in place (e.g. batch-norm running statistics) are not restored, and
-    in a checkpointed region the recomputation updates them a second time (as with
-    ``torch.utils.checkpoint``): twice per profiled step, and twice per training step
-    wherever the plan recomputes the updating op. Keep such layers out of regions, or
-    in eval mode.
+    forward updates in place (e.g. batch-norm running statistics) are not restored: each
+    profiled step updates them once, as a training step does (a recomputation's second
+    update is undone, see :func:`~hyperrec.autoac.apply_plan`).
     ``torch.compile``'d functions inside the model run eagerly while profiling (see
     :func:`no_compile`): times and peaks are the eager ones.
     """

@@ -129,7 +129,7 @@ class _Runner:
         if d is None:
             return fn(*args, **kwargs)
         if d.mode == "sac" and not d.quantized and torch.is_grad_enabled():
-            return _ckpt(fn, self.ctx[state.name], *args, **kwargs)
+            return _ckpt(_exec.keep_module_state(fn), self.ctx[state.name], *args, **kwargs)
         return _eager_region(d, fn, args, kwargs)
 
     def __call__(
