@@ -74,7 +74,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
-from _common import jsonable, single_rank_group  # noqa: E402
+from _common import JitLog, jsonable, single_rank_group  # noqa: E402
 
 RESULTS = _HERE.parent / "results"
 
@@ -131,7 +131,9 @@ ROWS = (
 MODES = {
     # warm-up steps (compilation, caches), timed steps, held-out requests, time budget (s),
     # the per-row limit (the naive row's grows with its estimated step time)
-    "full": {"warmup": 3, "timed": 5, "eval": 1024, "budget": 570.0, "row_timeout": 200.0},
+    # full: 5 warm-up steps since 2026-12-02 (3 before): a row once met a 4 s stall in
+    # its second timed step that 3 warm-up steps had not covered
+    "full": {"warmup": 5, "timed": 5, "eval": 1024, "budget": 570.0, "row_timeout": 200.0},
     "quick": {"warmup": 2, "timed": 3, "eval": 512, "budget": 285.0, "row_timeout": 150.0},
     # Smoke mode exists to run every row (a CPU check that each combination trains), so
     # its budget only guards against a hung row: the FP8 rows run Triton's interpreter
@@ -282,8 +284,17 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, _own_group(device):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        jit = JitLog()
         start = time.perf_counter()
         trainer = Trainer(preset, out_dir=Path(tmp) / "run", device=device, progress=False)
+        launches: list[float] = []  # when fit queued each step
+        launch_step = trainer.launch_step
+
+        def timed_launch(*args: Any, **kwargs: Any) -> Any:
+            launches.append(time.perf_counter())
+            return launch_step(*args, **kwargs)
+
+        trainer.launch_step = timed_launch  # type: ignore[method-assign]
         try:
             build_s = time.perf_counter() - start
             metrics = trainer.fit(stop_after=n, plot=False).metrics
@@ -326,6 +337,9 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
         "step_cost_cv": bbs.get("step_cost_cv"),
         "timed_step_s": times,
         "timed_step_tflop": tflop,
+        # Triton kernels first compiled (or loaded from disk) while a timed step was queued
+        # or ran: a one-off stall inside the timed window (None: no JIT hooks)
+        "triton_jit_in_timed_steps": jit.per_step(launches[w:]) if jit.available else None,
         # what autoac chose per layer (and its added time): explains a row it slows down
         "autoac": autoac_plan,
         "build_s": build_s,
@@ -621,10 +635,12 @@ def _fmt(x: Any, spec: str) -> str:
 def _row_line(r: dict[str, Any]) -> str:
     if r.get("status") != "ok":
         return f"{r['name']:<24} {r.get('status')}: {str(r.get('error', ''))[:160]}"
+    late = r.get("triton_jit_in_timed_steps")
     return (
         f"{r['name']:<24} {r['requests_per_s']:>10,.0f} req/s  MFU {_fmt(r['mfu'], '.1%')}  "
         f"{_fmt(r['tflops_per_gpu'], ',.3g')} TFLOP/s  peak {_fmt(r['peak_memory_gb'], '.1f')} GB  "
         f"AUC {_fmt(r['heldout_ctr_auc'], '.4f')}  x{_fmt(r.get('speedup_vs_naive'), '.2f')}"
+        + (f"  [{len(late)} Triton kernel(s) compiled in timed steps]" if late else "")
     )
 
 
