@@ -112,13 +112,14 @@ class JitLog:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_compiled
         self.available = True
 
-    def per_step(self, step_starts: list[float]) -> list[dict[str, Any]]:
-        """Events after ``step_starts[0]``, each with the index of the step it fell in."""
+    def per_step(self, step_starts: list[float], end: float) -> list[dict[str, Any]]:
+        """Events between ``step_starts[0]`` and ``end`` (when the last step finished),
+        each with the index of the step it fell in."""
         out = []
-        for start, end, name in self.events:
-            if step_starts and start >= step_starts[0]:
+        for start, stop, name in self.events:
+            if step_starts and step_starts[0] <= start < end:
                 k = sum(1 for t in step_starts if t <= start) - 1
-                out.append({"step": k, "kernel": name, "seconds": end - start})
+                out.append({"step": k, "kernel": name, "seconds": stop - start})
         return out
 
 

@@ -298,7 +298,8 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
         try:
             build_s = time.perf_counter() - start
             metrics = trainer.fit(stop_after=n, plot=False).metrics
-            trained_s = time.perf_counter() - start
+            trained = time.perf_counter()
+            trained_s = trained - start
             # The same held-out evaluation for every row: jagged kernels (the naive path
             # computes the same function; padding 8k histories would take minutes).
             trainer.model.set_impl("hyperrec")
@@ -338,8 +339,11 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
         "timed_step_s": times,
         "timed_step_tflop": tflop,
         # Triton kernels first compiled (or loaded from disk) while a timed step was queued
-        # or ran: a one-off stall inside the timed window (None: no JIT hooks)
-        "triton_jit_in_timed_steps": jit.per_step(launches[w:]) if jit.available else None,
+        # or ran, before training returned (the evaluation after it is not counted): a
+        # one-off stall inside the timed window (None: no JIT hooks)
+        "triton_jit_in_timed_steps": (
+            jit.per_step(launches[w:], trained) if jit.available else None
+        ),
         # what autoac chose per layer (and its added time): explains a row it slows down
         "autoac": autoac_plan,
         "build_s": build_s,

@@ -121,6 +121,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
             queued.append(time.perf_counter())
 
     metrics, launch, finish = run_steps(trainer, total, before_step)
+    drained = time.perf_counter()
     alloc["after"] = allocator_counters()  # after the drain: every timed step is done
     peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else None
     autoac_plan = trainer.autoac_summary()
@@ -151,7 +152,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "dynamo_counters": dynamo,
         # Triton kernels first compiled/loaded while a timed step was queued or run (step =
         # index among the timed steps): stalls the warm-up did not cover
-        "triton_jit_in_timed_steps": jit.per_step(queued) if jit.available else None,
+        "triton_jit_in_timed_steps": jit.per_step(queued, drained) if jit.available else None,
         "triton_jit_total": len(jit.events) if jit.available else None,
     }
 
