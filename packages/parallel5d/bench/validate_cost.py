@@ -166,6 +166,12 @@ def main() -> None:
     ap.add_argument("--calibration", default=None)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the model and its host copy alternately this many times",
+    )
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() before the measured steps (see bench_fsdp.py)")  # fmt: skip
@@ -222,15 +228,18 @@ def main() -> None:
         prof = profile_layers(cfg, device, args.reps)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
         # The host's issue time per step, measured on a small copy of the model (same
-        # tensors and collectives, little GPU work) with the same runtime and mesh.
+        # tensors and collectives, little GPU work) with the same runtime and mesh. With
+        # --rounds R the full model and the copy alternate R times: a host-bound step
+        # follows the host's speed, which can drift between measurements taken apart.
         small = host_copy(cfg)
-        host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
         spec = MeshSpec(fsdp=world)
-        preds = {}
-        for kind in ("measured_layers", "roofline"):
-            for host_s in (None, host["host_s"]):
+
+        def predictions(
+            host_s: float | None, prof: dict = prof, spec: MeshSpec = spec
+        ) -> dict[str, float]:
+            out = {}
+            for kind in ("measured_layers", "roofline"):
                 p = predict(
                     to_model_config(
                         prof, checkpoint, measured=kind == "measured_layers", host_s=host_s
@@ -240,11 +249,33 @@ def main() -> None:
                     world,
                     device=dev,
                 )
-                key = kind if host_s is None else f"{kind}_with_host"
                 # compute only where no data moves (one GPU, fake backend); the host
                 # bound applies either way
                 gpu = p.compute_s if (fake or world == 1) else p.step_s
-                preds[key] = max(gpu, p.host_s)
+                out[kind if host_s is None else f"{kind}_with_host"] = max(gpu, p.host_s)
+            return out
+
+        rounds = []
+        for _ in range(args.rounds):
+            measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
+            host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
+            pr = predictions(host["host_s"])
+            rounds.append(
+                {
+                    "measured": measured,
+                    "host": host,
+                    "errors_pct": {
+                        k: 100.0 * (v - measured["step_s"]) / measured["step_s"]
+                        for k, v in pr.items()
+                    },
+                }
+            )
+        # The round whose measured step is the median one stands for the run.
+        mid = sorted(range(len(rounds)), key=lambda i: rounds[i]["measured"]["step_s"])[
+            len(rounds) // 2
+        ]
+        measured, host = rounds[mid]["measured"], rounds[mid]["host"]
+        preds = {**predictions(None), **predictions(host["host_s"])}
         m = measured["step_s"]
         row = {
             "model": name,
@@ -264,6 +295,15 @@ def main() -> None:
             if (fake or world == 1)
             else "full step incl. collectives",
             "per_layer": prof,
+            "rounds": [
+                {
+                    "measured_step_ms": r["measured"]["step_s"] * 1e3,
+                    "measured_host_ms": r["measured"]["host_s"] * 1e3,
+                    "host_copy_ms": r["host"]["host_s"] * 1e3,
+                    **{f"error_{k}_pct": v for k, v in r["errors_pct"].items()},
+                }
+                for r in rounds
+            ],
         }
         for kind, v in preds.items():
             row[f"predicted_{kind}_ms"] = v * 1e3
