@@ -110,6 +110,7 @@ from hyperrec.integration.pipeline import (
 from hyperrec.integration.progress import ProgressBar
 
 __all__ = [
+    "ALLOCATOR_CONF",
     "PendingStep",
     "RunResult",
     "StepRecord",
@@ -118,6 +119,7 @@ __all__ = [
     "build_optimizer",
     "build_table_optimizer",
     "lr_factor",
+    "prefer_expandable_segments",
     "resolve_tables",
     "task_loss",
 ]
@@ -540,6 +542,42 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+ALLOCATOR_CONF = "expandable_segments:True"
+"""PyTorch's CUDA caching-allocator setting the trainer asks for (see
+:func:`prefer_expandable_segments`)."""
+
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def prefer_expandable_segments(device: str) -> bool:
+    """Ask PyTorch's CUDA caching allocator for expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) before CUDA starts.
+
+    Jagged batches change the sizes of the step's tensors every step. With the
+    allocator's fixed-size segments the cache then misses: on one H200 (``gem`` preset,
+    batch 128, 8 steps, 2026-12-02) about 20 ``cudaMalloc`` and 23 ``cudaFree`` calls a
+    step, and once in 8 steps a flush of the whole cache with a device synchronisation
+    (that step took 395 ms against a 228 ms median); with expandable segments 3 and 0,
+    no flush, median step 214 ms, same peak. Left alone when the user set
+    ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``, when ``device`` is not CUDA
+    (``"auto"`` counts when a GPU is present), and when CUDA is already initialised in
+    this process (the setting is read when CUDA starts; set the variable yourself then).
+
+    Returns:
+        Whether it set the variable.
+    """
+    if any(name in os.environ for name in _ALLOC_ENV):
+        return False
+    if device not in ("cuda", "auto") and not str(device).startswith("cuda:"):
+        return False
+    if device == "auto" and not torch.cuda.is_available():
+        return False
+    if torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF
+    return True
+
+
 class Trainer:
     """Build everything for ``preset`` and train it.
 
@@ -561,6 +599,9 @@ class Trainer:
             overlap), so the callback sees the model exactly as its step left it.
         sample_log: append every step's request ids to
             ``<out_dir>/samples/rank<r>.jsonl`` (an audit trail for fault drills).
+
+    On CUDA, before anything starts CUDA, it asks the caching allocator for expandable
+    segments unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (:func:`prefer_expandable_segments`).
 
     Built from ``preset.train``: the device mesh (``mesh``: ``hyperrec.parallel5d``'s
     5-D mesh on any world size, or a flat axis), where the tables live (``sparse``: a
@@ -608,6 +649,7 @@ class Trainer:
         candidates = _resume_candidates(resume) if resume is not None else []
         self._created = time.perf_counter()
         cfg = preset.train
+        prefer_expandable_segments(device)
         # The 5-D mesh asks for a process group even on one process (one rank, in memory).
         self.ctx: DistributedContext = init_distributed(device, single_rank_group=cfg.mesh == "5d")
         if self.ctx.device.type == "cpu" and cfg.cpu_threads:
@@ -1766,6 +1808,9 @@ def _machine(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda_allocator_conf"] = next(
+            (os.environ[n] for n in _ALLOC_ENV if n in os.environ), None
+        )
     return info
 
 
