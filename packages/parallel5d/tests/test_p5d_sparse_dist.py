@@ -241,9 +241,48 @@ def runs(tmp_path_factory):
     }
 
 
+def _unused_features(mesh) -> float:
+    """LazyAdam when a looked-up feature's output does not reach the loss on some ranks
+    (step 1: rank 0 uses ``fc``, rank 1 does not) or on none (step 2), against
+    ``nn.Embedding(sparse=True)``-style gradients and ``SparseAdam`` over every rank's
+    loss in one process. Returns the largest weight error."""
+    import torch.nn.functional as F
+
+    from hyperrec.parallel5d.sparse import LazyAdam
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tabs = [TableConfig(name="a", num_rows=7, dim=4), TableConfig(name="c", num_rows=5, dim=2)]
+    feats = [FeatureConfig(name="fa", table="a"), FeatureConfig(name="fc", table="c")]
+    coll = ShardedEmbeddingCollection(tabs, feats, mesh=mesh)
+    opt = LazyAdam(coll, lr=0.1)
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in coll.full_weights().items()}
+    ref_opt = torch.optim.SparseAdam(list(ref.values()), lr=0.1)
+    ids = {r: {"fa": torch.tensor([r, r + 2]), "fc": torch.tensor([r + 1])} for r in range(world)}
+    uses = [(True, True), (True, False), (False, False), (True, True)]
+    for use in uses:
+        out = coll(ids[rank])
+        (out["fa"].square().sum() + (out["fc"].sum() if use[rank] else 0)).backward()
+        opt.step()
+        opt.zero_grad()
+        total = sum(
+            F.embedding(ids[r]["fa"], ref["a"]).square().sum()
+            + (F.embedding(ids[r]["fc"], ref["c"]).sum() if use[r] else 0)
+            for r in range(world)
+        )
+        (total / world).backward()  # the collection's default gradient_reduction="mean"
+        for prm in ref.values():
+            if prm.grad is not None:
+                prm.grad = prm.grad.to_sparse()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = coll.full_weights()
+    return max(max_err(full[k], ref[k].detach()) for k in ref)
+
+
 def _two_ranks(path: str) -> dict:
     mesh = _mesh((2,))
     res = {kind: _parity(mesh, "hierarchical", kind, 3) for kind in ("rowwise_adagrad", "adam")}
+    res["unused"] = _unused_features(mesh)
     res["saved"] = _save(path)
     return res
 
@@ -256,6 +295,13 @@ def test_parity_two_ranks(runs):
     for kind in ("rowwise_adagrad", "adam"):
         for rank_res in runs["two"]:
             _check(rank_res[kind])
+
+
+def test_lazy_adam_with_features_unused_on_some_ranks(runs):
+    # rows looked up only by unused outputs stay as they are, and a table no rank used
+    # in a step does not advance its step count (SparseAdam gets no gradient for it)
+    for rank_res in runs["two"]:
+        assert rank_res["unused"] < TOL, rank_res["unused"]
 
 
 def test_parity_four_ranks_hierarchical_flat_and_1d(runs):

@@ -168,9 +168,35 @@ def unique_padded(keys: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Ten
     return unique, inverse
 
 
+class _MarkUsed(torch.autograd.Function):
+    """Identity on a feature's output; its backward marks the unique keys the feature
+    looked up as used (``touched[inv] = True``). Autograd runs it only for outputs that
+    reach the loss, so keys looked up by unused features only stay unmarked and their
+    rows are not updated (as ``nn.Embedding(sparse=True)`` gives them no gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        out: torch.Tensor,
+        touched: torch.Tensor,
+        inv: torch.Tensor,
+        used_groups: list[bool],
+        g: int,
+    ) -> torch.Tensor:
+        ctx.touched, ctx.inv, ctx.used_groups, ctx.g = touched, inv, used_groups, g
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        ctx.touched[ctx.inv] = True
+        ctx.used_groups[ctx.g] = True  # on the host: no device read
+        return grad, None, None, None, None
+
+
 class _Lookup(torch.autograd.Function):
     """Forward: unique keys of every group -> their rows. Backward: row gradients to the
-    owners (kept for the optimizer); nothing flows to ``anchor``."""
+    owners (kept for the optimizer), of the rows some used feature looked up (see
+    :class:`_MarkUsed`); nothing flows to ``anchor``."""
 
     @staticmethod
     def forward(
@@ -178,6 +204,8 @@ class _Lookup(torch.autograd.Function):
         anchor: torch.Tensor,
         module: ShardedEmbeddingCollection,
         unique_keys: list[torch.Tensor],
+        touched: list[torch.Tensor],
+        used_groups: list[bool],
     ) -> tuple[torch.Tensor, ...]:
         saved, outs = [], []
         for g, keys in enumerate(unique_keys):
@@ -196,21 +224,36 @@ class _Lookup(torch.autograd.Function):
                 rows = storage.index_select(0, local)
             outs.append(route_rows_back(rows, records, module.comm_stats))
             saved.append((records, local))
-        ctx.module, ctx.saved = module, saved
+        ctx.module, ctx.saved, ctx.touched, ctx.used_groups = module, saved, touched, used_groups
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None, None, None]:
         module = ctx.module
+        used_groups = module._agree_used(ctx.used_groups)
         # Groups in a fixed order on every rank: their collectives must pair up.
         for g, (records, local) in enumerate(ctx.saved):
-            dtype = module._storage[g].dtype
-            summed = route_grads(grads[g].to(dtype), records, module.comm_stats)
+            if not used_groups[g]:
+                # No feature of this group reached the loss on any rank: no gradient, no
+                # optimizer step for its tables (SparseAdam's rule for a missing grad).
+                continue
+            storage = module._storage[g]
+            # The used flags travel with the gradients as one more column: an owned row is
+            # used if a used feature on any rank looked it up.
+            flags = ctx.touched[g].to(storage.dtype).unsqueeze(1)
+            payload = torch.cat([grads[g].to(storage.dtype), flags], dim=1)
+            routed = route_grads(payload, records, module.comm_stats)
+            used, summed = routed[:, -1] > 0, routed[:, :-1]
+            if module.sync_free:
+                # unused rows -> the one-past-the-end padding row the optimizers skip
+                local = torch.where(used, local, storage.shape[0])
+            else:
+                local, summed = local[used], summed[used]  # host sync: allowed here
             if module._grad_scale != 1.0:
-                summed.mul_(module._grad_scale)
-            module._pending[g].append((local, summed))
+                summed = summed * module._grad_scale
+            module._pending[g].append((local, summed.contiguous()))
             module._backward_count[g] += 1
-        return None, None, None
+        return None, None, None, None, None
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -750,6 +793,18 @@ class ShardedEmbeddingCollection(nn.Module):
                 return f"{where} offsets must end at len(ids) = {ids.numel()}, got {v}"
         return None
 
+    def _agree_used(self, used: list[bool]) -> list[bool]:
+        """Per group, whether a feature of it reached the loss on any rank (one tiny
+        all-reduce per mesh axis on several ranks, which the backward's all-to-alls
+        synchronise anyway; none on one rank)."""
+        if self.world_size <= 1 or not used:
+            return list(used)
+        flags = torch.tensor([int(u) for u in used], dtype=torch.long, device=self.device)
+        for group in self._axis_groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return [bool(v) for v in flags.tolist()]
+
     def _agree(self, error: str | None, exc: BaseException | None = None) -> None:
         """Raise on every rank if any rank's input is bad (no rank waits in a hop)."""
         if self.world_size > 1:
@@ -813,7 +868,9 @@ class ShardedEmbeddingCollection(nn.Module):
             unique_keys.append(u)
             inverses.append(inv)
             spans.append(span)
-        rows = _Lookup.apply(self._anchor, self, unique_keys)
+        touched = [torch.zeros(u.shape[0], dtype=torch.bool, device=u.device) for u in unique_keys]
+        used_groups = [False] * len(unique_keys)
+        rows = _Lookup.apply(self._anchor, self, unique_keys, touched, used_groups)
 
         out: dict[str, torch.Tensor] = {}
         for g in range(len(self.plan.groups)):
@@ -821,13 +878,14 @@ class ShardedEmbeddingCollection(nn.Module):
                 inv = inverses[g][a:b]
                 cfg = self.feature_configs[name]
                 if cfg.pooling == "none":
-                    out[name] = rows[g].index_select(0, inv)
+                    looked_up = rows[g].index_select(0, inv)
                 else:
-                    out[name] = F.embedding_bag(
+                    looked_up = F.embedding_bag(
                         inv,
                         rows[g],
                         cast(torch.Tensor, parsed[name][1]).long(),  # pooled: has offsets
                         mode=cfg.pooling,
                         include_last_offset=True,
                     )
+                out[name] = _MarkUsed.apply(looked_up, touched[g], inv, used_groups, g)
         return {name: out[name] for name in self.feature_configs}
