@@ -180,16 +180,16 @@ class _MarkUsed(torch.autograd.Function):
         out: torch.Tensor,
         touched: torch.Tensor,
         inv: torch.Tensor,
-        used_groups: list[bool],
-        g: int,
+        used_tables: list[bool],
+        t: int,
     ) -> torch.Tensor:
-        ctx.touched, ctx.inv, ctx.used_groups, ctx.g = touched, inv, used_groups, g
+        ctx.touched, ctx.inv, ctx.used_tables, ctx.t = touched, inv, used_tables, t
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         ctx.touched[ctx.inv] = True
-        ctx.used_groups[ctx.g] = True  # on the host: no device read
+        ctx.used_tables[ctx.t] = True  # on the host: no device read
         return grad, None, None, None, None
 
 
@@ -205,7 +205,7 @@ class _Lookup(torch.autograd.Function):
         module: ShardedEmbeddingCollection,
         unique_keys: list[torch.Tensor],
         touched: list[torch.Tensor],
-        used_groups: list[bool],
+        used_tables: list[bool],
     ) -> tuple[torch.Tensor, ...]:
         saved, outs = [], []
         for g, keys in enumerate(unique_keys):
@@ -224,16 +224,18 @@ class _Lookup(torch.autograd.Function):
                 rows = storage.index_select(0, local)
             outs.append(route_rows_back(rows, records, module.comm_stats))
             saved.append((records, local))
-        ctx.module, ctx.saved, ctx.touched, ctx.used_groups = module, saved, touched, used_groups
+        ctx.module, ctx.saved, ctx.touched, ctx.used_tables = module, saved, touched, used_tables
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[None, None, None, None, None]:
         module = ctx.module
-        used_groups = module._agree_used(ctx.used_groups)
+        names = list(module.table_configs)
+        used_tables = {n for n, u in zip(names, module._agree_used(ctx.used_tables)) if u}
+        module._used_tables |= used_tables
         # Groups in a fixed order on every rank: their collectives must pair up.
         for g, (records, local) in enumerate(ctx.saved):
-            if not used_groups[g]:
+            if not used_tables.intersection(module.plan.groups[g].tables):
                 # No feature of this group reached the loss on any rank: no gradient, no
                 # optimizer step for its tables (SparseAdam's rule for a missing grad).
                 continue
@@ -243,12 +245,12 @@ class _Lookup(torch.autograd.Function):
             flags = ctx.touched[g].to(storage.dtype).unsqueeze(1)
             payload = torch.cat([grads[g].to(storage.dtype), flags], dim=1)
             routed = route_grads(payload, records, module.comm_stats)
-            used, summed = routed[:, -1] > 0, routed[:, :-1]
+            used_rows, summed = routed[:, -1] > 0, routed[:, :-1]
             if module.sync_free:
                 # unused rows -> the one-past-the-end padding row the optimizers skip
-                local = torch.where(used, local, storage.shape[0])
+                local = torch.where(used_rows, local, storage.shape[0])
             else:
-                local, summed = local[used], summed[used]  # host sync: allowed here
+                local, summed = local[used_rows], summed[used_rows]  # host sync: allowed here
             if module._grad_scale != 1.0:
                 summed = summed * module._grad_scale
             module._pending[g].append((local, summed.contiguous()))
@@ -385,6 +387,8 @@ class ShardedEmbeddingCollection(nn.Module):
         self._own_local: list[torch.Tensor] = []
         self._pending: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._backward_count: list[int] = []
+        # tables a feature of which reached the loss (on some rank) since the last step
+        self._used_tables: set[str] = set()
         for gp in self.plan.groups:
             self._storage.append(
                 torch.empty((gp.local_rows[me], gp.dim), dtype=gp.dtype, device=dev)
@@ -673,6 +677,7 @@ class ShardedEmbeddingCollection(nn.Module):
         for p in self._pending:
             p.clear()
         self._backward_count = [0] * len(self._pending)
+        self._used_tables.clear()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # The rows are not module tensors, so moving the module would move nothing:
@@ -794,7 +799,7 @@ class ShardedEmbeddingCollection(nn.Module):
         return None
 
     def _agree_used(self, used: list[bool]) -> list[bool]:
-        """Per group, whether a feature of it reached the loss on any rank (one tiny
+        """Per table, whether a feature of it reached the loss on any rank (one tiny
         all-reduce per mesh axis on several ranks, which the backward's all-to-alls
         synchronise anyway; none on one rank)."""
         if self.world_size <= 1 or not used:
@@ -869,9 +874,10 @@ class ShardedEmbeddingCollection(nn.Module):
             inverses.append(inv)
             spans.append(span)
         touched = [torch.zeros(u.shape[0], dtype=torch.bool, device=u.device) for u in unique_keys]
-        used_groups = [False] * len(unique_keys)
-        rows = _Lookup.apply(self._anchor, self, unique_keys, touched, used_groups)
+        used_tables = [False] * len(self.table_configs)
+        rows = _Lookup.apply(self._anchor, self, unique_keys, touched, used_tables)
 
+        table_index = {name: i for i, name in enumerate(self.table_configs)}
         out: dict[str, torch.Tensor] = {}
         for g in range(len(self.plan.groups)):
             for name, (a, b) in spans[g].items():
@@ -887,5 +893,6 @@ class ShardedEmbeddingCollection(nn.Module):
                         mode=cfg.pooling,
                         include_last_offset=True,
                     )
-                out[name] = _MarkUsed.apply(looked_up, touched[g], inv, used_groups, g)
+                t = table_index[cfg.table]
+                out[name] = _MarkUsed.apply(looked_up, touched[g], inv, used_tables, t)
         return {name: out[name] for name in self.feature_configs}

@@ -103,22 +103,27 @@ def adam_rows_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    step: int,
+    step: int | torch.Tensor,
 ) -> None:
     """Lazy Adam on ``weight[rows]`` (in place), ``torch.optim.SparseAdam``'s arithmetic
     (``eps`` added to ``sqrt(v)`` before bias correction) plus optional decoupled weight
-    decay of the touched rows."""
+    decay of the touched rows. ``step``: the step count, or a float64 tensor with one per
+    row (rows of tables at different step counts)."""
     m_old = exp_avg.index_select(0, rows)
     v_old = exp_avg_sq.index_select(0, rows)
     m = (grad - m_old).mul_(1.0 - beta1).add_(m_old)
     v = (grad.square() - v_old).mul_(1.0 - beta2).add_(v_old)
     exp_avg.index_copy_(0, rows, m)
     exp_avg_sq.index_copy_(0, rows, v)
-    step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
     w = weight.index_select(0, rows).float()
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
-    w.add_(m.div_(v.sqrt_().add_(eps)), alpha=-step_size)
+    if isinstance(step, torch.Tensor):
+        row_size = (lr * (1.0 - beta2**step).sqrt() / (1.0 - beta1**step)).float()
+        w.sub_(m.div_(v.sqrt_().add_(eps)) * row_size[:, None])
+    else:
+        step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+        w.add_(m.div_(v.sqrt_().add_(eps)), alpha=-step_size)
     weight.index_copy_(0, rows, w.to(weight.dtype))
 
 
@@ -132,6 +137,8 @@ class _RowOptimizer(torch.optim.Optimizer):
     _STATES: tuple[tuple[str, str], ...] = ()
     #: Hyperparameters that must agree inside a collection group to update it in one go.
     _HYPER: tuple[str, ...] = ()
+    #: Whether the update depends on the table's step count (Adam's bias correction).
+    _USES_STEP = False
 
     def __init__(
         self, collection: ShardedEmbeddingCollection, defaults: dict[str, Any], backend: str
@@ -202,9 +209,29 @@ class _RowOptimizer(torch.optim.Optimizer):
         self.collection.zero_grad_rows()
 
     def _update(
-        self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
+        self,
+        g: int,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        hp: dict[str, Any],
+        step: int | torch.Tensor,
     ) -> None:
+        """Update ``rows`` of group ``g``. ``step``: the tables' step count, or (only for
+        ``_USES_STEP`` optimizers) a float64 tensor with each row's table's count."""
         raise NotImplementedError
+
+    def _row_steps(self, g: int, rows: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Each row's table's step count (float64, on the rows' device, no host read):
+        ``steps[i]`` for the rows of the group's ``i``-th table."""
+        coll = self.collection
+        starts = torch.as_tensor(
+            coll.plan.groups[g].table_local_start[coll.owner_index], device=rows.device
+        )
+        table = (torch.searchsorted(starts, rows, right=True) - 1).clamp_(min=0)
+        per_table = torch.tensor(steps, dtype=torch.float64)
+        if rows.is_cuda:
+            per_table = per_table.pin_memory().to(rows.device, non_blocking=True)
+        return per_table.index_select(0, table)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -238,19 +265,28 @@ class _RowOptimizer(torch.optim.Optimizer):
                 keep = rows < coll._storage[g].shape[0]
                 rows, grad = rows[keep], grad[keep]
             hps = [self._group_of_table(name) for name in gp.tables]
-            for name in gp.tables:
+            # A table steps when one of its features reached the loss on some rank (as
+            # SparseAdam steps a parameter with a gradient); rows of the others are not
+            # among ``rows``.
+            used = [name for name in gp.tables if name in coll._used_tables]
+            for name in used:
                 self._steps[name] += 1
-            step = int(self._steps[gp.tables[0]])
+            steps = [int(self._steps[name]) for name in gp.tables]
+            used_steps = {int(self._steps[name]) for name in used}
             same = all(all(h[k] == hps[0][k] for k in self._HYPER) for h in hps)
-            if same:
+            if same and (not self._USES_STEP or len(used_steps) <= 1):
+                step = used_steps.pop() if used_steps else steps[0]
                 self._update(g, rows, grad, hps[0], step)
+            elif same:
+                # tables of one group at different step counts: one per row, on the device
+                self._update(g, rows, grad, hps[0], self._row_steps(g, rows, steps))
             else:
                 starts = torch.as_tensor(gp.table_local_start[me], device=rows.device)
                 bounds = torch.searchsorted(rows, starts).tolist() + [rows.numel()]
                 for i in range(len(gp.tables)):
                     lo, hi = bounds[i], bounds[i + 1]
                     if hi > lo:
-                        self._update(g, rows[lo:hi], grad[lo:hi], hps[i], step)
+                        self._update(g, rows[lo:hi], grad[lo:hi], hps[i], steps[i])
         coll.zero_grad_rows()
         return loss
 
@@ -381,7 +417,12 @@ class RowWiseAdagrad(_RowOptimizer):
             s["momentum"].fill_(self._initial)
 
     def _update(
-        self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
+        self,
+        g: int,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        hp: dict[str, Any],
+        step: int | torch.Tensor,
     ) -> None:
         fn = rowwise_adagrad_rows_
         if self.backend == "triton":
@@ -443,7 +484,12 @@ class LazyAdagrad(_RowOptimizer):
             s["sum"].fill_(self._initial)
 
     def _update(
-        self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
+        self,
+        g: int,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        hp: dict[str, Any],
+        step: int | torch.Tensor,
     ) -> None:
         fn = adagrad_rows_
         if self.backend == "triton":
@@ -479,6 +525,7 @@ class LazyAdam(_RowOptimizer):
 
     _STATES = (("exp_avg", "element"), ("exp_avg_sq", "element"))
     _HYPER = ("lr", "betas", "eps", "weight_decay")
+    _USES_STEP = True
 
     def __init__(
         self,
@@ -505,13 +552,24 @@ class LazyAdam(_RowOptimizer):
         super().__init__(collection, defaults, backend)
 
     def _update(
-        self, g: int, rows: torch.Tensor, grad: torch.Tensor, hp: dict[str, Any], step: int
+        self,
+        g: int,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        hp: dict[str, Any],
+        step: int | torch.Tensor,
     ) -> None:
         st = self._storages[g]
         if self.backend == "triton":
             from hyperrec.parallel5d.sparse._triton.update import adam_rows
 
             b1, b2 = hp["betas"]
+            if isinstance(step, torch.Tensor):
+                step_size: float | torch.Tensor = (
+                    hp["lr"] * (1.0 - b2**step).sqrt() / (1.0 - b1**step)
+                ).float()
+            else:
+                step_size = hp["lr"] * math.sqrt(1.0 - b2**step) / (1.0 - b1**step)
             adam_rows(
                 self.collection._storage[g],
                 st["exp_avg"],
@@ -522,7 +580,7 @@ class LazyAdam(_RowOptimizer):
                 beta2=b2,
                 eps=hp["eps"],
                 decay=1.0 - hp["lr"] * hp["weight_decay"],
-                step_size=hp["lr"] * math.sqrt(1.0 - b2**step) / (1.0 - b1**step),
+                step_size=step_size,
             )
             return
         adam_rows_(

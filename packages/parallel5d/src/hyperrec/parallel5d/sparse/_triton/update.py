@@ -82,11 +82,14 @@ def _adagrad_kernel(
 
 @triton.jit
 def _adam_kernel(
-    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, n_rows, dim, stride_w, stride_m, stride_g,
-    b1, b2, eps, decay, step_size, IS_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, ss_ptr, n_rows, dim, stride_w, stride_m, stride_g,
+    b1, b2, eps, decay, step_size, PER_ROW_STEP: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + i)
+    if PER_ROW_STEP:  # rows of tables at different step counts (one per row, float32)
+        step_size = tl.load(ss_ptr + i)
     d = tl.arange(0, BLOCK_D)
     mask = (d < dim) & ((r + d * 0) < n_rows)  # padding rows skipped
     g = tl.load(g_ptr + i * stride_g + d, mask=mask, other=0.0).to(tl.float32)
@@ -164,16 +167,22 @@ def adam_rows(
     beta2: float,
     eps: float,
     decay: float,
-    step_size: float,
+    step_size: float | torch.Tensor,
 ) -> None:
     """Lazy Adam on ``weight[rows]`` in place (``rows`` unique; rows
-    ``>= weight.shape[0]`` are padding and skipped)."""
+    ``>= weight.shape[0]`` are padding and skipped). ``step_size``: one float, or a
+    float32 tensor with one per row (rows of tables at different step counts)."""
     if rows.numel() == 0:
         return
     block, warps = _launch_shape(weight.shape[1])
+    if isinstance(step_size, torch.Tensor):
+        per_row, ss, scalar = True, step_size.contiguous(), 0.0
+    else:
+        per_row, ss, scalar = False, grad, step_size  # grad: a placeholder, not read
     _adam_kernel[(rows.numel(),)](
-        weight, exp_avg, exp_avg_sq, rows, grad, weight.shape[0], weight.shape[1],
+        weight, exp_avg, exp_avg_sq, rows, grad, ss, weight.shape[0], weight.shape[1],
         weight.stride(0),
-        exp_avg.stride(0), grad.stride(0), beta1, beta2, eps, decay, step_size,
+        exp_avg.stride(0), grad.stride(0), beta1, beta2, eps, decay,
+        scalar, PER_ROW_STEP=per_row,
         IS_BF16=weight.dtype == torch.bfloat16, BLOCK_D=block, num_warps=warps,
     )  # fmt: skip
