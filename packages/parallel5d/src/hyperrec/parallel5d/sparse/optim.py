@@ -171,6 +171,7 @@ class _RowOptimizer(torch.optim.Optimizer):
         }
         self._init_states()
         self._views: dict[tuple[str, str], torch.Tensor] = {}
+        self._table_starts: dict[int, torch.Tensor] = {}  # group -> its tables' first rows
 
     def _init_states(self) -> None:
         """Fill fresh states (zeros unless a subclass starts elsewhere)."""
@@ -224,14 +225,22 @@ class _RowOptimizer(torch.optim.Optimizer):
         """Each row's table's step count (float64, on the rows' device, no host read):
         ``steps[i]`` for the rows of the group's ``i``-th table."""
         coll = self.collection
-        starts = torch.as_tensor(
-            coll.plan.groups[g].table_local_start[coll.owner_index], device=rows.device
-        )
+        starts = self._table_starts.get(g)
+        if starts is None:  # constant per group; a pageable host-to-device copy would wait
+            starts = self._to_device(coll.plan.groups[g].table_local_start[coll.owner_index], rows)
+            self._table_starts[g] = starts
         table = (torch.searchsorted(starts, rows, right=True) - 1).clamp_(min=0)
-        per_table = torch.tensor(steps, dtype=torch.float64)
-        if rows.is_cuda:
-            per_table = per_table.pin_memory().to(rows.device, non_blocking=True)
-        return per_table.index_select(0, table)
+        return self._to_device(steps, rows, torch.float64).index_select(0, table)
+
+    @staticmethod
+    def _to_device(
+        values: list[int], like: torch.Tensor, dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
+        """A small host list on ``like``'s device without a host synchronisation."""
+        t = torch.tensor(values, dtype=dtype)
+        if like.is_cuda:
+            return t.pin_memory().to(like.device, non_blocking=True)
+        return t.to(like.device)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
