@@ -286,6 +286,19 @@ def test_run_steps_hook_and_counter_delta():
     assert got == {"a": 2.0}
 
 
+def test_jit_log_attributes_compiles_to_timed_steps_only():
+    # Compiles before the first timed step (warm-up) and after the last step finished
+    # (evaluation) are not counted; the others land in the step queued before them.
+    log = _common.JitLog()
+    log.events = [(0.5, 0.9, "warmup"), (1.2, 1.3, "k1"), (2.7, 3.0, "k2"), (4.1, 4.2, "eval")]
+    got = log.per_step([1.0, 2.0, 3.0], 4.0)
+    assert got == [
+        {"step": 0, "kernel": "k1", "seconds": pytest.approx(0.1)},
+        {"step": 1, "kernel": "k2", "seconds": pytest.approx(0.3)},
+    ]
+    assert log.per_step([], 4.0) == []
+
+
 def test_step_variants_smoke(tmp_path):
     """Two variants in fresh processes on the CPU: figures recorded, the GIL switch
     interval set from the variant's environment, a failing variant recorded as failed
