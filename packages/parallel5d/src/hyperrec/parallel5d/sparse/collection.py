@@ -798,27 +798,27 @@ class ShardedEmbeddingCollection(nn.Module):
                 return f"{where} offsets must end at len(ids) = {ids.numel()}, got {v}"
         return None
 
-    def _agree_used(self, used: list[bool]) -> list[bool]:
-        """Per table, whether a feature of it reached the loss on any rank (one tiny
-        all-reduce per mesh axis on several ranks, which the backward's all-to-alls
-        synchronise anyway; none on one rank)."""
-        if self.world_size <= 1 or not used:
-            return list(used)
-        flags = torch.tensor([int(u) for u in used], dtype=torch.long, device=self.device)
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over every rank of the mesh (one small
+        all-reduce per mesh axis); ``values`` itself on one rank."""
+        if self.world_size <= 1 or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
         for group in self._axis_groups:
             if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return [bool(v) for v in flags.tolist()]
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in t.tolist()]
+
+    def _agree_used(self, used: list[bool]) -> list[bool]:
+        """Per table, whether a feature of it reached the loss on any rank (the
+        backward's all-to-alls synchronise the ranks anyway; no device read on one
+        rank)."""
+        return [bool(v) for v in self._max_over_ranks([int(u) for u in used])]
 
     def _agree(self, error: str | None, exc: BaseException | None = None) -> None:
         """Raise on every rank if any rank's input is bad (no rank waits in a hop)."""
         if self.world_size > 1:
-            me = dist.get_rank()
-            flag = torch.tensor([me + 1 if error else 0], dtype=torch.long, device=self.device)
-            for group in self._axis_groups:
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            bad = int(flag.item()) - 1
+            bad = self._max_over_ranks([dist.get_rank() + 1 if error else 0])[0] - 1
             if error is None and bad >= 0:
                 raise ValueError(
                     f"features failed validation on rank {bad} (this rank's inputs are "

@@ -91,6 +91,16 @@ def adagrad_rows_(
     weight.index_copy_(0, rows, w.to(weight.dtype))
 
 
+def _adam_step_size(
+    lr: float, beta1: float, beta2: float, step: int | torch.Tensor
+) -> float | torch.Tensor:
+    """``lr * sqrt(1 - beta2^t) / (1 - beta1^t)`` (SparseAdam's bias correction): a float
+    for one step count, a float32 tensor for a float64 tensor of counts (one per row)."""
+    if isinstance(step, torch.Tensor):
+        return (lr * (1.0 - beta2**step).sqrt() / (1.0 - beta1**step)).float()
+    return lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+
+
 def adam_rows_(
     weight: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -118,11 +128,10 @@ def adam_rows_(
     w = weight.index_select(0, rows).float()
     if weight_decay:
         w.mul_(1.0 - lr * weight_decay)
-    if isinstance(step, torch.Tensor):
-        row_size = (lr * (1.0 - beta2**step).sqrt() / (1.0 - beta1**step)).float()
-        w.sub_(m.div_(v.sqrt_().add_(eps)) * row_size[:, None])
+    step_size = _adam_step_size(lr, beta1, beta2, step)
+    if isinstance(step_size, torch.Tensor):
+        w.sub_(m.div_(v.sqrt_().add_(eps)) * step_size[:, None])
     else:
-        step_size = lr * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
         w.add_(m.div_(v.sqrt_().add_(eps)), alpha=-step_size)
     weight.index_copy_(0, rows, w.to(weight.dtype))
 
@@ -573,12 +582,6 @@ class LazyAdam(_RowOptimizer):
             from hyperrec.parallel5d.sparse._triton.update import adam_rows
 
             b1, b2 = hp["betas"]
-            if isinstance(step, torch.Tensor):
-                step_size: float | torch.Tensor = (
-                    hp["lr"] * (1.0 - b2**step).sqrt() / (1.0 - b1**step)
-                ).float()
-            else:
-                step_size = hp["lr"] * math.sqrt(1.0 - b2**step) / (1.0 - b1**step)
             adam_rows(
                 self.collection._storage[g],
                 st["exp_avg"],
@@ -589,7 +592,7 @@ class LazyAdam(_RowOptimizer):
                 beta2=b2,
                 eps=hp["eps"],
                 decay=1.0 - hp["lr"] * hp["weight_decay"],
-                step_size=step_size,
+                step_size=_adam_step_size(hp["lr"], b1, b2, step),
             )
             return
         adam_rows_(
