@@ -412,9 +412,12 @@ def _launch(spec: dict[str, Any], timeout: float, in_process: bool) -> dict[str,
             return {"status": "ok", **run_row(spec)}
         except Exception as err:
             return {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000]}
+    from hyperrec.integration.trainer import ALLOCATOR_CONF
+
     env = dict(os.environ)
-    # Fewer fragmentation failures near the memory limit, the same for every row.
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # Fewer fragmentation failures near the memory limit, the same for every row. Set
+    # here: the row process starts CUDA before its Trainer could (peak-memory reset).
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--_row", json.dumps(spec)]
