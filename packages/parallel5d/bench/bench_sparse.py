@@ -386,7 +386,7 @@ def main() -> None:
         Path(args.out) / name,
         {
             "benchmark": "bench_sparse.py",
-            "args": vars(args),
+            "args": {k: v for k, v in vars(args).items() if k != "out"},  # no machine paths
             "copy_ceiling_gb_per_s": COPY_CEILING_GBS,
             "elapsed_s": elapsed,
             "results": results,

@@ -170,7 +170,9 @@ def unique_padded(keys: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Ten
 
 class _MarkUsed(torch.autograd.Function):
     """Identity on a feature's output; its backward marks the unique keys the feature
-    looked up as used (``touched[inv] = True``). Autograd runs it only for outputs that
+    looked up as used (``touched[inv] = True``, written as ``index_fill_``: on CUDA the
+    indexed assignment synchronised the host with the device, once per feature and
+    step). Autograd runs it only for outputs that
     reach the loss, so keys looked up by unused features only stay unmarked and their
     rows are not updated (as ``nn.Embedding(sparse=True)`` gives them no gradient)."""
 
@@ -188,7 +190,7 @@ class _MarkUsed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        ctx.touched[ctx.inv] = True
+        ctx.touched.index_fill_(0, ctx.inv, True)
         ctx.used_tables[ctx.t] = True  # on the host: no device read
         return grad, None, None, None, None
 
