@@ -113,6 +113,42 @@ def _site(e: Any, depth: int = 4) -> str:
     return " < ".join(names) or "(no enclosing op: a direct runtime call)"
 
 
+def _origin(e: Any) -> str:
+    """What launched a kernel: the innermost ATen op above its runtime call and, with
+    ``--stacks``, the innermost hyperrec frame ("op @ hyperrec/.../file.py(line): fn")."""
+    op, frame, p = "", "", e
+    while p is not None and not (op and frame):
+        name = p.name or ""
+        if not op and name.startswith("aten::"):
+            op = name
+        # Python frames: as parent events, or (with_stack) as the op's recorded stack
+        for where in [name, *(getattr(p, "stack", None) or [])]:
+            if not frame and "hyperrec/" in where and ".py(" in where:
+                frame = where[where.rindex("hyperrec/") :][:120]
+        p = p.cpu_parent
+    return f"{op or '?'} @ {frame}" if frame else (op or "?")
+
+
+def _by_origin(
+    events: list[Any], categories: tuple[str, ...], top: int = 30
+) -> list[dict[str, Any]]:
+    """Device time of the kernels in ``categories`` per launching op / model line: which
+    code the element-wise work and the copies come from (kernels are attached to the
+    runtime call that launched them, whose parents are the op and the Python frames)."""
+    acc: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        for k in getattr(e, "kernels", ()) or ():
+            cat = categorize(k.name)
+            if cat in categories:
+                slot = acc.setdefault((cat, _origin(e)), [0.0, 0])
+                slot[0] += k.duration
+                slot[1] += 1
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    return [
+        {"category": c, "origin": o, "ms": us / 1e3, "launches": int(n)} for (c, o), (us, n) in rows
+    ]
+
+
 def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
     from torch.autograd import DeviceType
 
@@ -177,6 +213,10 @@ def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
         for n, us in top
     ]
     out["time_basis"] = "device kernel time" if device else "CPU self time of ops"
+    if device:
+        out["elementwise_and_copies_by_origin"] = _by_origin(
+            [e for e in events if e.device_type == DeviceType.CPU], ("elementwise", "copies")
+        )
     return out
 
 
@@ -364,6 +404,10 @@ def _print(doc: dict[str, Any], path: Path) -> None:
     print(f"time by category ({doc['time_basis']}):")
     for k, v in doc["time_by_category"].items():
         print(f"  {k:<15} {v['ms']:10.2f} ms  {v['fraction']:6.1%}")
+    if doc.get("elementwise_and_copies_by_origin"):
+        print("element-wise and copy kernels by origin:")
+        for r in doc["elementwise_and_copies_by_origin"][:12]:
+            print(f"  {r['ms']:9.2f} ms {r['launches']:6d} x {r['category']:<11} {r['origin']}")
     for s in doc["steps"]:
         mfu = s["mfu"]
         print(f"  step {s['step']}: {s['step_time_s'] * 1e3:.1f} ms, "

@@ -196,8 +196,12 @@ def _project_region(
     eps: float,
     w: torch.Tensor,
     b: torch.Tensor,
-) -> torch.Tensor:
-    return F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), w, b))
+) -> tuple[torch.Tensor, ...]:
+    h = F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), w, b))
+    # Split inside the region: its backward then receives the four gradients and the
+    # compiler writes their concatenation inside the SiLU-backward kernel (split outside,
+    # autograd concatenated them first: one more pass over [T, 4 * dim] per layer).
+    return h.chunk(4, dim=-1)
 
 
 def _gate_region(
@@ -379,9 +383,8 @@ class SequenceBlock(nn.Module):
         layout: the padded layout of ``offsets`` (naive path; built when None).
         Returns [T, dim]."""
         project = _region(_project_region, self.compile_mode)
-        h = project(x, self.norm.weight, self.norm.bias, self.norm.eps, self.uvqk.weight,
-                    self.uvqk.bias)  # fmt: skip
-        u, v, q, k = h.split(self.dim, dim=-1)
+        u, v, q, k = project(x, self.norm.weight, self.norm.bias, self.norm.eps,
+                             self.uvqk.weight, self.uvqk.bias)  # fmt: skip
         q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
         a = self._attention(q, k, v, offsets, max_seqlen, layout).reshape(x.shape[0], self.dim)
         gate = _region(_gate_region, self.compile_mode)
