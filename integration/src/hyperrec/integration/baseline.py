@@ -55,18 +55,43 @@ class PopularityBaseline:
         """Count one batch of impressions (all [C]; moved to the CPU).
 
         Raises:
-            ValueError: item ids outside ``[0, num_items)`` or mismatched lengths.
+            TypeError: non-tensor inputs, or ``items`` not of an integer dtype.
+            ValueError: item ids outside ``[0, num_items)``, inputs not 1-D of one length,
+                labels outside {0, 1}, or a conversion without a click.
         """
+        for arg, t in (("items", items), ("click", click), ("conversion", conversion)):
+            if not torch.is_tensor(t):
+                raise TypeError(f"PopularityBaseline.update: {arg} must be a tensor")
+        # Float ids were truncated to another item (2.9 -> 2) by the int64 cast.
+        if items.dtype.is_floating_point or items.is_complex():
+            raise TypeError(f"PopularityBaseline.update: items must be integers, got {items.dtype}")
+        if items.dim() != 1 or items.shape != click.shape or items.shape != conversion.shape:
+            raise ValueError(
+                "PopularityBaseline.update: items, click and conversion must be 1-D of one "
+                f"length, got {tuple(items.shape)}, {tuple(click.shape)}, "
+                f"{tuple(conversion.shape)}"
+            )
         items = items.detach().to("cpu", torch.int64)
-        if items.shape != click.shape or items.shape != conversion.shape:
-            raise ValueError("items, click and conversion must have the same shape")
         if items.numel() and (int(items.min()) < 0 or int(items.max()) >= self.num_items):
             raise ValueError(f"item ids must lie in [0, {self.num_items})")
+        # The labels are summed as counts: a 2 counted two clicks and 0.5 was cast to 0,
+        # and a conversion without a click gave an item more conversions than clicks.
+        labels = {}
+        for arg, t in (("click", click), ("conversion", conversion)):
+            v = t.detach().cpu()
+            if not bool(((v == 0) | (v == 1)).all()):
+                raise ValueError(f"PopularityBaseline.update: {arg} labels must be 0 or 1")
+            labels[arg] = v.to(torch.int64)
+        if bool((labels["conversion"] > labels["click"]).any()):
+            raise ValueError(
+                "PopularityBaseline.update: conversion is 1 where click is 0 "
+                "(a conversion needs a click)"
+            )
         # O(batch) scatter-adds: a bincount of minlength num_items would touch every item
-        # (8M in the gem preset, ~50 ms of the trainer's thread per step). Labels are 0/1.
+        # (8M in the gem preset, ~50 ms of the trainer's thread per step).
         self.counts[0].index_add_(0, items, torch.ones_like(items))
-        self.counts[1].index_add_(0, items, click.detach().to("cpu", torch.int64))
-        self.counts[2].index_add_(0, items, conversion.detach().to("cpu", torch.int64))
+        self.counts[1].index_add_(0, items, labels["click"])
+        self.counts[2].index_add_(0, items, labels["conversion"])
 
     def global_counts(self, device: torch.device | None = None) -> torch.Tensor:
         """The counts summed over every rank (a collective under torch.distributed)."""
@@ -98,13 +123,20 @@ class PopularityBaseline:
         """Restore counts saved by :meth:`state_dict`.
 
         Raises:
-            ValueError: a different shape.
+            TypeError: counts not an integer tensor.
+            ValueError: a different shape, or negative counts.
         """
         counts = state["counts"]
+        # copy_ into the int64 counts truncated float counts (2.7 -> 2) without a word.
+        if not torch.is_tensor(counts) or counts.dtype.is_floating_point or counts.is_complex():
+            got = counts.dtype if torch.is_tensor(counts) else type(counts).__name__
+            raise TypeError(f"counts must be an integer tensor, got {got}")
         if tuple(counts.shape) != tuple(self.counts.shape):
             raise ValueError(
                 f"counts shape {tuple(counts.shape)} != expected {tuple(self.counts.shape)}"
             )
+        if counts.numel() and int(counts.min()) < 0:
+            raise ValueError("counts must be non-negative")
         self.counts.copy_(counts)
 
 
@@ -256,13 +288,25 @@ class LogisticRegressionBaseline:
         """Restore :meth:`state_dict` (e.g. broadcast from the rank that fitted).
 
         Raises:
-            ValueError: a dense weight of another width.
+            ValueError: a dense weight of another width; ids that are not sorted and unique,
+                or not one weight per id.
         """
         if state["weights"]["dense"].shape != self.weights["dense"].shape:
             raise ValueError(
                 f"the dense weights have shape {tuple(state['weights']['dense'].shape)}, this "
                 f"schema has {self.schema.num_dense} dense features"
             )
+        # predict() finds an id's weight by binary search in ids: unsorted ids, or a weight
+        # vector of another length, gave other ids' weights (or the unseen-id 0) silently.
+        for k in self._IDS:
+            ids, w = state["ids"][k], state["weights"][k]
+            if ids.dim() != 1 or w.shape != ids.shape:
+                raise ValueError(
+                    f"ids[{k!r}] {tuple(ids.shape)} and weights[{k!r}] {tuple(w.shape)} must be "
+                    "1-D of one length (one weight per id)"
+                )
+            if bool((ids[1:] <= ids[:-1]).any()):
+                raise ValueError(f"ids[{k!r}] must be sorted and unique")
         self.ids = dict(state["ids"])
         self.weights = dict(state["weights"])
         self.dense_mean, self.dense_std = state["dense_mean"], state["dense_std"]

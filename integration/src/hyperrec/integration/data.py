@@ -284,10 +284,18 @@ class Batch:
             ValueError: empty batch; offsets of the wrong length, not starting at 0, not
                 non-decreasing or not ending at their field's length; a request without
                 candidates; ids out of range (naming the field); a history event later
-                than its request; NaN/Inf dense features; labels outside {0, 1} or a
+                than its request, or a history not in chronological order; negative
+                ``sample_ids``; NaN/Inf dense features; labels outside {0, 1} or a
                 conversion without a click; ``max_history_len`` not the true maximum.
-            TypeError: a field with the wrong dtype or rank.
+            TypeError: a field with the wrong dtype or rank; ``max_history_len`` not an int.
         """
+        # A float (3.0) or bool compared equal to the true maximum and was taken as a
+        # host int by attention; it must be an int.
+        if isinstance(self.max_history_len, bool) or not isinstance(self.max_history_len, int):
+            raise TypeError(
+                f"Batch.max_history_len must be an int, got "
+                f"{type(self.max_history_len).__name__} {self.max_history_len!r}"
+            )
         if schema is None:
             if num_items is None or num_topics is None:
                 raise TypeError("validate needs a schema, or num_items and num_topics")
@@ -368,9 +376,22 @@ class Batch:
                 )
         if self.user_ids.numel() and int(self.user_ids.min()) < 0:
             raise ValueError("Batch.user_ids must be non-negative")
+        # Documented as split indices (exact-resume bookkeeping): never negative.
+        if int(self.sample_ids.min()) < 0:
+            raise ValueError("Batch.sample_ids must be non-negative (indices in their split)")
         owner = torch.repeat_interleave(self.request_time, lengths)
         if bool((self.history_time > owner).any()):
             raise ValueError("Batch.history_time has events later than their request_time")
+        # Histories are documented oldest first; the model reads them in order (causal
+        # attention), so a shuffled history trained silently on another sequence. Only
+        # consecutive events of one request are compared (not across requests).
+        same_request = torch.ones(self.history_time.shape[0], dtype=torch.bool)
+        same_request[self.history_offsets[:-1][lengths > 0]] = False
+        if bool((self.history_time.diff() < 0)[same_request[1:]].any()):
+            raise ValueError(
+                "Batch.history_time must be non-decreasing within each request (histories "
+                "are in chronological order, oldest first)"
+            )
         if not bool(torch.isfinite(self.dense).all()):
             raise ValueError("Batch.dense contains NaN or Inf")
         for name in ("click", "conversion"):

@@ -51,7 +51,16 @@ def validate_batch(batch: Batch, data: DataSchema | DataConfig) -> None:
     Raises:
         ValueError / TypeError: see :meth:`Batch.validate`; or a history longer than
             ``max_seqlen``, or a request with more than ``max_candidates`` candidates.
+        TypeError: ``batch`` not a Batch, or ``data`` neither a DataSchema nor a DataConfig.
     """
+    # Named here: Batch.validate's message would name its own ``schema`` parameter, and a
+    # non-Batch would fail with an AttributeError.
+    if not isinstance(batch, Batch):
+        raise TypeError(f"validate_batch: batch must be a Batch, got {type(batch).__name__}")
+    if not isinstance(data, (DataSchema, DataConfig)):
+        raise TypeError(
+            f"validate_batch: data must be a DataSchema or a DataConfig, got {type(data).__name__}"
+        )
     where = type(data).__name__
     schema = data.schema if isinstance(data, DataConfig) else data
     batch.validate(schema)

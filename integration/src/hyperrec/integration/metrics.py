@@ -52,6 +52,15 @@ def _pair(
     return s, y
 
 
+def _rank_key(scores: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """What to sort ``scores`` by: ``s`` (their float64 copy), or for integer scores the
+    integers themselves: float64 merges integers above 2**53 (e.g. nanosecond timestamps)
+    into ties."""
+    if scores.dtype.is_floating_point:
+        return s
+    return scores.detach().to("cpu", torch.int64)
+
+
 def _log_loss(probs: torch.Tensor, labels: torch.Tensor, name: str) -> float:
     p, y = _pair(probs, labels, name, "probs")
     if p.numel() == 0:
@@ -84,8 +93,11 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     n_neg = float(y.numel()) - n_pos
     if n_pos == 0 or n_neg == 0:
         return math.nan
-    order = torch.argsort(s, stable=True)
-    _, inverse, counts = torch.unique_consecutive(s[order], return_inverse=True, return_counts=True)
+    key = _rank_key(scores, s)
+    order = torch.argsort(key, stable=True)
+    _, inverse, counts = torch.unique_consecutive(
+        key[order], return_inverse=True, return_counts=True
+    )
     # 1-based rank of a group of tied scores = the mean of the ranks it spans.
     mean_rank = counts.cumsum(0).double() - (counts.double() - 1.0) / 2.0
     rank_sum_pos = float((mean_rank[inverse] * y[order]).sum())
@@ -130,9 +142,13 @@ def calibration(probs: torch.Tensor, labels: torch.Tensor) -> float:
 
     Raises:
         TypeError: non-tensor or complex inputs.
-        ValueError: as :func:`auc`.
+        ValueError: as :func:`auc`, or ``probs`` outside [0, 1].
     """
     p, y = _pair(probs, labels, "calibration", "probs")
+    # Logits or other scores would give a finite ratio that looks like a calibration
+    # (e.g. -1.0): reject them, as log_loss and task_metrics do.
+    if bool(((p < 0) | (p > 1)).any()):
+        raise ValueError("calibration: probs must lie in [0, 1]")
     positives = float(y.sum())
     return float(p.sum()) / positives if positives > 0 else math.nan
 
@@ -168,6 +184,7 @@ def gauc(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> fl
     if s.numel() == 0:
         return math.nan
     g = groups.detach().to("cpu", torch.int64)
+    s = _rank_key(scores, s)
     # Sort by (group, score): stable sorts, the last key first.
     order = torch.argsort(s, stable=True)
     order = order[torch.argsort(g[order], stable=True)]
@@ -270,7 +287,13 @@ def task_metrics(
     out.update(
         cvr_auc=auc(cvr_scores, cvr_labels) if has_clicks else math.nan,
         cvr_ne=normalized_entropy(cvr_scores, cvr_labels) if has_clicks else math.nan,
-        ctcvr_auc=auc(p_ctr * p_cvr, conversion),
+        # The product in float64 (as every metric computes): in the inputs' dtype it rounds
+        # (float16 / bfloat16 underflow small CTR x CVR products to 0), which creates
+        # ties and reorders near-equal products, so the AUC changes.
+        ctcvr_auc=auc(
+            p_ctr.detach().to("cpu", torch.float64) * p_cvr.detach().to("cpu", torch.float64),
+            conversion,
+        ),
     )
     return out
 
@@ -305,9 +328,14 @@ class WindowedAUC:
         for arg, t in (("scores", scores), ("labels", labels)):
             if not torch.is_tensor(t):
                 raise TypeError(f"WindowedAUC.update: {arg} must be a tensor, got {type(t)}")
-        chunk = (scores.detach().float().cpu(), labels.detach().float().cpu())
-        _pair(*chunk, "WindowedAUC.update")  # on the CPU copy: no second transfer
-        self._chunks.append(chunk)
+        # A real copy (``.float().cpu()`` of a float32 CPU tensor is the tensor itself, so a
+        # caller refilling its buffer rewrote chunks already in the window), in the scores'
+        # own dtype (float32 merged float64 scores closer than its precision into ties;
+        # integer scores stay exact, as auc() ranks them).
+        s = scores.detach().to("cpu", copy=True)
+        y = labels.detach().to("cpu", copy=True)
+        _pair(s, y, "WindowedAUC.update")  # on the CPU copy: no second transfer
+        self._chunks.append((s, y.float()))  # 0 / 1 (checked): exact in float32
 
     def state_dict(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The chunks in the window (for checkpoints)."""
@@ -322,6 +350,11 @@ class WindowedAUC:
         """The AUC over the window; NaN if empty or single-class."""
         if not self._chunks:
             return math.nan
-        s = torch.cat([c[0] for c in self._chunks])
+        scores = [c[0] for c in self._chunks]
+        # Chunks keep their dtype; mixed, they meet in float64 (torch.cat would promote
+        # int64 + float32 to float32).
+        if len({t.dtype for t in scores}) > 1:
+            scores = [t.double() for t in scores]
+        s = torch.cat(scores)
         y = torch.cat([c[1] for c in self._chunks])
         return auc(s, y)
