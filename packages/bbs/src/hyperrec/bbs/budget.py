@@ -95,16 +95,25 @@ def budget_from_costs(costs: Any, items_per_step: float) -> float:
     Raises:
         TypeError: ``costs`` not array-like of real numbers, ``items_per_step`` not a
             number.
-        ValueError: empty or invalid ``costs``, non-positive ``items_per_step``, or a
-            zero mean cost.
+        ValueError: empty or invalid ``costs``, non-positive ``items_per_step``, a
+            zero mean cost, or a budget too large for a float64.
     """
     arr = as_costs("costs", costs, ndim=1)
     if arr.size == 0:
         raise ValueError("costs must not be empty")
     per = check_float("items_per_step", items_per_step, minimum=0, exclusive=True)
-    out = float(arr.mean()) * per
+    # The mean is taken at the scale of the largest cost (a power of two, exact): summed
+    # as they are, huge finite costs (1e308) overflow to inf and the budget came out inf.
+    exponent = int(np.frexp(arr.max())[1])
+    mean = float(np.ldexp(np.ldexp(arr, -exponent).mean(), exponent))
+    out = mean * per
     if out <= 0:
         raise ValueError("costs have zero mean; a positive budget cannot be derived")
+    if not np.isfinite(out):
+        raise ValueError(
+            f"budget = mean(costs) * items_per_step = {mean!r} * {per!r} overflows a "
+            "float64; rescale the costs"
+        )
     return out
 
 
@@ -272,8 +281,27 @@ class _Buffers:
             swap_rounds=self.config.swap_rounds,
         )
         self.live &= ~taken
-        self.held = np.where(self.live, self.cost, 0.0).sum(axis=1)
+        self.held = self._arrival_order_sum()
         return taken
+
+    def _arrival_order_sum(self) -> np.ndarray:
+        """``(B,)`` buffered cost, added one item at a time in arrival order.
+
+        ``held`` decides how many items the next fill reads (``held < target``), so it
+        must not depend on which slots the items sit in: a resumed batcher re-buffers
+        its items in other slots than the interrupted run had, and numpy's pairwise
+        sum over slots then differs in the last bit, which flips the comparison at a
+        boundary and makes the resumed run read (and train) other items. Summed in
+        arrival order, it is exactly what :meth:`push` and :meth:`fill` accumulate
+        (they add items in arrival order too; adding the zeros of empty slots at the
+        end changes nothing).
+        """
+        key = np.where(self.live, self.seq, np.iinfo(np.int64).max)
+        order = np.argsort(key, axis=1, kind="stable")
+        ordered = np.take_along_axis(np.where(self.live, self.cost, 0.0), order, 1)
+        if ordered.shape[1] == 0:
+            return np.zeros(ordered.shape[0])
+        return np.cumsum(ordered, axis=1)[:, -1]
 
 
 class CostBudgetBatcher(Generic[T]):
@@ -300,7 +328,8 @@ class CostBudgetBatcher(Generic[T]):
         ``list`` of items per step, in arrival order.
 
     Raises:
-        TypeError / ValueError: invalid arguments; an invalid item cost when read.
+        TypeError / ValueError: invalid arguments; an invalid item cost when read;
+            ValueError also when a resumed source ends before the saved position.
     """
 
     def __init__(
@@ -343,7 +372,16 @@ class CostBudgetBatcher(Generic[T]):
         it = open_at(self._source, start)
         # Resume: re-read the buffered items; the ones in between were already trained.
         for seq in range(start, self._next_read):
-            item = next(it)
+            try:
+                item = next(it)
+            except StopIteration:
+                # A StopIteration escaping a generator becomes an unexplained
+                # RuntimeError (PEP 479); the cause is a source shorter than the state.
+                raise ValueError(
+                    f"source ended at item {seq}, before the saved position "
+                    f"state['next_read']={self._next_read}; a resume needs a source that "
+                    "replays the same items"
+                ) from None
             if seq in pending:
                 items[seq] = item
                 c = checked_cost(self._cost, item)
@@ -391,8 +429,9 @@ class CostBudgetBatcher(Generic[T]):
         """Resume so the next iteration yields exactly what an uninterrupted run would.
 
         Raises:
-            TypeError: ``state`` is not a dict.
-            ValueError: unknown version or inconsistent entries.
+            TypeError: ``state`` is not a dict, or an entry is not an int.
+            ValueError: unknown version or inconsistent entries (a position outside
+                the read range or buffered twice).
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
@@ -400,10 +439,26 @@ class CostBudgetBatcher(Generic[T]):
             raise ValueError(f"state version {state.get('version')!r} != {_STATE_VERSION}")
         step = check_int("state['step']", state["step"], minimum=0)
         nxt = check_int("state['next_read']", state["next_read"], minimum=0)
-        pending = [(int(s), int(r)) for s, r in state["pending"]]
+        # Each entry checked as ints (int() truncated 2.5 to 2 and let a malformed entry
+        # fail with an unnamed unpacking error), and each position buffered once (a
+        # duplicate was silently merged).
+        raw = state["pending"]
+        if not isinstance(raw, (list, tuple)) or any(
+            not isinstance(p, (list, tuple)) or len(p) != 2 for p in raw
+        ):
+            raise ValueError("state['pending'] must be a list of [arrival index, read step]")
+        pending = [
+            (check_int("state['pending']", s, minimum=0), check_int("state['pending']", r))
+            for s, r in raw
+        ]
         if any(not 0 <= s < nxt or not 0 <= r <= step for s, r in pending):
             raise ValueError("state['pending'] holds positions outside the read range")
+        if len({s for s, _ in pending}) != len(pending):
+            raise ValueError("state['pending'] holds an arrival index twice")
         if len(pending) > self.config.max_buffer_items:
             raise ValueError("state['pending'] exceeds max_buffer_items")
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        # Assigned only once every entry passed: a rejected state leaves the batcher as
+        # it was (an invalid epoch used to be found after the position was overwritten).
         self._step, self._next_read, self._pending = step, nxt, sorted(pending)
-        self._epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        self._epoch = epoch

@@ -59,14 +59,33 @@ class CostModel:
             ``(n,)`` float64 costs.
 
         Raises:
-            TypeError / ValueError: as :func:`as_costs` for ``lengths``.
+            TypeError / ValueError: as :func:`as_costs` for ``lengths``; ValueError
+                also if a cost overflows a float64.
         """
         lens = as_costs("lengths", lengths, ndim=1)
-        return self.constant + lens * (self.linear + self.quadratic * lens)
+        with np.errstate(over="ignore"):  # an overflow raises below, naming the entry
+            out = self.constant + lens * (self.linear + self.quadratic * lens)
+        # Finite lengths and coefficients can still overflow (quadratic * 1e200**2): an
+        # inf cost would only fail later, far from its cause, or poison sums silently.
+        if out.size and not np.isfinite(out).all():
+            bad = int(np.flatnonzero(~np.isfinite(out))[0])
+            raise ValueError(
+                f"lengths: entry {bad} ({lens[bad]!r}) gives a cost that overflows a float64"
+            )
+        return out
 
     def __call__(self, lengths: Any) -> float:
-        """Cost of one sub-batch given its ``(n,)`` sequence lengths (a float)."""
-        return float(self.sample_costs(lengths).sum())
+        """Cost of one sub-batch given its ``(n,)`` sequence lengths (a float).
+
+        Raises:
+            TypeError / ValueError: as :meth:`sample_costs`; ValueError also if the
+                sub-batch's total overflows a float64.
+        """
+        with np.errstate(over="ignore"):  # an overflow raises below
+            total = float(self.sample_costs(lengths).sum())
+        if not np.isfinite(total):  # finite costs whose sum overflows
+            raise ValueError("lengths: the sub-batch's total cost overflows a float64")
+        return total
 
     def from_offsets(self, offsets: Any) -> float:
         """Cost of one jagged sub-batch given its ``(B+1,)`` offsets.

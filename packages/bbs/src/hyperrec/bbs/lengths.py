@@ -33,6 +33,9 @@ class LengthDistribution:
             raise ValueError(f"kind must be lognormal, powerlaw or uniform, got {self.kind!r}")
         check_float("a", self.a, minimum=0, exclusive=True)
         check_float("b", self.b, minimum=0, exclusive=True)
+        # With low > high every draw was clipped to `high`: a constant, not uniform.
+        if self.kind == "uniform" and self.b < self.a:
+            raise ValueError(f"b (uniform high) must be >= a (low) = {self.a}, got {self.b}")
 
     def describe(self) -> str:
         """One line for tables and JSON."""

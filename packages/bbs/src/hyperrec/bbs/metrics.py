@@ -35,6 +35,10 @@ def per_step_ratios(step_costs: Any) -> tuple[np.ndarray, np.ndarray]:
     c = c[None] if c.ndim == 1 else c
     if c.shape[0] == 0 or c.shape[1] == 0:
         raise ValueError(f"step_costs must have >= 1 step and >= 1 rank, got {c.shape}")
+    # The ratios do not depend on each step's scale; taken at the scale of its own max
+    # (a power of two, so exact), huge finite costs (1e308) cannot overflow the mean's
+    # sum to inf, which read as a ratio of 0.
+    c = _power_of_two_scaled(c, axis=1)
     mean = c.mean(axis=1)
     safe = np.where(mean > 0, mean, 1.0)
     mx = np.where(mean > 0, c.max(axis=1) / safe, 1.0)
@@ -76,6 +80,10 @@ class ImbalanceStats:
         """
         c = as_costs("step_costs", step_costs, ndim=2)
         ratio, p99_ratio = per_step_ratios(c)
+        # As in per_step_ratios: sums at the scale of the largest cost (a power of two),
+        # so huge finite costs do not overflow to inf; mean_cost is scaled back.
+        exponent = _max_exponent(c)
+        c = np.ldexp(c, -exponent)
         mean, mx = c.mean(axis=1), c.max(axis=1)
         total_mean = mean.sum()
         return cls(
@@ -86,7 +94,7 @@ class ImbalanceStats:
             p99_step_excess=float(np.percentile(ratio, 99) - 1.0),
             worst_step_excess=float(ratio.max() - 1.0),
             p99_rank_over_mean=float(p99_ratio.mean()),
-            mean_cost=float(c.mean()),
+            mean_cost=float(np.ldexp(c.mean(), exponent)),
         )
 
     def reduction_vs(self, baseline: ImbalanceStats) -> float:
@@ -105,3 +113,13 @@ class ImbalanceStats:
     def as_dict(self) -> dict[str, float | int]:
         """Plain dict (JSON-ready)."""
         return asdict(self)
+
+
+def _max_exponent(c: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """Binary exponent ``e`` of the largest entry (``max < 2**e``; 0 where all are 0)."""
+    return np.frexp(c.max(axis=axis, keepdims=axis is not None))[1]
+
+
+def _power_of_two_scaled(c: np.ndarray, axis: int) -> np.ndarray:
+    """``c`` divided along ``axis`` by a power of two that brings its max into [0.5, 1)."""
+    return np.ldexp(c, -_max_exponent(c, axis))

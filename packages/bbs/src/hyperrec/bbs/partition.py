@@ -34,7 +34,7 @@ import numpy as np
 
 from hyperrec.bbs._validate import as_costs, check_choice, check_int
 
-__all__ = ["METHODS", "balance", "part_loads"]
+__all__ = ["METHODS", "balance", "part_loads", "rescaled"]
 
 METHODS = ("auto", "snake", "lpt", "kk", "lpt_swap", "kk_swap")
 
@@ -89,6 +89,7 @@ def balance_batched(
     k = n // m
     if n == 0 or b == 0:
         return np.zeros((b, m, k), dtype=np.int64)
+    costs = rescaled(costs)
     if method == "auto":
         method = "kk_swap"
     base = method.removesuffix("_swap")
@@ -103,6 +104,21 @@ def balance_batched(
         swaps = min(4 * m, 256) if max_swaps is None else max_swaps
         _swap_refine(costs, members, swaps)
     return _canonical(members)
+
+
+def rescaled(costs: np.ndarray) -> np.ndarray:
+    """``costs (B, n)`` with each row divided by the power of two that brings its max
+    into ``[0.5, 1)`` (rows of zeros unchanged).
+
+    Every decision here compares sums of costs, and those comparisons do not depend on
+    the scale; a power of two rescales exactly (but for subnormal results), so plans are
+    unchanged, except that sums of huge finite costs (near 1e308) no longer overflow
+    to inf, where every part looked equally loaded and balancing silently stopped.
+    """
+    if costs.size == 0:
+        return costs
+    exponent = np.frexp(costs.max(axis=1, keepdims=True))[1]
+    return np.ldexp(costs, -exponent)
 
 
 def part_loads(costs: np.ndarray, members: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hyperrec.bbs._validate import as_costs, check_choice, check_int
-from hyperrec.bbs.partition import METHODS, balance_batched
+from hyperrec.bbs.partition import METHODS, balance_batched, rescaled
 
 __all__ = ["global_shuffle_plan", "natural_steps", "shuffle_plan"]
 
@@ -131,6 +131,7 @@ def plan_windows(costs: np.ndarray, k: int, w: int, *, method: str = "auto") -> 
     natural = np.broadcast_to(np.arange(w * k).reshape(w, k), (b, w, k))
     if w == 1:
         return natural.copy()
+    costs = rescaled(costs)  # exact; keeps the step sums below from overflowing
     plan = _order_steps(balance_batched(costs, w, method=method))
     # Never move data when it does not help: keep arrival order wherever it is already
     # at least as balanced (e.g. equal costs), which keeps every delay at zero there.
@@ -146,6 +147,7 @@ def plan_global_windows(
 ) -> np.ndarray:
     """Batched global plans: ``costs (B, w*r*k)`` -> ``(B, w, r, k)`` (step, rank) members."""
     b = costs.shape[0]
+    costs = rescaled(costs)  # exact; keeps the part sums below from overflowing
     parts = balance_batched(costs, w * r, method=method)
     # Heaviest parts share a step: a step lasts as long as its heaviest part, so
     # grouping parts by load minimises the summed step time of the window (any
@@ -157,13 +159,19 @@ def plan_global_windows(
 
 def plan_partial_window(costs: np.ndarray, k: int, *, method: str = "auto") -> list[np.ndarray]:
     """Plan a short last window of ``n < W*k`` items: ``ceil(n / k)`` steps, the last
-    ones possibly short. Zero-cost placeholders pad to a multiple of ``k`` and are
-    dropped afterwards, so every real item appears exactly once."""
+    ones possibly short (step sizes never increase). Zero-cost placeholders pad to a
+    multiple of ``k`` and are dropped afterwards, so every real item appears exactly
+    once."""
     n = costs.size
     steps = -(-n // k)
     padded = np.concatenate([costs, np.zeros(steps * k - n)])
     plan = plan_windows(padded[None], k, steps, method=method)[0]
-    return [row[row < n] for row in plan]
+    rows = [row[row < n] for row in plan]
+    # The balanced plan may put a placeholder in any step, which left a short step in
+    # the middle of the window; as documented, full steps come first and the short
+    # ones last, longest first (a stable reorder of whole steps inside the window:
+    # balance and the delay bound are unchanged).
+    return sorted(rows, key=lambda row: -row.size)
 
 
 def _step_loads(costs: np.ndarray, plan: np.ndarray) -> np.ndarray:

@@ -280,6 +280,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
             "window_steps": self.window_steps,
             "num_samples": int(self._costs.size),
             "segments": [list(seg) for seg in self._segments],
+            "shuffle": self.shuffle,
+            "method": self.method,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -294,8 +296,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
         Raises:
             TypeError: ``state`` is not a dict.
-            ValueError: version mismatch; another seed, mode, sub-batch size or dataset
-                size; ``step`` out of range.
+            ValueError: version mismatch; another seed, mode, shuffle, method, sub-batch
+                size or dataset size; ``step`` out of range.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict, got {type(state).__name__}")
@@ -307,6 +309,13 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 raise ValueError(
                     f"state has {key}={state.get(key)!r}, this sampler has {mine[key]!r}"
                 )
+        # `shuffle` picks the epoch's order and `method` the plans, like `seed`: resumed
+        # under another value, the remaining steps (and the replay of earlier layouts)
+        # follow another order, training some samples twice and others never, silently.
+        # States saved before these keys existed lack them and are taken on trust.
+        for key in ("shuffle", "method"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(f"state has {key}={state[key]!r}, this sampler has {mine[key]!r}")
         shape = {}
         for key in ("world_size", "sub_batches_per_step", "window_steps"):
             shape[key] = check_int(f"state[{key!r}]", state.get(key), minimum=1)
@@ -325,7 +334,6 @@ class BalancedBatchSampler(Sampler[list[int]]):
             and shape["sub_batches_per_step"] == self.sub_batches_per_step
             and shape["window_steps"] == self.window_steps
         )
-        self.epoch = epoch
         if not same_shape and step > 0:
             # What the saved layout trained becomes one more replayed segment.
             segments = [
@@ -333,9 +341,20 @@ class BalancedBatchSampler(Sampler[list[int]]):
                 (shape["world_size"], shape["sub_batches_per_step"], shape["window_steps"], step),
             ]
             step = 0
-        self._set_segments(segments)
-        if step > self._steps:
-            raise ValueError(f"state['step'] must be <= {self._steps}, got {step}")
+        # The replay below is what validates the segments and the step, and it needs the
+        # new epoch in place. A rejected state must leave the sampler as it was: before,
+        # it kept the state's epoch (a caller that caught the error and went on trained
+        # another epoch's order) or segments that raised at every later iteration.
+        previous = (self.epoch, self._step, list(self._segments))
+        self.epoch = epoch
+        try:
+            self._set_segments(segments)
+            if step > self._steps:
+                raise ValueError(f"state['step'] must be <= {self._steps}, got {step}")
+        except BaseException:
+            self.epoch, self._step = previous[0], previous[1]
+            self._set_segments(previous[2])
+            raise
         self._step = step
 
 

@@ -184,7 +184,8 @@ class BalancedShuffler(Generic[T]):
         """Resume so the next iteration yields exactly the steps not yet yielded.
 
         Raises:
-            ValueError: the state comes from another window shape or version.
+            ValueError: the state comes from another window shape or version, or its
+                position is not one this shape can reach (a step beyond the window).
             TypeError: ``state`` is not a mapping with int entries.
         """
         if not isinstance(state, dict):
@@ -198,9 +199,24 @@ class BalancedShuffler(Generic[T]):
                     f"{getattr(self.config, key)}; a window plan cannot be resumed "
                     "under another shape"
                 )
-        self._window_start = check_int("state['window_start']", state["window_start"], minimum=0)
-        self._steps_done = check_int(
-            "state['steps_done_in_window']", state["steps_done_in_window"], minimum=0
+        start = check_int("state['window_start']", state["window_start"], minimum=0)
+        done = check_int("state['steps_done_in_window']", state["steps_done_in_window"], minimum=0)
+        # A window has at most W steps, and a window with steps already yielded starts
+        # at a multiple of W * k. Out of range, the old checks let a resume silently skip
+        # whole windows or plan windows shifted against the saved run's.
+        w, per_window = (
+            self.config.window_steps,
+            self.config.window_steps * (self.config.sub_batches_per_step),
         )
-        self._step = check_int("state['step']", state["step"], minimum=0)
-        self._epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        if done >= w:
+            raise ValueError(f"state['steps_done_in_window'] must be < {w}, got {done}")
+        if done and start % per_window:
+            raise ValueError(
+                f"state['window_start'] must be a multiple of window_steps * "
+                f"sub_batches_per_step = {per_window} mid-window, got {start}"
+            )
+        step = check_int("state['step']", state["step"], minimum=0)
+        epoch = check_int("state['epoch']", state["epoch"], minimum=0)
+        # Assigned only once every entry passed: a rejected state leaves the shuffler as
+        # it was (it used to keep the entries checked before the bad one).
+        self._window_start, self._steps_done, self._step, self._epoch = start, done, step, epoch
