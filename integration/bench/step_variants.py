@@ -135,6 +135,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     tflop = [m["step_tflop"] for m in timed]
     batch = preset.train.global_batch_size
     mfu = [m["mfu"] for m in timed if m.get("mfu") is not None]
+    gaps = [m["gpu_gap_s"] for m in timed if m.get("gpu_gap_s") == m.get("gpu_gap_s")]
+    dry = [m["gpu_dry_at_launch"] for m in timed if m.get("gpu_dry_at_launch") in (0.0, 1.0)]
     return {
         "build_s": build_s,
         "median_step_s": statistics.median(times),
@@ -145,6 +147,11 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "median_mfu": statistics.median(mfu) if mfu else None,
         "launch_step_s_median": statistics.median(launch[args.warmup :]),
         "finish_step_s_median": statistics.median(finish[args.warmup :]) if finish else None,
+        # GPU idle between steps (the previous step's end to this one's start, on the GPU's
+        # clock) and the share of steps whose queue had run dry when the host began them:
+        # both near 0 when the GPU is the bottleneck
+        "gpu_gap_s_median": statistics.median(gaps) if gaps else None,
+        "gpu_dry_at_launch_fraction": sum(dry) / len(dry) if dry else None,
         "peak_memory_gb": peak,
         "allocator_per_step": counter_delta(alloc.get("before", {}), alloc["after"], args.steps),
         "switch_interval_s": sys.getswitchinterval(),
@@ -223,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"launch {record['launch_step_s_median'] * 1e3:.1f} ms, finish "
                   f"{record['finish_step_s_median'] * 1e3:.1f} ms, "
                   f"{record['requests_per_s']:.0f} req/s", flush=True)  # fmt: skip
+            if record.get("gpu_gap_s_median") is not None:
+                print(" " * 16 + f"GPU idle between steps {record['gpu_gap_s_median'] * 1e3:.2f} ms "
+                      f"(median); queue ran dry before {record['gpu_dry_at_launch_fraction']:.0%} "
+                      "of the steps")  # fmt: skip
             late = record.get("triton_jit_in_timed_steps")
             if late:
                 print(" " * 16 + f"{len(late)} Triton kernel(s) compiled in timed steps: "

@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -70,6 +71,25 @@ def test_resume_is_exact(micro, tmp_path):
     assert rc.metrics["final"] == ra.metrics["final"]
     pa, pc = _params(a), _params(c)
     assert all(torch.equal(pa[k], pc[k]) for k in pa)
+
+
+def test_resume_from_a_checkpoint_without_newer_history_keys(micro, tmp_path, monkeypatch):
+    # A run checkpointed by a trainer that did not record the GPU idle keys yet resumes:
+    # their steps get NaN, so every history list keeps one entry per recorded step.
+    import hyperrec.integration.trainer as trainer_mod
+
+    preset = _with(micro, steps=8, ckpt_every=4, log_every=1)
+    keys = trainer_mod._HISTORY_KEYS
+    older = tuple(k for k in keys if not k.startswith("gpu_"))
+    assert len(older) == len(keys) - 2
+    monkeypatch.setattr(trainer_mod, "_HISTORY_KEYS", older)
+    Trainer(preset, out_dir=tmp_path, progress=False).fit(stop_after=5, plot=False)
+    monkeypatch.setattr(trainer_mod, "_HISTORY_KEYS", keys)
+    history = Trainer(preset, resume=tmp_path, progress=False).fit(plot=False).metrics["history"]
+    assert history["step"] == list(range(1, 9))
+    for key in ("gpu_gap_s", "gpu_dry_at_launch"):  # NaN (null in JSON) on a CPU
+        assert len(history[key]) == 8
+        assert all(x is None or math.isnan(x) for x in history[key])
 
 
 def test_resume_refuses_a_different_run(micro, tmp_path):

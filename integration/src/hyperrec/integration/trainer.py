@@ -158,6 +158,8 @@ _HISTORY_KEYS = (
     "step_tflop",
     "tflops_per_gpu",
     "mfu",
+    "gpu_gap_s",
+    "gpu_dry_at_launch",
     "skipped",
 )
 
@@ -217,6 +219,9 @@ class PendingStep:
     start: Any  # CUDA event, or host time
     end: Any  # CUDA event, or host time
     previous_end: Any  # the previous step's end event when steps ran back to back
+    # CUDA: whether the GPU had already finished the previous step when the host began
+    # queuing this one (it then waited for the host); None on a CPU or for a first step
+    gpu_dry_at_launch: bool | None = None
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -994,6 +999,9 @@ class Trainer:
         t0 = time.perf_counter()
         dev = self.ctx.device
         cuda = dev.type == "cuda"
+        # cudaEventQuery: no wait. True means the GPU ran out of queued work before the
+        # host started on this step (a host- or input-bound step).
+        dry = self._last_end.query() if cuda and self._last_end is not None else None
         loaded = self.loader.next()
         batch, host = loaded.batch, loaded.host
         step = self.step + 1
@@ -1089,6 +1097,7 @@ class Trainer:
             start=start if cuda else t0,
             end=end,
             previous_end=self._last_end,
+            gpu_dry_at_launch=dry,
         )
         # Start building/copying the next batch now, behind this step's device work.
         self.loader.prefetch()
@@ -1146,10 +1155,15 @@ class Trainer:
                 and the first module, in backward order, whose gradient was non-finite.
         """
         cfg = self.preset.train
+        gap = math.nan
         if isinstance(p.end, torch.cuda.Event):
             p.end.synchronize()
             since = p.previous_end if p.previous_end is not None else p.start
             elapsed = since.elapsed_time(p.end) / 1e3
+            if p.previous_end is not None:
+                # GPU time between the previous step's last work and this step's first:
+                # idle while the host (or the input copy) had not queued this step yet
+                gap = p.previous_end.elapsed_time(p.start) / 1e3
         else:
             elapsed = float(p.end) - float(p.start)
         values = p.readout.tolist()
@@ -1211,6 +1225,10 @@ class Trainer:
             "step_tflop": step_flops / 1e12,
             "tflops_per_gpu": tflops,
             "mfu": tflops / self.peak_tflops if self.peak_tflops else math.nan,
+            "gpu_gap_s": gap,
+            "gpu_dry_at_launch": (
+                math.nan if p.gpu_dry_at_launch is None else float(p.gpu_dry_at_launch)
+            ),
             "skipped": float(p.skipped),
         }
         if self.on_step is not None:
@@ -1479,6 +1497,9 @@ class Trainer:
             self._restore_autoac(None if reshard else state.get("autoac"))
         self.step = meta["step"]
         self.history = meta["history"]
+        # A checkpoint written before a history key existed: NaN for its steps.
+        for key in _HISTORY_KEYS:
+            self.history.setdefault(key, [math.nan] * len(self.history.get("step", [])))
         self.evals = meta["evals"]
         self.rank_costs = meta["rank_costs"]
         self.train_time_s = meta["train_time_s"]
