@@ -242,12 +242,18 @@ class _Lookup(torch.autograd.Function):
                 # optimizer step for its tables (SparseAdam's rule for a missing grad).
                 continue
             storage = module._storage[g]
-            # The used flags travel with the gradients as one more column: an owned row is
-            # used if a used feature on any rank looked it up.
-            flags = ctx.touched[g].to(storage.dtype).unsqueeze(1)
-            payload = torch.cat([grads[g].to(storage.dtype), flags], dim=1)
-            routed = route_grads(payload, records, module.comm_stats)
-            used_rows, summed = routed[:, -1] > 0, routed[:, :-1]
+            if records:
+                # The used flags travel with the gradients as one more column: an owned
+                # row is used if a used feature on any rank looked it up.
+                flags = ctx.touched[g].to(storage.dtype).unsqueeze(1)
+                payload = torch.cat([grads[g].to(storage.dtype), flags], dim=1)
+                routed = route_grads(payload, records, module.comm_stats)
+                used_rows, summed = routed[:, -1] > 0, routed[:, :-1]
+            else:
+                # Nothing travels (one rank): the same values without the column's
+                # concatenation and the copies of the strided slice.
+                used_rows = ctx.touched[g]
+                summed = route_grads(grads[g].to(storage.dtype), records, module.comm_stats)
             if module.sync_free:
                 # unused rows -> the one-past-the-end padding row the optimizers skip
                 local = torch.where(used_rows, local, storage.shape[0])
