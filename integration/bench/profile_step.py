@@ -113,34 +113,54 @@ def _site(e: Any, depth: int = 4) -> str:
     return " < ".join(names) or "(no enclosing op: a direct runtime call)"
 
 
-def _origin(e: Any) -> str:
-    """What launched a kernel: the innermost ATen op above its runtime call and, with
-    ``--stacks``, the innermost hyperrec frame ("op @ hyperrec/.../file.py(line): fn")."""
-    op, frame, p = "", "", e
-    while p is not None and not (op and frame):
-        name = p.name or ""
-        if not op and name.startswith("aten::"):
-            op = name
-        # Python frames: as parent events, or (with_stack) as the op's recorded stack
-        for where in [name, *(getattr(p, "stack", None) or [])]:
-            if not frame and "hyperrec/" in where and ".py(" in where:
-                frame = where[where.rindex("hyperrec/") :][:120]
-        p = p.cpu_parent
-    return f"{op or '?'} @ {frame}" if frame else (op or "?")
+def _is_frame(name: str) -> bool:
+    return "hyperrec/" in name and ".py(" in name
+
+
+def _origins(events: list[Any]) -> dict[int, str]:
+    """For each CPU event that launched kernels (a runtime call): the innermost ATen op
+    and, with ``--stacks``, the innermost hyperrec frame whose time span contains it on
+    the same thread ("op @ hyperrec/.../file.py(line): fn"; "?" where there is neither:
+    e.g. an Inductor kernel launched from generated code outside any hyperrec frame).
+    Found by containment, not the profiler's parent links, which on a GPU left the
+    runtime calls of the compiled regions with no parent."""
+    threads: dict[Any, list[Any]] = {}
+    for e in events:
+        name = e.name or ""
+        if name.startswith("aten::") or _is_frame(name) or getattr(e, "kernels", None):
+            threads.setdefault(getattr(e, "thread", 0), []).append(e)
+    out: dict[int, str] = {}
+    for evs in threads.values():
+        # enclosing spans first: by start, then the longer one, launches last
+        evs.sort(key=lambda e: (e.time_range.start, -e.time_range.end,
+                                bool(getattr(e, "kernels", None))))  # fmt: skip
+        stack: list[Any] = []
+        for e in evs:
+            while stack and stack[-1].time_range.end <= e.time_range.start:
+                stack.pop()
+            if getattr(e, "kernels", None):
+                op = next((x.name for x in reversed(stack) if x.name.startswith("aten::")), "")
+                frame = next((x.name for x in reversed(stack) if _is_frame(x.name)), "")
+                frame = frame[frame.rindex("hyperrec/") :][:120] if frame else ""
+                out[id(e)] = f"{op or '?'} @ {frame}" if frame else (op or "?")
+            if (e.name or "").startswith("aten::") or _is_frame(e.name or ""):
+                stack.append(e)
+    return out
 
 
 def _by_origin(
     events: list[Any], categories: tuple[str, ...], top: int = 30
 ) -> list[dict[str, Any]]:
     """Device time of the kernels in ``categories`` per launching op / model line: which
-    code the element-wise work and the copies come from (kernels are attached to the
-    runtime call that launched them, whose parents are the op and the Python frames)."""
+    code the element-wise work and the copies come from (each kernel is attached to the
+    runtime call that launched it; see :func:`_origins`)."""
+    origins = _origins(events)
     acc: dict[tuple[str, str], list[float]] = {}
     for e in events:
         for k in getattr(e, "kernels", ()) or ():
             cat = categorize(k.name)
             if cat in categories:
-                slot = acc.setdefault((cat, _origin(e)), [0.0, 0])
+                slot = acc.setdefault((cat, origins.get(id(e), "?")), [0.0, 0])
                 slot[0] += k.duration
                 slot[1] += 1
     rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]

@@ -251,6 +251,44 @@ def test_profile_summary_skips_annotations_and_names_blocking_call_sites():
     }
 
 
+def test_profile_attributes_kernels_to_the_enclosing_op_and_model_line():
+    from types import SimpleNamespace
+
+    def ev(name, start, end, thread=1, kernels=()):
+        return SimpleNamespace(
+            name=name,
+            time_range=SimpleNamespace(start=start, end=end),
+            thread=thread,
+            kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+            cpu_parent=None,  # the GPU profiles left runtime calls without parents
+        )
+
+    events = [
+        ev("hyperrec/integration/model.py(380): forward", 0, 100),
+        ev("aten::add_", 10, 20),
+        ev("cudaLaunchKernel", 12, 13, kernels=[("vectorized_elementwise_kernel add", 5.0)]),
+        ev("aten::cat", 30, 40),
+        ev("cudaLaunchKernel", 31, 32, kernels=[("CatArrayBatchedCopy", 7.0)]),
+        # an Inductor kernel inside the frame but outside any ATen op
+        ev("cuLaunchKernelEx", 50, 51, kernels=[("triton_poi_fused_silu_0", 2.0)]),
+        # after the frame ended, and on another thread (the autograd engine's)
+        ev("cuLaunchKernelEx", 150, 151, kernels=[("triton_poi_fused_add_1", 1.0)]),
+        ev("aten::mul", 0, 500, thread=2),
+        ev("cudaLaunchKernel", 200, 201, thread=2, kernels=[("elementwise mul", 3.0)]),
+        ev("cudaLaunchKernel", 60, 61, kernels=[("nvjet_gemm", 9.0)]),  # not counted
+    ]
+    rows = {(r["category"], r["origin"]): (r["ms"], r["launches"])
+            for r in profile_step._by_origin(events, ("elementwise", "copies"))}  # fmt: skip
+    frame = "hyperrec/integration/model.py(380): forward"
+    assert rows == {
+        ("elementwise", f"aten::add_ @ {frame}"): (0.005, 1),
+        ("copies", f"aten::cat @ {frame}"): (0.007, 1),
+        ("elementwise", f"? @ {frame}"): (0.002, 1),
+        ("elementwise", "?"): (0.001, 1),
+        ("elementwise", "aten::mul"): (0.003, 1),
+    }
+
+
 def test_step_variant_parsing():
     assert step_variants.parse_variant("base=") == ("base", [], {})
     assert step_variants.parse_variant("v=train.compile=off,@FOO=1,train.a=b") == (
