@@ -149,21 +149,24 @@ def _origins(events: list[Any]) -> dict[int, str]:
 
 
 def _by_origin(
-    events: list[Any], categories: tuple[str, ...], top: int = 30
+    events: list[Any], categories: tuple[str, ...] | None, top: int = 30, by: str = "ms"
 ) -> list[dict[str, Any]]:
-    """Device time of the kernels in ``categories`` per launching op / model line: which
-    code the element-wise work and the copies come from (each kernel is attached to the
-    runtime call that launched it; see :func:`_origins`)."""
+    """Device time and launches of the kernels in ``categories`` (None: all) per
+    (category, launching op / model line), the ``top`` rows by ``by`` ("ms" or
+    "launches"): which code the element-wise work and the copies come from, and which
+    launches the most kernels (each kernel is attached to the runtime call that launched
+    it; see :func:`_origins`)."""
     origins = _origins(events)
     acc: dict[tuple[str, str], list[float]] = {}
     for e in events:
         for k in getattr(e, "kernels", ()) or ():
             cat = categorize(k.name)
-            if cat in categories:
+            if categories is None or cat in categories:
                 slot = acc.setdefault((cat, origins.get(id(e), "?")), [0.0, 0])
                 slot[0] += k.duration
                 slot[1] += 1
-    rows = sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]
+    rank = 0 if by == "ms" else 1
+    rows = sorted(acc.items(), key=lambda kv: -kv[1][rank])[:top]
     return [
         {"category": c, "origin": o, "ms": us / 1e3, "launches": int(n)} for (c, o), (us, n) in rows
     ]
@@ -234,9 +237,10 @@ def _summarize(prof: Any, cuda: bool) -> dict[str, Any]:
     ]
     out["time_basis"] = "device kernel time" if device else "CPU self time of ops"
     if device:
-        out["elementwise_and_copies_by_origin"] = _by_origin(
-            [e for e in events if e.device_type == DeviceType.CPU], ("elementwise", "copies")
-        )
+        cpu = [e for e in events if e.device_type == DeviceType.CPU]
+        out["elementwise_and_copies_by_origin"] = _by_origin(cpu, ("elementwise", "copies"))
+        # which code launches the most kernels (each launch costs host time and a gap)
+        out["launches_by_origin"] = _by_origin(cpu, None, top=40, by="launches")
     return out
 
 

@@ -287,6 +287,8 @@ def test_profile_attributes_kernels_to_the_enclosing_op_and_model_line():
         ("elementwise", "?"): (0.001, 1),
         ("elementwise", "aten::mul"): (0.003, 1),
     }
+    most = profile_step._by_origin(events + events[2:3], None, top=2, by="launches")
+    assert [(r["origin"], r["launches"]) for r in most][0] == (f"aten::add_ @ {frame}", 2)
 
 
 def test_step_variant_parsing():
