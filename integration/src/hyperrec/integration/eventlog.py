@@ -21,10 +21,13 @@ standardised with the training split's mean and standard deviation.
 ``test_fraction`` of the events (by time) in test and the ``valid_fraction`` before
 them in validation, so every evaluated event happens after every training event.
 Events at exactly a cutoff time go to the later split, so the fractions are met up to
-ties. ``split="user"``: the last ``round(n * test_fraction)`` of each user's ``n`` events
-are test and the ``round(n * valid_fraction)`` before them validation (a user with one
-event keeps it in training). Histories always reach back across splits: a test event's
-history holds the user's earlier training and validation events.
+ties. ``split="user"``: the last ``floor(n * test_fraction + 1/2)`` of each user's ``n``
+events are test and the events before them up to the last
+``floor(n * (valid_fraction + test_fraction) + 1/2)`` validation (halves round up, and the
+two fractions are rounded together: 5 events at 0.1 / 0.1 give 1 test event and no
+validation event); a user with one event keeps it in training. Histories always reach
+back across splits: a test event's history holds the user's earlier training and
+validation events.
 
 **Vocabulary**: raw ids are remapped to dense ids ``1..K`` in order of first appearance,
 counting only ids that occur in the *training* split; every other id (an item only in
@@ -78,7 +81,9 @@ EVENT_DENSE_FEATURES = (
 )
 """The dense features every event-log request has (extra numeric columns follow)."""
 
-_FORMAT_VERSION = 1
+# 2: split membership, row order and time parsing fixed; version 1 preparations are
+# redone rather than reused.
+_FORMAT_VERSION = 2
 _CHUNK_ROWS = 1 << 20
 _CSV_BLOCK_BYTES = 1 << 25
 _SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -150,7 +155,8 @@ def _input_files(cfg: EventLogConfig) -> list[tuple[Path, str]]:
 
 
 def _csv_header(path: Path) -> list[str]:
-    with open(path, newline="", encoding="utf-8") as fh:
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first name.
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         try:
             header = next(csv.reader(fh))
         except StopIteration:
@@ -167,10 +173,14 @@ def _check_columns(path: Path, present: list[str], cfg: EventLogConfig) -> None:
                 f"{path}: missing column {c!r} (the file has {', '.join(map(repr, present))}); "
                 "set the EventLogConfig column names to match"
             )
+        # A header naming a needed column twice is ambiguous: the readers would silently
+        # take the first of the two.
+        if present.count(c) > 1:
+            raise EventLogError(f"{path}: the header names the column {c!r} twice")
 
 
 def _chunks_python_csv(path: Path, columns: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
-    with open(path, newline="", encoding="utf-8") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.reader(fh)
         header = [h.strip() for h in next(reader)]
         index = [header.index(c) for c in columns]
@@ -199,21 +209,30 @@ def _columns_of(
     return {c: np.array([r[i] for r in rows], dtype=str) for c, i in zip(columns, index)}
 
 
-def _chunks_pyarrow_csv(path: Path, columns: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+def _chunks_pyarrow_csv(
+    path: Path, columns: tuple[str, ...], header: list[str]
+) -> Iterator[dict[str, Any]]:
     pa = _require_pyarrow("reading CSV with reader='pyarrow'")
     import pyarrow.csv as pacsv
 
     # Everything as text: ids are never parsed (so "007" stays "007"), and numbers are
     # converted by us, with an error that names the file, the column and the value.
-    reader = pacsv.open_csv(
-        str(path),
-        read_options=pacsv.ReadOptions(block_size=_CSV_BLOCK_BYTES),
-        convert_options=pacsv.ConvertOptions(
-            include_columns=list(columns),
-            column_types={c: pa.string() for c in columns},
-            strings_can_be_null=False,
-        ),
-    )
+    # The column names are the header as the Python reader reads it (names stripped of
+    # spaces), so both engines accept the same files.
+    try:
+        reader = pacsv.open_csv(
+            str(path),
+            read_options=pacsv.ReadOptions(
+                block_size=_CSV_BLOCK_BYTES, column_names=header, skip_rows=1
+            ),
+            convert_options=pacsv.ConvertOptions(
+                include_columns=list(columns),
+                column_types={c: pa.string() for c in columns},
+                strings_can_be_null=False,
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowKeyError) as err:
+        raise EventLogError(f"{path}: {err}") from None
     try:
         for rb in reader:
             if rb.num_rows:
@@ -244,12 +263,13 @@ def _read_chunks(path: Path, fmt: str, cfg: EventLogConfig) -> Iterator[dict[str
     if fmt == "parquet":
         yield from _chunks_parquet(path, cfg)
         return
-    _check_columns(path, _csv_header(path), cfg)
+    header = _csv_header(path)
+    _check_columns(path, header, cfg)
     engine = cfg.reader
     if engine == "auto":
         engine = "pyarrow" if _have_pyarrow() else "python"
     if engine == "pyarrow":
-        yield from _chunks_pyarrow_csv(path, columns)
+        yield from _chunks_pyarrow_csv(path, columns, header)
     else:
         yield from _chunks_python_csv(path, columns)
 
@@ -289,8 +309,17 @@ def _is_number(v: Any) -> bool:
 def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.ndarray:
     """int64 (when every value is an integer) or float64 numpy array of a chunk column.
 
-    A Parquet timestamp column is read as integer ``time_unit`` units."""
+    A Parquet timestamp, date or duration column is read as integer ``time_unit`` units
+    (exactly: a null, or a value that does not fit the unit, is an error)."""
     if isinstance(values, np.ndarray):
+        # numpy parses text with Python's int(), which reads "1_000" as 1000; pyarrow
+        # rejects it. Reject it here too, so both CSV engines read a file the same way.
+        under = np.flatnonzero(np.char.find(values, "_") >= 0)
+        if under.size:
+            i = int(under[0])
+            raise EventLogError(
+                f"{where} must be numeric, got {str(values[i])!r} at data row {row0 + i + 1}"
+            )
         try:
             return values.astype(np.int64)
         except (ValueError, OverflowError):
@@ -307,8 +336,22 @@ def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.
     import pyarrow.compute as pc
 
     t = values.type
-    if pa.types.is_timestamp(t):
-        values = pc.cast(values, pa.timestamp(time_unit), safe=False)
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t):
+        # Temporal types carry their own unit. An unsafe cast used to turn a null into
+        # INT64_MIN, truncate timestamp[ms] to whole seconds (events in one second then
+        # became "simultaneous" and vanished from each other's histories) and wrap on
+        # overflow; a date64 (milliseconds) was read as seconds. Convert exactly or fail.
+        if values.null_count:
+            i, _ = _first_bad(values.to_pylist(), lambda v: v is not None)
+            raise EventLogError(f"{where} must be a time, got a null at data row {row0 + i + 1}")
+        target = pa.duration(time_unit) if pa.types.is_duration(t) else pa.timestamp(time_unit)
+        try:
+            values = pc.cast(values, target)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+            raise EventLogError(
+                f"{where} is {t} and cannot be converted exactly to time_unit "
+                f"{time_unit!r} ({err}); set EventLogConfig.time_unit to a finer unit"
+            ) from None
         return values.cast(pa.int64()).to_numpy(zero_copy_only=False).astype(np.int64)
     if pa.types.is_boolean(t) or pa.types.is_integer(t):
         if values.null_count:
@@ -319,6 +362,9 @@ def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.
         return values.cast(pa.float64()).to_numpy(zero_copy_only=False)
     if pa.types.is_dictionary(t):
         values = values.dictionary_decode()
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        # Surrounding spaces, as the Python reader (numpy) accepts them: " 1" is 1.
+        values = pc.utf8_trim_whitespace(values)
     try:
         return pc.cast(values, pa.int64()).to_numpy().astype(np.int64)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -326,7 +372,17 @@ def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.
     try:
         return pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        i, v = _first_bad(values.to_pylist(), _is_number)
+        # The first value pyarrow cannot cast (Python's float() accepts more, so asking
+        # it named no value: "got None at data row 0"), by bisection.
+        lo, hi = 0, len(values)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                pc.cast(values.slice(lo, mid - lo), pa.float64())
+                lo = mid
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                hi = mid
+        i, v = lo, values[lo].as_py()
         raise EventLogError(
             f"{where} must be numeric, got {v!r} at data row {row0 + i + 1}"
         ) from None
@@ -340,6 +396,19 @@ class _Encoder:
         self.codes: dict[str, int] = {}
 
     def encode(self, values: Any, row0: int) -> np.ndarray:
+        if not isinstance(values, np.ndarray):
+            import pyarrow as pa
+            import pyarrow.compute as pc
+
+            # A float id column (Parquet) marks missing ids with NaN, which the cast to
+            # text used to turn into the id "nan": every missing id one user or item.
+            if pa.types.is_floating(values.type):
+                nan = pc.fill_null(pc.is_nan(values), False).to_numpy(zero_copy_only=False)
+                if nan.any():
+                    i = int(np.flatnonzero(nan)[0])
+                    raise EventLogError(
+                        f"{self.where} has a missing id (NaN) at data row {row0 + i + 1}"
+                    )
         values = _as_text(values)
         if isinstance(values, np.ndarray):
             uniq, first, inverse = np.unique(values, return_index=True, return_inverse=True)
@@ -372,11 +441,32 @@ def _as_numpy_text(values: Any) -> np.ndarray:
 
 
 # -- preparation ------------------------------------------------------------------------
+_DIGEST_WHOLE = 1 << 20
+_DIGEST_EDGE = 1 << 18
+
+
+def _content_digest(path: Path, size: int) -> str:
+    """sha256 of the file (of its first and last 256 KiB above 1 MiB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if size <= _DIGEST_WHOLE:
+            h.update(fh.read())
+        else:
+            h.update(fh.read(_DIGEST_EDGE))
+            fh.seek(size - _DIGEST_EDGE)
+            h.update(fh.read(_DIGEST_EDGE))
+    return h.hexdigest()
+
+
 def _input_signature(files: list[tuple[Path, str]]) -> list[list[Any]]:
     out = []
     for f, fmt in files:
         st = f.stat()
-        out.append([str(f.resolve()), fmt, st.st_size, st.st_mtime_ns])
+        # Size and mtime alone let a rewritten file with the same size and an equal
+        # mtime (coarse clocks, `touch -r`, `cp -p`, restored backups) reuse the stale
+        # preparation silently; a digest of the content (its ends, for big files) does not.
+        digest = _content_digest(f, st.st_size)
+        out.append([str(f.resolve()), fmt, st.st_size, st.st_mtime_ns, digest])
     return out
 
 
@@ -390,10 +480,12 @@ def _preparation_key(cfg: EventLogConfig, files: list[tuple[Path, str]]) -> dict
     return json.loads(json.dumps(key))  # as it reads back from prepared.json
 
 
-def _kth(values: np.ndarray, k: int) -> float:
+def _kth(values: np.ndarray, k: int) -> Any:
     if k >= values.shape[0]:
         return math.inf
-    return float(np.partition(values, k)[k])
+    # The value in the column's own dtype: float() rounded int64 nanosecond times to
+    # multiples of 256 ns, so events strictly before the cutoff could land after it.
+    return np.partition(values, k)[k]
 
 
 def _remap_known(
@@ -422,7 +514,7 @@ def prepare_event_log(
     Streams every input file in chunks, encodes ids, sorts by (user, time), assigns
     splits, remaps ids to the training vocabulary and writes ``.npy`` columns, the
     vocabularies and ``prepared.json`` into ``cache_dir``. A preparation already there
-    with the same inputs (paths, sizes, modification times) and the same
+    with the same inputs (paths, sizes, modification times, content digests) and the same
     preparation-relevant config is reused unless ``force``. The directory is written
     under a temporary name and renamed when complete, so a crash leaves no half cache.
 
@@ -434,7 +526,8 @@ def prepare_event_log(
         EventLogError: an empty file or log, a missing column, a non-numeric timestamp,
             a label that is not 0/1 (without ``rating_threshold``), a conversion
             without a click, NaN/Inf in a numeric column, an empty id (all naming the
-            file and column), or an empty training split.
+            file and column), an empty training split, or a ``cache_dir`` that holds
+            files other than a previous preparation (it would be replaced).
         ImportError: a Parquet file (or ``reader="pyarrow"``) without pyarrow.
     """
     if not isinstance(config, EventLogConfig):
@@ -452,6 +545,23 @@ def prepare_event_log(
             return info
     if cache.exists() and not cache.is_dir():
         raise EventLogError(f"{cache}: the event-log cache path is a file, not a directory")
+    # The cache directory is replaced as a whole (and the old one deleted): refuse one
+    # that is not a previous preparation, or that holds the log itself, rather than
+    # silently deleting the user's files (e.g. cache_dir set to the log's own folder).
+    if cache.is_dir():
+        if any(cache.iterdir()) and not info_path.is_file():
+            raise EventLogError(
+                f"{cache}: the event-log cache directory (cache_dir) exists and holds files "
+                "that are not a prepared log; it would be replaced, so name an empty or new "
+                "directory"
+            )
+        inside = cache.resolve()
+        for f, _ in files:
+            if inside in f.resolve().parents:
+                raise EventLogError(
+                    f"{cache}: the event-log cache directory (cache_dir) holds the input "
+                    f"file {f}; it would be deleted when the cache is replaced"
+                )
     t0 = time.perf_counter()
     cfg = config
     unit = TIME_UNITS[cfg.time_unit]
@@ -496,6 +606,14 @@ def prepare_event_log(
                     f"{where(cfg.time_column)} must be finite, got {t[i]} at data row "
                     f"{row0 + i + 1}"
                 )
+            # A number beyond int64 (read as a float) used to become INT64_MIN seconds
+            # silently when the times were converted; no unit makes it a real time.
+            if t.dtype == np.float64 and (np.abs(t) >= 2.0**63).any():
+                i = int(np.flatnonzero(np.abs(t) >= 2.0**63)[0])
+                raise EventLogError(
+                    f"{where(cfg.time_column)} is out of the int64 range, got {t[i]} at data "
+                    f"row {row0 + i + 1}"
+                )
             cols["time"].append(t)
             lab = _numeric(chunk[cfg.label_column], where(cfg.label_column), row0)
             if cfg.rating_threshold is not None:
@@ -527,6 +645,15 @@ def prepare_event_log(
                     i = int(np.flatnonzero(~np.isfinite(v))[0])
                     raise EventLogError(
                         f"{where(c)} must be finite, got {v[i]} at data row {row0 + i + 1}"
+                    )
+                # Kept as float32: a finite value beyond its range used to become Inf
+                # here, after the check, and NaN/Inf features after standardising.
+                big = np.flatnonzero(np.abs(v) > float(np.finfo(np.float32).max))
+                if big.size:
+                    i = int(big[0])
+                    raise EventLogError(
+                        f"{where(c)} must fit a float32 (|x| <= 3.4e38), got {v[i]} at data "
+                        f"row {row0 + i + 1}"
                     )
                 dense[j].append(v.astype(np.float32))
             file_rows += len(lab)
@@ -573,7 +700,7 @@ def prepare_event_log(
         t_valid, t_test = _kth(times, k_valid), _kth(times, k_test)
         split[times >= t_valid] = VALID
         split[times >= t_test] = TEST
-        cutoffs = {"valid_from": t_valid / unit, "test_from": t_test / unit}
+        cutoffs = {"valid_from": float(t_valid / unit), "test_from": float(t_test / unit)}
     else:
         counts = np.diff(np.append(np.flatnonzero(new_user), n))
         per_event = np.repeat(counts, counts)
@@ -581,6 +708,10 @@ def prepare_event_log(
         n_test = np.floor(per_event * cfg.test_fraction + 0.5).astype(np.int64)
         n_eval_f = np.floor(per_event * (cfg.valid_fraction + cfg.test_fraction) + 0.5)
         n_eval = np.maximum(n_eval_f.astype(np.int64), n_test)
+        # As documented, a user with one event keeps it in training (with
+        # test_fraction >= 0.5 the rounding used to move it to test).
+        n_test[per_event == 1] = 0
+        n_eval[per_event == 1] = 0
         split[pos >= per_event - n_eval] = VALID
         split[pos >= per_event - n_test] = TEST
         del counts, per_event, pos, n_test, n_eval_f, n_eval
@@ -642,7 +773,8 @@ def prepare_event_log(
             mean = float(v[train].astype(np.float64).mean())
             std = float(v[train].astype(np.float64).std())
             std = std if std > 0 else 1.0
-            mat[:, j] = (v - mean) / std
+            # In float64: float32 arithmetic could overflow (v - mean) near the range.
+            mat[:, j] = (v.astype(np.float64) - mean) / std
             dense_stats.append({"column": c, "mean": mean, "std": std})
         save("dense", mat)
         del mat
@@ -655,8 +787,9 @@ def prepare_event_log(
     split_counts = {}
     for s, name in SPLITS.items():
         rows = np.flatnonzero(split == s)
-        # Time order inside each split ("shuffle=False" trains in time order).
-        rows = rows[np.argsort(seconds[rows], kind="stable")]
+        # Time order inside each split ("shuffle=False" trains in time order), by the
+        # raw times: whole seconds would order sub-second events by user instead.
+        rows = rows[np.argsort(times[rows], kind="stable")]
         save(f"rows_{name}", rows.astype(np.int64))
         split_counts[name] = int(rows.shape[0])
     positives = {name: int(labels[split == s].astype(np.int64).sum()) for s, name in SPLITS.items()}
