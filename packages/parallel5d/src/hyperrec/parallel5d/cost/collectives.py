@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hyperrec.parallel5d._validate import check_choice, check_float, check_int
+from hyperrec.parallel5d._validate import check_bool, check_choice, check_float, check_int
 from hyperrec.parallel5d.topology import TIERS, Topology
 
 __all__ = [
@@ -73,6 +73,14 @@ class GroupShape:
         check_int("size", self.size, minimum=1)
         for name in ("ranks_per_host", "ranks_per_zone", "hosts", "zones"):
             check_int(name, getattr(self, name), minimum=1)
+        # Impossible placements priced silently before: more hosts than ranks gave a
+        # ring a negative number of NVLink steps, more zones than hosts a negative
+        # number of in-zone network steps.
+        for name in ("ranks_per_host", "ranks_per_zone", "hosts"):
+            if getattr(self, name) > self.size:
+                raise ValueError(f"{name} must be <= size ({self.size}), got {getattr(self, name)}")
+        if self.zones > self.hosts:
+            raise ValueError(f"zones must be <= hosts ({self.hosts}), got {self.zones}")
 
     @property
     def tier(self) -> str:
@@ -141,11 +149,19 @@ def collective_time(
     pairwise exchange for all-to-all. A group of one rank costs 0.
 
     Raises:
+        TypeError: ``topology``/``shape`` of the wrong type, or a non-bool ``nvls``.
         ValueError: unknown collective/algorithm, negative bytes, or an algorithm the
             collective/group does not support.
     """
+    # Wrong types failed with AttributeError ('int' object has no attribute 'size'), and a
+    # truthy non-bool nvls (e.g. 1) was taken as True.
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
+    if not isinstance(shape, GroupShape):
+        raise TypeError(f"shape must be a GroupShape, got {type(shape).__name__}")
     check_choice("collective", collective, COLLECTIVES)
     check_choice("algorithm", algorithm, ("auto", "ring", "tree", "nvls"))
+    check_bool("nvls", nvls)
     nbytes = check_float("nbytes", nbytes, minimum=0.0)
     p = shape.size
     if p == 1:

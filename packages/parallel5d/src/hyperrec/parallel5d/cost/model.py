@@ -19,7 +19,8 @@ What a step is made of, per rank (local batch ``b = global_batch / world``):
   waits for its layer's all-gather.
 * **blocking collectives** on the compute stream: the expert all-to-alls (dispatch and
   combine, forward, backward and recompute); the sparse embedding all-to-all too unless
-  ``CostOptions.sparse_pipelined`` (then it shares the communication stream).
+  ``CostOptions.sparse_pipelined`` (then the next batch's input all-to-all and row
+  gather run on their own stream during this forward, and backward waits for them).
 * **SM contention**: an SM-based collective (NCCL kernels) slows the compute it overlaps
   by ``DeviceSpec.sm_slowdown`` (calibrated on one GPU); SM-free collectives (copy
   engines / RDMA offload, ``CostOptions.sm_free``) take nothing from compute.
@@ -46,7 +47,7 @@ import numpy as np
 
 from hyperrec.parallel5d._validate import check_bool, check_choice, check_float, check_int
 from hyperrec.parallel5d.cost.collectives import GroupShape, collective_time
-from hyperrec.parallel5d.mesh import _VIEWS, AXES, DEFAULT_AXIS_TIERS, MeshSpec
+from hyperrec.parallel5d.mesh import _VIEWS, AXES, MeshSpec, _resolve_tiers
 from hyperrec.parallel5d.topology import TIERS, Topology
 
 __all__ = [
@@ -96,6 +97,19 @@ class DeviceSpec:
             check_float(name, getattr(self, name), minimum=1e-9)
         check_float("launch_us", self.launch_us, minimum=0.0)
         check_float("sm_slowdown", self.sm_slowdown, minimum=0.0)
+        # A measured rate of 0 raised ZeroDivisionError in predict, a negative one gave
+        # negative compute times and NaN propagated silently: check them as the defaults.
+        if not isinstance(self.matmul_table, tuple):
+            raise TypeError(
+                "matmul_table must be a tuple of (layer name, TFLOP/s) pairs, got "
+                f"{type(self.matmul_table).__name__}"
+            )
+        for entry in self.matmul_table:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise TypeError(
+                    f"matmul_table entries must be (layer name, TFLOP/s) pairs, got {entry!r}"
+                )
+            check_float(f"matmul_table[{entry[0]!r}]", entry[1], minimum=1e-9)
 
     def matmul_rate(self, layer: str) -> float:
         """FLOP/s for ``layer``'s GEMMs: its measured entry, else ``matmul_tflops``."""
@@ -241,8 +255,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(x, LayerSpec) for x in self.layers):
             raise ValueError("layers must be a non-empty tuple of LayerSpec")
-        if not all(isinstance(x, SparseSpec) for x in self.sparse):
-            raise TypeError("sparse must be a tuple of SparseSpec")
+        # ``sparse=None`` failed with "'NoneType' object is not iterable".
+        if not isinstance(self.sparse, tuple | list) or not all(
+            isinstance(x, SparseSpec) for x in self.sparse
+        ):
+            raise TypeError(f"sparse must be a tuple of SparseSpec, got {self.sparse!r:.80}")
         for name in (
             "param_bytes",
             "reduce_bytes",
@@ -296,13 +313,16 @@ class CostOptions:
     """Share of HBM a plan may use."""
     sparse_pipelined: bool = True
     """The embedding input all-to-all and row gather for the next batch run during this
-    step (TorchRec's ``TrainPipelineSparseDist``): on the communication stream instead
-    of blocking the start of forward. False: they block."""
+    step (TorchRec's ``TrainPipelineSparseDist``): on their own stream from the start of
+    the step, overlapping this forward; backward waits for them. False: they block the
+    start of forward."""
 
     def __post_init__(self) -> None:
         for name in ("overlap", "sm_free", "nvls", "reshard_after_forward", "sparse_pipelined"):
             check_bool(name, getattr(self, name))
         check_float("memory_fraction", self.memory_fraction, minimum=1e-9)
+        if self.memory_fraction > 1.0:  # a share of HBM: above 1 passed plans that cannot fit
+            raise ValueError(f"memory_fraction must be <= 1, got {self.memory_fraction}")
 
 
 @dataclass(frozen=True)
@@ -396,15 +416,24 @@ def _one_pass(
     pre: float,
     post_comm: float,
     reshard: bool,
+    early_comm: float = 0.0,
 ) -> tuple[float, list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float]]]:
     """One walk of the schedule: (end of communication and compute, compute intervals of
-    forward and backward, communication intervals)."""
+    forward and backward, communication intervals). ``early_comm`` (the next batch's
+    pipelined sparse input distribution) runs from the start of the step on its own
+    stream, as TorchRec's ``TrainPipelineSparseDist`` does, and backward waits for it
+    (the pipeline waits on it after this forward)."""
     n = len(layers)
     comm_free = 0.0
     comm_iv: list[tuple[float, float]] = []
 
     def comm(issue: float, dur: float) -> float:
         nonlocal comm_free
+        if dur <= 0:
+            # No collective is issued (a group of one rank): nothing to wait for. Queuing
+            # it would make the layer wait for every reduction issued before it, e.g. a
+            # replicate-only mesh's backward stalled on the all-reduces of later layers.
+            return issue
         start = max(issue, comm_free)
         comm_free = start + dur
         if dur > 0:
@@ -416,12 +445,15 @@ def _one_pass(
     t = pre
     ready = [0.0] * n
     ready[0] = comm(0.0, layers[0].ag)
+    if early_comm > 0:
+        comm_iv.append((0.0, early_comm))  # SM contention with the forward it overlaps
     for i, x in enumerate(layers):
         start = max(t, ready[i])
         if i + 1 < n:  # prefetch: the next all-gather is issued as this forward starts
             ready[i + 1] = comm(start, layers[i + 1].ag)
         fwd_iv.append((start, start + x.fwd * fwd_scale[i]))
         t = start + x.fwd * fwd_scale[i] + x.blocking_fwd
+    t = max(t, early_comm)
     ready = [0.0] * n
     ready[n - 1] = comm(t, layers[n - 1].ag) if reshard else t
     for i in reversed(range(n)):
@@ -445,10 +477,11 @@ def _simulate(
     overlap: bool,
     reshard: bool,
     slowdown: float,
+    early_comm: float = 0.0,
 ) -> float:
     """Step seconds of the schedule (module docstring)."""
     if not overlap:
-        total = pre + tail + post_comm
+        total = pre + tail + post_comm + early_comm
         for x in layers:
             total += x.ag + x.fwd + x.blocking_fwd + x.bwd + x.blocking_bwd + x.reduce
             total += x.ag if reshard else 0.0
@@ -456,7 +489,13 @@ def _simulate(
     n = len(layers)
     fwd_scale, bwd_scale = [1.0] * n, [1.0] * n
     end, fwd_iv, bwd_iv, comm_iv = _one_pass(
-        layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm, reshard=reshard
+        layers,
+        fwd_scale,
+        bwd_scale,
+        pre=pre,
+        post_comm=post_comm,
+        reshard=reshard,
+        early_comm=early_comm,
     )
     if slowdown > 0:
         # Second walk with each compute interval stretched by the SM slowdown over the
@@ -469,7 +508,13 @@ def _simulate(
         fwd_scale = [stretch(iv) for iv in fwd_iv]
         bwd_scale = [stretch(iv) for iv in bwd_iv]
         end, *_ = _one_pass(
-            layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm, reshard=reshard
+            layers,
+            fwd_scale,
+            bwd_scale,
+            pre=pre,
+            post_comm=post_comm,
+            reshard=reshard,
+            early_comm=early_comm,
         )
     return end + tail
 
@@ -492,8 +537,12 @@ def predict(
         global_batch: samples per step over all ranks; a multiple of the world size.
 
     Raises:
+        TypeError: an argument of the wrong type (named).
         ValueError: mismatched world sizes or a batch that does not split evenly.
     """
+    _check_types(model, topology, device, options)
+    if not isinstance(spec, MeshSpec):
+        raise TypeError(f"spec must be a MeshSpec, got {type(spec).__name__}")
     device = device or DeviceSpec()
     options = options or CostOptions()
     w = spec.world_size
@@ -570,8 +619,14 @@ def predict(
     tail = local_params * model.optimizer_traffic_per_param / (device.hbm_gbps * 1e9)
     tail += sparse_opt
     slowdown = 0.0 if options.sm_free else device.sm_slowdown
+    early = 0.0
     if options.sparse_pipelined:
-        post_comm, pre = post_comm + pre, 0.0
+        # The next batch's input all-to-all and row gather run during this step's
+        # forward (TorchRec starts them before this forward, on their own stream, and
+        # waits for them before backward). Queuing them after this step's backward (as
+        # before) left them fully exposed: the pipelined step came out no faster, often
+        # slower, than the blocking one.
+        early, pre = pre, 0.0
     step = _simulate(
         costs,
         pre=pre,
@@ -580,6 +635,7 @@ def predict(
         overlap=options.overlap,
         reshard=options.reshard_after_forward,
         slowdown=slowdown,
+        early_comm=early,
     )
     # The sparse backward all-to-all blocks the end of backward (its gradients feed the
     # table update), so it is on the critical path whatever the overlap.
@@ -593,9 +649,14 @@ def predict(
     comm_total = sum(breakdown.values())
 
     # Memory per rank.
-    gathered = max((x.params / (spec.ep if x.kind == "experts" else 1)) for x in model.layers) * (
-        model.param_bytes + model.reduce_bytes
-    )
+    unsharded = [x.params / (spec.ep if x.kind == "experts" else 1) for x in model.layers]
+    # Two layers' gathered parameters and unsharded gradients (current + prefetched).
+    gathered = 2 * max(unsharded) * (model.param_bytes + model.reduce_bytes)
+    if not options.reshard_after_forward:
+        # Without resharding every layer keeps its gathered parameters from its forward
+        # to its backward: the peak holds all of them. Counting two layers' (as with
+        # resharding) under-estimated memory, so plans could be infeasible in practice.
+        gathered += max(0.0, sum(unsharded) - 2 * max(unsharded)) * model.param_bytes
     acts = sum(x.input_bytes_per_sample for x in model.layers) * b
     if ac:
         acts += max(x.saved_bytes_per_sample for x in model.layers) * b
@@ -607,9 +668,7 @@ def predict(
         / w
     )
     touched = 2 * sum(s.lookups_per_sample * b * s.dim * s.param_bytes for s in model.sparse)
-    memory = (
-        local_params * model.state_bytes_per_param + 2 * gathered + acts + tables + touched
-    ) / 1e9
+    memory = (local_params * model.state_bytes_per_param + gathered + acts + tables + touched) / 1e9
     budget = device.memory_gb * options.memory_fraction
     feasible = memory <= budget
     reason = "" if feasible else f"needs {memory:.1f} GB per GPU, budget {budget:.1f} GB"
@@ -625,9 +684,9 @@ def predict(
         exposed_comm_s=gpu_step - compute,
         blocking_comm_s=blocking,
         comm_s=comm_total,
-        mfu=useful / (step * peak),
-        local_mfu=useful / (compute * peak),
-        scaling_ratio=compute / step,
+        mfu=_ratio(useful, step * peak),
+        local_mfu=_ratio(useful, compute * peak),
+        scaling_ratio=_ratio(compute, step, empty=1.0),
         memory_gb=memory,
         feasible=feasible,
         reason=reason,
@@ -636,6 +695,30 @@ def predict(
         host_s=host,
         host_bound=host > gpu_step,
     )
+
+
+def _check_types(model: Any, topology: Any, device: Any, options: Any) -> None:
+    """A wrong type raised AttributeError deep inside predict (or, for ``options``,
+    was silently replaced by the defaults when falsy, e.g. ``{}``)."""
+    checks: tuple[tuple[str, Any, type, bool], ...] = (
+        ("model", model, ModelConfig, False),
+        ("topology", topology, Topology, False),
+        ("device", device, DeviceSpec, True),
+        ("options", options, CostOptions, True),
+    )
+    for name, value, cls, optional in checks:
+        if not isinstance(value, cls) and not (optional and value is None):
+            want = f"a {cls.__name__}" + (" or None" if optional else "")
+            raise TypeError(f"{name} must be {want}, got {type(value).__name__}")
+
+
+def _ratio(num: float, den: float, *, empty: float = 0.0) -> float:
+    """``num / den``; a step with no work at all (zero compute, zero step: measured layer
+    times of 0, no parameters) raised ZeroDivisionError. ``0 / 0`` is ``empty``; a
+    positive amount over no time is ``inf``."""
+    if den > 0:
+        return num / den
+    return empty if num == 0 else math.inf
 
 
 def _divisors(n: int) -> list[int]:
@@ -666,11 +749,22 @@ def plan_mesh(
     Returns:
         :class:`Plan` with ``best`` (``None`` if nothing fits) and the valid candidates,
         fastest first.
+
+    Raises:
+        TypeError: an argument of the wrong type (named).
+        ValueError: a bad ``global_batch`` or ``num_experts``, or an ``axis_tiers`` key
+            that is not an axis or value that is not a tier.
     """
+    _check_types(model, topology, device, options)
+    global_batch = check_int("global_batch", global_batch, minimum=1)
+    if num_experts is not None:
+        num_experts = check_int("num_experts", num_experts, minimum=1)
     options = options or CostOptions()
     w = topology.world_size
-    tiers: dict[str, str] = dict(DEFAULT_AXIS_TIERS)
-    tiers.update(axis_tiers or {})
+    # Validated as ParallelMesh / check_axis_tiers do: a misspelt axis (e.g.
+    # "sparse-shard") was silently ignored, so the plan broke the intended constraint,
+    # and an unknown tier failed with "tuple.index(x): x not in tuple".
+    tiers: dict[str, str] = dict(_resolve_tiers(axis_tiers))
     has_experts = any(x.kind == "experts" for x in model.layers)
     gph = topology.gpus_per_host
     out = []
