@@ -486,17 +486,13 @@ def _simulate(
             total += x.ag + x.fwd + x.blocking_fwd + x.bwd + x.blocking_bwd + x.reduce
             total += x.ag if reshard else 0.0
         return total
+
+    def walk(fwd_scale: list[float], bwd_scale: list[float]) -> Any:
+        return _one_pass(layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm,
+                         reshard=reshard, early_comm=early_comm)  # fmt: skip
+
     n = len(layers)
-    fwd_scale, bwd_scale = [1.0] * n, [1.0] * n
-    end, fwd_iv, bwd_iv, comm_iv = _one_pass(
-        layers,
-        fwd_scale,
-        bwd_scale,
-        pre=pre,
-        post_comm=post_comm,
-        reshard=reshard,
-        early_comm=early_comm,
-    )
+    end, fwd_iv, bwd_iv, comm_iv = walk([1.0] * n, [1.0] * n)
     if slowdown > 0:
         # Second walk with each compute interval stretched by the SM slowdown over the
         # share of it the first walk overlapped with communication.
@@ -505,17 +501,7 @@ def _simulate(
             covered = sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in comm_iv)
             return 1.0 + slowdown * covered / max(e - s, 1e-30)
 
-        fwd_scale = [stretch(iv) for iv in fwd_iv]
-        bwd_scale = [stretch(iv) for iv in bwd_iv]
-        end, *_ = _one_pass(
-            layers,
-            fwd_scale,
-            bwd_scale,
-            pre=pre,
-            post_comm=post_comm,
-            reshard=reshard,
-            early_comm=early_comm,
-        )
+        end, *_ = walk([stretch(iv) for iv in fwd_iv], [stretch(iv) for iv in bwd_iv])
     return end + tail
 
 
