@@ -115,15 +115,25 @@ class PackedStorage:
         self.numel = numel
         self.dtype = dtype
         self.fmt = fmt
-        self._flat: weakref.ref[torch.Tensor] | None = None
+        self._flat: weakref.ref[torch.UntypedStorage] | None = None
 
     def dequantize_shared(self) -> torch.Tensor:
         """:meth:`dequantize`, reusing the result while it is alive (several views of
         one storage are unpacked once)."""
-        full = self._flat() if self._flat is not None else None
-        if full is None:
-            full = self.dequantize()
-            self._flat = weakref.ref(full)
+        st = self._flat() if self._flat is not None else None
+        if st is not None:
+            with torch.no_grad():
+                return torch.empty(0, dtype=self.dtype, device=st.device).set_(
+                    st, 0, (self.numel,), (1,)
+                )
+        full = self.dequantize()
+        # Remember the storage, not the tensor: autograd keeps what an unpack hook
+        # returns as a tensor of its own on the same storage, and ``full`` (often a
+        # view) died as soon as the hook returned. A weak reference to it was dead at
+        # the next unpack, so every saved view of the storage was dequantized again:
+        # two saves of one tensor by one node (``a * a``) held two full copies at once.
+        # The storage's Python object lives exactly as long as the storage.
+        self._flat = weakref.ref(full.untyped_storage())
         return full
 
     @property

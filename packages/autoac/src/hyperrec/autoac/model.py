@@ -44,6 +44,7 @@ __all__ = [
     "RegionModes",
     "build_problem",
     "compress",
+    "least_peak",
 ]
 
 Interval = tuple[int, int, int]
@@ -216,7 +217,13 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
             ivs += _iv(
                 lv.fwd_alloc, lv.fwd_alloc + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)
             )
-            ivs += _iv(use, use + 1, pb + _ws(profile, fmt, "unpack_ws_per_elem", lv.numel))
+            ivs += _iv(use, use + 1, _ws(profile, fmt, "unpack_ws_per_elem", lv.numel))
+            # The packed copy is held by every backward node that saved a view of the
+            # storage, until the last one releases it (where the trace frees the
+            # recomputed copy, rc_free), not only until the first use: ending it at the
+            # first use under-predicted every position up to the last node's unpack.
+            end = max(lv.rc_free if lv.rc_free is not None else use, use + 1)
+            ivs += _iv(use, end, pb)
             tq += _pack_time(profile, fmt, lv.numel)
         out.append(Choice(fmt, tq, tuple(ivs)))
     return out
@@ -385,3 +392,52 @@ def min_memory(prob: Problem) -> Assignment:
         w = [max((d for _, _, d in c.intervals), default=0) for c in opts]
         picks.append(int(np.argmin(w)) if opts[0].kind != "recompute" else 0)
     return Assignment(modes, tuple(picks))
+
+
+def least_peak(prob: Problem, *, frozen: frozenset[int] = frozenset()) -> Assignment:
+    """:func:`min_memory`, then every region (outside ``frozen``) whose un-checkpointed
+    mode lowers the step's peak left un-checkpointed, until no switch lowers it.
+
+    Full recompute is not always the least peak: a checkpoint holds its inputs until its
+    backward and its recomputation allocates again what the backward does not need, so
+    for a region whose saved tensors are small, not checkpointing it uses less. Taking
+    :func:`min_memory`'s peak as the floor rejected feasible budgets with an error
+    naming a "smallest feasible" budget that was not. A local search (one region at a
+    time) from the lower of :func:`min_memory` and no checkpoint (outside ``frozen``):
+    never above either's peak.
+    """
+    a = min_memory(prob)
+    best = peak_of(prob, a)
+    off = tuple(
+        "none" if r not in frozen and "none" in reg.fixed_s else a.modes[r]
+        for r, reg in enumerate(prob.regions)
+    )
+    no_ac = Assignment(
+        off,
+        tuple(
+            next((i for i, c in enumerate(g.choices["none"]) if c.kind in ("keep", "drop")), 0)
+            if off[g.region] == "none"
+            else a.picks[k]
+            for k, g in enumerate(prob.groups)
+        ),
+    )
+    if peak_of(prob, no_ac) < best:
+        a, best = no_ac, peak_of(prob, no_ac)
+    improved = True
+    while improved:
+        improved = False
+        for r, reg in enumerate(prob.regions):
+            if r in frozen or a.modes[r] == "none" or "none" not in reg.fixed_s:
+                continue
+            modes = list(a.modes)
+            modes[r] = "none"
+            picks = list(a.picks)
+            for g in reg.groups:
+                opts = prob.groups[g].choices["none"]
+                w = [max((d for _, _, d in c.intervals), default=0) for c in opts]
+                picks[g] = int(np.argmin(w))
+            b = Assignment(tuple(modes), tuple(picks))
+            pb = peak_of(prob, b)
+            if pb < best:
+                a, best, improved = b, pb, True
+    return a

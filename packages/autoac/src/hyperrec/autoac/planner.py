@@ -27,6 +27,7 @@ from hyperrec.autoac.model import (
     chosen,
     compress,
     held_of,
+    least_peak,
     min_memory,
     peak_of,
     profile_of,
@@ -391,12 +392,23 @@ def plan(
     raw = build_problem(profile, formats=tuple(formats), allow_none=config.allow_none)
     prob = compress(raw)
     offset = profile.device_offset
-    floor_a = min_memory(prob)
+    # The floor: full recompute, except regions whose checkpoint raises the peak (it
+    # holds their inputs and re-allocates what the backward does not need), which
+    # stay un-checkpointed (see least_peak). Regions with a budget of their own stay
+    # checkpointed: their own floor is a full checkpoint's held bytes.
+    rb_names = set(region_budgets) if isinstance(region_budgets, Mapping) else set()
+    frozen = frozenset(i for i, r in enumerate(prob.regions) if r.name in rb_names)
+    full_a = min_memory(prob)
+    floor_a = least_peak(prob, frozen=frozen)
     floor = peak_of(prob, floor_a) + offset
     cap = None
     if budget is not None:
         cap = _bytes(
-            "budget", budget, floor, "the peak of full recompute, the least this step can use"
+            "budget",
+            budget,
+            floor,
+            "the peak of full recompute with the regions whose checkpoint raises the "
+            "peak left un-checkpointed, the least this step can use",
         )
     caps: dict[int, int] = {}
     rb_out: dict[str, int] = {}
@@ -423,7 +435,7 @@ def plan(
     prob.region_caps = caps
     raw.cap, raw.region_caps = prob.cap, caps
 
-    g = solve_greedy(prob)
+    g = solve_greedy(prob, start=floor_a)
     result = g
     solver = "greedy"
     use_exact = config.solver == "exact" or (
@@ -440,8 +452,14 @@ def plan(
     elif config.bound_iters:
         lb = float(min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t))
     live = profile_of(raw, a) + offset
-    no_ac = _no_ac(prob)
-    full_t = time_of(prob, floor_a)
+    # No AC is measured on the problem that has every region's "none" mode: with
+    # allow_none=False ``prob`` has none, and _no_ac(prob) was full recompute, so
+    # no_ac_peak reported the floor and every region's noac_held_bytes its inputs
+    # (saved_fraction 1.0 for a fully recomputed region: the "memory_budget" compile
+    # fallback then kept everything).
+    noac_prob = prob if config.allow_none else compress(build_problem(profile, formats=()))
+    no_ac = _no_ac(noac_prob)
+    full_t = time_of(prob, full_a)
     region_plans = []
     for r, reg in enumerate(prob.regions):
         mode = a.modes[r]
@@ -467,7 +485,7 @@ def plan(
                 added_s=added,
                 recompute_s=rp.full_recompute_s,
                 input_bytes=reg.input_bytes,
-                noac_held_bytes=reg.input_bytes + held_of(prob, no_ac, r),
+                noac_held_bytes=reg.input_bytes + held_of(noac_prob, no_ac, r),
             )
         )
     return Plan(
@@ -480,7 +498,7 @@ def plan(
         proven_optimal=result.proven_optimal,
         solver=solver,
         floor=floor,
-        no_ac_peak=peak_of(prob, no_ac) + offset,
+        no_ac_peak=peak_of(noac_prob, no_ac) + offset,
         full_recompute_s=full_t,
         min_pack_bytes=profile.config.min_pack_bytes,
         device=profile.device,

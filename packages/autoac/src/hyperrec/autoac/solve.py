@@ -128,9 +128,11 @@ class _State:
         return out
 
 
-def solve_greedy(prob: Problem) -> SolveResult:
-    """Marginal-return greedy (see module docstring)."""
-    st = _State(prob, min_memory(prob))
+def solve_greedy(prob: Problem, *, start: Assignment | None = None) -> SolveResult:
+    """Marginal-return greedy (see module docstring), from ``start`` (default: the
+    least-memory plan, :func:`~hyperrec.autoac.model.min_memory`; it must meet every
+    cap)."""
+    st = _State(prob, min_memory(prob) if start is None else start)
     weights = {
         (g, m, i): _weight(c)
         for g, grp in enumerate(prob.groups)
