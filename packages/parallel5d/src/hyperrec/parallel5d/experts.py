@@ -129,12 +129,32 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``(T, dim)`` -> weights ``(T, k)`` (x's dtype) and expert ids ``(T, k)`` int64."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        """``x`` ``(T, dim)`` -> weights ``(T, k)`` (x's dtype) and expert ids ``(T, k)`` int64.
+
+        Softmax and selection run in ``float32``, or in ``x``'s dtype if wider (float64).
+        Ties in the scores go to the lower expert id (ids are in descending-score order).
+        A token whose row of ``x`` holds a NaN or an Inf gets NaN weights (its ids are
+        then arbitrary but valid); nothing is raised.
+        """
+        weights, ids = _route(self.gate(x), self.top_k, self.normalize)
+        return weights.to(x.dtype), ids  # (under autocast the logits may be narrower)
+
+
+def _route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router weights ``(T, k)`` (float32, or float64 for float64 logits) and expert ids
+    ``(T, k)`` from ``logits``."""
+    # At least float32, never narrower than the logits: a bare ``.float()`` silently cut a
+    # float64 layer's routing to float32 precision (weights off by ~1e-8 relative, and
+    # experts whose float64 scores differ by less than a float32 ulp became "ties").
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    # A stable descending sort, not ``topk``: topk's choice among equal scores is
+    # unspecified (on CPU it kept e.g. expert 2 of 5 equal ones, and it differs between
+    # devices), so tied tokens went to arbitrary experts. Lower expert id wins a tie.
+    weights, ids = probs.sort(dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 class GroupedExperts(nn.Module):
@@ -282,6 +302,11 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(T, dim)`` (``T`` may be 0) -> ``(T, dim)``.
 
+        Non-finite inputs are not checked (that would cost a host synchronisation): a
+        token whose row holds a NaN or an Inf gets an all-NaN output row, and the rows
+        of every other token are unaffected; in backward the NaN reaches the router
+        gradient and the gradients of the experts that token was sent to.
+
         Raises:
             ValueError/TypeError: ``x`` not a 2-D floating tensor of width ``dim``.
         """
@@ -351,14 +376,12 @@ def routed_experts_reference(
     """Dense reference of :class:`RoutedExperts` (no sorting, no communication).
 
     Every expert runs on every token; a ``(T, E)`` mask of router weights selects and
-    weights the outputs. ``router`` ``(E, dim)``; ``w1``/``w3`` ``(E, dim, hidden)``;
+    weights the outputs (routed as in :class:`TopKRouter`: same precision, ties to the
+    lower expert id). ``router`` ``(E, dim)``; ``w1``/``w3`` ``(E, dim, hidden)``;
     ``w2`` ``(E, hidden, dim)``; ``x`` ``(T, dim)``.
     """
-    probs = torch.softmax((x @ router.t()).float(), dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    gate = torch.zeros_like(probs).scatter(1, ids, weights).to(x.dtype)  # (T, E)
+    weights, ids = _route(x @ router.t(), top_k, normalize)
+    gate = x.new_zeros((x.shape[0], router.shape[0])).scatter(1, ids, weights.to(x.dtype))
     h = F.silu(torch.einsum("td,edh->eth", x, w1)) * torch.einsum("td,edh->eth", x, w3)
     outs = torch.einsum("eth,ehd->etd", h, w2)  # (E, T, dim)
     return torch.einsum("te,etd->td", gate, outs)
