@@ -33,13 +33,17 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gluon import draw_lengths
+
 # The integration preset's history law (integration DataConfig: min_seqlen 32,
-# seqlen_scale 512, seqlen_alpha 1.5, max_seqlen 8192): lo + floor(scale * (u^(-1/alpha) - 1)).
-LAW = {"lo": 32, "scale": 512.0, "alpha": 1.5, "hi": 8192}
+# seqlen_scale 512, seqlen_alpha 1.5, max_seqlen 8192), drawn by bench_gluon's
+# draw_lengths: lo + floor(scale * (u^(-1/alpha) - 1)), capped at hi.
+LAW = {"law": "lomax", "lo": 32, "scale": 512.0, "alpha": 1.5, "hi": 8192}
 TOKENS = 98_304
 HEADS, HEAD_DIM = 8, 128
 INSTANCES = 3
-SMOKE = {"law": {"lo": 2, "scale": 6.0, "alpha": 1.5, "hi": 40}, "tokens": 96, "heads": 1,
+SMOKE = {"law": {"law": "lomax", "lo": 2, "scale": 6.0, "alpha": 1.5, "hi": 40}, "tokens": 96, "heads": 1,
          "head_dim": 16, "instances": 2}  # fmt: skip
 
 # (block_m, block_n, num_warps, num_stages); dK/dV: block_n key rows owned, block_m query
@@ -50,29 +54,12 @@ DQ = ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 
       (64, 128, 8, 2))  # fmt: skip
 
 
-def lengths(law: dict[str, Any], tokens: int, seed: int) -> list[int]:
-    """Lengths drawn from ``law`` until they hold exactly ``tokens`` tokens."""
-    g = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    total = 0
-    while total < tokens:
-        u = torch.rand(256, generator=g, dtype=torch.float64).clamp_min(1e-12)
-        tail = (law["scale"] * (u ** (-1.0 / law["alpha"]) - 1.0)).floor()
-        for x in (law["lo"] + tail).clamp(max=law["hi"]).long().tolist():
-            x = min(int(x), tokens - total)
-            out.append(x)
-            total += x
-            if total == tokens:
-                break
-    return out
-
-
 def instance(seed: int, law: dict[str, Any], tokens: int, heads: int, d: int, device: str):
     """``(call, grad_out, useful forward FLOPs)`` of one fresh HSTU call."""
     from hyperrec.jagged_attn import AttentionSpec, MaskSpec
     from hyperrec.jagged_attn._opschema import AttentionCall
 
-    lens = lengths(law, tokens, seed)
+    lens = draw_lengths(law, tokens, seed)
     offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lens).cumsum(0)
     g = torch.Generator(device=device).manual_seed(seed)
