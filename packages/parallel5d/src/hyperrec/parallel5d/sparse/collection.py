@@ -172,9 +172,9 @@ class _MarkUsed(torch.autograd.Function):
     """Identity on a feature's output; its backward marks the unique keys the feature
     looked up as used (``touched[inv] = True``, written as ``index_fill_``: on CUDA the
     indexed assignment synchronised the host with the device, once per feature and
-    step). Autograd runs it only for outputs that
-    reach the loss, so keys looked up by unused features only stay unmarked and their
-    rows are not updated (as ``nn.Embedding(sparse=True)`` gives them no gradient)."""
+    step). Autograd runs it only for outputs that reach the loss, so keys looked up by
+    unused features only stay unmarked and their rows are not updated (as
+    ``nn.Embedding(sparse=True)`` gives them no gradient)."""
 
     @staticmethod
     def forward(
