@@ -83,7 +83,7 @@ class MeshSpec:
     """Degrees of the mesh, validated once (pure data: no process group needed).
 
     ``world_size = replicate * fsdp``; ``efsdp = fsdp // ep``;
-    ``sparse_shard = world_size // sparse_replicate``.
+    ``sparse_shard = world_size // (sparse_replicate * sparse_dp)``.
     """
 
     replicate: int = 1
@@ -180,6 +180,8 @@ class MeshSpec:
             ValueError: degrees that do not multiply to ``world_size`` or divide it.
         """
         world_size = check_int("world_size", world_size, minimum=1)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
         if replicate is None and fsdp is None:
             fsdp = world_size if topology is None else math.gcd(world_size, topology.gpus_per_zone)
         if replicate is None:
@@ -211,6 +213,10 @@ class MeshSpec:
 
 def _resolve_tiers(axis_tiers: Mapping[str, str] | None) -> dict[str, Tier]:
     tiers = dict(DEFAULT_AXIS_TIERS)
+    if axis_tiers is not None and not isinstance(axis_tiers, Mapping):
+        raise TypeError(
+            f"axis_tiers must be a mapping of axis to tier, got {type(axis_tiers).__name__}"
+        )
     for axis, tier in (axis_tiers or {}).items():
         check_choice("axis_tiers key", axis, AXES)
         tiers[axis] = check_choice(f"axis_tiers[{axis!r}]", tier, TIERS[1:])
@@ -245,6 +251,10 @@ def axis_placement(spec: MeshSpec, topology: Topology) -> dict[str, dict[str, An
 
 
 def _check_world(spec: MeshSpec, topology: Topology) -> None:
+    if not isinstance(spec, MeshSpec):
+        raise TypeError(f"spec must be a MeshSpec, got {type(spec).__name__}")
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
     if spec.world_size != topology.world_size:
         raise ValueError(
             f"the mesh has {spec.world_size} ranks (replicate={spec.replicate} x "
@@ -266,12 +276,23 @@ def _violations(
         first = bad[0]
         crossed = TIERS[int(span.tier[first])]
         where = {"nvlink": "one host", "rdma": "one zone"}.get(tiers[axis], "the job")
+        # Two ranks of that group linked over the tier crossed: the first rank and the
+        # first one on another zone (cross_zone) or host (rdma). The group's first ranks
+        # and hosts alone may all lie on one host.
+        group = groups[first]
+        hosts = topology.host_of(group)
+        key = hosts // topology.zone_hosts if crossed == "cross_zone" else hosts
+        j = int(np.flatnonzero(key != key[0])[0])
+        pair = " and ".join(
+            f"{int(group[i])} (host {int(hosts[i])}, zone {int(hosts[i]) // topology.zone_hosts})"
+            for i in (0, j)
+        )
         problems.append(
             f"axis {axis!r} (size {groups.shape[1]}) must stay inside {where} (tier "
             f"{tiers[axis]!r}), but {len(bad)} of its {len(groups)} groups cross tier "
-            f"{crossed!r}; e.g. ranks {groups[first].tolist()[:16]}"
+            f"{crossed!r}: ranks {pair} are in one group; e.g. ranks {group.tolist()[:16]}"
             f"{' ...' if groups.shape[1] > 16 else ''} lie on "
-            f"{topology.describe_group(groups[first].tolist())}"
+            f"{topology.describe_group(group.tolist())}"
         )
     return problems
 
@@ -297,14 +318,27 @@ def check_axis_tiers(
         raise ValueError("misplaced mesh axes: " + " | ".join(problems))
 
 
+def _check_device_type(device_type: Any) -> None:
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a str, got {type(device_type).__name__}")
+    try:
+        ok = torch.device(device_type).type == device_type  # no index: "cuda", not "cuda:0"
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"device_type must be a device type such as 'cuda' or 'cpu', got {device_type!r}"
+        )
+
+
 class ParallelMesh:
     """One object that validates the degrees once and hands out named sub-meshes.
 
     Built on ``DeviceMesh``: a 1-D world mesh in slot order, unflattened into three views
     over the same ranks (``dense``: ``(replicate, fsdp)``; ``experts``:
-    ``(replicate, efsdp, ep)``; ``sparse``: ``(sparse_shard, sparse_replicate)``). After
-    building, the tier of every axis is asserted again on the process groups the
-    ``DeviceMesh`` actually formed.
+    ``(replicate, efsdp, ep)``; ``sparse``: ``(sparse_dp, sparse_shard,
+    sparse_replicate)``). After building, the tier of every axis is asserted again on the
+    process groups the ``DeviceMesh`` actually formed.
 
     Typical use::
 
@@ -327,8 +361,10 @@ class ParallelMesh:
 
     Raises:
         RuntimeError: no default process group.
-        ValueError: bad degrees, a world size other than the topology's, or a misplaced
-            axis (see :func:`check_axis_tiers`).
+        TypeError: arguments of the wrong type.
+        ValueError: bad degrees, a world size other than the topology's, a misplaced
+            axis (see :func:`check_axis_tiers`), a ``device_type`` that is not a device
+            type, or a topology whose ``rank_order`` is not the identity.
     """
 
     def __init__(
@@ -344,6 +380,8 @@ class ParallelMesh:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a Topology, got {type(topology).__name__}")
         check_bool("check_tiers", check_tiers)
+        if device_type is not None:
+            _check_device_type(device_type)
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelMesh needs an initialised default process group "
@@ -372,17 +410,26 @@ class ParallelMesh:
         if check_tiers:
             check_axis_tiers(spec, topology, axis_tiers=axis_tiers)
         world_order = topology.ranks_in_slot_order()
-        for axis in AXES:
-            groups = spec.groups(axis, world_order)
-            unsorted = np.flatnonzero((np.diff(groups, axis=1) < 0).any(axis=1))
+        # Every named axis, then the world itself: the 'world', 'dp' and 'edp' meshes
+        # hold the ranks in slot order too, so any order but the identity would give them
+        # coordinates that disagree with their process groups (a DTensor sharded on them
+        # would gather its shards permuted).
+        candidates = [(f"axis {a!r}", spec.groups(a, world_order)) for a in AXES]
+        candidates.append(("the 'world' and 'dp' meshes", world_order.reshape(1, -1)))
+        for what, groups in candidates:
+            down = np.diff(groups, axis=1) < 0
+            unsorted = np.flatnonzero(down.any(axis=1))
             if len(unsorted):
+                row = groups[unsorted[0]]
+                k = int(np.flatnonzero(down[unsorted[0]])[0])
                 raise ValueError(
-                    f"rank_order puts the ranks of axis {axis!r} out of increasing order "
-                    f"(e.g. {groups[unsorted[0]].tolist()[:8]}): torch process groups order "
-                    "their members by global rank, so collectives would disagree with the "
-                    "mesh coordinates. Number the ranks in slot order (zone, host, GPU) when "
-                    "launching instead; rank_order is for analysing a placement "
-                    "(check_axis_tiers, the cost model)"
+                    f"rank_order puts the ranks of {what} out of increasing order "
+                    f"(e.g. rank {int(row[k])} comes before rank {int(row[k + 1])} in "
+                    f"{row.tolist()[:8]}{' ...' if len(row) > 8 else ''}): torch process "
+                    "groups order their members by global rank, so collectives would "
+                    "disagree with the mesh coordinates. Number the ranks in slot order "
+                    "(zone, host, GPU) when launching instead; rank_order is for analysing "
+                    "a placement (check_axis_tiers, the cost model)"
                 )
         if device_type is None:
             device_type = (

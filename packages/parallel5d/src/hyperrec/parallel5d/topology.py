@@ -18,6 +18,7 @@ otherwise passes ``rank_order`` (the slot of every rank).
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,8 +62,10 @@ class Link:
     """Where the figures come from: ``"cited: ..."``, ``"measured: ..."`` or ``"assumed: ..."``."""
 
     def __post_init__(self) -> None:
-        check_float("bandwidth_gbps", self.bandwidth_gbps, minimum=1e-9)
-        check_float("latency_us", self.latency_us, minimum=0.0)
+        # Stored as Python floats: a numpy scalar would leave describe() not JSON-able.
+        for name, minimum in (("bandwidth_gbps", 1e-9), ("latency_us", 0.0)):
+            value = check_float(name, getattr(self, name), minimum=minimum)
+            object.__setattr__(self, name, float(value))
         if not isinstance(self.source, str):
             raise TypeError(f"source must be a str, got {type(self.source).__name__}")
 
@@ -138,6 +141,14 @@ def _min_run(a: np.ndarray) -> np.ndarray:
     return out
 
 
+def _as_ranks(name: str, ranks: Any) -> np.ndarray:
+    """``ranks`` as an int64 array; floats and bools are refused, not truncated."""
+    r = np.asarray(ranks)
+    if r.size and r.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integer ranks, got an array of dtype {r.dtype}")
+    return r.astype(np.int64)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Topology:
     """GPUs per host, hosts per zone, zones; the figures of each tier; the rank order.
@@ -166,15 +177,23 @@ class Topology:
     """Smallest group NVLS helps (nccl#1455: 370 GB/s at 2-4 GPUs, 420-480 at 5-8)."""
     rank_order: tuple[int, ...] | None = field(default=None, repr=False)
     """Slot of every rank (a permutation of ``range(world_size)``); ``None``: rank ``r``
-    in slot ``r``. :class:`~hyperrec.parallel5d.mesh.ParallelMesh` accepts only orders
-    that keep every group's ranks increasing (torch process groups order members by
-    global rank); number ranks in slot order at launch instead."""
+    in slot ``r``. For analysing a placement (``check_axis_tiers``, the cost model):
+    :class:`~hyperrec.parallel5d.mesh.ParallelMesh` accepts only the identity order
+    (torch process groups order their members by global rank, and its ``world`` and
+    ``dp`` meshes hold every rank in slot order); number ranks in slot order at launch
+    instead."""
 
     def __post_init__(self) -> None:
-        check_int("gpus_per_host", self.gpus_per_host, minimum=1)
-        check_int("hosts", self.hosts, minimum=1)
+        # Sizes are stored as Python ints (numpy integers are accepted): describe() must
+        # stay JSON-able.
+        for name in ("gpus_per_host", "hosts", "nvls_min_gpus"):
+            minimum = 2 if name == "nvls_min_gpus" else 1
+            object.__setattr__(
+                self, name, int(check_int(name, getattr(self, name), minimum=minimum))
+            )
         if self.hosts_per_zone is not None:
-            check_int("hosts_per_zone", self.hosts_per_zone, minimum=1)
+            hpz = int(check_int("hosts_per_zone", self.hosts_per_zone, minimum=1))
+            object.__setattr__(self, "hosts_per_zone", hpz)
             if self.hosts_per_zone > self.hosts:
                 raise ValueError(
                     f"hosts_per_zone must be <= hosts ({self.hosts}), got {self.hosts_per_zone}"
@@ -183,8 +202,8 @@ class Topology:
             if not isinstance(getattr(self, name), Link):
                 raise TypeError(f"{name} must be a Link, got {type(getattr(self, name)).__name__}")
         if self.nvls_bandwidth_gbps is not None:
-            check_float("nvls_bandwidth_gbps", self.nvls_bandwidth_gbps, minimum=1e-9)
-        check_int("nvls_min_gpus", self.nvls_min_gpus, minimum=2)
+            bw = check_float("nvls_bandwidth_gbps", self.nvls_bandwidth_gbps, minimum=1e-9)
+            object.__setattr__(self, "nvls_bandwidth_gbps", float(bw))
         if self.rank_order is not None:
             order = tuple(self.rank_order)
             w = self.world_size
@@ -192,8 +211,13 @@ class Topology:
                 raise ValueError(
                     f"rank_order must give a slot for each of the {w} ranks, got {len(order)}"
                 )
-            arr = np.asarray(order)
-            if arr.dtype.kind not in "iu" or sorted(order) != list(range(w)):
+            for i, x in enumerate(order):
+                # np.asarray would silently read True as slot 1 and 2.0 as slot 2.
+                if isinstance(x, bool | np.bool_) or not isinstance(x, numbers.Integral):
+                    raise TypeError(
+                        f"rank_order must hold int slots, got {type(x).__name__} {x!r} for rank {i}"
+                    )
+            if sorted(order) != list(range(w)):
                 raise ValueError(f"rank_order must be a permutation of range({w})")
             object.__setattr__(self, "rank_order", tuple(int(x) for x in order))
 
@@ -231,12 +255,17 @@ class Topology:
 
     # ------------------------------------------------------------------ placement
     def slots(self, ranks: Any = None) -> np.ndarray:
-        """Slot of each rank in ``ranks`` (default: all ranks), as an int64 array."""
+        """Slot of each rank in ``ranks`` (default: all ranks), as an int64 array.
+
+        Raises:
+            TypeError: ``ranks`` that are not integers (floats, bools).
+            ValueError: a rank outside ``[0, world_size)``.
+        """
         w = self.world_size
         table = np.arange(w) if self.rank_order is None else np.asarray(self.rank_order)
         if ranks is None:
             return table.astype(np.int64)
-        r = np.asarray(ranks, dtype=np.int64)
+        r = _as_ranks("ranks", ranks)
         if r.size and (r.min() < 0 or r.max() >= w):
             raise ValueError(f"ranks must be in [0, {w}), got values in [{r.min()}, {r.max()}]")
         return table[r].astype(np.int64)
@@ -256,10 +285,15 @@ class Topology:
         return self.host_of(ranks) // self.zone_hosts
 
     def tier_between(self, a: int, b: int) -> Tier:
-        """The tier a message from rank ``a`` to rank ``b`` crosses."""
+        """The tier a message from rank ``a`` to rank ``b`` crosses.
+
+        Raises:
+            TypeError: a rank that is not an integer.
+            ValueError: a rank outside ``[0, world_size)`` (even when ``a == b``).
+        """
+        ha, hb = self.host_of([a, b])  # validates both ranks, even when a == b
         if a == b:
             return "local"
-        ha, hb = self.host_of([a, b])
         if ha == hb:
             return "nvlink"
         return "rdma" if ha // self.zone_hosts == hb // self.zone_hosts else "cross_zone"
@@ -270,9 +304,10 @@ class Topology:
         Vectorised: analysing every group of a 100,000-rank axis takes milliseconds.
 
         Raises:
+            TypeError: ``groups`` of floats or bools.
             ValueError: ``groups`` is not 2-D or holds ranks out of range.
         """
-        g = np.asarray(groups, dtype=np.int64)
+        g = _as_ranks("groups", groups)
         if g.ndim != 2:
             raise ValueError(f"groups must be 2-D (num_groups, group_size), got shape {g.shape}")
         hosts = self.host_of(g.reshape(-1)).reshape(g.shape)
@@ -325,9 +360,11 @@ class Topology:
         ``rank_order=``).
 
         Raises:
-            ValueError: a variable that is not a positive integer, ``LOCAL_WORLD_SIZE``
-                missing for a world of several ranks, or a world size that is not a
-                multiple of the GPUs per host.
+            TypeError: ``gpus_per_host``/``hosts_per_zone`` that are not ints, or a
+                variable of ``env`` that is not a str.
+            ValueError: a variable that is not a positive decimal integer, ``WORLD_SIZE``
+                or ``LOCAL_WORLD_SIZE`` missing while the other says several ranks, or a
+                world size that is not a multiple of the GPUs per host.
         """
         env = os.environ if env is None else env
 
@@ -335,15 +372,16 @@ class Topology:
             raw = env.get(name)
             if raw is None or raw == "":
                 return None
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
-            if value < 1:
+            if not isinstance(raw, str):
+                raise TypeError(f"{name} must be a str, got {type(raw).__name__} {raw!r}")
+            text = raw.strip()
+            # Plain ASCII digits only: int() would also take "1_6", "+8" or non-ASCII digits.
+            if not (text.isascii() and text.isdigit()) or int(text) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-            return value
+            return int(text)
 
-        world = read("WORLD_SIZE") or 1
+        world_env = read("WORLD_SIZE")
+        world = world_env or 1
         if gpus_per_host is None:
             gpus_per_host = read("LOCAL_WORLD_SIZE")
             if gpus_per_host is None:
@@ -354,6 +392,11 @@ class Topology:
                     )
                 gpus_per_host = 1
         gpus_per_host = check_int("gpus_per_host", gpus_per_host, minimum=1)
+        if world_env is None and gpus_per_host > 1:
+            raise ValueError(
+                f"WORLD_SIZE is not set (one rank) but the GPUs per host (LOCAL_WORLD_SIZE / "
+                f"gpus_per_host) are {gpus_per_host}: launch with torchrun or set WORLD_SIZE"
+            )
         if world % gpus_per_host:
             raise ValueError(
                 f"WORLD_SIZE ({world}) must be a multiple of the GPUs per host "
@@ -361,6 +404,8 @@ class Topology:
             )
         if hosts_per_zone is None:
             hosts_per_zone = read("HYPERREC_HOSTS_PER_ZONE")
+        else:  # checked before the comparison below (a float would be clamped silently)
+            hosts_per_zone = check_int("hosts_per_zone", hosts_per_zone, minimum=1)
         hosts = world // gpus_per_host
         if hosts_per_zone is not None and hosts_per_zone > hosts:
             hosts_per_zone = hosts  # a job smaller than one zone lies in one zone
