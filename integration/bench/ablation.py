@@ -103,6 +103,7 @@ ROWS = (
             "train.sparse=dense",
             "train.embedding_optimizer=auto",
             "train.activation_checkpointing=off",
+            "train.row_buckets=0",
         ),
     ),
     Row("+ jagged kernels", "hyperrec.jagged_attn on unpadded tokens", ("train.impl=hyperrec",)),
@@ -118,12 +119,13 @@ ROWS = (
     Row("+ sharded embeddings", "ShardedEmbeddingCollection + lazy Adam on the big tables", ("train.sparse=sharded", "train.embedding_optimizer=adam")),
     Row(
         "all",
-        "every available technique that is faster + fused lookup, compiled small ops, fused AdamW",
+        "every available technique that is faster + fused lookup, compiled small ops, fused AdamW, bucketed row counts",
         (
             "train.fused_embeddings=true",
             "train.compile=inductor",
             "train.optimizer_impl=fused",
             "train.attention_precision=bf16",
+            "train.row_buckets=64",
         ),
     ),
 )  # fmt: skip

@@ -430,3 +430,14 @@ def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch)
     assert doc["baseline"] == "naive" and set(doc["difference_vs_baseline"]) == {"all"}
     with pytest.raises(SystemExit, match="no ablation row"):
         precision_quality.main(["--out", str(tmp_path), "--rows", "naive", "fastest"])
+
+
+def test_cublas_host_smoke_writes_its_result(tmp_path):
+    import cublas_host
+
+    assert cublas_host.main(["--out", str(tmp_path), "--smoke"]) == 0
+    (path,) = tmp_path.glob("cublas_host_cpu_*.json")
+    doc = json.loads(path.read_text())
+    case = doc["results"]["mm_NT (forward, x W^T)"]
+    assert set(case) == {"same_M", "new_M_each_call", "M_rounded_up_to_256"}
+    assert all(v["min_us"] <= v["median_us"] <= v["max_us"] for v in case.values())

@@ -19,7 +19,9 @@ A checkpoint is one directory ``<run>/checkpoints/step_<N>/`` holding:
 its share of the files, rank 0 writes the manifest (fsynced) and renames the directory
 to ``step_<N>`` (fsynced), and only then do the ranks go on. A run killed while saving
 leaves a ``.partial`` directory that nothing reads (the next save replaces it); a
-``step_<N>`` directory always had a complete manifest when it was renamed.
+``step_<N>`` directory always had a complete manifest when it was renamed. A save that
+replaces an existing ``step_<N>`` first moves it to ``.step_<N>.old`` (removed after the
+rename); a run killed in between finds the old one there (:func:`list_checkpoints`).
 **Verification**: :func:`verify_checkpoint` checks every file against the manifest
 (missing, truncated or changed files raise :class:`CheckpointError` naming the file);
 :func:`load_checkpoint` verifies before reading, and :func:`list_checkpoints` /
@@ -52,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as _DCPError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hyperrec.raggedshard import RaggedLoadPlanner, RaggedSavePlanner
@@ -70,6 +73,7 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_OLD_DIR = re.compile(r"^\.step_(\d+)\.old$")
 MANIFEST = "MANIFEST.json"
 """Name of the manifest file of a checkpoint directory."""
 _MANIFEST_FORMAT = 1
@@ -244,8 +248,21 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
         )
     try:
         manifest = json.loads(m.read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError(f"a JSON object was expected, got {type(manifest).__name__}")
         if manifest.get("format") != _MANIFEST_FORMAT or not isinstance(manifest["files"], dict):
             raise ValueError(f"unknown manifest format {manifest.get('format')!r}")
+        for name, entry in manifest["files"].items():
+            # A damaged entry would otherwise fail in verify_checkpoint with a bare
+            # KeyError / TypeError, which no resume falls back from.
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)
+            ):
+                raise ValueError(f"the entry of file {name!r} is damaged: {entry!r}")
+        if not isinstance(manifest.get("info", {}), dict):
+            raise ValueError(f"its info is not an object: {manifest['info']!r}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {path} has an unreadable {MANIFEST}: {err}") from None
     return manifest
@@ -301,14 +318,41 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint.
+        CheckpointError: its ``meta`` entry cannot be read (a corrupt file).
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete DCP checkpoint (no .metadata)")
     probe: dict[str, Any] = {"meta": b""}
-    with _quiet_single_process():
-        dcp.load(probe, checkpoint_id=str(path), no_dist=not _distributed())
-    return pickle.loads(probe["meta"])
+    try:
+        with _quiet_single_process():
+            dcp.load(probe, checkpoint_id=str(path), no_dist=not _distributed())
+        meta = pickle.loads(probe["meta"])
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+            raise ValueError(f"meta is not a dict with an int 'step': {type(meta).__name__}")
+    except (Exception, _DCPError) as err:  # DCP wraps the reader's errors (a BaseException)
+        if not isinstance(_inner(err), Exception):
+            raise  # e.g. KeyboardInterrupt: not a damaged file
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its meta entry cannot be read ({_cause(err)})"
+        ) from err
+    return meta
+
+
+def _inner(err: BaseException) -> BaseException:
+    """The first rank's error inside DCP's ``CheckpointException``, else ``err``."""
+    if isinstance(err, _DCPError) and err.failures:
+        inner = next(iter(err.failures.values()))  # (exception, traceback)
+        return inner[0] if isinstance(inner, tuple) else inner
+    return err
+
+
+def _cause(err: BaseException) -> str:
+    """``Type: first line`` of ``err`` (of the first rank's error inside DCP's
+    ``CheckpointException``, whose own message is a list of ranks)."""
+    err = _inner(err)
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def load_checkpoint(
@@ -339,13 +383,18 @@ def load_checkpoint(
         ``(meta, [(rank_state, rank_tensors) of old rank 0, 1, ...])``.
 
     Raises:
-        CheckpointError: incomplete or corrupt (with ``verify``).
+        CheckpointError: incomplete or corrupt (with ``verify``; without a manifest, a
+            file that cannot be read).
         FileNotFoundError: ``path`` is not a complete checkpoint.
         ValueError: written by another world size (without ``all_ranks``).
     """
     path = Path(path)
     if verify:
         verify_checkpoint(path)
+    # Without a manifest (0.1.x) nothing was verified: a damaged file is reported as a
+    # CheckpointError (a resume from a run directory then falls back to the previous
+    # checkpoint) instead of DCP's or pickle's own error.
+    unverified = not (path / MANIFEST).is_file()
     # The world size is checked before touching the model: a mismatch would otherwise
     # surface as an obscure missing-key error for another rank's state.
     meta = read_meta(path)
@@ -364,13 +413,20 @@ def load_checkpoint(
         state[f"rank{_rank()}"] = {"blob": b"", "tensors": dict(rank_tensors or {})}
     if extra:
         state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
-    with _quiet_single_process():
-        dcp.load(
-            state,
-            checkpoint_id=str(path),
-            planner=RaggedLoadPlanner(),
-            no_dist=not _distributed(),
-        )
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                planner=RaggedLoadPlanner(),
+                no_dist=not _distributed(),
+            )
+    except (Exception, _DCPError) as err:
+        if not unverified or not isinstance(_inner(err), Exception):
+            raise  # verified files: a mismatch with the model, not a damaged file
+        raise CheckpointError(
+            f"checkpoint {path} (no {MANIFEST}, unverified) cannot be read: {_cause(err)}"
+        ) from err
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -398,7 +454,10 @@ def list_checkpoints(path: str | Path) -> list[Path]:
     """Checkpoints of a run directory (or its ``checkpoints/``), newest first.
 
     Only directories that can be complete (a manifest, or a 0.1.x ``.metadata``) are
-    listed; ``.partial`` directories of an interrupted save never are. Whether their
+    listed; ``.partial`` directories of an interrupted save never are. A ``.step_<N>.old``
+    directory (the previous ``step_<N>``, moved aside by a save of the same step that was
+    killed before it renamed its own into place) stands for ``step_<N>`` when that is
+    missing. Whether their
     files are intact is for :func:`verify_checkpoint`.
 
     Raises:
@@ -410,12 +469,16 @@ def list_checkpoints(path: str | Path) -> list[Path]:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not root.is_dir():
         return []
-    done = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and _looks_complete(p)
-    ]
-    return [p for _, p in sorted(done, reverse=True)]
+    done: dict[int, Path] = {}
+    for p in root.iterdir():
+        if (m := _STEP_DIR.match(p.name)) and _looks_complete(p):
+            done[int(m.group(1))] = p
+    for p in root.iterdir():
+        # A save that replaced step_<N> and was killed between moving the old directory
+        # aside and renaming the new one into place: the old one is still complete.
+        if (m := _OLD_DIR.match(p.name)) and int(m.group(1)) not in done and _looks_complete(p):
+            done[int(m.group(1))] = p
+    return [done[s] for s in sorted(done, reverse=True)]
 
 
 def find_checkpoint(path: str | Path) -> Path | None:

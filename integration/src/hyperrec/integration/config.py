@@ -48,7 +48,7 @@ __all__ = [
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "softmax")
 IMPLS = ("hyperrec", "naive")
-COMPILE_MODES = ("off", "inductor", "aot_eager")
+COMPILE_MODES = ("off", "inductor", "inductor_autotune", "aot_eager")
 MLP_PRECISIONS = ("bf16", "mxfp8")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
@@ -612,7 +612,9 @@ class TrainConfig:
     inside it). Same function as separate tables; a different parameter layout."""
     compile: str = "off"
     """``torch.compile`` the small-op regions (LayerNorms, SiLU, gating, the DCN):
-    "off", "inductor" or "aot_eager" (graph capture without code generation; tests)."""
+    "off", "inductor", "inductor_autotune" (Inductor's GEMM autotuning: it times cuBLAS
+    against Triton GEMM templates, which can take the SiLU or residual add as an epilogue;
+    longer compilation) or "aot_eager" (graph capture without code generation; tests)."""
     mlp_precision: str = "bf16"
     """"mxfp8": the interaction MLP's large linears become ``hyperrec.mxfp8.MXLinear`` (the
     128-block Hopper recipe, chosen by a ``PrecisionPolicy``); "bf16": ``nn.Linear``."""
@@ -646,6 +648,15 @@ class TrainConfig:
     and ``FP8Config(backward="fp8")``, FP8 operands in the backward too, about 24 dB
     gradient SNR). "mxfp8" is emulated on Hopper (MX scales applied to bf16 operands:
     slower than bf16). Needs ``impl="hyperrec"``."""
+    row_buckets: int = 0
+    """Pad each step's history-token and candidate counts up to one of ``row_buckets``
+    sizes per power of two (a power of two; 0: off; no effect with ``impl="naive"``, which
+    pads every sequence to the longest), with rows
+    that no real row reads and whose outputs are dropped: the same outputs and gradients,
+    at most ``1 / row_buckets`` more rows. Jagged batches give the GEMMs a new row count
+    every step, and a cuBLAS call on an unseen shape pays a heuristic query on the host
+    (~115 us on an H200 against ~25 us cached); bucketed counts repeat. Useful FLOPs (MFU)
+    count the real rows only."""
     mesh: str = "auto"
     """The device mesh: "5d" (``hyperrec.parallel5d.ParallelMesh``: the dense modules are
     sharded on its dense mesh, ``replicate x fsdp``, the sharded tables on its sparse mesh;
@@ -703,6 +714,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.attention_precision={self.attention_precision!r} needs "
                 "impl='hyperrec': the naive padded attention has no low-precision path"
+            )
+        _require_int(self, "row_buckets", minimum=0)
+        if self.row_buckets & (self.row_buckets - 1):
+            raise ValueError(
+                f"TrainConfig.row_buckets must be 0 or a power of two, got {self.row_buckets}"
             )
         if not isinstance(self.fused_embeddings, bool):
             raise TypeError(
@@ -852,7 +868,8 @@ class Preset:
         """The preset :meth:`to_dict` described (as read back from JSON).
 
         Raises:
-            ValueError / TypeError: a missing section, an unknown field or a bad value.
+            ValueError / TypeError: a missing section, an unknown field or data source, or
+                a bad value (a ``name`` or ``description`` that is not a str included).
         """
         if not isinstance(d, dict):
             raise TypeError(f"a preset dict must be a dict, got {type(d).__name__}")
@@ -861,10 +878,15 @@ class Preset:
                 raise ValueError(f"a preset dict needs a {section!r} section")
         data = dict(d["data"])
         source = data.pop("source", "event_log" if "path" in data else "synthetic")
+        if source not in ("synthetic", "event_log"):
+            # Anything else used to build the synthetic generator without a word.
+            raise ValueError(
+                f"a preset dict's data.source must be 'synthetic' or 'event_log', got {source!r}"
+            )
         data_cls = EventLogConfig if source == "event_log" else DataConfig
         return cls(
-            name=str(d.get("name", "preset")),
-            description=str(d.get("description", "")),
+            name=d.get("name", "preset"),
+            description=d.get("description", ""),
             data=_build(data_cls, data),
             model=_build(ModelConfig, d["model"]),
             train=_build(TrainConfig, d["train"]),
@@ -1136,6 +1158,7 @@ def gem() -> Preset:
             compile="inductor",
             mlp_precision="mxfp8",
             optimizer_impl="fused",
+            row_buckets=64,
             data_workers=8,
             # As h200's: histories of mean ~800 events make each request costly to
             # regenerate for the end-of-run logistic baseline; 4,096 keep it to seconds.
@@ -1177,7 +1200,9 @@ def _parse_value(raw: str, annotation: Any, where: str) -> Any:
         raise ValueError(f"{where}: expected a bool, got {raw!r}")
     if annotation in (int, "int"):
         try:
-            return int(raw.replace("_", ""))
+            # Python's own grammar: "1_000" is 1000, but "_1_0_" or "1__0" are refused
+            # (removing every "_" first read them as 10).
+            return int(raw)
         except ValueError:
             raise ValueError(f"{where}: expected an int, got {raw!r}") from None
     if annotation in (float, "float"):
@@ -1185,18 +1210,22 @@ def _parse_value(raw: str, annotation: Any, where: str) -> Any:
             return float(raw)
         except ValueError:
             raise ValueError(f"{where}: expected a number, got {raw!r}") from None
-    if annotation in ("tuple[int, ...]",):
+    if annotation in ("tuple[int, ...]", "tuple[float, ...]", "tuple[str, ...]"):
+        # "" is the empty tuple; otherwise every entry must be there ("64,,32" used to
+        # drop the missing one without a word).
+        items = [v.strip() for v in raw.split(",")]
+        if items == [""]:
+            return ()
+        if "" in items:
+            raise ValueError(f"{where}: an empty entry in the comma-separated {raw!r}")
+        kind = annotation[len("tuple[") : -len(", ...]")]
+        if kind == "str":
+            return tuple(items)
         try:
-            return tuple(int(v) for v in raw.split(",") if v.strip())
+            return tuple(int(v) if kind == "int" else float(v) for v in items)
         except ValueError:
-            raise ValueError(f"{where}: expected comma-separated ints, got {raw!r}") from None
-    if annotation in ("tuple[float, ...]",):
-        try:
-            return tuple(float(v) for v in raw.split(",") if v.strip())
-        except ValueError:
-            raise ValueError(f"{where}: expected comma-separated numbers, got {raw!r}") from None
-    if annotation in ("tuple[str, ...]",):
-        return tuple(v.strip() for v in raw.split(",") if v.strip())
+            what = "ints" if kind == "int" else "numbers"
+            raise ValueError(f"{where}: expected comma-separated {what}, got {raw!r}") from None
     if annotation in ("float | None",):
         if raw.lower() in ("", "none"):
             return None

@@ -112,8 +112,8 @@ def preset_of_run(path: str | Path) -> Preset:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: no checkpoint there, or the run trained on a data source given in
-            Python (which the CLI cannot rebuild).
+        ValueError: no readable checkpoint there, one that records no preset, or the run
+            trained on a data source given in Python (which the CLI cannot rebuild).
     """
     path = Path(path)
     if not path.exists():
@@ -126,9 +126,13 @@ def preset_of_run(path: str | Path) -> Preset:
     for ckpt in candidates:
         try:
             manifest = read_manifest(ckpt)
+            info = manifest["info"] if manifest is not None else read_meta(ckpt)
         except CheckpointError:
             continue
-        info = manifest["info"] if manifest is not None else {"preset": read_meta(ckpt)["preset"]}
+        if not isinstance(info.get("preset"), dict):
+            raise ValueError(
+                f"{ckpt} records no preset (not written by the trainer): give --preset"
+            )
         if info.get("custom_source"):
             raise ValueError(
                 f"{ckpt} was trained on a data source given in Python: resume it with "
@@ -169,6 +173,10 @@ def _build_preset(args: argparse.Namespace) -> Preset:
             data = EventLogConfig(path=args.data, max_seqlen=preset.data.max_seqlen)
         preset = dataclasses.replace(preset, data=data)
     sets = list(args.set)
+    keys = {item.partition("=")[0].strip() for item in sets}
+    if args.data is not None and "data.path" in keys:
+        # --set would silently replace the log given to --data.
+        raise ValueError("give the event log with --data or with --set data.path, not both")
     for flag, key in (
         (args.steps, "train.steps"),
         (args.epochs, "train.epochs"),
@@ -177,7 +185,15 @@ def _build_preset(args: argparse.Namespace) -> Preset:
     ):
         if flag is not None:
             sets.append(f"{key}={flag}")
-    return override(preset, sets)
+    preset = override(preset, sets)
+    if preset.train.epochs and (args.steps is not None or "train.steps" in keys):
+        # The trainer replaces train.steps by the steps of the epochs: ignored otherwise.
+        raise ValueError(
+            f"--steps / train.steps has no effect with train.epochs={preset.train.epochs} "
+            "(the run takes the steps of its epochs): give --epochs 0 to train a number "
+            "of steps, or leave --steps out"
+        )
+    return preset
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -141,6 +141,8 @@ _CADENCE = {
     # How batches are built, not which: the loader delivers the same batches either way.
     "data_workers",
     "prefetch_batches",
+    # Padding rows that no real row reads: the same outputs and gradients.
+    "row_buckets",
 }
 _DATA_EXEMPT = {"path", "cache_dir", "reader", "valid_requests"}
 _HISTORY_KEYS = (
@@ -486,7 +488,24 @@ def _saved_tables(path: Path) -> tuple[str, str]:
     return (str(tables[0]), str(tables[1]))
 
 
+def _check_checkpoint_dir(out_dir: Path) -> None:
+    """``<out_dir>/checkpoints`` must be a writable directory if it exists (else the first
+    save, after ``ckpt_every`` steps of training, fails)."""
+    ckpts = out_dir / "checkpoints"
+    if ckpts.exists() and not ckpts.is_dir():
+        raise ValueError(
+            f"out_dir {str(out_dir)!r}: {str(ckpts)!r} exists and is not a directory "
+            "(checkpoints are written there; TrainConfig.ckpt_every=0 writes none)"
+        )
+    if ckpts.is_dir() and not os.access(ckpts, os.W_OK | os.X_OK):
+        raise ValueError(f"out_dir {str(out_dir)!r}: {str(ckpts)!r} is not writable")
+
+
 def _resume_candidates(resume: str | Path) -> list[Path]:
+    if not isinstance(resume, (str, os.PathLike)):
+        raise TypeError(
+            f"resume must be a checkpoint or run directory (a path), got {type(resume).__name__}"
+        )
     path = Path(resume)
     found = find_checkpoint(path)  # raises FileNotFoundError for a missing path
     if found is None:
@@ -617,14 +636,15 @@ class Trainer:
     ``dense_table_optimizer`` / ``sparse_optimizer`` and ``autoac`` expose them.
 
     Raises:
-        ValueError: ``out_dir`` is a file or not writable; the global batch does not
-            split over the world size; ``resume`` has no complete checkpoint or was
+        ValueError: ``out_dir`` (or, with ``ckpt_every``, its ``checkpoints``) is a file
+            or not writable; the global batch does not split over the world size;
+            ``resume`` has no complete checkpoint, is past ``TrainConfig.steps`` or was
             trained with another configuration, other data or another table placement;
             a model that does not fit the data's history cap; ``epochs`` with an endless
             source; bad device; a mesh that does not fit the world size; an optimizer
             that does not train the tables' placement; an autoac budget below the step's
             floor (naming the smallest feasible budget), or none on a CPU.
-        TypeError: ``data`` is not a DataSource.
+        TypeError: ``data`` is not a DataSource; ``out_dir`` or ``resume`` not a path.
         FileNotFoundError: ``resume`` or the event log does not exist.
         CheckpointError: ``resume`` names a corrupt checkpoint.
     """
@@ -654,6 +674,10 @@ class Trainer:
         candidates = _resume_candidates(resume) if resume is not None else []
         self._created = time.perf_counter()
         cfg = preset.train
+        if cfg.ckpt_every and (out_dir is not None or candidates):
+            _check_checkpoint_dir(
+                Path(out_dir) if out_dir is not None else candidates[0].parents[1]
+            )
         prefer_expandable_segments(device)
         # The 5-D mesh asks for a process group even on one process (one rank, in memory).
         self.ctx: DistributedContext = init_distributed(device, single_rank_group=cfg.mesh == "5d")
@@ -1454,11 +1478,34 @@ class Trainer:
             ValueError: the checkpoint's preset differs in a field that changes the run
                 (anything but the cadence: steps, epochs, evaluation, checkpoint,
                 logging, early stopping, non-finite policy, baseline size; for an event
-                log also its path, cache and reader), or it was trained on other data.
+                log also its path, cache and reader), or it was trained on other data;
+                or the checkpoint's step is past ``TrainConfig.steps``.
         """
         verify_checkpoint(path)
         saved_meta = read_meta(path)
         saved, now = saved_meta["preset"], self.preset.to_dict()
+        if saved_meta["step"] > self.preset.train.steps:
+            # Nothing would be trained and the run would report the checkpoint's steps as
+            # a complete run of fewer.
+            raise ValueError(
+                f"checkpoint {path} is at step {saved_meta['step']}, past this run's "
+                f"TrainConfig.steps={self.preset.train.steps}"
+                + (
+                    f" (from TrainConfig.epochs={self.preset.train.epochs})"
+                    if self.preset.train.epochs
+                    else ""
+                )
+                + ": resume from an earlier checkpoint or train at least as many steps"
+            )
+        if not self.custom_source:
+            # The kind of source first: else the first field of one that the other lacks
+            # is reported (e.g. data.user_column=None against a synthetic run).
+            kinds = (saved["data"].get("source", "synthetic"), now["data"]["source"])
+            if kinds[0] != kinds[1]:
+                raise ValueError(
+                    f"checkpoint {path} was trained on data.source={kinds[0]!r}, this run "
+                    f"has {kinds[1]!r}"
+                )
         for section in ("data", "model", "train"):
             if section == "data" and self.custom_source:
                 continue  # the source's own state_dict identifies its data (below)
