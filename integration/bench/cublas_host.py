@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "heuristics_cache": "disabled" if args.no_cache else "default",
         "results": results,
     }
-    tag = "cpu" if device == "cpu" else gpu.split()[-1].lower()
+    names = [w.lower() for w in gpu.split() if w[:1] in "HABL" and w[1:2].isdigit()]
+    tag = "cpu" if device == "cpu" else (names[0] if names else "gpu")  # "h100", "h200"
     name = f"cublas_host_{tag}_{dt.date.today().isoformat()}{'_nocache' if args.no_cache else ''}"
     path = Path(args.out) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
