@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,3 +24,16 @@ def micro():
 @pytest.fixture
 def micro_data(micro):
     return SyntheticRecsysData(micro.data)
+
+
+@pytest.fixture
+def micro_empty_block(micro):
+    """``micro`` with empty histories allowed and one block-attention layer below a
+    full one (block size 4)."""
+    return dataclasses.replace(
+        micro,
+        data=dataclasses.replace(micro.data, min_seqlen=0, seqlen_scale=1.0),
+        model=dataclasses.replace(
+            micro.model, seq_layers=2, block_attention_layers=1, attn_block_size=4
+        ),
+    )

@@ -39,14 +39,8 @@ def test_a_request_does_not_depend_on_its_batch(micro, micro_data):
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_empty_histories_and_block_attention(micro):
-    preset = dataclasses.replace(
-        micro,
-        data=dataclasses.replace(micro.data, min_seqlen=0, seqlen_scale=1.0),
-        model=dataclasses.replace(
-            micro.model, seq_layers=2, block_attention_layers=1, attn_block_size=4
-        ),
-    )
+def test_empty_histories_and_block_attention(micro_empty_block):
+    preset = micro_empty_block
     data = SyntheticRecsysData(preset.data)
     batch = data.batch(TRAIN, np.arange(48))
     assert (batch.history_offsets.diff() == 0).any()

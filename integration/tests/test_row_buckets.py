@@ -1,7 +1,5 @@
 """Bucketed row counts (``row_buckets``): padding rows change no real output or gradient."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -83,14 +81,8 @@ def test_padded_model_equals_the_unpadded_one(micro, micro_data, per_octave, ids
         torch.testing.assert_close(got[2][name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_padding_with_empty_histories_and_block_layers(micro):
-    preset = dataclasses.replace(
-        micro,
-        data=dataclasses.replace(micro.data, min_seqlen=0, seqlen_scale=1.0),
-        model=dataclasses.replace(
-            micro.model, seq_layers=2, block_attention_layers=1, attn_block_size=4
-        ),
-    )
+def test_padding_with_empty_histories_and_block_layers(micro_empty_block):
+    preset = micro_empty_block
     data = SyntheticRecsysData(preset.data)
     batch = data.batch(TRAIN, np.arange(48))
     assert (batch.history_offsets.diff() == 0).any()

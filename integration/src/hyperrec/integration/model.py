@@ -288,6 +288,23 @@ def _pad_sequences(
     return torch.cat([offsets, ends]), max(longest, min(chunk, pad))
 
 
+def _indexed_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q: int,
+    max_kv: int,
+    kv_index: torch.Tensor,
+    scale: float,
+    validate: bool,
+) -> torch.Tensor:
+    """Softmax attention of query sequence ``b`` over key sequence ``kv_index[b]``."""
+    return gdpa(q, k, v, q_offsets, kv_offsets, max_q, max_kv, activation="softmax",
+                scale=scale, kv_index=kv_index, validate=validate)  # fmt: skip
+
+
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
@@ -504,19 +521,10 @@ class PMAPooling(nn.Module):
                 validate=self.validate,
             )
         else:  # padding sequences follow the real ones: read only the first b
-            o = gdpa(
-                _jagged(q, self.heads),
-                _jagged(k, self.heads),
-                _jagged(v, self.heads),
-                q_offsets,
-                offsets,
-                p,
-                max_seqlen,
-                activation="softmax",
-                scale=scale,
-                kv_index=torch.arange(b, device=x.device),
-                validate=self.validate,
-            )
+            kv = (_jagged(k, self.heads), _jagged(v, self.heads))
+            index = torch.arange(b, device=x.device)
+            o = _indexed_softmax(_jagged(q, self.heads), *kv, q_offsets, offsets, p, max_seqlen,
+                                 index, scale, self.validate)  # fmt: skip
         return self.out(o.reshape(b, p * self.dim))
 
 
@@ -561,19 +569,9 @@ class CandidateAttention(nn.Module):
             )  # fmt: skip
             return self.out(o.reshape(c, self.dim))
         q_offsets = torch.arange(c + 1, device=candidates.device, dtype=offsets.dtype)
-        o = gdpa(
-            q,
-            _jagged(k, self.heads),
-            _jagged(v, self.heads),
-            q_offsets,
-            offsets,
-            1,
-            max_seqlen,
-            activation="softmax",
-            scale=scale,
-            kv_index=owner,
-            validate=self.validate,
-        )
+        kv = (_jagged(k, self.heads), _jagged(v, self.heads))
+        o = _indexed_softmax(q, *kv, q_offsets, offsets, 1, max_seqlen, owner, scale,
+                             self.validate)  # fmt: skip
         return self.out(o.reshape(c, self.dim))
 
 
