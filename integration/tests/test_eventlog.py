@@ -325,6 +325,11 @@ def test_bad_request_ids(tmp_path):
         src.batch(TEST, [src.num_requests(TEST)])
     with pytest.raises(ValueError, match="split must be"):
         src.batch(5, [0])
+    for bad in ([1.5, 2.7], [True, False, True], ["3"]):  # were truncated / read as 0 and 1
+        with pytest.raises(TypeError, match="ids must be integer"):
+            src.batch(TRAIN, bad)
+        with pytest.raises(TypeError, match="ids must be integer"):
+            src.history_lengths(TRAIN, np.asarray(bad))
 
 
 @pytest.mark.parametrize(

@@ -417,6 +417,24 @@ def _segment_ids(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, pos
 
 
+def _ages(gaps: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Age of every history event: the sum of its gap and every later gap of its request.
+
+    Summed within each request from 0 (rows of equal length as one 2-D cumsum), never as
+    differences of one prefix sum over the whole batch: those carried the rounding of
+    every earlier request of the batch, so long histories got event times 1 s apart
+    depending on which requests shared the batch. Every request gets the values it has
+    when generated alone.
+    """
+    age = np.empty_like(gaps)
+    for n in np.unique(lengths[lengths > 0]).tolist():
+        idx = offsets[:-1][lengths == n][:, None] + np.arange(n)
+        csum = np.cumsum(gaps[idx], axis=1)
+        before = np.concatenate([np.zeros((idx.shape[0], 1)), csum[:, :-1]], axis=1)
+        age[idx] = csum[:, -1:] - before
+    return age
+
+
 class SyntheticRecsysData:
     """Generator of requests and their ground truth for one :class:`DataConfig`.
 
@@ -511,10 +529,38 @@ class SyntheticRecsysData:
             )
 
     # -- requests -----------------------------------------------------------------------
-    def history_lengths(self, split: int, ids: np.ndarray) -> np.ndarray:
-        """int64 history length of each request ``ids`` of ``split`` (cheap: for BBS costs)."""
+    def history_lengths(self, split: int, ids: np.ndarray | list[int]) -> np.ndarray:
+        """int64 history length of each request ``ids`` of ``split`` (cheap: for BBS costs).
+
+        Raises:
+            ValueError / TypeError: as :meth:`batch` (``ids`` may be empty here).
+        """
+        return self._lengths(split, self._check_ids(split, ids, allow_empty=True))
+
+    def _check_ids(self, split: int, ids: Any, *, allow_empty: bool = False) -> np.ndarray:
+        _check_split(split)
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            if not allow_empty:
+                raise ValueError("ids is empty: a batch needs at least one request")
+            return np.zeros(0, dtype=np.int64)
+        # np.asarray(ids, int64) truncated 1.5 to request 1 and read a boolean mask as
+        # the requests 0 and 1.
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"ids must be integer request indices, got dtype {arr.dtype}")
+        if int(arr.min()) < 0:
+            raise ValueError("ids must be non-negative")
+        if int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"ids must be < 2**63, got {int(arr.max())}")
+        if split != TRAIN and int(arr.max()) >= self.config.eval_requests:
+            raise ValueError(
+                f"{SPLITS[split]} ids must be < eval_requests ({self.config.eval_requests}), "
+                f"got {int(arr.max())}"
+            )
+        return arr.astype(np.int64).reshape(-1)
+
+    def _lengths(self, split: int, ids: np.ndarray) -> np.ndarray:
         c = self.config
-        ids = np.asarray(ids, dtype=np.int64)
         u = _uniform(c.seed, split, _S_LENGTH, ids)
         extra = c.seqlen_scale * (np.power(u, -1.0 / c.seqlen_alpha) - 1.0)
         return np.minimum(c.min_seqlen + np.floor(extra), c.max_seqlen).astype(np.int64)
@@ -525,6 +571,7 @@ class SyntheticRecsysData:
         Raises:
             ValueError: empty ``ids``, negative ids, held-out ids past ``eval_requests``,
                 unknown split.
+            TypeError: ``ids`` not integers (floats, booleans, strings).
         """
         return self._generate(split, ids)[0]
 
@@ -546,17 +593,7 @@ class SyntheticRecsysData:
         self, split: int, ids: np.ndarray | list[int]
     ) -> tuple[Batch, tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
-        _check_split(split)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise ValueError("ids is empty: a batch needs at least one request")
-        if ids.min() < 0:
-            raise ValueError("ids must be non-negative")
-        if split != TRAIN and ids.max() >= c.eval_requests:
-            raise ValueError(
-                f"{SPLITS[split]} ids must be < eval_requests ({c.eval_requests}), "
-                f"got {int(ids.max())}"
-            )
+        ids = self._check_ids(split, ids)
         s = c.seed
         b = ids.shape[0]
 
@@ -576,7 +613,7 @@ class SyntheticRecsysData:
         )
 
         # History: the session topic dominates the most recent events.
-        lengths = self.history_lengths(split, ids)
+        lengths = self._lengths(split, ids)
         h_off = np.concatenate([[0], np.cumsum(lengths)])
         h_row, h_pos = _segment_ids(h_off)
         h_id = ids[h_row]
@@ -594,10 +631,7 @@ class SyntheticRecsysData:
         h_items = self._item_in_topic(_uniform(s, split, _S_H_ITEM, h_id, h_pos), h_topic)
         # Gaps grow with recency rank: minutes apart within a session, hours further back.
         gaps = -np.log(_uniform(s, split, _S_H_GAP, h_id, h_pos)) * 120.0 * (1.0 + recent)
-        csum = np.concatenate([[0.0], np.cumsum(gaps)])
-        # age of an event = sum of the gaps of it and every later event of its request
-        age = csum[h_off[1:][h_row]] - csum[np.arange(h_row.shape[0])]
-        age = np.floor(age).astype(np.int64)
+        age = np.floor(_ages(gaps, lengths, h_off)).astype(np.int64)
         h_time = request_time[h_row] - age
         liked = (
             (h_topic == session[h_row]) | (h_topic == favs[0][h_row]) | (h_topic == favs[1][h_row])

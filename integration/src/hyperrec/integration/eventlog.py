@@ -954,7 +954,11 @@ class EventLogSource:
 
     def _rows_of(self, split: int, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         _check_split(split)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        arr = np.asarray(ids)
+        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+            # np.asarray(ids, int64) truncated 1.5 to request 1 and read a mask as 0 / 1
+            raise TypeError(f"ids must be integer request indices, got dtype {arr.dtype}")
+        ids = arr.astype(np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("ids is empty: a batch needs at least one request")
         n = self._rows[split].shape[0]
@@ -975,6 +979,7 @@ class EventLogSource:
 
         Raises:
             ValueError: unknown split, empty ids or ids outside the split.
+            TypeError: ``ids`` not integers (floats, booleans, strings).
         """
         ids, rows = self._rows_of(split, ids)
         cap = self.config.max_seqlen

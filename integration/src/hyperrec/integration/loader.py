@@ -268,12 +268,21 @@ class StepLoader:
 
     def reset(self) -> None:
         """Forget everything read ahead (call after ``stream.load_state_dict``)."""
-        self.close()
+        self._stop()
         self._states.clear()
         self._consumed_state = None
 
     def close(self) -> None:
-        """Stop the workers and drop prefetched batches."""
+        """Stop the workers and drop prefetched batches; the stream goes back to right
+        after the last step handed out, so a later :meth:`next` continues there."""
+        self._stop()
+        if self._states and self._consumed_state is not None:
+            # Plans were drawn past the last step handed out: the stream stood after them
+            # and the next iterator skipped their steps.
+            self.stream.load_state_dict(copy.deepcopy(self._consumed_state))
+        self._states.clear()
+
+    def _stop(self) -> None:
         self._ready = None
         it, self._it = self._it, None
         shutdown = getattr(it, "_shutdown_workers", None)

@@ -60,8 +60,15 @@ def permute(i: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
     ``n``, with cycle walking (values outside ``[0, n)`` are permuted again until they
     fall inside), keyed by ``key`` through splitmix64: O(1) memory whatever ``n``, so a
     log of 10^8 events needs no permutation array per epoch.
+
+    Raises:
+        ValueError: an index outside ``[0, n)`` (cycle walking would never end).
     """
     i = np.asarray(i, dtype=np.int64)
+    if i.size and (int(i.min()) < 0 or int(i.max()) >= n):
+        raise ValueError(
+            f"permute: i must lie in [0, {n}), got values in [{int(i.min())}, {int(i.max())}]"
+        )
     if n <= 1:
         return i.copy()
     bits = max(2, int(n - 1).bit_length())
@@ -93,17 +100,29 @@ class RequestOrder:
 
     Raises:
         ValueError: ``num_requests`` below 1.
+        TypeError: ``num_requests`` neither an int (numpy integers included) nor None, or
+            ``seed`` not an int.
     """
 
     def __init__(self, num_requests: int | None = None, *, shuffle: bool = True, seed: int = 0):
-        if num_requests is not None and (
-            isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 1
-        ):
-            raise ValueError(
-                f"num_requests must be a positive int or None, got {num_requests!r} "
-                "(the training split is empty)"
-            )
-        self.num_requests, self.shuffle, self.seed = num_requests, shuffle, seed
+        if num_requests is not None:
+            # A numpy count (a source's len of an array) was refused as "the training
+            # split is empty"; only a non-integer is a TypeError, and it says so.
+            if isinstance(num_requests, bool) or not isinstance(num_requests, int | np.integer):
+                raise TypeError(
+                    f"num_requests must be an int or None, got "
+                    f"{type(num_requests).__name__} {num_requests!r}"
+                )
+            num_requests = int(num_requests)
+            if num_requests < 1:
+                raise ValueError(
+                    f"num_requests must be a positive int or None, got {num_requests!r} "
+                    "(the training split is empty)"
+                )
+        # A float seed was truncated (1.7 gave seed 1's order) without a word.
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        self.num_requests, self.shuffle, self.seed = num_requests, shuffle, int(seed)
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """int64 request ids of int64 ``positions`` (>= 0)."""
