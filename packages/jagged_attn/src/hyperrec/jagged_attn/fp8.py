@@ -119,8 +119,8 @@ class FP8Config:
     Raises:
         TypeError: a field of the wrong type.
         ValueError: an unknown ``format``, ``scale`` or ``backward``, a block size not in its list,
-            ``block_kv`` not a multiple of ``p_block``, a negative ``hadamard_seed``, a
-            non-bool ``smooth_k``, or a
+            ``block_kv`` not a multiple of ``p_block``, a ``hadamard_seed`` outside
+            ``[0, 2**64)`` (a ``torch.Generator`` seed), or a
             block field or ``scale`` given with ``format="mxfp8"``.
     """
 
@@ -160,7 +160,10 @@ class FP8Config:
         if self.hadamard is not None:
             check_bool("hadamard", self.hadamard)
         check_bool("smooth_k", self.smooth_k)
-        check_int("hadamard_seed", self.hadamard_seed, minimum=0)
+        if check_int("hadamard_seed", self.hadamard_seed, minimum=0) >= 2**64:
+            # torch.Generator.manual_seed takes 64 bits: a larger seed used to pass here and
+            # fail at the first attention call with "Overflow when unpacking long long"
+            raise ValueError(f"hadamard_seed must be < 2**64, got {self.hadamard_seed}")
         fp8 = self.format == "fp8"
         for name in ("block_q", "block_kv", "p_block", "scale"):
             if not fp8 and getattr(self, name) is not None:
@@ -370,15 +373,20 @@ def quantize_qkv(
         A :class:`QuantizedQKV` (layouts in :class:`QuantizedJagged`).
 
     Raises:
-        TypeError: non-tensor inputs or a bad ``precision`` type.
-        ValueError: unsupported head dims for the config, an unknown ``precision`` or
+        TypeError: non-tensor inputs (offsets: not int32/int64 tensors) or a bad
+            ``precision`` type.
+        ValueError: offsets not 1-D with >= 1 entries or on another device than ``q``,
+            unsupported head dims for the config, an unknown ``precision`` or
             ``backend``, or ``backend="triton"`` where the kernel cannot run.
         ModuleNotFoundError: ``"mxfp8"`` without hyperrec-mxfp8.
     """
     from hyperrec.jagged_attn._fp8.quantize import quantize_qkv as _impl
-    from hyperrec.jagged_attn._validate import check_qkv
+    from hyperrec.jagged_attn._validate import check_index_tensor, check_qkv
 
     check_qkv(q, k, v)
+    for name, offsets in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        if offsets is not None:  # types only: the values are trusted (no host sync)
+            check_index_tensor(name, offsets, q.device, what="(B + 1 sequence offsets)")
     config = resolve_precision(precision)
     if config is None:
         raise ValueError("precision must be 'fp8', 'mxfp8' or an FP8Config, got 'bf16'")

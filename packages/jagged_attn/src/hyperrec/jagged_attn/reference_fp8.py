@@ -264,7 +264,8 @@ def quantize_rows(
         codes, scale = mx.reference.quantize_blocks(xf.reshape(-1, dim), mx.E4M3, MX_BLOCK,
                                                     "rceil")  # fmt: skip
         data = codes.view(torch.float8_e4m3fn).reshape(total, heads, dim)
-        return QuantizedJagged(data=data, scale=scale.reshape(total, heads, -1), layout="rows")
+        scale = scale.reshape(total, heads, dim // MX_BLOCK)  # (not -1: T may be 0)
+        return QuantizedJagged(data=data, scale=scale, layout="rows")
     block = config.q_block if role == "q" else config.kv_block
     data, scale = _fp8_rows(xf, offsets, block, config.scale_rule)
     return QuantizedJagged(data=data, scale=scale, layout="rows")
@@ -380,8 +381,11 @@ def _softmax_tiles(
     w = torch.where(has, torch.exp2(m - m_last - k), 0.0)
     num = torch.matmul((p8 * w[..., None]).reshape(h, r, lk), v)
     denom = torch.exp2(t - m_last[..., None]).sum((-1, -2))
-    safe = torch.where(denom > 0, denom, 1.0)[..., None]
-    return torch.where(denom[..., None] > 0, num / safe, 0.0)
+    # 0 for a row without keys; a NaN denominator (NaN/Inf in the row's Q or keys: its
+    # tiles count as empty above) must give NaN, not that 0
+    has_keys = (denom > 0) | denom.isnan()
+    safe = torch.where(has_keys, denom, 1.0)[..., None]
+    return torch.where(has_keys[..., None], num / safe, 0.0)
 
 
 def _activation_tiles(

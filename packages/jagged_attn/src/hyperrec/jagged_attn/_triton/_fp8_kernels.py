@@ -228,7 +228,8 @@ def _quant_tile(
             sh = tl.load(SHIFT + (b * tl.num_programs(1) + h) * D + c, mask=c < D, other=0.0)
             x = tl.where(row_ok[:, None], x - sh.to(tl.float32)[None, :], 0.0)
         if HADAMARD:
-            x = _fwht(x * tl.load(SIGNS + c)[None, :], TILE, BD, LOG2D)
+            # (masked: BD pads head dims below 16, and the sign vector has D entries)
+            x = _fwht(x * tl.load(SIGNS + c, mask=c < D, other=0.0)[None, :], TILE, BD, LOG2D)
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         if MODE == 0:
             rb = tl.max(bits, 1)
@@ -455,9 +456,11 @@ def _fp8_tiles(
             acc = _mx_dot(_mx_operand(p8, 1.0), tl.trans(vf), acc)
         else:
             acc = tl.dot(p8, tl.trans(vt8), acc)  # FP8 x FP8 -> float32
-            if _INTERP:
-                # The interpreter reads the E4M3 NaN byte as 480; the tensor cores give NaN.
-                acc = tl.where(tl.max((p != p).to(tl.int32), 1)[:, None] > 0, float("nan"), acc)
+        if _INTERP:
+            # The interpreter reads the E4M3 NaN byte as 480 (for MX too: _mx_operand's
+            # upcast); the hardware gives NaN. Without this, MX rows with a NaN/Inf in
+            # their Q or keys came out finite under the interpreter.
+            acc = tl.where(tl.max((p != p).to(tl.int32), 1)[:, None] > 0, float("nan"), acc)
         k_i = k_new
     return acc, m_i, l_i, k_i, sv_prev
 
