@@ -30,6 +30,7 @@ from vendor datasheets, looked up by device name; and, beside it,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,9 +53,12 @@ __all__ = [
 
 PEAK_BF16_TFLOPS: dict[str, float] = {
     # Dense BF16 tensor-core peak per GPU (datasheet "with sparsity" figures halved).
-    # Matched against torch.cuda.get_device_name in this order (first hit wins).
+    # Matched against torch.cuda.get_device_name as whole words, in this order (first hit
+    # wins): "L4" is not "L40", "H20" not "H200", "A100" not "RTX A1000".
     "GB200": 2500.0,
     "B200": 2250.0,
+    "GH200": 989.4,
+    "H200 NVL": 835.5,
     "H200": 989.4,
     "H100 NVL": 835.5,
     "H100 PCIe": 756.0,
@@ -64,6 +68,7 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.05,
+    "L40": 181.05,
     "L4": 121.0,
     "MI300X": 1307.4,
 }
@@ -72,13 +77,15 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
 
 def peak_tflops(device: torch.device | str) -> tuple[float | None, str | None]:
     """``(peak TFLOP/s, table key)`` for ``device``, or ``(None, None)`` on a CPU or an
-    unlisted GPU (MFU is then reported against the measured matmul rate only)."""
+    unlisted GPU (MFU is then reported against the measured matmul rate only).
+
+    A key matches the device name as whole words (not inside a longer model number)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, None
     name = torch.cuda.get_device_name(device)
     for key, value in PEAK_BF16_TFLOPS.items():
-        if key in name:
+        if re.search(rf"(?<![0-9A-Za-z]){re.escape(key)}(?![0-9A-Za-z])", name):
             return value, key
     return None, None
 
@@ -137,8 +144,15 @@ def attention_pairs(
 
     ``causal``: ``L (L + 1) / 2`` per sequence, else ``L^2``. ``block_size > 0``: the
     same within each block of ``block_size`` tokens (the last block may be shorter).
+
+    Raises:
+        ValueError: a negative or fractional length (a count of pairs is not linear in
+            the length: a mean length does not give the mean count), or a negative
+            ``block_size``.
     """
-    lens = np.asarray(lengths, dtype=np.int64)
+    lens = _lengths("lengths", lengths)
+    if block_size < 0:
+        raise ValueError(f"block_size must be >= 0, got {block_size}")
     if block_size > 0:
         full, rest = lens // block_size, lens % block_size
         per_block = block_size * (block_size + 1) // 2 if causal else block_size * block_size
@@ -167,6 +181,19 @@ class FlopCount:
         return float(sum(self.training.values()))
 
 
+def _lengths(name: str, values: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``values`` as int64 ``[B]``; negative or fractional values raise (no truncation)."""
+    raw = np.asarray(values).reshape(-1)
+    if raw.size and not (np.issubdtype(raw.dtype, np.number) or raw.dtype == np.bool_):
+        raise ValueError(f"{name} must be numbers, got dtype {raw.dtype}")
+    real = raw.astype(np.float64)
+    if (real < 0).any() or not np.isfinite(real).all():
+        raise ValueError(f"{name} must be non-negative")
+    if (real != np.floor(real)).any():
+        raise ValueError(f"{name} must be whole numbers, got {raw[real != np.floor(real)][:3]}")
+    return raw.astype(np.int64)
+
+
 class _Counter:
     def __init__(self) -> None:
         self.forward: dict[str, float] = {}
@@ -177,7 +204,7 @@ class _Counter:
         self.forward[name] = self.forward.get(name, 0.0) + fwd
         self.training[name] = self.training.get(name, 0.0) + fwd * (3.0 if input_grad else 2.0)
 
-    def attention(self, name: str, pairs: int, dim: int) -> None:
+    def attention(self, name: str, pairs: float, dim: int) -> None:
         fwd = 4.0 * pairs * dim  # two GEMMs of 2 * head_dim per pair and head
         self.forward[name] = self.forward.get(name, 0.0) + fwd
         self.training[name] = self.training.get(name, 0.0) + 3.0 * fwd
@@ -198,18 +225,24 @@ def model_flops(
     ``dcn``, ``mlp``, ``heads`` (one head per task of ``data``'s schema: CTR, and CVR
     where the data has conversions).
 
+    ``candidate_counts`` may be expected (fractional) counts: every candidate-side term
+    is linear in a request's candidate count, so a mean count gives the exact expected
+    FLOPs. ``history_lengths`` must be whole numbers (attention is quadratic in them).
+
     Raises:
-        ValueError: lengths and counts of different sizes, or negative values.
+        ValueError: lengths and counts of different sizes, negative or non-finite values,
+            or a fractional history length.
     """
-    lens = np.asarray(history_lengths, dtype=np.int64).reshape(-1)
-    cands = np.asarray(candidate_counts, dtype=np.int64).reshape(-1)
-    if lens.shape != cands.shape:
+    cands = np.asarray(candidate_counts, dtype=np.float64).reshape(-1)
+    lens_in = np.asarray(history_lengths).reshape(-1)
+    if lens_in.shape != cands.shape:
         raise ValueError(
             f"history_lengths and candidate_counts must have one entry per request, got "
-            f"{lens.shape[0]} and {cands.shape[0]}"
+            f"{lens_in.shape[0]} and {cands.shape[0]}"
         )
-    if (lens < 0).any() or (cands < 0).any():
+    if (cands < 0).any() or not np.isfinite(cands).all():
         raise ValueError("history_lengths and candidate_counts must be non-negative")
+    lens = _lengths("history_lengths", lens_in)
     schema = data.schema if isinstance(data, DataConfig) else data
     d, e = model.dim, model.table_dim
     b, t, c = lens.shape[0], float(lens.sum()), float(cands.sum())
@@ -232,7 +265,7 @@ def model_flops(
         f.gemm("pma", b, p * d, d)
     f.gemm("cross_attention", c, d, d)
     f.gemm("cross_attention", t, d, 2 * d)
-    f.attention("cross_attention", int((cands * lens).sum()), d)
+    f.attention("cross_attention", float((cands * lens).sum()), d)
     f.gemm("cross_attention", c, d, d)
     f.gemm("dense_features", b, schema.num_dense, d, input_grad=False)
     width = 4 * e + (3 if model.pma_queries else 2) * d
