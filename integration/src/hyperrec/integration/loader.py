@@ -216,6 +216,11 @@ class StepLoader:
                 prefetch_factor=self.prefetch_factor if self.workers else None,
                 persistent_workers=False,
                 worker_init_fn=_worker_init if self.workers else None,
+                # Not fork: a fork copies the trainer's threads' locks (Inductor's compile
+                # pool, OpenMP) in whatever state they are; a worker forked so crashed
+                # (SIGSEGV) in about half the CPU ablation smoke runs. Workers start from a
+                # clean fork server instead.
+                multiprocessing_context="forkserver" if self.workers else None,
                 # Its own generator: creating an iterator draws a worker seed, which must
                 # not move the global RNG (dropout masks after a resume depend on it).
                 generator=torch.Generator().manual_seed(0),
