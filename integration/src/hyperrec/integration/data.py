@@ -417,6 +417,13 @@ def _segment_ids(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, pos
 
 
+def check_integer_ids(arr: np.ndarray) -> None:
+    """TypeError unless ``arr`` holds integer request ids (not floats, booleans or strings):
+    ``np.asarray(ids, int64)`` truncated 1.5 to request 1 and read a mask as 0 / 1."""
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"ids must be integer request indices, got dtype {arr.dtype}")
+
+
 def _ages(gaps: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Age of every history event: the sum of its gap and every later gap of its request.
 
@@ -544,10 +551,7 @@ class SyntheticRecsysData:
             if not allow_empty:
                 raise ValueError("ids is empty: a batch needs at least one request")
             return np.zeros(0, dtype=np.int64)
-        # np.asarray(ids, int64) truncated 1.5 to request 1 and read a boolean mask as
-        # the requests 0 and 1.
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"ids must be integer request indices, got dtype {arr.dtype}")
+        check_integer_ids(arr)
         if int(arr.min()) < 0:
             raise ValueError("ids must be non-negative")
         if int(arr.max()) > np.iinfo(np.int64).max:

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from hyperrec.integration.config import TIME_UNITS, DataSchema, EventLogConfig
-from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, Batch
+from hyperrec.integration.data import SPLITS, TEST, TRAIN, VALID, Batch, check_integer_ids
 
 __all__ = [
     "EVENT_DENSE_FEATURES",
@@ -955,9 +955,7 @@ class EventLogSource:
     def _rows_of(self, split: int, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         _check_split(split)
         arr = np.asarray(ids)
-        if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
-            # np.asarray(ids, int64) truncated 1.5 to request 1 and read a mask as 0 / 1
-            raise TypeError(f"ids must be integer request indices, got dtype {arr.dtype}")
+        check_integer_ids(arr)
         ids = arr.astype(np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("ids is empty: a batch needs at least one request")
