@@ -8,7 +8,10 @@ there the backward ran at ~190 TFLOP/s against the forward's ~330 (profile of
 2026-12-02). This script times the backward with each dK/dV candidate (each with and
 without atomic dQ) and each dQ candidate on that call, then re-times the best few and the
 shipped pair on fresh instances (new lengths and tensors), GPU time only
-(``triton.testing.do_bench``, median; L2 flushed before each call).
+(``triton.testing.do_bench``, median; L2 flushed before each call). Every candidate also
+runs with ``bwd_tma`` (descriptor reads of the streamed tiles; with atomic dQ, one bulk
+reduce-add per tile). ``--softmax`` times a softmax, non-causal call on the same lengths
+instead (the tiles are shared by every activation and mask).
 
     python bench/tune_backward.py --out bench/results      # one H200, ~3 minutes
     python bench/tune_backward.py --out /tmp/t --smoke     # CPU (TRITON_INTERPRET=1), tiny
@@ -54,8 +57,16 @@ DQ = ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2), (128, 
       (64, 128, 8, 2))  # fmt: skip
 
 
-def instance(seed: int, law: dict[str, Any], tokens: int, heads: int, d: int, device: str):
-    """``(call, grad_out, useful forward FLOPs)`` of one fresh HSTU call."""
+def instance(
+    seed: int,
+    law: dict[str, Any],
+    tokens: int,
+    heads: int,
+    d: int,
+    device: str,
+    softmax: bool = False,
+):
+    """``(call, grad_out, useful forward FLOPs)`` of one fresh HSTU (or softmax) call."""
     from hyperrec.jagged_attn import AttentionSpec, MaskSpec
     from hyperrec.jagged_attn._opschema import AttentionCall
 
@@ -68,19 +79,25 @@ def instance(seed: int, law: dict[str, Any], tokens: int, heads: int, d: int, de
         for _ in range(4)
     )
     top = max(lens)
-    spec = AttentionSpec(activation="silu", scale=1 / math.sqrt(d), normalization="max_seqlen",
-                         max_seqlen_q=top, max_seqlen_kv=top, mask=MaskSpec(causal=True))  # fmt: skip
+    if softmax:
+        spec = AttentionSpec(activation="softmax", scale=1 / math.sqrt(d), max_seqlen_q=top,
+                             max_seqlen_kv=top)  # fmt: skip
+    else:
+        spec = AttentionSpec(activation="silu", scale=1 / math.sqrt(d),
+                             normalization="max_seqlen", max_seqlen_q=top, max_seqlen_kv=top,
+                             mask=MaskSpec(causal=True))  # fmt: skip
     call = AttentionCall(q=q, k=k, v=v, q_offsets=offsets.to(device), kv_offsets=offsets.to(device),
                          kv_index=None, num_targets=None, spec=spec)  # fmt: skip
-    pairs = sum(n * (n + 1) // 2 for n in lens)
+    pairs = sum(n * n if softmax else n * (n + 1) // 2 for n in lens)
     return call, do, 4.0 * pairs * heads * d
 
 
-def _cfg(t: tuple[int, int, int, int], atomic: bool = False):
+def _cfg(t: tuple[int, int, int, int], atomic: bool = False, tma: bool = False):
     from hyperrec.jagged_attn._triton import KernelConfig
 
     bm, bn, w, s = t
-    return KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, dq_atomic=atomic)
+    return KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, dq_atomic=atomic,
+                        bwd_tma=tma)  # fmt: skip
 
 
 def _run(call, do, dkdv, dq):
@@ -90,12 +107,14 @@ def _run(call, do, dkdv, dq):
     return lambda: attention_backward(do, out, lse, call, config_dkdv=dkdv, config_dq=dq)
 
 
-def _compile_job(job: tuple[str, tuple[int, ...], bool, dict[str, Any]]) -> tuple[Any, str | None]:
+def _compile_job(
+    job: tuple[str, tuple[int, ...], bool, bool, dict[str, Any]],
+) -> tuple[Any, str | None]:
     """Build one variant in a worker process (the parent then finds it in the cache)."""
-    kind, t, atomic, shape = job
+    kind, t, atomic, tma, shape = job
     try:
         call, do, _ = instance(0, **shape)
-        cfg = _cfg(t, atomic)
+        cfg = _cfg(t, atomic, tma)
         _run(call, do, cfg if kind == "dkdv" else None, cfg if kind == "dq" else None)()
         torch.cuda.synchronize()
         return job, None
@@ -118,29 +137,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes")
+    ap.add_argument("--softmax", action="store_true", help="a softmax, non-causal call")
+    ap.add_argument(
+        "--shipped-tiles",
+        action="store_true",
+        help="only the shipped tiles, with and without each variant",
+    )
     args = ap.parse_args(argv)
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     shape = {"law": SMOKE["law"] if smoke else LAW, "tokens": SMOKE["tokens"] if smoke else TOKENS,
              "heads": SMOKE["heads"] if smoke else HEADS, "d": SMOKE["head_dim"] if smoke else HEAD_DIM,
-             "device": device}  # fmt: skip
+             "device": device, "softmax": args.softmax}  # fmt: skip
     n_inst = SMOKE["instances"] if smoke else INSTANCES
     dkdv_c, dq_c = (DKDV[:2], DQ[:2]) if smoke else (DKDV, DQ)
+    if args.shipped_tiles:
+        dkdv_c, dq_c = DKDV[:1], DQ[:1]
     t_start = time.time()
 
     failed: dict[str, str] = {}
     if not smoke:
-        jobs = [("dkdv", t, a, shape) for t in dkdv_c for a in (False, True)]
-        jobs += [("dq", t, False, shape) for t in dq_c]
+        jobs = [("dkdv", t, a, m, shape) for t in dkdv_c for a in (False, True)
+                for m in (False, True)]  # fmt: skip
+        jobs += [("dq", t, False, m, shape) for t in dq_c for m in (False, True)]
         with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
             for job, err in pool.map(_compile_job, jobs):
                 if err:
-                    failed[repr(job[:3])] = err
+                    failed[repr(job[:4])] = err
         print(f"compiled {len(jobs)} variants in {time.time() - t_start:.0f}s, "
               f"{len(failed)} failed", flush=True)  # fmt: skip
 
-    def ok(kind: str, t: tuple[int, ...], atomic: bool = False) -> bool:
-        return repr((kind, t, atomic)) not in failed
+    def ok(kind: str, t: tuple[int, ...], atomic: bool = False, tma: bool = False) -> bool:
+        return repr((kind, t, atomic, tma)) not in failed
 
     call, do, flops = instance(0, **shape)
     bwd_flops = 2.5 * flops
@@ -156,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     best_sep, best_sep_ms = _cfg(DKDV[0]), float("inf")
     for t in dkdv_c:
         for atomic in (False, True):
-            if ok("dkdv", t, atomic):
-                ms = timed(_cfg(t, atomic), shipped_dq)
-                if not atomic and ms < best_sep_ms:
-                    best_sep, best_sep_ms = _cfg(t), ms
-    for t in dq_c[1:]:
-        if ok("dq", t):
-            timed(best_sep, _cfg(t))
+            for tma in (False, True):
+                if ok("dkdv", t, atomic, tma):
+                    ms = timed(_cfg(t, atomic, tma), shipped_dq)
+                    if not atomic and ms < best_sep_ms:
+                        best_sep, best_sep_ms = _cfg(t, False, tma), ms
+    for t in dq_c:
+        for tma in (False, True):
+            if ok("dq", t, False, tma) and (t, tma) != (DQ[0], False):
+                timed(best_sep, _cfg(t, False, tma))
     ranked = sorted(sweep, key=lambda r: r["ms"])
     # the shipped pair and the three fastest distinct pairs, on fresh instances
     finalists: list[tuple[Any, Any]] = [(_cfg(DKDV[0]), shipped_dq)]
@@ -190,17 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         s["x_shipped"] = s["tflops_median"] / base
         print(f"pair {s['pair']}{' (shipped)' if s['shipped'] else ''}: "
               f"{s['tflops_median']:.0f} TFLOP/s (min {s['tflops_min']:.0f}), "
-              f"{s['x_shipped']:.2f}x shipped; dkdv {tuple(s['dkdv'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages', 'dq_atomic'))} "
-              f"dq {tuple(s['dq'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages'))}")  # fmt: skip
+              f"{s['x_shipped']:.2f}x shipped; dkdv {tuple(s['dkdv'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages', 'dq_atomic', 'bwd_tma'))} "
+              f"dq {tuple(s['dq'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages', 'bwd_tma'))}")  # fmt: skip
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
     from hyperrec.testing.bench import write_result
 
     tag = "cpu" if smoke else torch.cuda.get_device_name().split()[-1].lower()
-    path = Path(args.out) / f"tune_backward_{tag}_{dt.date.today().isoformat()}.json"
+    kind = "_softmax" if args.softmax else ""
+    path = Path(args.out) / f"tune_backward{kind}_{tag}_{dt.date.today().isoformat()}.json"
     write_result(path, {
         "benchmark": "jagged_attn backward tile sweep (integration HSTU call)",
-        "call": {"activation": "silu", "causal": True, "normalization": "max_seqlen",
+        "call": {"activation": "softmax" if args.softmax else "silu",
+                 "causal": not args.softmax,
+                 "normalization": "none" if args.softmax else "max_seqlen",
                  "law": shape["law"], "tokens": shape["tokens"], "heads": shape["heads"],
                  "head_dim": shape["d"]},
         "method": "GPU time, do_bench median (L2 flushed); sweep on instance 0, finalists on "

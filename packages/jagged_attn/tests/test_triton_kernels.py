@@ -24,6 +24,7 @@ from kernel_check import (
     SMALL,
     Case,
     build,
+    call_of,
     check,
     kernels_available,
     poison_allocations,
@@ -234,6 +235,26 @@ def test_shipped_hopper_forward_configs(head_dim):
         check(case, configs=(cfg, DKDV, DQ), backward=False)
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_shipped_hopper_backward_configs(activation):
+    # The shipped sm90 backward entries of the long bucket (descriptor reads; SiLU's own
+    # dK/dV tile), run at their real tile shapes in the interpreter against the float64
+    # reference: sequences shorter than, equal to and longer than a tile, and empty.
+    from hyperrec.jagged_attn._triton._configs import config_key, select_config
+
+    softmax = activation == "softmax"
+    dkdv = select_config(config_key("dkdv", "sm90", 64, softmax, True, 4096))
+    dq = select_config(config_key("dq", "sm90", 64, softmax, True, 4096))
+    assert dkdv.bwd_tma and dq.bwd_tma
+    assert (dkdv.block_m, dkdv.block_n) == ((64, 64) if softmax else (32, 64))
+    spec = dict(activation=activation)
+    if not softmax:
+        spec["normalization"] = "max_seqlen"
+    case = Case((dkdv.block_n + 3, 0, dq.block_m * 2, 5, 1), heads=1, head_dim=64, spec=spec,
+                mask=dict(causal=True))  # fmt: skip
+    check(case, configs=(SMALL, dkdv, dq))
+
+
 def test_tma_dropped_where_descriptors_cannot_read():
     # Head dims that are not powers of two, heads not packed in their rows, and empty
     # tensors take the pointer path; packed aligned heads keep the descriptors.
@@ -272,6 +293,88 @@ def test_forward_variants_nan_stays_inside_its_sequence():
             assert torch.isnan(out[17:57]).all()
             torch.testing.assert_close(others, torch.cat([want[:17], want[57:]]), atol=1e-2,
                                        rtol=0)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# Backward descriptor reads (KernelConfig.bwd_tma): whole mask-free tiles of Q/dO (dK/dV)
+# and K/V (dQ) through tensor descriptors, partial and masked tiles through pointers. The
+# bulk dQ reduce runs on the GPU only (the interpreter keeps per-element atomics).
+# ----------------------------------------------------------------------------------------
+
+BWD_TMA = (replace(DKDV, bwd_tma=True), replace(DQ, bwd_tma=True))
+
+
+@pytest.mark.parametrize("dq_atomic", [False, True], ids=["dq_kernel", "dq_atomic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_descriptor_reads_softmax(causal, dq_atomic):
+    dkdv, dq = BWD_TMA
+    configs = (SMALL, replace(dkdv, dq_atomic=dq_atomic), dq)
+    # several whole tiles per sequence plus partial ones, 0- and 1-length sequences
+    check(Case((70, 0, 1, 33, 16), heads=2, mask=dict(causal=causal)), configs=configs)
+
+
+@pytest.mark.parametrize("regime", ["lq<lk", "lq>lk"])
+def test_backward_descriptor_reads_hstu(regime):
+    # SiLU attention (the activation's gradient is not zero on rows past a sequence, so a
+    # tile that read the next sequence's rows would show here), unequal lengths, a kv map
+    short, long = (9, 40, 0, 17), (50, 64, 3, 33)
+    q_lens, kv_lens = (short, long) if regime == "lq<lk" else (long, short)
+    spec = dict(activation="silu", normalization="max_seqlen")
+    dkdv, dq = BWD_TMA
+    for atomic in (False, True):
+        check(Case(q_lens, kv_lens=kv_lens, spec=spec, mask=dict(causal=True)),
+              configs=(SMALL, replace(dkdv, dq_atomic=atomic), dq))  # fmt: skip
+    case = Case(q_lens=(5, 1, 0, 30, 12), kv_lens=(23, 9, 0), kv_index=(0, 0, 2, 0, 2),
+                spec=spec)  # fmt: skip
+    check(case, configs=(SMALL, *BWD_TMA))
+
+
+def test_backward_descriptor_reads_dropped_where_they_cannot_read():
+    # a head dim that is not a power of two: the launcher takes the pointer path
+    from hyperrec.jagged_attn._triton import _launch
+
+    case = Case((19, 40), head_dim=48, mask=dict(causal=True))
+    check(case, configs=(SMALL, *BWD_TMA))
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
+    assert not _launch._backward_descriptors_ok(call_of(q, k, v, qo, ko, kvi, nt, spec))
+    q, k, v, _, qo, ko, kvi, nt, spec = build(replace(case, head_dim=32), 0)
+    assert _launch._backward_descriptors_ok(call_of(q, k, v, qo, ko, kvi, nt, spec))
+    # a gradient that is a view with heads not packed is copied, not misread
+    q, k, v, do, qo, ko, kvi, nt, spec = build(replace(case, head_dim=32), 0)
+    out, lse = run_forward(q, k, v, qo, ko, kvi, nt, spec, config=SMALL)
+    wide = torch.zeros(do.shape[0], do.shape[1] + 1, do.shape[2], dtype=do.dtype,
+                       device=do.device)  # fmt: skip
+    wide[:, : do.shape[1]] = do
+    view = wide[:, : do.shape[1]]
+    assert not view.is_contiguous()
+    want = run_backward(do, q, k, v, out, lse, qo, ko, kvi, nt, spec, *BWD_TMA)
+    got = run_backward(view, q, k, v, out, lse, qo, ko, kvi, nt, spec, *BWD_TMA)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_backward_descriptor_reads_nan_stays_inside_its_sequence(activation):
+    # NaN in one sequence's q, k, v and dO: every other sequence's gradients stay finite
+    # and equal to the pointer path's (whole tiles read through descriptors never cross a
+    # sequence's end).
+    spec = dict(activation=activation)
+    if activation != "softmax":
+        spec["normalization"] = "max_seqlen"
+    case = Case((17, 40, 5, 33), spec=spec, mask=dict(causal=True))
+    q, k, v, do, qo, ko, kvi, nt, spec_ = build(case, 0)
+    for t in (q, k, v, do):
+        t[17:57] = float("nan")
+    args = (qo, ko, kvi, nt, spec_)
+    out, lse = run_forward(q, k, v, *args, config=SMALL)
+    want = run_backward(do, q, k, v, out, lse, *args, DKDV, DQ)
+    dkdv, dq = BWD_TMA
+    for atomic in (False, True):
+        got = run_backward(do, q, k, v, out, lse, *args, replace(dkdv, dq_atomic=atomic), dq)
+        for w, g in zip(want, got):
+            others = torch.cat([g[:17], g[57:]])
+            assert torch.isfinite(others).all(), atomic
+            torch.testing.assert_close(others, torch.cat([w[:17], w[57:]]), atol=1e-2, rtol=0)
 
 
 def test_warp_specialize_build_failure_falls_back(monkeypatch):

@@ -174,11 +174,13 @@ def _lengths(max_len: int) -> st.SearchStrategy[list[int]]:
     activation=st.sampled_from(["softmax", "silu"]),
     tiles=st.sampled_from([(16, 16, 16, 32), (32, 16, 16, 16), (16, 32, 32, 16)]),
     dq_atomic=st.booleans(),
+    bwd_tma=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_hypothesis_lengths_and_masks(
-    data, q_lens, causal, left, right, contextual, with_targets, activation, tiles, dq_atomic, seed
-):
+    data, q_lens, causal, left, right, contextual, with_targets, activation, tiles, dq_atomic,
+    bwd_tma, seed,
+):  # fmt: skip
     kv_lens = data.draw(st.lists(st.integers(0, 40), min_size=len(q_lens), max_size=len(q_lens)))
     targets = None
     if with_targets:
@@ -198,8 +200,8 @@ def test_hypothesis_lengths_and_masks(
     fm, fn, bm, bn = tiles
     configs = (
         KernelConfig(block_m=fm, block_n=fn, num_stages=1),
-        KernelConfig(block_m=bm, block_n=bn, num_stages=1, dq_atomic=dq_atomic),
-        KernelConfig(block_m=fn, block_n=fm, num_stages=1),
+        KernelConfig(block_m=bm, block_n=bn, num_stages=1, dq_atomic=dq_atomic, bwd_tma=bwd_tma),
+        KernelConfig(block_m=fn, block_n=fm, num_stages=1, bwd_tma=bwd_tma),
     )
     check(case, seed=seed, configs=configs)
 

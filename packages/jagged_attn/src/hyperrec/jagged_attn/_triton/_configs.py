@@ -5,7 +5,8 @@ batch with a new set of lengths never triggers compilation or tuning:
 
     (kernel, architecture, padded head dim, softmax or activation, causal, max-length bucket)
 
-(the shipped table uses the same tiles for every activation and mask, see :data:`TUNED`).
+(the shipped table uses the same tiles for every mask, and for every activation except
+the dK/dV tile of pointwise ones, see :data:`TUNED` and :data:`TUNED_POINTWISE`).
 ``kernel`` is ``"fwd"``, ``"dkdv"`` or ``"dq"``; the architecture is ``"sm90"`` for Hopper
 (H100 and H200 share the SM, so one table serves both) and ``"default"`` elsewhere; the
 length bucket is ``"short"`` (max_seqlen <= 256) or ``"long"``. The table was produced
@@ -27,6 +28,7 @@ __all__ = [
     "TMA_O",
     "TMA_Q",
     "TUNED",
+    "TUNED_POINTWISE",
     "WORK_ORDERS",
     "KernelConfig",
     "config_key",
@@ -64,6 +66,13 @@ class KernelConfig:
     """Software-pipelining depth of the streamed loop (shared-memory buffers)."""
     dq_atomic: bool = False
     """``dkdv`` only: also accumulate dQ there with atomic fp32 adds (no dQ kernel)."""
+    bwd_tma: bool = False
+    """``dkdv`` and ``dq``: read the streamed tiles that lie wholly inside their sequence
+    and need no mask through tensor descriptors built in the kernel (``dkdv``: query and dO
+    tiles; ``dq``: key and value tiles); with ``dq_atomic`` also add those tiles' dQ shares
+    with one bulk reduce-add per tile (TMA; on the GPU only, the interpreter keeps
+    per-element atomics). Needs power-of-two head dims, packed 16-byte aligned rows and
+    ``hopper_features()["tma"]``; dropped for a call where that does not hold."""
 
     # Forward-only variants (``fwd`` configurations; the other kernels ignore them). Off by
     # default; the shipped sm90 forward entries set ``tma``. Each one that cannot apply
@@ -133,6 +142,11 @@ def _c(bm: int, bn: int, w: int, s: int, atomic: bool = False) -> KernelConfig:
     return KernelConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=s, dq_atomic=atomic)
 
 
+def _bwd(cfg: KernelConfig) -> KernelConfig:
+    # Backward tiles with descriptor reads of the streamed whole tiles (``bwd_tma``).
+    return replace(cfg, bwd_tma=True)
+
+
 def _tma(cfg: KernelConfig) -> KernelConfig:
     # Q, K/V of mask-free tiles and O through in-kernel descriptors (masked K stays a
     # pointer load: TMA_K_MASKED measured no better).
@@ -164,7 +178,12 @@ def config_key(
 #: (they change the element-wise work, not the data movement). H100 uses the same entries
 #: (same SM). Keys missing here fall back to :func:`_heuristic`. A TMA flag that cannot
 #: apply to a call (no descriptors in this Triton, head dims not powers of two, misaligned
-#: rows) is dropped for that call by the launcher.
+#: rows) is dropped for that call by the launcher. The long-bucket backward entries then
+#: gained descriptor reads of their streamed whole tiles (``bwd_tma``: +1-7% on softmax
+#: calls; the short bucket lost 3% with them and keeps pointer loads), and pointwise
+#: activations (HSTU's SiLU) their own dK/dV tile (:data:`TUNED_POINTWISE`), from
+#: ``bench/tune_backward.py`` and ``bench/confirm_backward.py``
+#: (``bench/results/*backward*_h200_2026-12-02.json``).
 TUNED: dict[tuple[str, str, int, str], KernelConfig] = {
     ("fwd", "sm90", 64, "short"): _tma(_c(128, 32, 4, 3)),
     ("dkdv", "sm90", 64, "short"): _c(32, 64, 4, 3),
@@ -173,11 +192,20 @@ TUNED: dict[tuple[str, str, int, str], KernelConfig] = {
     ("dkdv", "sm90", 128, "short"): _c(32, 64, 4, 3),
     ("dq", "sm90", 128, "short"): _c(64, 32, 4, 3),
     ("fwd", "sm90", 64, "long"): _tma(_c(128, 64, 4, 3)),
-    ("dkdv", "sm90", 64, "long"): _c(64, 64, 4, 2),
-    ("dq", "sm90", 64, "long"): _c(64, 32, 4, 3),
+    ("dkdv", "sm90", 64, "long"): _bwd(_c(64, 64, 4, 2)),
+    ("dq", "sm90", 64, "long"): _bwd(_c(64, 32, 4, 3)),
     ("fwd", "sm90", 128, "long"): _tma(_c(128, 64, 8, 4)),
-    ("dkdv", "sm90", 128, "long"): _c(64, 64, 4, 2),
-    ("dq", "sm90", 128, "long"): _c(128, 64, 8, 3),
+    ("dkdv", "sm90", 128, "long"): _bwd(_c(64, 64, 4, 2)),
+    ("dq", "sm90", 128, "long"): _bwd(_c(128, 64, 8, 3)),
+}
+
+#: Entries that replace :data:`TUNED`'s for activations other than softmax: the dK/dV
+#: tile of HSTU-style attention (SiLU, causal), where 32x64 tiles with 4 warps and 3
+#: stages ran 1.05-1.12x the softmax tile (``confirm_backward_h200_2026-12-02.json``;
+#: on softmax calls the same tile lost up to 15%).
+TUNED_POINTWISE: dict[tuple[str, str, int, str], KernelConfig] = {
+    ("dkdv", "sm90", 64, "long"): _bwd(_c(32, 64, 4, 3)),
+    ("dkdv", "sm90", 128, "long"): _bwd(_c(32, 64, 4, 3)),
 }
 
 #: What ``bench/tune_configs.py`` searches, per kernel (dK/dV also with ``dq_atomic``).
@@ -222,6 +250,8 @@ def _heuristic(kernel: str, arch: str, head_dim: int) -> KernelConfig:
 
 def select_config(key: Key) -> KernelConfig:
     """The shipped configuration for ``key`` (tuned table, else the heuristic)."""
-    kernel, arch, d, _, _, bucket = key
-    hit = TUNED.get((kernel, arch, d, bucket))
+    kernel, arch, d, softmax, _, bucket = key
+    hit = None if softmax else TUNED_POINTWISE.get((kernel, arch, d, bucket))
+    if hit is None:
+        hit = TUNED.get((kernel, arch, d, bucket))
     return hit if hit is not None else _heuristic(kernel, arch, d)

@@ -925,12 +925,13 @@ def _bwd_dkdv_tiles(
     dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base, stride_qt,
     stride_dot,
     stride_dqat, offs_n, lo, hi, Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+    Q_desc, DO_desc, DQA_desc, q_row0, q_col, do_col,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, FAST: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr = False, TMA_REDUCE: tl.constexpr = False,
 ):  # fmt: skip
     # Everything is computed transposed (keys x queries) so that P^T and dS^T come out of
     # the first GEMMs in the layout the dV and dK GEMMs consume, with no register transpose.
@@ -944,10 +945,16 @@ def _bwd_dkdv_tiles(
     v = _load_rows(v_ptrs, offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-                       offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
-        do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                        offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        if TMA:
+            # ``TMA`` ranges hold whole tiles inside the query sequence and no mask: bulk
+            # copies read exactly this sequence's rows.
+            q = Q_desc.load([q_row0 + start_m, q_col])
+            do = DO_desc.load([q_row0 + start_m, do_col])
+        else:
+            q = _load_rows(q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+                           offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            do = _load_rows(do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                            offs_m, Lq, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
         s_t = _mm(k, tl.trans(q))  # (BLOCK_N, BLOCK_M)
         dp_t = _mm(v, tl.trans(do))  # dO V^T, transposed
         if MASKED:
@@ -977,34 +984,58 @@ def _bwd_dkdv_tiles(
             dq_part = _mm(tl.trans(ds_in), k)
             if ACT != 0:
                 dq_part = dq_part * c
-            dqa_mask = offs_m[:, None] < Lq
-            if BLOCK_D != HEAD_DIM:
-                dqa_mask = dqa_mask & (offs_d[None, :] < HEAD_DIM)
-            tl.atomic_add(dqa_base + offs_m[:, None] * stride_dqat + offs_d[None, :], dq_part,
-                          mask=dqa_mask, sem="relaxed")  # fmt: skip
+            if TMA_REDUCE:
+                # One bulk reduce-add of the whole tile (FlashAttention-3's dQ
+                # accumulation): the L2 does the adds, no per-element atomics.
+                DQA_desc.atomic_add([q_row0 + start_m, q_col], dq_part)
+            else:
+                dqa_mask = offs_m[:, None] < Lq
+                if BLOCK_D != HEAD_DIM:
+                    dqa_mask = dqa_mask & (offs_d[None, :] < HEAD_DIM)
+                tl.atomic_add(dqa_base + offs_m[:, None] * stride_dqat + offs_d[None, :],
+                              dq_part, mask=dqa_mask, sem="relaxed")  # fmt: skip
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
+@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz", "n_q_rows"])
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQA,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah, stride_lh,
     q_offsets, kv_offsets, inv_ptr, inv_idx, num_targets, tile_seq, tile_idx, tile_total,
-    qk_scale, scale, coef, wl, wr, ctx, bsz,
+    qk_scale, scale, coef, wl, wr, ctx, bsz, n_q_rows,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, TMA: tl.constexpr = False,
+    TMA_REDUCE: tl.constexpr = False,
 ):  # fmt: skip
+    """``TMA``: query and dO tiles of the mask-free part that lie wholly inside their
+    sequence are read through tensor descriptors built here (and, with ``TMA_REDUCE``, dQ
+    shares of those tiles are added with one bulk reduce each); the other tiles take the
+    masked pointer path."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    Q_desc = Q
+    DO_desc = DO
+    DQA_desc = DQA
+    if TMA:
+        Q_desc = tl.make_tensor_descriptor(Q, shape=[n_q_rows, H * HEAD_DIM],
+                                           strides=[stride_qt, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])  # fmt: skip
+        DO_desc = tl.make_tensor_descriptor(DO, shape=[n_q_rows, H * HEAD_DIM_V],
+                                            strides=[stride_dot, 1],
+                                            block_shape=[BLOCK_M, BLOCK_DV])  # fmt: skip
+        if TMA_REDUCE:
+            DQA_desc = tl.make_tensor_descriptor(DQA, shape=[n_q_rows, H * HEAD_DIM],
+                                                 strides=[stride_dqat, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_D])  # fmt: skip
     for r in range(0, tl.cdiv(total, nprog)):
         w = _work_item(r, pid, nprog)
         if w < total:
@@ -1048,19 +1079,36 @@ def _bwd_dkdv_kernel(
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
                 dqa_base = DQA + q_start.to(tl.int64) * stride_dqat + h * stride_dqah
+                q_col = h * HEAD_DIM
+                do_col = h * HEAD_DIM_V
                 dk, dv = _bwd_dkdv_tiles(
                     dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base,
                     stride_qt,
                     stride_dot, stride_dqat, offs_n, lo, mid, Lq, Lk, qk_scale, c, n_targets, wl,
-                    wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                    wr, ctx, bsz, Q_desc, DO_desc, DQA_desc, q_start, q_col, do_col,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                     HAS_BLOCK, BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_M, FAST, DQ_ATOMIC,
                 )  # fmt: skip
+                tail = mid
+                if TMA:
+                    # whole tiles first (descriptors), then the sequence's partial last tile
+                    tail = mid + (hi - mid) // BLOCK_M * BLOCK_M
+                    dk, dv = _bwd_dkdv_tiles(
+                        dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base,
+                        dqa_base, stride_qt, stride_dot, stride_dqat, offs_n, mid, tail, Lq,
+                        Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz, Q_desc, DO_desc,
+                        DQA_desc, q_start, q_col, do_col,
+                        CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                        HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                        BLOCK_DV, BLOCK_M, FAST, DQ_ATOMIC, True, TMA_REDUCE,
+                    )  # fmt: skip
                 dk, dv = _bwd_dkdv_tiles(
                     dk, dv, k_ptrs, v_ptrs, q_base, do_base, lse_base, delta_base, dqa_base,
                     stride_qt,
-                    stride_dot, stride_dqat, offs_n, mid, hi, Lq, Lk, qk_scale, c, n_targets, wl,
-                    wr, ctx, bsz, CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
+                    stride_dot, stride_dqat, offs_n, tail, hi, Lq, Lk, qk_scale, c, n_targets,
+                    wl, wr, ctx, bsz, Q_desc, DO_desc, DQA_desc, q_start, q_col, do_col,
+                    CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
                     HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_M, FAST, DQ_ATOMIC,
                 )  # fmt: skip
@@ -1079,21 +1127,27 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_tiles(
     dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, Lq, Lk,
-    qk_scale, c, n_targets, wl, wr, ctx, bsz,
+    qk_scale, c, n_targets, wl, wr, ctx, bsz, K_desc, V_desc, k_row0, k_col, v_col,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):  # fmt: skip
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-                       offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
-        v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                       offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
+        if TMA:
+            # mask-free tiles lie inside the key sequence (as in the forward)
+            k = K_desc.load([k_row0 + start_n, k_col])
+            v = V_desc.load([k_row0 + start_n, v_col])
+        else:
+            k = _load_rows(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+                           offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+            v = _load_rows(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                           offs_n, Lk, offs_dv, HEAD_DIM_V, BLOCK_DV)  # fmt: skip
         s = _mm(q, tl.trans(k))
         dp = _mm(do, tl.trans(v))
         if ACT == 0:
@@ -1168,29 +1222,39 @@ def _finish_stats(m_i, l_i, u_i, c, LSE, DELTA, rows, n_rows):
     return lse, delta
 
 
-@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz"])
+@triton.jit(do_not_specialize=["stride_lh", "wl", "wr", "ctx", "bsz", "n_kv_rows"])
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
     q_offsets, kv_offsets, kv_index, num_targets, tile_seq, tile_idx, tile_total,
-    qk_scale, scale, coef, wl, wr, ctx, bsz,
+    qk_scale, scale, coef, wl, wr, ctx, bsz, n_kv_rows,
     CAUSAL: tl.constexpr, GENERIC: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_WR: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_BLOCK: tl.constexpr, BLOCK_PREV: tl.constexpr,
     H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_MAP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FAST: tl.constexpr,
-    STATS: tl.constexpr = False,
+    STATS: tl.constexpr = False, TMA: tl.constexpr = False,
 ):  # fmt: skip
     """``STATS`` (softmax): first recompute each row's log-sum-exp and ``delta`` from this
     backward's own scores and ``dP`` (a pass over the keys) and write them to ``LSE`` and
-    ``DELTA`` for the dK/dV kernel, instead of reading the forward's."""
+    ``DELTA`` for the dK/dV kernel, instead of reading the forward's. ``TMA``: K and V of
+    the mask-free key tiles are read through tensor descriptors built here."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(tile_total) * H
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    K_desc = K
+    V_desc = V
+    if TMA:
+        K_desc = tl.make_tensor_descriptor(K, shape=[n_kv_rows, H * HEAD_DIM],
+                                           strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])  # fmt: skip
+        V_desc = tl.make_tensor_descriptor(V, shape=[n_kv_rows, H * HEAD_DIM_V],
+                                           strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])  # fmt: skip
     for r in range(0, tl.cdiv(total, nprog)):
         w = _work_item(r, pid, nprog)
         if w < total:
@@ -1244,13 +1308,16 @@ def _bwd_dq_kernel(
             dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             dq = _bwd_dq_tiles(
                 dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, lo, full,
-                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz, K_desc, V_desc, k_start,
+                h * HEAD_DIM, h * HEAD_DIM_V,
                 CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                 BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
+                TMA,
             )  # fmt: skip
             dq = _bwd_dq_tiles(
                 dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, offs_m, full, hi,
-                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz,
+                Lq, Lk, qk_scale, c, n_targets, wl, wr, ctx, bsz, K_desc, V_desc, k_start,
+                h * HEAD_DIM, h * HEAD_DIM_V,
                 CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                 BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
             )  # fmt: skip

@@ -420,6 +420,10 @@ def _forward_plan(
 #: calls it supports: ``JAGGED_ATTN_GLUON=1``. Off by default until a GPU run has
 #: validated it; the backward stays the Triton kernels (they take its LSE as is).
 GLUON_ENV = "JAGGED_ATTN_GLUON"
+#: ``JAGGED_ATTN_BWD_TMA=0`` switches off the backward's descriptor reads
+#: (``KernelConfig.bwd_tma``) for plans built after it is set: an escape hatch and an A/B
+#: switch for benchmarks.
+BWD_TMA_ENV = "JAGGED_ATTN_BWD_TMA"
 
 
 def gluon_requested() -> bool:
@@ -727,6 +731,12 @@ def attention_backward(
         # nothing is read from it here.
         return dq.zero_(), dk.zero_(), dv.zero_()
     assert grad_out.stride(2) == 1 and out.stride(2) == 1, "grad_out/out: last dim contiguous"
+    if plan.descriptors:
+        if not _tma_ready(grad_out):
+            # (autograd's gradients are fresh packed tensors; a view gets one copy)
+            grad_out = grad_out.clone(memory_format=torch.contiguous_format)
+        if not interpreting():
+            _ensure_allocator()
     coef = _coef(spec)
     mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(spec.activation, scale)
@@ -779,7 +789,7 @@ def _launch_dkdv(call, plan, grad_out, lse, delta, dk, dv, dqa, kw, key, stride_
         grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), dqa.stride(0), dqa.stride(1), stride_lh,
         q_offsets, kv_offsets, inv_ptr, inv_idx, total if num_targets is None else num_targets,
-        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints,
+        tile_seq, tile_idx, total, qk_scale, scale, coef, *mask_ints, q.shape[0],
     )  # fmt: skip
     work = work_upper_bound(k.shape[0], call.kv_offsets.shape[0] - 1, cfg.block_n) * q.shape[1]
     _launch_persistent(_kernels._bwd_dkdv_kernel, work, q.device, cfg, key, args, kw)
@@ -798,7 +808,7 @@ def _launch_dq(call, plan, grad_out, lse, delta, dq, kw, key, stride_lh, qk_scal
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), stride_lh,
         q_offsets, kv_offsets, total if kv_index is None else kv_index,
         total if num_targets is None else num_targets, tile_seq, tile_idx, total,
-        qk_scale, scale, coef, *mask_ints,
+        qk_scale, scale, coef, *mask_ints, k.shape[0],
     )  # fmt: skip
     work = work_upper_bound(q.shape[0], call.q_offsets.shape[0] - 1, cfg.block_m) * q.shape[1]
     _launch_persistent(_kernels._bwd_dq_kernel, work, q.device, cfg, key, args, kw)
@@ -825,6 +835,8 @@ class _BackwardPlan:
     dq_stats_key: _Key
     dkdv_stats_kw: dict[str, Any]
     dkdv_stats_key: _Key
+    # some kernel reads through in-kernel tensor descriptors (``KernelConfig.bwd_tma``)
+    descriptors: bool
 
 
 def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _BackwardPlan:
@@ -835,15 +847,22 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
     _, ce = _common(call, fast_math)
     dkdv = _pick("dkdv", call, config_dkdv)
     dq_atomic = dkdv.dq_atomic and not deterministic
+    descriptors = _backward_descriptors_ok(call)
+    dkdv_tma = dkdv.bwd_tma and descriptors
     dkdv_kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
         BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ATOMIC=dq_atomic, **ce,
     )  # fmt: skip
+    if dkdv_tma:
+        # The interpreter has no bulk reduce: there the atomic dQ stays per element.
+        dkdv_kw.update(TMA=True, TMA_REDUCE=dq_atomic and not interpreting())
     dq = _pick("dq", call, config_dq)
     dq_kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
         BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, **ce,
     )  # fmt: skip
+    if dq.bwd_tma and descriptors:
+        dq_kw.update(TMA=True)
     dq_key = _Key(("dq", q.dtype, dq, tuple(sorted(dq_kw.items()))))
     dkdv_key = _Key(("dkdv", q.dtype, dkdv, tuple(sorted(dkdv_kw.items()))))
     return _BackwardPlan(
@@ -851,8 +870,27 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
         dkdv_cfg=dkdv, dkdv_kw=dkdv_kw, dkdv_key=dkdv_key,
         dq_atomic=dq_atomic, dq_cfg=dq, dq_kw=dq_kw, dq_key=dq_key,
         dq_stats_kw=dict(dq_kw, STATS=True), dq_stats_key=_Key((*dq_key, "stats")),
-        dkdv_stats_kw=dict(dkdv_kw, DQ_ATOMIC=False), dkdv_stats_key=_Key((*dkdv_key, "stats")),
+        dkdv_stats_kw=dict(dkdv_kw, DQ_ATOMIC=False, TMA_REDUCE=False),
+        dkdv_stats_key=_Key((*dkdv_key, "stats")),
+        descriptors=dkdv_tma or bool(dq_kw.get("TMA")),
     )  # fmt: skip
+
+
+def _backward_descriptors_ok(call: AttentionCall) -> bool:
+    """Whether the backward kernels may read q, k, v (and dO) through tensor descriptors:
+    Hopper's TMA (or the interpreter), power-of-two head dims, packed and aligned rows, and
+    not switched off by :data:`BWD_TMA_ENV` (``"0"``)."""
+    q, k, v = call.q, call.k, call.v
+    if os.environ.get(BWD_TMA_ENV, "1") == "0":
+        ok = False
+    elif interpreting():
+        ok = True
+    elif q.device.type == "cuda":
+        ok = bool(hopper_features(q.device.index).get("tma", False))
+    else:
+        ok = False
+    dims = (q.shape[2], v.shape[2])
+    return ok and all(d == _pow2(d) for d in dims) and _tma_ready(q, k, v)
 
 
 def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple[torch.Tensor, ...]:
