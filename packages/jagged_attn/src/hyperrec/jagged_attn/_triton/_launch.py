@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 import triton
+import triton.language as tl
 
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _configs, _kernels, interpreting
@@ -854,8 +855,10 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
         BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, DQ_ATOMIC=dq_atomic, **ce,
     )  # fmt: skip
     if dkdv_tma:
-        # The interpreter has no bulk reduce: there the atomic dQ stays per element.
-        dkdv_kw.update(TMA=True, TMA_REDUCE=dq_atomic and not interpreting())
+        # The interpreter has no bulk reduce (nor do Tritons whose descriptors lack
+        # ``atomic_add``): there the atomic dQ stays per element.
+        bulk = hasattr(getattr(tl, "tensor_descriptor", None), "atomic_add")
+        dkdv_kw.update(TMA=True, TMA_REDUCE=dq_atomic and bulk and not interpreting())
     dq = _pick("dq", call, config_dq)
     dq_kw = dict(
         H=n_heads, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=bd, BLOCK_DV=bdv,
