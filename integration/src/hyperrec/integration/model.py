@@ -44,6 +44,7 @@ from torch import nn
 
 from hyperrec.integration import naive
 from hyperrec.integration.config import (
+    ACTIVATIONS,
     ATTENTION_PRECISIONS,
     COMPILE_MODES,
     IMPLS,
@@ -310,6 +311,21 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
 
 
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_heads(dim: object, heads: object) -> None:
+    """The attention modules split ``dim`` into ``heads`` heads: without this check a
+    bad pair failed at the first forward, in a ``view``, naming neither."""
+    if _check_int("dim", dim, 1) % _check_int("heads", heads, 1):
+        raise ValueError(f"heads ({heads}) must divide dim ({dim})")
+
+
 def _is_attention_precision(value: str) -> bool:
     return value in ATTENTION_PRECISIONS
 
@@ -352,6 +368,14 @@ class SequenceBlock(nn.Module):
         precision: str = "bf16",
     ):
         super().__init__()
+        _check_heads(dim, heads)
+        # 1/max_seqlen scales the HSTU output (0 divided by zero at the first forward);
+        # a negative block size failed there too (naive: a reshape error).
+        _check_int("max_seqlen", max_seqlen, 1)
+        _check_int("block_size", block_size, 0)
+        # The model's activations (ModelConfig's): the naive path computes only these, so
+        # another one worked on the hyperrec path and failed after set_impl("naive").
+        _check_choice("activation", activation, ACTIVATIONS)
         _check_choice("impl", impl, IMPLS)
         _check_choice("compile", compile, COMPILE_MODES)
         if not _is_attention_precision(precision):
@@ -473,6 +497,8 @@ class PMAPooling(nn.Module):
         self, dim: int, heads: int, queries: int, *, validate: bool = True, impl: str = "hyperrec"
     ):
         super().__init__()
+        _check_heads(dim, heads)
+        _check_int("queries", queries, 1)
         _check_choice("impl", impl, IMPLS)
         self.dim, self.heads, self.num_queries, self.validate = dim, heads, queries, validate
         self.impl = impl
@@ -490,8 +516,19 @@ class PMAPooling(nn.Module):
     ) -> torch.Tensor:
         """x: [T, dim]; offsets: int64 [B + 1]; layout: as in :class:`SequenceBlock`;
         num_requests: pool only the first ``num_requests`` sequences (the rest pad ``x``
-        to a bucketed row count; hyperrec path only). Returns [B, dim]."""
-        b = offsets.shape[0] - 1 if num_requests is None else num_requests
+        to a bucketed row count). Returns [num_requests or B, dim].
+
+        Raises:
+            TypeError / ValueError: ``num_requests`` not an int in ``[1, B]``.
+        """
+        seqs = offsets.shape[0] - 1
+        b = seqs if num_requests is None else num_requests
+        if num_requests is not None:
+            _check_int("num_requests", num_requests, 1)
+            if num_requests > seqs:
+                raise ValueError(
+                    f"num_requests ({num_requests}) exceeds the {seqs} sequences of offsets"
+                )
         p = self.num_queries
         k, v = self.kv(x).split(self.dim, dim=-1)
         # Under autocast the projection yields bf16 keys while the learned queries stay in
@@ -505,7 +542,8 @@ class PMAPooling(nn.Module):
                 queries, _jagged(k, self.heads), _jagged(v, self.heads), layout,
                 heads=self.heads, scale=scale,
             )  # fmt: skip
-            return self.out(o.reshape(b, p * self.dim))
+            # The first b sequences (num_requests), as the hyperrec path pools.
+            return self.out(o[:b].reshape(b, p * self.dim))
         q = queries.unsqueeze(0).expand(b, p, self.dim).reshape(b * p, self.dim)
         q_offsets = torch.arange(b + 1, device=x.device, dtype=offsets.dtype) * p
         if b == offsets.shape[0] - 1:
@@ -538,6 +576,7 @@ class CandidateAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, *, validate: bool = True, impl: str = "hyperrec"):
         super().__init__()
+        _check_heads(dim, heads)
         _check_choice("impl", impl, IMPLS)
         self.dim, self.heads, self.validate, self.impl = dim, heads, validate, impl
         self.q = nn.Linear(dim, dim)
@@ -584,6 +623,9 @@ class CrossNetwork(nn.Module):
 
     def __init__(self, width: int, layers: int, rank: int = 0, *, compile: str = "off"):
         super().__init__()
+        _check_int("width", width, 1)
+        _check_int("layers", layers, 0)
+        _check_int("rank", rank, 0)  # negative: "negative dimension" from nn.Linear
         _check_choice("compile", compile, COMPILE_MODES)
         self.compile_mode = compile
         self.layers = nn.ModuleList(
@@ -611,6 +653,8 @@ class TaskHead(nn.Module):
 
     def __init__(self, width: int, hidden: tuple[int, ...]):
         super().__init__()
+        if not hidden:  # the logit reads hidden[-1] (an IndexError before)
+            raise ValueError("hidden must list at least one width, got ()")
         self.mlp = _mlp([width, *hidden], 0.0)
         self.weight = nn.Parameter(torch.randn(hidden[-1]) * hidden[-1] ** -0.5)
         self.bias = nn.Parameter(torch.zeros(1))  # 1-D: FSDP2 cannot shard 0-d tensors
@@ -709,8 +753,9 @@ class GEMModel(nn.Module):
         model: the network's sizes.
         data: the input schema (vocabularies, dense width, history cap, tasks), or a
             synthetic :class:`~hyperrec.integration.config.DataConfig` (its ``schema``).
-        validate: let the attention ops check offsets and maxima (host syncs on GPU).
-            The trainer validates each batch once on the CPU instead and passes False.
+        validate: let the attention ops check offsets and maxima (host syncs on GPU;
+            the naive path checks the history and candidate maxima it pads to). The
+            trainer validates each batch once on the CPU instead and passes False.
         impl: "hyperrec" (:mod:`hyperrec.jagged_attn` on jagged tokens) or "naive"
             (padded PyTorch attention, :mod:`hyperrec.integration.naive`). Same
             parameters, same function.
@@ -739,9 +784,10 @@ class GEMModel(nn.Module):
     schema has the CTR task only (there is no CVR head then).
 
     Raises:
-        TypeError: configs of the wrong type.
+        TypeError: configs of the wrong type; ``row_buckets`` not an int.
         ValueError: an unknown ``impl``, ``compile``, ``mlp_precision`` or
-            ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``.
+            ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``;
+            ``row_buckets`` not 0 or a power of two.
     """
 
     # The unfused tables, set by name in __init__ (absent when fused, or when
@@ -781,8 +827,16 @@ class GEMModel(nn.Module):
                 f"attention_precision={attention_precision!r} needs impl='hyperrec': the "
                 "naive padded attention has no low-precision path"
             )
-        bucket_rows(0, row_buckets)  # checks row_buckets
+        # Checked here, naming the argument (bucket_rows would name its own per_octave).
+        if isinstance(row_buckets, bool) or not isinstance(row_buckets, int):
+            raise TypeError(
+                f"row_buckets must be an int (0 or a power of two), got "
+                f"{type(row_buckets).__name__} {row_buckets!r}"
+            )
+        if row_buckets < 0 or row_buckets & (row_buckets - 1):
+            raise ValueError(f"row_buckets must be 0 or a power of two, got {row_buckets}")
         self.row_buckets = row_buckets
+        self.validate = validate
         schema = data.schema if isinstance(data, DataConfig) else data
         self.config, self.schema = model, schema
         self.data_config = data  # as given (kept for callers that read it)
@@ -1009,6 +1063,29 @@ class GEMModel(nn.Module):
                 f"model's DataSchema.max_candidates = {self.schema.max_candidates}"
             )
 
+    def _check_padded_sizes(self, batch: Batch) -> None:
+        """The naive path's ``validate``: it pads histories to ``batch.max_history_len``
+        and candidates to the schema's ``max_candidates``, so a batch beyond either failed
+        inside ``index_put`` (an IndexError naming neither on the CPU, a device assert on
+        CUDA) where the hyperrec path's attention raises a ValueError. Host syncs."""
+        max_len = batch.max_history_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(
+                f"Batch.max_history_len must be an int, got {type(max_len).__name__} {max_len!r}"
+            )
+        longest = int(batch.history_offsets.diff().max())
+        if longest > max_len:
+            raise ValueError(
+                f"Batch.max_history_len = {max_len} but the longest history has {longest} events"
+            )
+        most = int(batch.candidate_offsets.diff().max())
+        if most > self.schema.max_candidates:
+            raise ValueError(
+                f"Batch.candidate_offsets: a request has {most} candidates, more than the "
+                f"model's DataSchema.max_candidates = {self.schema.max_candidates} (the naive "
+                "path pads to it)"
+            )
+
     def _lookups(
         self, batch: Batch, h_owner: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1076,6 +1153,8 @@ class GEMModel(nn.Module):
 
         history = candidates = None
         if self.impl == "naive":
+            if self.validate:
+                self._check_padded_sizes(batch)
             pos = torch.arange(t, device=dev) - h_off[:-1][h_owner]
             history = JaggedLayout(b, max_len, h_owner, pos, h_off.diff())
             c_pos = torch.arange(c, device=dev) - batch.candidate_offsets[:-1][c_owner]
@@ -1178,9 +1257,23 @@ def split_tables_state_dict(
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler, 2012)."""
-    x = x.clamp(max=-1e-7)
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler, 2012).
+
+    ``x`` is clamped to at most minus the dtype's smallest normal number, where the
+    result is still finite (about -87 in float32): only ``x == 0`` (log P(click & conv)
+    rounded to 0) needs it. The clamp was at -1e-7, which flattened the loss and zeroed
+    its gradient wherever ``pCTR * pCVR > 1 - 1e-7`` (both logits above ~16): a
+    confidently wrong non-conversion stopped being penalised.
+    """
+    x = x.clamp(max=-torch.finfo(x.dtype).tiny)
+    near = x > -math.log(2.0)
+    # Each branch only sees inputs where it is finite: torch.where sends the unselected
+    # branch a zero gradient, and zero times its infinite derivative (log1p(-exp(x)) at
+    # x -> 0) would be NaN.
+    one = torch.full_like(x, -1.0)
+    close = torch.log(-torch.expm1(torch.where(near, x, one)))
+    far = torch.log1p(-torch.exp(torch.where(near, one, x)))
+    return torch.where(near, close, far)
 
 
 def esmm_loss(

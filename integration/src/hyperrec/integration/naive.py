@@ -204,6 +204,10 @@ def hstu_attention(
         raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
     qp, kp, vp = layout.pad(q), layout.pad(k), layout.pad(v)
     b, h, n = qp.shape[0], qp.shape[1], layout.max_len
+    if n == 0:
+        # Every sequence is empty (a batch of empty histories): no query, no chunk, and
+        # torch.cat of no chunks would raise. The output has no row: v's (empty) rows.
+        return layout.unpad(vp)
     chunk = max(1, min(n, chunk_elements // max(1, b * h * n)))
     parts = []
     for start in range(0, n, chunk):
