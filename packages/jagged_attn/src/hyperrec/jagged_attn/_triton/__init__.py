@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 
 def interpreting() -> bool:
-    """Whether the Triton interpreter runs the kernels on the CPU: ``TRITON_INTERPRET`` is
-    set and not ``"0"``."""
-    value = os.environ.get("TRITON_INTERPRET")
-    return value is not None and value != "0"
+    """Whether the Triton interpreter runs the kernels on the CPU: ``TRITON_INTERPRET``
+    holds one of the values Triton reads as true (``1``, ``true``, ``on``, ``yes``, ``y``,
+    any case). Read the way Triton reads it: ``"false"`` or ``""`` here meant "on" while
+    Triton compiled for a GPU, and a CPU call failed with "0 active drivers"."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    return value.lower() in ("1", "true", "on", "yes", "y")
 
 
 from hyperrec.jagged_attn._triton._configs import (  # noqa: E402

@@ -11,6 +11,8 @@ __all__ = ["interpreting"]
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET`` set and
-    not ``"0"``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run on the CPU interpreter: ``TRITON_INTERPRET`` holds one
+    of the values Triton reads as true (``1``, ``true``, ``on``, ``yes``, ``y``, any case;
+    ``"false"`` or ``"off"`` used to count as on here while Triton compiled for a GPU)."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    return value.lower() in ("1", "true", "on", "yes", "y")
