@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gluon import draw_lengths
+from tune_backward import _time
 
 GEM_LAW = {"law": "lomax", "lo": 32, "scale": 512.0, "alpha": 1.5, "hi": 8192}
 # name -> (length law, tokens, heads, head dim, activation, causal)
@@ -85,16 +86,6 @@ def variants(call) -> dict[str, tuple[Any, Any]]:
         "tma": (replace(dkdv, bwd_tma=True), replace(dq, bwd_tma=True)),
         "tma_32x64": (small, replace(dq, bwd_tma=True)),
     }
-
-
-def _time(fn, smoke: bool) -> float:
-    if smoke:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
 def main(argv: list[str] | None = None) -> int:

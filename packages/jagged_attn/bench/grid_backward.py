@@ -19,7 +19,6 @@ import concurrent.futures as cf
 import datetime as dt
 import itertools
 import multiprocessing as mp
-import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -29,7 +28,19 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_backward import HEAD_DIM, HEADS, INSTANCES, LAW, SMOKE, TOKENS, _run, _time, instance
+from tune_backward import (
+    HEAD_DIM,
+    HEADS,
+    INSTANCES,
+    LAW,
+    SMOKE,
+    TOKENS,
+    _run,
+    _time,
+    confirm_finalists,
+    instance,
+    pick_finalists,
+)
 
 DKDV_GRID = list(itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2, 3, 4)))
 DQ_GRID = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
@@ -110,33 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in dq_grid:
         if repr(("dq", t)) not in failed:
             timed(best, _cfg(t))
-    kc = type(shipped[0])
-    finalists: list[tuple[Any, Any]] = [shipped]
-    for r in sorted(sweep, key=lambda r: r["ms"]):
-        pair = (kc(**r["dkdv"]), kc(**r["dq"]))
-        if pair not in finalists:
-            finalists.append(pair)
-        if len(finalists) == 4:
-            break
-    confirm: list[dict[str, Any]] = []
-    for seed in range(1, n_inst + 1):
-        c, g, f = instance(seed, **shape)
-        for i, (dkdv, dq) in enumerate(finalists):
-            ms = _time(_run(c, g, dkdv, dq), smoke)
-            confirm.append({"instance": seed, "pair": i, "ms": ms, "tflops": 2.5 * f / ms * 1e-9})
-        del c, g
-    summary = []
-    for i, (dkdv, dq) in enumerate(finalists):
-        tf = [r["tflops"] for r in confirm if r["pair"] == i]
-        base = [r["tflops"] for r in confirm if r["pair"] == 0]
-        ratio = statistics.median(a / b for a, b in zip(tf, base))
-        summary.append({"pair": i, "shipped": i == 0, "dkdv": asdict(dkdv), "dq": asdict(dq),
-                        "tflops_median": statistics.median(tf), "tflops_min": min(tf),
-                        "x_shipped_median": ratio, "tflops": tf})  # fmt: skip
-        key = ("block_m", "block_n", "num_warps", "num_stages", "bwd_tma")
-        print(f"pair {i}{' (shipped)' if i == 0 else ''}: {statistics.median(tf):.0f} TFLOP/s "
-              f"(min {min(tf):.0f}), x{ratio:.3f}; dkdv {tuple(asdict(dkdv)[k] for k in key)} "
-              f"dq {tuple(asdict(dq)[k] for k in key)}", flush=True)  # fmt: skip
+    finalists = pick_finalists(sweep, shipped)
+    confirm, summary = confirm_finalists(finalists, shape, n_inst, smoke)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
     from hyperrec.testing.bench import write_result

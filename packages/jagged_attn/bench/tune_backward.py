@@ -132,6 +132,48 @@ def _time(fn, smoke: bool) -> float:
     return do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def pick_finalists(sweep: list[dict[str, Any]], shipped: tuple[Any, Any], n: int = 4):
+    """The shipped pair, then the fastest distinct pairs of ``sweep`` (``n`` in all)."""
+    kc = type(shipped[0])
+    finalists: list[tuple[Any, Any]] = [shipped]
+    for r in sorted(sweep, key=lambda r: r["ms"]):
+        pair = (kc(**r["dkdv"]), kc(**r["dq"]))
+        if pair not in finalists:
+            finalists.append(pair)
+        if len(finalists) == n:
+            break
+    return finalists
+
+
+def confirm_finalists(finalists, shape: dict[str, Any], n_inst: int, smoke: bool):
+    """Time every pair on ``n_inst`` fresh instances (seeds 1..n_inst): the rows, and per
+    pair the median / min TFLOP/s, ``x_shipped`` (ratio of medians to pair 0) and
+    ``x_shipped_median`` (median of the per-instance ratios)."""
+    confirm: list[dict[str, Any]] = []
+    for seed in range(1, n_inst + 1):
+        c, g, f = instance(seed, **shape)
+        for i, (dkdv, dq) in enumerate(finalists):
+            ms = _time(_run(c, g, dkdv, dq), smoke)
+            confirm.append({"instance": seed, "pair": i, "ms": ms, "tflops": 2.5 * f / ms * 1e-9})
+        del c, g
+    base = [r["tflops"] for r in confirm if r["pair"] == 0]
+    keys = ("block_m", "block_n", "num_warps", "num_stages", "dq_atomic", "bwd_tma")
+    summary = []
+    for i, (dkdv, dq) in enumerate(finalists):
+        tf = [r["tflops"] for r in confirm if r["pair"] == i]
+        row = {"pair": i, "shipped": i == 0, "dkdv": asdict(dkdv), "dq": asdict(dq),
+               "tflops_median": statistics.median(tf), "tflops_min": min(tf),
+               "x_shipped": statistics.median(tf) / statistics.median(base),
+               "x_shipped_median": statistics.median(a / b for a, b in zip(tf, base)),
+               "tflops": tf}  # fmt: skip
+        summary.append(row)
+        print(f"pair {i}{' (shipped)' if i == 0 else ''}: {row['tflops_median']:.0f} TFLOP/s "
+              f"(min {row['tflops_min']:.0f}), x{row['x_shipped_median']:.3f}; "
+              f"dkdv {tuple(row['dkdv'][k] for k in keys)} "
+              f"dq {tuple(row['dq'][k] for k in keys)}", flush=True)  # fmt: skip
+    return confirm, summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -193,35 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         for tma in (False, True):
             if ok("dq", t, False, tma) and (t, tma) != (DQ[0], False):
                 timed(best_sep, _cfg(t, False, tma))
-    ranked = sorted(sweep, key=lambda r: r["ms"])
-    # the shipped pair and the three fastest distinct pairs, on fresh instances
-    finalists: list[tuple[Any, Any]] = [(_cfg(DKDV[0]), shipped_dq)]
-    for r in ranked:
-        pair = (type(finalists[0][0])(**r["dkdv"]), type(finalists[0][1])(**r["dq"]))
-        if pair not in finalists:
-            finalists.append(pair)
-        if len(finalists) == 4:
-            break
-    confirm: list[dict[str, Any]] = []
-    for seed in range(1, n_inst + 1):
-        c, g, f = instance(seed, **shape)
-        for i, (dkdv, dq) in enumerate(finalists):
-            ms = _time(_run(c, g, dkdv, dq), smoke)
-            confirm.append({"instance": seed, "pair": i, "ms": ms, "tflops": 2.5 * f / ms * 1e-9})
-        del c, g
-    summary = []
-    for i, (dkdv, dq) in enumerate(finalists):
-        tf = [r["tflops"] for r in confirm if r["pair"] == i]
-        summary.append({"pair": i, "shipped": i == 0, "dkdv": asdict(dkdv), "dq": asdict(dq),
-                        "tflops_median": statistics.median(tf), "tflops_min": min(tf),
-                        "tflops": tf})  # fmt: skip
-    base = summary[0]["tflops_median"]
-    for s in summary:
-        s["x_shipped"] = s["tflops_median"] / base
-        print(f"pair {s['pair']}{' (shipped)' if s['shipped'] else ''}: "
-              f"{s['tflops_median']:.0f} TFLOP/s (min {s['tflops_min']:.0f}), "
-              f"{s['x_shipped']:.2f}x shipped; dkdv {tuple(s['dkdv'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages', 'dq_atomic', 'bwd_tma'))} "
-              f"dq {tuple(s['dq'][k] for k in ('block_m', 'block_n', 'num_warps', 'num_stages', 'bwd_tma'))}")  # fmt: skip
+    finalists = pick_finalists(sweep, (_cfg(DKDV[0]), shipped_dq))
+    confirm, summary = confirm_finalists(finalists, shape, n_inst, smoke)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
     from hyperrec.testing.bench import write_result
