@@ -156,7 +156,8 @@ def save_checkpoint(
             writes its own pieces, ragged ones through the raggedshard planners);
             ``optimizer`` may be a list.
         extra: name -> object with ``state_dict()`` / ``load_state_dict()``.
-        meta: picklable, identical on every rank; must hold ``"step"``.
+        meta: picklable; must hold ``"step"``. Rank 0's is saved (what the other ranks
+            pass is ignored).
         rank_state: picklable state of this rank.
         rank_tensors: this rank's tensors of a shape known before loading.
         info: JSON-ready, identical on every rank: stored in the manifest, readable
@@ -184,9 +185,15 @@ def save_checkpoint(
     state = {
         "model": model_sd,
         "optim": optim_sd,
-        "meta": pickle.dumps(meta),
         f"rank{_rank()}": {"blob": pickle.dumps(rank_state), "tensors": dict(rank_tensors or {})},
     }
+    if _rank() == 0:
+        # Rank 0's meta only. Given by every rank, DCP's dedup keeps the copy of whichever
+        # rank has planned the fewest bytes so far (rank 1 in the trainer's two-rank runs),
+        # and a meta that is not quite identical then loses rank 0's part: the trainer's
+        # validation records (kept on rank 0 only) and its training-AUC history vanished
+        # from every resumed multi-rank run.
+        state["meta"] = pickle.dumps(meta)
     if extra:
         state["extra"] = {name: obj.state_dict() for name, obj in extra.items()}
     writer = dcp.FileSystemWriter(str(partial), overwrite=True)

@@ -48,6 +48,7 @@ __all__ = [
     "ForwardOrder",
     "NonFiniteError",
     "NonFiniteReport",
+    "check_fault_modules",
     "nonfinite_report",
     "parse_faults",
 ]
@@ -110,6 +111,31 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             raise ValueError(f"{FAULT_ENV} entry {entry!r} needs attempt >= 0")
         out.append(Fault(kind=kind, **kw))
     return tuple(out)
+
+
+def check_fault_modules(faults: tuple[Fault, ...], model: nn.Module) -> None:
+    """Check, before any step, that every ``nan_grad`` fault names a module with parameters.
+
+    Give it the job's faults (every rank, every attempt): a name that matches nothing
+    otherwise surfaces only at the fault's step, on its rank, as an error that ends that
+    attempt, and under ``torchrun --max-restarts`` the next attempt runs without the
+    fault: a drill that passes having injected nothing.
+
+    Raises:
+        ValueError: a ``nan_grad`` fault whose module owns no parameter of ``model``
+            (the message quotes :data:`FAULT_ENV` and the module).
+    """
+    names = [name for name, _ in model.named_parameters()]
+    for fault in faults:
+        if fault.kind != "nan_grad":
+            continue
+        prefix = f"{fault.module}." if fault.module else ""
+        if not any(name.startswith(prefix) for name in names):
+            modules = sorted({name.partition(".")[0] for name in names})
+            raise ValueError(
+                f"{FAULT_ENV}: nan_grad@step={fault.step},rank={fault.rank} names module "
+                f"{fault.module!r}, which has no parameters (top-level modules: {modules})"
+            )
 
 
 class FaultInjector:

@@ -84,11 +84,14 @@ from hyperrec.integration.distributed import (
     parallelize,
 )
 from hyperrec.integration.faults import (
+    FAULT_ENV,
     FaultInjector,
     ForwardOrder,
     NonFiniteError,
     NonFiniteReport,
+    check_fault_modules,
     nonfinite_report,
+    parse_faults,
 )
 from hyperrec.integration.flops import (
     FlopCount,
@@ -224,6 +227,9 @@ class PendingStep:
     # CUDA: whether the GPU had already finished the previous step when the host began
     # queuing this one (it then waited for the host); None on a CPU or for a first step
     gpu_dry_at_launch: bool | None = None
+    # The step's learning rate (the "matrices" group's), taken at launch: by the time the
+    # step is finished the next one may have set the optimizer's to its own
+    lr: float = math.nan
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -257,9 +263,12 @@ def _local_grad(g: torch.Tensor) -> tuple[torch.Tensor, Any, int] | None:
     return g.to_local(), mesh, copies
 
 
-def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _grad_norms(
+    params: Sequence[torch.Tensor], *, local_flags: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(global L2 norm of the gradients of ``params``, bool [P]: whether each parameter's
-    gradient, all of it over every rank, holds a NaN or Inf).
+    gradient, all of it over every rank, holds a NaN or Inf; with ``local_flags``, whether
+    this rank's own part of it does).
 
     Both stay on the device: nothing is read on the host. The total equals
     ``torch.nn.utils.get_total_norm`` (a plain tensor also for DTensor gradients). It is
@@ -268,7 +277,9 @@ def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     of more than one rank (replicated copies counted once). A norm per DTensor through
     DTensor dispatch costs the host ~1 ms each, which made the step host-bound. The
     per-parameter norms give the flags for free, so a non-finite step can name its first
-    bad module after the gradients are gone (:meth:`Trainer.finish_step`).
+    bad module after the gradients are gone (:meth:`Trainer.finish_step`); that report
+    names the ranks holding the bad values, hence ``local_flags`` (a gradient with a
+    ``Partial`` placement is flagged from its global norm, the only one computed).
     """
     grads: list[torch.Tensor] = []
     for p in params:
@@ -279,6 +290,7 @@ def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
         return torch.zeros(()), torch.zeros(0, dtype=torch.bool)
     acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     squares: list[Any] = [None] * len(grads)
+    local_squares: list[Any] = [None] * len(grads)  # this rank's part, before any all-reduce
     # (id of the mesh or 0, device, dtype, replicated copies) -> indices.
     groups: dict[tuple[int, torch.device, torch.dtype, int], list[int]] = {}
     locals_: dict[int, torch.Tensor] = {}
@@ -294,7 +306,7 @@ def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
                 # get_total_norm does.
                 n = torch.linalg.vector_norm(g)
                 n = n.full_tensor() if hasattr(n, "full_tensor") else n
-                squares[i] = n.to(acc).square()
+                squares[i] = local_squares[i] = n.to(acc).square()
                 continue
             locals_[i], mesh, copies = local
             key_mesh = id(mesh)
@@ -308,6 +320,10 @@ def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     for key_mesh, parts in by_mesh.items():
         idx = [i for part_idx, _ in parts for i in part_idx]
         sq = torch.cat([t for _, t in parts])
+        if local_flags:
+            mine = sq.clone()  # the all-reduce below is in place
+            for i, v in zip(idx, mine.unbind()):
+                local_squares[i] = v
         if key_mesh:
             mesh = meshes[key_mesh]
             for axis in range(mesh.ndim):
@@ -316,7 +332,8 @@ def _grad_norms(params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
         for i, v in zip(idx, sq.unbind()):
             squares[i] = v
     per_param = torch.stack(squares)
-    return per_param.sum().sqrt(), ~torch.isfinite(per_param)
+    flagged = torch.stack(local_squares) if local_flags else per_param
+    return per_param.sum().sqrt(), ~torch.isfinite(flagged)
 
 
 def _clip_grads_(params: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
@@ -643,7 +660,9 @@ class Trainer:
             a model that does not fit the data's history cap; ``epochs`` with an endless
             source; bad device; a mesh that does not fit the world size; an optimizer
             that does not train the tables' placement; an autoac budget below the step's
-            floor (naming the smallest feasible budget), or none on a CPU.
+            floor (naming the smallest feasible budget), or none on a CPU; a
+            ``HYPERREC_FAULT`` that is malformed or whose ``nan_grad`` names a module
+            without parameters.
         TypeError: ``data`` is not a DataSource; ``out_dir`` or ``resume`` not a path.
         FileNotFoundError: ``resume`` or the event log does not exist.
         CheckpointError: ``resume`` names a corrupt checkpoint.
@@ -767,6 +786,8 @@ class Trainer:
         # Module order of the first forward pass, for non-finite reports (then no cost).
         self._forward_order = ForwardOrder(self.model)
         self._param_names = {id(p): name for name, p in self.model.named_parameters()}
+        # The job's faults, not only this rank's: every rank refuses the same bad spec.
+        check_fault_modules(parse_faults(os.environ.get(FAULT_ENV, "")), self.model)
         self.stream = self._build_stream()
         # Batches are built (and validated) ahead, pinned and copied on a side stream.
         self.loader = self._build_loader()
@@ -1032,6 +1053,7 @@ class Trainer:
         for opt in (self.optimizer, *self._extra_optimizers):
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_factor(step, cfg)
+        step_lr = next(g["lr"] for g in self.optimizer.param_groups if g["name"] == "matrices")
         shape = StepShape.from_batch(host)
         flops = model_flops(
             self.preset.model, self.schema, shape.history_lengths, shape.candidate_counts
@@ -1075,7 +1097,10 @@ class Trainer:
             self.faults.poison_grad(step, self.model)
             self.faults.kill("kill", step)  # mid-step: after backward, before the update
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm, bad = _grad_norms(params)
+        # Flags of this rank's own gradient (shards): the "stop" report names the ranks
+        # that hold the non-finite values, as the "skip" one does from the gradients
+        # themselves. Global flags named every rank, so rank 0, for a NaN on rank 1 only.
+        grad_norm, bad = _grad_norms(params, local_flags=True)
         names = [self._param_names.get(id(p), "?") for p in params]
         skipped = False
         if cfg.nonfinite == "skip":
@@ -1122,6 +1147,7 @@ class Trainer:
             end=end,
             previous_end=self._last_end,
             gpu_dry_at_launch=dry,
+            lr=step_lr,
         )
         # Start building/copying the next batch now, behind this step's device work.
         self.loader.prefetch()
@@ -1240,7 +1266,9 @@ class Trainer:
             "ctr_loss": ctr_total / n,
             # The exact windowed AUC costs host time: recomputed only on recorded steps.
             "ctr_auc": self._auc(log),
-            "lr": next(g["lr"] for g in self.optimizer.param_groups if g["name"] == "matrices"),
+            # Not the optimizer's: in fit's pipeline the next step has already set it (the
+            # history showed each step's successor's rate, except at checkpoints and evals).
+            "lr": p.lr,
             "grad_norm": grad_norm,
             "samples_per_s": cfg.global_batch_size / elapsed if elapsed > 0 else math.nan,
             "step_time_s": elapsed,
@@ -1425,10 +1453,17 @@ class Trainer:
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
         step = self.step
+        # Optimizers that have not updated anything yet (every step so far skipped, or a
+        # save before the first step): get_state_dict creates their state with a zero-lr
+        # step() (torch DCP's _init_optim_state), which counts one AdamW step more, so a
+        # run that checkpointed then trained differently from one that did not (and than
+        # its own resume would, were the state not put back the same way in load).
+        optimizers = self._dense_optimizers()
+        stateless = [i for i, opt in enumerate(optimizers) if not opt.state]
         save_checkpoint(
             path,
             model=self.model,
-            optimizer=self._dense_optimizers(),
+            optimizer=optimizers,
             extra=self._checkpointed_objects(),
             meta={
                 "step": self.step,
@@ -1444,6 +1479,7 @@ class Trainer:
                 "nonfinite": self.nonfinite,
                 "stopped_early": self.stopped_early,
                 "tables": [self.tables, self.table_optimizer_kind],
+                "stateless_optimizers": stateless,
             },
             rank_state={
                 "stream": self.loader.state_dict(),
@@ -1462,6 +1498,8 @@ class Trainer:
             if self.faults
             else None,
         )
+        for i in stateless:
+            optimizers[i].state.clear()
         self.last_checkpoint = path
         return path
 
@@ -1471,7 +1509,9 @@ class Trainer:
         On another world size the model and optimizer reshard, the data position moves
         with :func:`~hyperrec.integration.pipeline.reshard_streams` (no request lost or
         read twice), the popularity counts are summed onto rank 0 and the training-AUC
-        window is rank 0's; dropout RNG streams start afresh.
+        window is rank 0's; dropout RNG streams start afresh. A checkpoint written when
+        the run stopped early resumes stopped only if this run's early-stopping rule
+        (patience, metric) stops it at that evaluation too.
 
         Raises:
             CheckpointError: the checkpoint is incomplete or corrupt.
@@ -1540,6 +1580,10 @@ class Trainer:
             all_ranks=reshard,
             verify=False,  # verified above
         )
+        # As save left them: without state (see save; the loaded one is DCP's zero-lr step).
+        optimizers = self._dense_optimizers()
+        for i in meta.get("stateless_optimizers", []):
+            optimizers[i].state.clear()
         if self.preset.train.activation_checkpointing == "autoac":
             self._restore_autoac(None if reshard else state.get("autoac"))
         self.step = meta["step"]
@@ -1554,7 +1598,16 @@ class Trainer:
         self._ema = meta["ema"]
         self._ema_steps = meta.get("ema_steps", meta["step"])
         self.nonfinite = meta.get("nonfinite", [])
-        self.stopped_early = meta.get("stopped_early", False)
+        # Early stopping is cadence, which a resume may change: a checkpoint written when
+        # the run stopped early stays stopped only if this run's rule stops it too (before,
+        # one resumed with the patience raised or set to 0 trained nothing and reported an
+        # early stop). The same decision on every rank: the evaluations come from the meta.
+        # Without evaluations to decide from (multi-rank checkpoints of earlier versions
+        # may have lost them, see save_checkpoint) the saved decision stands unless early
+        # stopping is now off.
+        self.stopped_early = bool(meta.get("stopped_early", False))
+        if self.stopped_early and (self.evals or not self.preset.train.early_stopping_patience):
+            self.stopped_early = self._should_stop_early()
         if reshard:
             streams = [s["stream"] for s, _ in state]
             backlogs, frontier = reshard_streams(
