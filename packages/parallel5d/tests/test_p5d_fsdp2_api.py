@@ -216,8 +216,9 @@ def test_setters_validate_and_unsupported_features_say_why():
         model.set_is_last_backward(False)
         assert not get_state(model).is_last_backward
         model.set_is_last_backward(True)
-        model.set_post_optim_event("event")  # waited on by the next forward's gathers
-        assert get_state(model).post_optim_event == "event"
+        event = torch.Event("cpu")  # a torch.Event: anything else is a TypeError
+        model.set_post_optim_event(event)  # waited on by the next forward's gathers
+        assert get_state(model).post_optim_event is event
         model(torch.randn(2, 4))
         assert get_state(model).post_optim_event is None
         with pytest.raises(NotImplementedError, match="deepcopy"):

@@ -46,11 +46,19 @@ class CPUOffloadPolicy(OffloadPolicy):
     stream) into its slot of the gathered buffer; each reduced gradient is copied
     device-to-host, and the optimizer steps on the CPU, as with PyTorch FSDP2's
     ``CPUOffloadPolicy`` (whose objects are accepted too).
+
+    Raises:
+        TypeError: ``pin_memory`` is not a bool.
     """
 
     pin_memory: bool = True
     """Pin the host storages (when CUDA is available) so the copies run asynchronously
     and overlap compute; ``False`` saves pinned host memory."""
+
+    def __post_init__(self) -> None:
+        # As MixedPrecisionPolicy checks its fields: "no" would otherwise pin (truthy).
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool, got {self.pin_memory!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +68,11 @@ class DataParallelMeshDims:
 
     ``fully_shard(module, mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))``
     shards over ``spmd_mesh["dp"]``; several names are flattened into one axis.
+
+    Raises:
+        TypeError: ``shard`` or ``replicate`` is neither ``None``, a str nor a sequence
+            of str.
+        ValueError: neither is given.
     """
 
     shard: str | tuple[str, ...] | None = None
@@ -68,6 +81,8 @@ class DataParallelMeshDims:
     """Mesh dim name(s) parameters are replicated over (HSDP; flattened when several)."""
 
     def __post_init__(self) -> None:
+        _names(self.shard, "shard")  # the types now, not at the first fully_shard
+        _names(self.replicate, "replicate")
         if self.shard is None and self.replicate is None:
             raise ValueError("DataParallelMeshDims needs shard or replicate (or both)")
 
@@ -110,12 +125,20 @@ def resolve_mesh(mesh: DeviceMesh, dp_mesh_dims: Any) -> DeviceMesh:
     """The 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) mesh to shard over.
 
     Raises:
-        TypeError: a malformed ``dp_mesh_dims``.
+        TypeError: ``dp_mesh_dims`` is not a ``DataParallelMeshDims`` (ours or torch's),
+            or a malformed one.
         ValueError: names missing from the mesh; without ``dp_mesh_dims``, a mesh of
             another number of axes.
         NotImplementedError: replicate-only ``dp_mesh_dims`` (DDP through fully_shard), or
             an HSDP pair this torch cannot concatenate.
     """
+    if dp_mesh_dims is not None and not (
+        hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")
+    ):
+        # A bare name or tuple would otherwise read as "neither shard nor replicate".
+        raise TypeError(
+            f"dp_mesh_dims must be a DataParallelMeshDims, got {type(dp_mesh_dims).__name__}"
+        )
     if dp_mesh_dims is None:
         if mesh.ndim not in (1, 2):
             raise ValueError(
@@ -309,10 +332,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     touch, so code can call it unconditionally.
 
     Raises:
+        TypeError: ``module`` is not an ``nn.Module``; ``method_name`` is not a str.
         ValueError: the module has no such method.
     """
     from hyperrec.parallel5d._state import get_state
 
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(method_name, str):
+        raise TypeError(f"method_name must be a str, got {type(method_name).__name__}")
     state = get_state(module)
     if state is None:
         return
@@ -334,11 +362,16 @@ def share_comm_ctx(modules: list[nn.Module]) -> None:
     stages' model chunks), as FSDP2's ``share_comm_ctx``.
 
     Raises:
+        TypeError: ``modules`` is not a list (a module is iterable over its children).
         ValueError: an element is not a ``fully_shard`` module.
     """
     from hyperrec.parallel5d._group import _Comm
     from hyperrec.parallel5d._state import get_state
 
+    if isinstance(modules, nn.Module | str) or not isinstance(modules, Sequence):
+        raise TypeError(
+            f"modules must be a list of fully_shard modules, got {type(modules).__name__}"
+        )
     states = []
     for i, m in enumerate(modules):
         state = get_state(m) if isinstance(m, nn.Module) else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._group import ParamGroup, _Slot
@@ -51,7 +51,18 @@ def _local_piece(p: torch.Tensor, buf: DBuffer, i: int) -> torch.Tensor | None:
         local = p._local_tensor
         if local.is_meta:
             return None
-        if local.numel() == hi - lo and tuple(p.shape) == tuple(buf.shapes[i]):
+        # Whether the local tensor is this rank's piece must be decided from global
+        # metadata (this layout's placements on this mesh), never from the local size:
+        # with another layout (FSDP2's Shard(0)) one rank's count can match while the
+        # others' do not, and that rank would skip the collective below (a hang) or,
+        # at another offset, copy the wrong elements.
+        placement = buf.placement(i)
+        mine = (placement,) if buf.mesh is None or buf.mesh.ndim == 1 else (Replicate(), placement)
+        if (
+            p.device_mesh == buf.mesh
+            and tuple(p.placements) == mine
+            and tuple(p.shape) == tuple(buf.shapes[i])
+        ):
             return local.detach().reshape(-1)
         full = p.full_tensor()  # another layout: the one gather this path needs
         return full.detach().reshape(-1)[lo:hi]
@@ -70,6 +81,10 @@ def _views_into(group: ParamGroup, b: int, buf: DBuffer, targets: list[torch.Ten
     views = buf.as_dtensors()
     grads = buf.as_dtensors(buf.grad_shard) if buf.has_grad else None
     for s, target in zip(group._slots_of(b), targets):
+        # The replaced parameter's flag, not the slot's: a parameter frozen after
+        # fully_shard (synced into the slot only at the next unshard) must stay frozen.
+        if isinstance(target, nn.Parameter):
+            s.requires_grad = target.requires_grad
         new = nn.Parameter(views[s.index], requires_grad=s.requires_grad)
         had_grad = getattr(target, "grad", None) is not None or s.sharded.grad is not None
         if isinstance(target, nn.Parameter) and isinstance(target, DTensor):
@@ -155,6 +170,9 @@ def resync_group(group: ParamGroup, *, partial_ok: bool = True) -> None:
             names=buf.names,
             offload=group.offload,
             pin_memory=group.pin_memory,
+            # A frozen parameters' buffer stays out of flat_params (else a fused optimizer
+            # over it moves them by weight decay after .to(dtype) or assign=True).
+            trainable=buf.trainable,
         )
         with torch.no_grad():
             for s, piece in zip(slots, pieces):

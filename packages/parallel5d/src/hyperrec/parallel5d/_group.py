@@ -205,6 +205,26 @@ class ParamGroup:
                         functools.partial(self._land_grad, s)
                     )
 
+    def _sync_requires_grad(self) -> None:
+        # `p.requires_grad_(False)` on a sharded parameter after fully_shard (freezing
+        # layers for fine-tuning) must stop its gradients, as in FSDP2, which copies the
+        # flag onto the unsharded parameter at each unshard: else autograd still computes
+        # one, it is reduced and exposed, and an optimizer over all parameters moves the
+        # frozen weight. The parameter stays in its flat buffer (a fused optimizer over
+        # flat_params still sees its zero gradient there; freeze before fully_shard for
+        # that).
+        for s in self.slots:
+            flag = s.sharded.requires_grad
+            if flag == s.requires_grad:
+                continue
+            s.requires_grad = flag
+            s.written = False
+            if s.unsharded is not None:
+                s.unsharded.grad = None
+                s.unsharded.requires_grad_(flag)
+                # Cast-path slots made trainable have no landing hook: their gradients
+                # are cast in by _fold_pending_grads at the group's post-backward.
+
     @property
     def is_sharded(self) -> bool:
         return self._sharded
@@ -222,6 +242,8 @@ class ParamGroup:
         """Wait for the all-gathers and register the unsharded parameters."""
         for buf in self.buffers:
             buf.wait_unshard()
+        if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
+            self._sync_requires_grad()
         self._make_unsharded()
         if self._sharded:
             self._register(sharded=False)
@@ -321,8 +343,13 @@ class ParamGroup:
         if not buf.grad_full_live:
             slots = [s for s in self._slots_of(b) if s.requires_grad]
             self._sync_with_sharded_grads(b, slots)
+            # With one rank on the shard axis grad_full is grad_shard: a gradient it holds
+            # (an earlier backward's, not yet stepped on) must be added to, not
+            # overwritten by the first landing nor zeroed for parameters this backward
+            # does not reach.
+            held = buf.grad_full_aliases_shard and buf.has_grad
             for s in slots:
-                s.written = False
+                s.written = held
             buf.begin_grad(zero=self._in_place[b])
         return buf
 
@@ -339,9 +366,12 @@ class ParamGroup:
         # The optimizer's zero_grad(set_to_none=True) clears the sharded `.grad`s (or the
         # flat one): then the next reduction overwrites instead of accumulating.
         buf = self.buffers[b]
-        if not buf.has_grad or self._reduced:
-            # _reduced: reduced gradients not yet exposed (set_is_last_backward(False)):
-            # nobody could have cleared them.
+        if self._reduced:
+            # Reduced gradients not yet exposed (set_is_last_backward(False)): nobody
+            # could have cleared or replaced them.
+            return
+        self._adopt_assigned_grads(b, slots)
+        if not buf.has_grad:
             return
         if buf.shard.grad is None or all(s.sharded.grad is None for s in slots):
             buf.drop_grad_(release=release)
@@ -350,6 +380,43 @@ class ParamGroup:
             if s.sharded.grad is None:
                 buf.grad_shard_view(s.index).zero_()
                 s.sharded.grad = s.grad_dtensor
+
+    def _grad_dtensors(self, b: int) -> None:
+        # The gradient DTensors of buffer b (views of its grad_shard), made once.
+        slots = self._slots_of(b)
+        if slots and slots[0].grad_dtensor is None:
+            grads = self.buffers[b].as_dtensors(self.buffers[b].grad_shard)
+            for s in slots:
+                s.grad_dtensor = grads[s.index]
+
+    @torch.no_grad()
+    def _adopt_assigned_grads(self, b: int, slots: list[_Slot]) -> None:
+        # A `.grad` the user assigned (`p.grad = p.grad * 0.5`, a tensor of their own) is
+        # no view of grad_shard: the next reduction would add to the stale values there
+        # while the optimizer kept reading the assigned tensor, dropping every later
+        # backward. FSDP2 (and plain autograd) accumulate into whatever `.grad` holds, so
+        # its values are copied in and `.grad` is the view again.
+        assigned = [
+            (s, g) for s in slots if (g := s.sharded.grad) is not None and g is not s.grad_dtensor
+        ]
+        if not assigned:
+            return
+        from hyperrec.parallel5d._convert import _local_piece
+
+        buf = self.buffers[b]
+        held = buf.has_grad
+        flat = buf.grad_shard
+        if not held:
+            flat.zero_()  # a dropped gradient's stale values
+        self._grad_dtensors(b)
+        for s, grad in assigned:
+            piece = _local_piece(grad, buf, s.index)
+            if piece is not None:
+                buf.grad_shard_view(s.index).copy_(piece)
+            s.sharded.grad = s.grad_dtensor
+        if not held:
+            buf.set_grad_(flat)  # marks it as holding a gradient (copies nothing new)
+        buf.shard.grad = buf.grad_shard
 
     @torch.no_grad()
     def _land(self, s: _Slot, grad: torch.Tensor) -> None:
@@ -448,10 +515,8 @@ class ParamGroup:
             if not buf.has_grad:
                 continue
             slots = [s for s in self._slots_of(b) if s.requires_grad]
-            if slots and slots[0].grad_dtensor is None:
-                grads = buf.as_dtensors(buf.grad_shard)
-                for s in self._slots_of(b):
-                    s.grad_dtensor = grads[s.index]
+            if slots:
+                self._grad_dtensors(b)
             for s in slots:
                 if s.sharded.grad is None:
                     s.sharded.grad = s.grad_dtensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -53,6 +54,10 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(**{f: getattr(mp_policy, f) for f in fields})
     raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
 
+
+#: The original parameter objects fully_shard has replaced, by id (weakly held): a later
+#: call meeting one of them (a tie across calls) must not shard it a second time.
+_SHARDED_ORIGINALS: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 
 #: Call sites of fully_shard already warned about foreign ignored_params (once each).
 _WARNED_SITES: set[tuple[str, int]] = set()
@@ -170,9 +175,12 @@ def fully_shard(
         TypeError: ``module`` is not an ``nn.Module`` (or a list of them); ``mesh`` not a
             ``DeviceMesh``; bad ``mp_policy``, ``offload_policy``, ``granularity``,
             ``shard_placement_fn``, ``alignment`` or ``reshard_after_forward`` types;
-            ``ignored_params`` not an iterable of parameters.
-        ValueError: ``module`` is already sharded; a bad mesh, granularity, alignment,
-            ``dp_mesh_dims`` or integer ``reshard_after_forward``.
+            ``ignored_params`` not an iterable of parameters; a parameter that is not
+            floating point (FSDP2 shards those too: ignore it or make it a buffer).
+        ValueError: ``module`` is already sharded, or has a parameter tied to one that
+            another ``fully_shard`` call sharded (shard the modules sharing it together);
+            a bad mesh, granularity, alignment, ``dp_mesh_dims`` or integer
+            ``reshard_after_forward``.
         NotImplementedError: an FSDP2 feature the flat buffer cannot provide (see the
             README's table), e.g. parameters that are DTensors sharded over another mesh
             dim, a per-parameter mesh from ``shard_placement_fn``, replicate-only
@@ -219,13 +227,6 @@ def fully_shard(
         state = get_state(sub)
         if state is not None and state.group is not None:
             nested.update(id(s.sharded) for s in state.group.slots)
-    # Module buffers (running statistics...) go to the mesh's device, as FSDP2 moves them
-    # (parameters are copied into the flat buffers there); nested calls moved theirs.
-    for sub in subtree:
-        for name, b in list(sub._buffers.items()):
-            if b is not None and not b.is_meta and b.device != device:
-                sub._buffers[name] = b.to(device)
-
     params: list[nn.Parameter] = []
     fqns: list[str] = []
     regs: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -241,9 +242,34 @@ def fully_shard(
         for pname, owned in sub._parameters.items():
             if owned is not None and id(owned) in regs and (sub, pname) not in regs[id(owned)]:
                 regs[id(owned)].append((sub, pname))
+    for fqn, p in zip(fqns, params):
+        if _SHARDED_ORIGINALS.get(id(p)) is p:
+            # A parameter tied to one that an earlier call sharded (a module outside that
+            # call's subtree still holds the original): sharding it again would make two
+            # independent copies and silently untie them (FSDP2 raises at its first forward).
+            raise ValueError(
+                f"module's parameter {fqn!r} is shared with a parameter already sharded by "
+                "another fully_shard call; for shared/tied parameters pass the modules "
+                "together, fully_shard([module_a, module_b]), or leave them to their common "
+                "parent's call"
+            )
+        if not p.dtype.is_floating_point:
+            # DBuffer holds floating dtypes only; without this its error names no parameter.
+            raise TypeError(
+                f"module's parameter {fqn!r} has dtype {p.dtype}: fully_shard shards "
+                "floating-point parameters only; pass it in ignored_params or register it "
+                "as a buffer"
+            )
     granularities = [resolve_granularity(granularity, f, p) for f, p in zip(fqns, params)]
     granularities = placement_granularities(shard_placement_fn, params, granularities)
     values = check_dtensor_params(params)
+    # Every argument is valid from here on: the module is changed only now.
+    # Module buffers (running statistics...) go to the mesh's device, as FSDP2 moves them
+    # (parameters are copied into the flat buffers there); nested calls moved theirs.
+    for sub in subtree:
+        for name, b in list(sub._buffers.items()):
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
     group = None
     if params:
@@ -261,7 +287,14 @@ def fully_shard(
             offload=offload,
             pin_memory=pin_memory,
         )
-        for s, p in zip(group.slots, params):
+        for p in params:
+            _SHARDED_ORIGINALS[id(p)] = p
+        # Slots are ordered by buffer (dtype, then trainable or frozen), not like
+        # `params`: match them by name, or frozen and trainable parameters interleaved
+        # in one module would swap their requires_grad.
+        by_fqn = dict(zip(fqns, params))
+        for s in group.slots:
+            p = by_fqn[s.fqn]
             s.requires_grad = p.requires_grad
             s.sharded.requires_grad_(p.requires_grad)
     FSDPState(
@@ -385,8 +418,13 @@ class FSDPModule:
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters each backward but keeps the result as a partial
-        sum, all-reduced (with the partial added) by the next backward with ``True``."""
-        check_bool("requires_all_reduce", requires_all_reduce)
+        sum, all-reduced (with the partial added) by the next backward with ``True``.
+
+        Raises:
+            TypeError: ``requires_all_reduce`` or ``recurse`` is not a bool.
+        """
+        # recurse too: a truthy non-bool ("no") would silently recurse.
+        _check_bools(requires_all_reduce=requires_all_reduce, recurse=recurse)
         for group in self._groups(recurse):
             group.requires_all_reduce = requires_all_reduce
 
@@ -434,14 +472,19 @@ class FSDPModule:
         to the sharded gradients; ``stream`` (not with HSDP): the CUDA stream it runs on.
 
         Raises:
-            TypeError: ``hook`` is not callable.
+            TypeError: ``hook`` is not callable; ``stream`` is neither ``None`` nor a stream.
             ValueError: ``stream`` with an HSDP mesh.
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        for group in self._groups():
-            if stream is not None and group.mesh.ndim == 2:
-                raise ValueError("stream cannot be set when using native HSDP")
+        groups = list(self._groups())
+        if stream is not None and any(group.mesh.ndim == 2 for group in groups):
+            raise ValueError("stream cannot be set when using native HSDP")
+        if stream is not None and not isinstance(stream, _STREAM_TYPES):
+            raise TypeError(
+                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        for group in groups:
             group.all_reduce_hook = (hook, stream)
 
     def set_custom_all_gather(self, comm: Any) -> None:
@@ -466,8 +509,12 @@ class FSDPModule:
     ) -> None:
         """Accepted for FSDP2 compatibility: the flat buffer always reduces the whole
         group, so unused parameters always get (zero) gradients and every rank issues the
-        same collectives."""
-        check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        same collectives.
+
+        Raises:
+            TypeError: ``reduce_scatter_unused_params`` or ``recurse`` is not a bool.
+        """
+        _check_bools(reduce_scatter_unused_params=reduce_scatter_unused_params, recurse=recurse)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -477,17 +524,23 @@ class FSDPModule:
         the allocator reuses its block).
 
         Raises:
-            TypeError / ValueError: not an int ``>= 1``.
+            TypeError / ValueError: ``max_input_buffers`` is not an int ``>= 1``;
+                ``recurse`` is not a bool (TypeError).
         """
         check_int("max_input_buffers", max_input_buffers, minimum=1)
+        check_bool("recurse", recurse)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
         """Run reduce-scatters on their own process group over the same ranks (so they can
         overlap all-gathers on the wire); ``False`` goes back to the shared one.
-        Collective over the shard ranks the first time."""
-        check_bool("enable", enable)
+        Collective over the shard ranks the first time.
+
+        Raises:
+            TypeError: ``enable`` or ``recurse`` is not a bool.
+        """
+        _check_bools(enable=enable, recurse=recurse)
         for group in self._groups(recurse):
             group.reduce_scatter_group = separate_group(group.mesh) if enable else None
 
@@ -500,7 +553,16 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The root's first gathers of the next forward wait for ``event`` (recorded after
-        the optimizer step; discarded once used)."""
+        the optimizer step; discarded once used). ``None`` clears it (as in FSDP2).
+
+        Raises:
+            TypeError: ``event`` is neither ``None`` nor a ``torch.Event`` (or
+                ``torch.cuda.Event``).
+        """
+        # Checked here: on the CPU it is never waited for, so a wrong object would pass
+        # silently until the same code ran on a GPU.
+        if event is not None and not isinstance(event, _EVENT_TYPES):
+            raise TypeError(f"event must be a torch.Event or None, got {type(event).__name__}")
         state = self._fsdp_state()
         (state.root or state).post_optim_event = event
 
@@ -601,6 +663,14 @@ class FSDPModule:
 
 
 _SEPARATE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# What set_post_optim_event / set_all_reduce_hook accept (torch.cuda's classes derive from
+# these generic ones where torch has them).
+_EVENT_TYPES: tuple[type, ...] = tuple(
+    t for t in (getattr(torch, "Event", None), torch.cuda.Event) if isinstance(t, type)
+)
+_STREAM_TYPES: tuple[type, ...] = tuple(
+    t for t in (getattr(torch, "Stream", None), torch.cuda.Stream) if isinstance(t, type)
+)
 
 
 def separate_group(mesh: DeviceMesh) -> dist.ProcessGroup:

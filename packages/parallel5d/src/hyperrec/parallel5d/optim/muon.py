@@ -71,7 +71,8 @@ class Muon(ShardedStateOptimizer):
 
     Args:
         params: parameters or param groups; every parameter must have >= 2 dims
-            (leading dims are flattened into rows).
+            (the dims after the first are flattened into columns: a ``(out, in, kh,
+            kw)`` weight is orthogonalised as ``(out, in * kh * kw)``).
         lr: learning rate. Default 0.02.
         momentum: momentum coefficient in [0, 1). Default 0.95.
         nesterov: Nesterov momentum. Default ``True``.

@@ -8,8 +8,11 @@ __all__ = ["available", "interpreting"]
 
 
 def interpreting() -> bool:
-    """True when ``TRITON_INTERPRET`` is set and not ``"0"`` (kernels run on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when the kernels run on the CPU: ``TRITON_INTERPRET`` holds one of the values
+    Triton reads as true (``1``, ``true``, ``on``, ``yes``, ``y``, any case; ``"false"`` or
+    ``"off"`` used to count as on here while Triton compiled for a GPU)."""
+    value = os.environ.get("TRITON_INTERPRET", "")
+    return value.lower() in ("1", "true", "on", "yes", "y")
 
 
 def available() -> bool:
