@@ -63,6 +63,7 @@ import datetime as dt
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -322,7 +323,8 @@ def _train_row(spec: dict[str, Any], batch: int) -> dict[str, Any]:
     return {
         "global_batch_size": batch,
         "requests_per_s": batch * len(times) / seconds,
-        "median_step_s": sorted(times)[len(times) // 2],
+        # the mean of the two middle steps for an even count (smoke mode times 2 steps)
+        "median_step_s": statistics.median(times),
         "min_step_s": min(times),
         "tflops_per_gpu": per_gpu,
         "mfu": per_gpu / mfu["peak_tflops"] if per_gpu and mfu["peak_tflops"] else None,

@@ -36,6 +36,10 @@ PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
 
 
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict:
     """One training run in a fresh process; its test evaluation and wall time. One
     assignment per field (the command line refuses two): the variant's ``overrides``,
@@ -110,23 +114,25 @@ def main(argv: list[str] | None = None) -> int:
             r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}")
             runs.append({"variant": name, "seed": seed, **r})
             print(f"{name:12s} seed {seed}: " + (
-                f"ctr_auc {r['ctr_auc']:.4f} cvr_auc {r['cvr_auc']:.4f} "
-                f"ctcvr_auc {r['ctcvr_auc']:.4f} ({r['wall_s']:.0f} s)"
+                " ".join(f"{m} {_fmt(r[m])}" for m in ("ctr_auc", "cvr_auc", "ctcvr_auc"))
+                + f" ({r['wall_s']:.0f} s)"
                 if r["status"] == "ok" else f"FAILED: {r['error'][-300:]}"), flush=True)  # fmt: skip
-    # per-seed differences against the baseline (paired: same seed, same data)
+    # per-seed differences against the baseline (paired: same seed, same data); a metric
+    # a run could not score (None in metrics.json: an AUC with one class) has no pair
     base = {r["seed"]: r for r in runs if r["variant"] == base_name and r["status"] == "ok"}
     diffs: dict[str, dict[str, dict[str, float]]] = {}
     for name, _ in chosen[1:]:
         per = {m: [r[m] - base[r["seed"]][m] for r in runs
-                   if r["variant"] == name and r["status"] == "ok" and r["seed"] in base]
+                   if r["variant"] == name and r["status"] == "ok" and r["seed"] in base
+                   and r[m] is not None and base[r["seed"]][m] is not None]
                for m in METRICS}  # fmt: skip
         diffs[name] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
                        for m, v in per.items() if v}  # fmt: skip
     # seed-to-seed spread of the baseline itself: the noise floor of the comparison
     spread = {}
-    if len(base) > 1:
-        for m in METRICS:
-            vals = [r[m] for r in base.values()]
+    for m in METRICS:
+        vals = [r[m] for r in base.values() if r[m] is not None]
+        if len(vals) > 1:
             spread[m] = max(vals) - min(vals)
     kind = "ablation rows" if args.rows else "attention precision"
     tag = args.tag or f"{args.preset}_{args.device}"

@@ -268,7 +268,9 @@ def _host_profile(run: Any, steps: int, host_s: dict[str, float]) -> dict[str, A
     run(steps, plain)
     wall = time.perf_counter() - t
     allocator = counter_delta(before, allocator_counters(), steps)
-    launch, finish = host_s["launch"] / steps, host_s["finish"] / max(steps - 1, 1)
+    # run_steps times steps - 1 reads (the last step's is not timed): none for one step
+    launch = host_s["launch"] / steps
+    finish = host_s["finish"] / (steps - 1) if steps > 1 else None
     prof = cProfile.Profile()
     prof.enable()
     run(steps, [])
@@ -414,8 +416,9 @@ def _print(doc: dict[str, Any], path: Path) -> None:
             print(f"  {n:4d} x {name} from {site}")
     host = doc.get("host")
     if host:
+        fin = host["finish_step_s"]
         print(f"host: launch_step {host['launch_step_s'] * 1e3:.1f} ms/step, finish_step "
-              f"{host['finish_step_s'] * 1e3:.1f} ms, wall {host['wall_s_per_step'] * 1e3:.1f} ms/step")  # fmt: skip
+              f"{'n/a' if fin is None else f'{fin * 1e3:.1f}'} ms, wall {host['wall_s_per_step'] * 1e3:.1f} ms/step")  # fmt: skip
         if host.get("allocator_per_step"):
             print(
                 "allocator per step: "

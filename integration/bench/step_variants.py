@@ -137,6 +137,9 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     mfu = [m["mfu"] for m in timed if m.get("mfu") is not None]
     gaps = [m["gpu_gap_s"] for m in timed if m.get("gpu_gap_s") == m.get("gpu_gap_s")]
     dry = [m["gpu_dry_at_launch"] for m in timed if m.get("gpu_dry_at_launch") in (0.0, 1.0)]
+    # finish[k] reads step k back while step k + 1 is queued: the timed steps' reads are
+    # finish[warmup:], none when one step is timed (the last step's read is not timed)
+    finished = finish[args.warmup :]
     return {
         "build_s": build_s,
         "median_step_s": statistics.median(times),
@@ -146,7 +149,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "tflops_per_gpu": sum(tflop) / sum(times),
         "median_mfu": statistics.median(mfu) if mfu else None,
         "launch_step_s_median": statistics.median(launch[args.warmup :]),
-        "finish_step_s_median": statistics.median(finish[args.warmup :]) if finish else None,
+        "finish_step_s_median": statistics.median(finished) if finished else None,
         # GPU idle between steps (the previous step's end to this one's start, on the GPU's
         # clock) and the share of steps whose queue had run dry when the host began them:
         # both near 0 when the GPU is the bottleneck
@@ -225,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         doc["variants"].append(record)
         path.write_text(json.dumps(jsonable(doc), indent=1))  # saved after every variant
         if record["status"] == "ok":
+            fin = record["finish_step_s_median"]  # None: one timed step, no timed read
+            mfu = record["median_mfu"]  # None: a CPU or a GPU without a listed peak
             print(f"{name:>14}: median {record['median_step_s'] * 1e3:7.1f} ms (min "
-                  f"{record['min_step_s'] * 1e3:.1f}), MFU {record['median_mfu'] or 0:.1%}, "
+                  f"{record['min_step_s'] * 1e3:.1f}), MFU {'n/a' if mfu is None else f'{mfu:.1%}'}, "
                   f"launch {record['launch_step_s_median'] * 1e3:.1f} ms, finish "
-                  f"{record['finish_step_s_median'] * 1e3:.1f} ms, "
+                  f"{'n/a' if fin is None else f'{fin * 1e3:.1f}'} ms, "
                   f"{record['requests_per_s']:.0f} req/s", flush=True)  # fmt: skip
             if record.get("gpu_gap_s_median") is not None:
                 print(" " * 16 + f"GPU idle between steps {record['gpu_gap_s_median'] * 1e3:.2f} ms "

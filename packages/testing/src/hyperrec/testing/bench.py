@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -57,8 +58,29 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def _plain(x: Any) -> Any:
+    """``x`` as strict JSON values: numpy scalars and arrays and one-element tensors as
+    Python numbers and lists (``default=str`` wrote them as strings), NaN/Inf as None
+    (``NaN`` is not JSON), tuples as lists."""
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    elif type(x).__module__ == "numpy" and hasattr(x, "tolist"):
+        return _plain(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
 def write_result(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """Write ``{"machine": machine_info(), **payload}`` as indented JSON; returns the path.
+
+    Strict JSON, as the benchmarks' own writers produce it: non-finite floats become
+    ``null``, numpy values and one-element tensors numbers (or lists); anything else
+    JSON cannot hold is written as its ``str``.
 
     Raises:
         TypeError: ``path`` is not a path, or ``payload`` is not a mapping.
@@ -73,5 +95,6 @@ def write_result(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
         raise ValueError("payload must not have a 'machine' key: write_result records it")
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str) + "\n")
+    doc = _plain({"machine": machine_info(), **payload})
+    out.write_text(json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n")
     return out
