@@ -25,13 +25,13 @@ from hyperrec.integration.train import main
 from hyperrec.testing import run_on_ranks
 
 
-def _preset(**train):
+def _preset(eval_requests=256, **train):
     micro = get_preset("micro")
     train = {"steps": 8, "ckpt_every": 4, **train}
     return dataclasses.replace(
         micro,
         train=dataclasses.replace(micro.train, **train),
-        data=dataclasses.replace(micro.data, eval_requests=256),
+        data=dataclasses.replace(micro.data, eval_requests=eval_requests),
     )
 
 

@@ -15,8 +15,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from test_faults import _params
+from test_faults import _preset as _faults_preset
 
-from hyperrec.integration import NonFiniteError, Trainer, get_preset
+from hyperrec.integration import NonFiniteError, Trainer
 from hyperrec.integration.checkpoint import checkpoint_dir
 from hyperrec.integration.faults import FAULT_ENV
 from hyperrec.integration.plot import plot_metrics
@@ -26,21 +28,7 @@ from hyperrec.testing import run_on_ranks
 
 
 def _preset(**train):
-    micro = get_preset("micro")
-    train = {"steps": 8, "ckpt_every": 4, **train}
-    return dataclasses.replace(
-        micro,
-        train=dataclasses.replace(micro.train, **train),
-        data=dataclasses.replace(micro.data, eval_requests=128),
-    )
-
-
-def _params(trainer):
-    out = {}
-    for k, v in trainer.model.state_dict().items():
-        v = v.full_tensor() if hasattr(v, "full_tensor") else v
-        out[k] = v.detach().clone()
-    return out
+    return _faults_preset(eval_requests=128, **train)
 
 
 def _same(a, b):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime as dt
 import itertools
 import multiprocessing as mp
 import sys
@@ -40,6 +39,7 @@ from tune_backward import (
     confirm_finalists,
     instance,
     pick_finalists,
+    result_path,
 )
 
 DKDV_GRID = list(itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (2, 3, 4)))
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
     from hyperrec.testing.bench import write_result
 
-    tag = "cpu" if smoke else torch.cuda.get_device_name().split()[-1].lower()
-    kind = "_softmax" if args.softmax else ""
-    path = Path(args.out) / f"grid_backward{kind}_{tag}_{dt.date.today().isoformat()}.json"
+    path = result_path(args.out, "grid_backward", args.softmax, smoke)
     write_result(path, {
         "benchmark": "jagged_attn backward tile grid with descriptor reads vs the shipped pair",
         "call": {"activation": "softmax" if args.softmax else "silu", "causal": not args.softmax,

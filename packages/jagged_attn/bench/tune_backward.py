@@ -132,6 +132,14 @@ def _time(fn, smoke: bool) -> float:
     return do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def result_path(out: str, stem: str, softmax: bool, smoke: bool) -> Path:
+    """``<out>/<stem>[_softmax]_<gpu or cpu>_<date>.json``, the name every backward script
+    writes its result under."""
+    tag = "cpu" if smoke else torch.cuda.get_device_name().split()[-1].lower()
+    kind = "_softmax" if softmax else ""
+    return Path(out) / f"{stem}{kind}_{tag}_{dt.date.today().isoformat()}.json"
+
+
 def pick_finalists(sweep: list[dict[str, Any]], shipped: tuple[Any, Any], n: int = 4):
     """The shipped pair, then the fastest distinct pairs of ``sweep`` (``n`` in all)."""
     kc = type(shipped[0])
@@ -241,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "testing" / "src"))
     from hyperrec.testing.bench import write_result
 
-    tag = "cpu" if smoke else torch.cuda.get_device_name().split()[-1].lower()
-    kind = "_softmax" if args.softmax else ""
-    path = Path(args.out) / f"tune_backward{kind}_{tag}_{dt.date.today().isoformat()}.json"
+    path = result_path(args.out, "tune_backward", args.softmax, smoke)
     write_result(path, {
         "benchmark": "jagged_attn backward tile sweep (integration HSTU call)",
         "call": {"activation": "softmax" if args.softmax else "silu",
