@@ -1056,11 +1056,14 @@ class GEMModel(nn.Module):
                 f"Batch.max_history_len = {batch.max_history_len} exceeds the model's "
                 f"DataSchema.max_seqlen = {self.schema.max_seqlen}"
             )
+        self._check_candidate_cap(batch)
+
+    def _check_candidate_cap(self, batch: Batch, why: str = "") -> None:
         most = int(batch.candidate_offsets.diff().max())
         if most > self.schema.max_candidates:
             raise ValueError(
                 f"Batch.candidate_offsets: a request has {most} candidates, more than the "
-                f"model's DataSchema.max_candidates = {self.schema.max_candidates}"
+                f"model's DataSchema.max_candidates = {self.schema.max_candidates}{why}"
             )
 
     def _check_padded_sizes(self, batch: Batch) -> None:
@@ -1078,13 +1081,7 @@ class GEMModel(nn.Module):
             raise ValueError(
                 f"Batch.max_history_len = {max_len} but the longest history has {longest} events"
             )
-        most = int(batch.candidate_offsets.diff().max())
-        if most > self.schema.max_candidates:
-            raise ValueError(
-                f"Batch.candidate_offsets: a request has {most} candidates, more than the "
-                f"model's DataSchema.max_candidates = {self.schema.max_candidates} (the naive "
-                "path pads to it)"
-            )
+        self._check_candidate_cap(batch, " (the naive path pads to it)")
 
     def _lookups(
         self, batch: Batch, h_owner: torch.Tensor

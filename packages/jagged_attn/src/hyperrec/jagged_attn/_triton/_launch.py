@@ -267,9 +267,7 @@ def _forward_variants(
     device = tensors[0].device
     gpu = device.type == "cuda" and not interpreting()
     features = hopper_features(device.index) if gpu else {}
-    tma = cfg.tma if interpreting() or features.get("tma", False) else 0
-    if tma and not (all(d == _pow2(d) for d in head_dims) and _tma_ready(*tensors)):
-        tma = 0
+    tma = cfg.tma if cfg.tma and _descriptors_usable(tensors, head_dims) else 0
     # The interpreter ignores warp specialisation, so there the flag only tests the plumbing.
     ws = cfg.warp_specialize and (interpreting() or features.get("warp_specialize", False))
     return dict(
@@ -879,21 +877,25 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
     )  # fmt: skip
 
 
-def _backward_descriptors_ok(call: AttentionCall) -> bool:
-    """Whether the backward kernels may read q, k, v (and dO) through tensor descriptors:
-    Hopper's TMA (or the interpreter), power-of-two head dims, packed and aligned rows, and
-    not switched off by :data:`BWD_TMA_ENV` (``"0"``)."""
-    q, k, v = call.q, call.k, call.v
-    if os.environ.get(BWD_TMA_ENV, "1") == "0":
-        ok = False
-    elif interpreting():
+def _descriptors_usable(tensors: tuple[torch.Tensor, ...], head_dims: tuple[int, int]) -> bool:
+    """Whether kernels may read ``tensors`` through tensor descriptors: Hopper's TMA (or
+    the interpreter), power-of-two head dims, packed and 16-byte aligned rows."""
+    device = tensors[0].device
+    if interpreting():
         ok = True
-    elif q.device.type == "cuda":
-        ok = bool(hopper_features(q.device.index).get("tma", False))
+    elif device.type == "cuda":
+        ok = bool(hopper_features(device.index).get("tma", False))
     else:
         ok = False
-    dims = (q.shape[2], v.shape[2])
-    return ok and all(d == _pow2(d) for d in dims) and _tma_ready(q, k, v)
+    return ok and all(d == _pow2(d) for d in head_dims) and _tma_ready(*tensors)
+
+
+def _backward_descriptors_ok(call: AttentionCall) -> bool:
+    """:func:`_descriptors_usable` for the backward's q, k, v, unless switched off by
+    :data:`BWD_TMA_ENV` (``"0"``)."""
+    if os.environ.get(BWD_TMA_ENV, "1") == "0":
+        return False
+    return _descriptors_usable((call.q, call.k, call.v), (call.q.shape[2], call.v.shape[2]))
 
 
 def _kv_schedule(call: AttentionCall, cfg: KernelConfig) -> tuple[torch.Tensor, ...]:
