@@ -1,6 +1,5 @@
 """Adversarial checks of the benchmark scripts' statistics (the figures READMEs quote)."""
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -9,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_bench_scripts import run_step_variants_child
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -77,16 +77,7 @@ def test_step_variants_one_timed_step(tmp_path):
     """With ``--steps 1`` the only timed step's read-back is the untimed last one: no
     ``finish_step`` median (the child died on ``statistics.median([])`` of an empty
     slice), the other figures from that one step."""
-    import torch.distributed as dist
-
-    args = argparse.Namespace(smoke=True, preset=None, warmup=1, steps=1, set=[],
-                              out=str(tmp_path))  # fmt: skip
-    created = not dist.is_initialized()
-    try:
-        got = step_variants.run_child(args)
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    got = run_step_variants_child(tmp_path, steps=1)
     assert len(got["step_times_s"]) == 1
     assert got["median_step_s"] == got["min_step_s"] == got["step_times_s"][0]
     assert got["finish_step_s_median"] is None

@@ -356,26 +356,33 @@ def test_step_variants_smoke(tmp_path):
     assert broken["status"] == "failed" and "no_such_field" in broken["error"]
 
 
+def run_step_variants_child(tmp_path, *, steps: int) -> dict:
+    """``step_variants``' child on the CPU smoke preset, one warm-up step, in this process
+    (its one-rank process group torn down after, if it made it)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    args = argparse.Namespace(smoke=True, preset=None, warmup=1, steps=steps, set=[],
+                              out=str(tmp_path))  # fmt: skip
+    created = not dist.is_initialized()
+    try:
+        return step_variants.run_child(args)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_step_variants_allocator_counters_per_step(tmp_path, monkeypatch):
     """The allocator counters are read before the first timed step and after the drain and
     reported per timed step (a CPU has no CUDA allocator: a counting stand-in replaces it;
     the dynamo counters read at the end once shadowed these and the field came out empty
     on the GPU)."""
-    import argparse
-
-    import torch.distributed as dist
 
     reads = iter([{"num_device_alloc": 10, "num_alloc_retries": 0},
                   {"num_device_alloc": 16, "num_alloc_retries": 4}])  # fmt: skip
     monkeypatch.setattr(step_variants, "allocator_counters", lambda: next(reads))
-    args = argparse.Namespace(smoke=True, preset=None, warmup=1, steps=2, set=[],
-                              out=str(tmp_path))  # fmt: skip
-    created = not dist.is_initialized()
-    try:
-        got = step_variants.run_child(args)
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    got = run_step_variants_child(tmp_path, steps=2)
     assert got["allocator_per_step"] == {"num_device_alloc": 3.0, "num_alloc_retries": 2.0}
 
 
