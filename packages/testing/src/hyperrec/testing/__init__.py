@@ -6,6 +6,8 @@
   :func:`assert_close_to_reference` (the 2x-the-reference-error rule), :func:`poison_like`.
 - Benchmarks: :func:`machine_info`, :func:`write_result` (JSON with machine and versions).
 - :mod:`hyperrec.testing.bad_inputs`: table-driven bad-input catalogues and fuzzing helpers.
+- :mod:`hyperrec.testing.env`: environment flags read as their owners read them
+  (``TRITON_INTERPRET``).
 """
 
 from hyperrec.testing._version import __version__
