@@ -7,6 +7,8 @@
 - :func:`mx_mm`: block-scaled FP8 GEMMs (exact MX on Hopper, fast 128-block path,
   ``tl.dot_scaled`` on Blackwell).
 - :class:`MXLinear`, :class:`MXMLP`, :class:`PrecisionPolicy`, :func:`convert`.
+- :func:`rowwise_linear`: row-wise scaled FP8 forward/dgrad GEMMs whose quantization is
+  plain PyTorch, for ``torch.compile``d code (fuses into the producing kernel).
 """
 
 from hyperrec.mxfp8 import reference
@@ -19,6 +21,7 @@ from hyperrec.mxfp8.linear import MXLinear, mx_linear
 from hyperrec.mxfp8.mlp import MXMLP
 from hyperrec.mxfp8.policy import PrecisionPolicy
 from hyperrec.mxfp8.quantize import BLOCK_SIZES, mx_quantize, to_mx
+from hyperrec.mxfp8.rowwise import quantize_rows, rowwise_linear, rowwise_linear_reference
 from hyperrec.mxfp8.tensor import MXTensor
 
 __all__ = [
@@ -40,6 +43,9 @@ __all__ = [
     "mx_quantize",
     "native_mx_supported",
     "plan_conversion",
+    "quantize_rows",
     "reference",
+    "rowwise_linear",
+    "rowwise_linear_reference",
     "to_mx",
 ]
