@@ -222,3 +222,20 @@ def test_cuda_scaled_mm_matches_reference() -> None:
     # CPU emulation and cuBLAS: same operands, different accumulation order
     assert torch.allclose(x.grad.cpu().float(), xc.grad.float(), rtol=2**-6, atol=1e-3)
     assert torch.allclose(w.grad.cpu().float(), wc.grad.float(), rtol=2**-6, atol=1e-2)
+
+
+def test_two_calls_in_one_dynamic_graph() -> None:
+    """Two row-wise linears in one ``torch.compile(dynamic=True)`` graph (a float
+    module constant inside the Function made dynamo fail on the second one)."""
+    torch.manual_seed(5)
+    x = _rand(2, 20, 32).requires_grad_()
+    w1 = torch.nn.Parameter(_rand(32, 32, scale=0.2))
+    w2 = torch.nn.Parameter(_rand(16, 32, scale=0.2))
+
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return rowwise_linear(torch.relu(rowwise_linear(x, w1)), w2, fp8_dgrad=False)
+
+    y = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)(x, w1, w2)
+    assert torch.equal(y, f(x, w1, w2))
+    y.sum().backward()
+    assert x.grad is not None and w1.grad is not None

@@ -39,11 +39,6 @@ import torch
 __all__ = ["quantize_rows", "rowwise_linear", "rowwise_linear_reference"]
 
 _E4M3 = torch.float8_e4m3fn
-# Floor of the amax a scale is computed from (as torchao's float8 recipes): an all-zero
-# row gets scale 2**-48 and stays zero, instead of log2(0) = -inf; and 1 / scale stays
-# finite (a floor near float32's smallest normal would make 2**-e overflow to inf, and
-# 0 * inf is NaN). Rows below ~1.6e-12 lose precision to E4M3's subnormals.
-_AMAX_FLOOR = 1e-12
 
 
 def quantize_rows(t: torch.Tensor, dtype: torch.dtype = _E4M3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +58,13 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype = _E4M3) -> tuple[torch.Te
     """
     fmax = torch.finfo(dtype).max
     amax = t.abs().amax(dim=-1, keepdim=True).float()
-    exp = torch.ceil(torch.log2(amax.clamp(min=_AMAX_FLOOR) / fmax))
+    # The amax floor 1e-12 (torchao's float8 recipes use it too): an all-zero row gets
+    # scale 2**-48 and stays zero, instead of log2(0) = -inf, and 1 / scale stays finite
+    # (a floor near float32's smallest normal would overflow 2**-e to inf, and 0 * inf is
+    # NaN). Rows below ~1.6e-12 lose precision to E4M3's subnormals. A literal, not a
+    # module constant: torch.compile(dynamic=True) lifts a float global to a graph input,
+    # and then cannot trace this Function twice in one graph.
+    exp = torch.ceil(torch.log2(amax.clamp(min=1e-12) / fmax))
     # An infinite amax would give scale inf and q = x / inf = 0 for finite x: the row must
     # read as NaN instead, as the unquantized product would.
     exp = torch.where(torch.isfinite(amax), exp, torch.full_like(exp, float("nan")))
@@ -101,33 +102,32 @@ def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
 
 
 class _RowwiseLinear(torch.autograd.Function):
+    # 2-D x only: the shape arithmetic of other ranks stays outside the Function, which
+    # torch.compile (dynamic shapes) could not trace twice in one graph otherwise.
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fp8_dgrad: bool) -> torch.Tensor:
         ctx.fp8_dgrad = fp8_dgrad
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize_rows(x2)
+        xq, xs = quantize_rows(x)
         wq, ws = quantize_rows(w)
-        y = _scaled_mm(xq, xs, wq.t(), ws.t(), x.dtype)
         ctx.save_for_backward(x, w)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return _scaled_mm(xq, xs, wq.t(), ws.t(), x.dtype)
 
     @staticmethod
     def backward(
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, w = ctx.saved_tensors
-        dy2 = dy.reshape(-1, w.shape[0])
         dx = dw = None
         if ctx.needs_input_grad[0] and not ctx.fp8_dgrad:
-            dx = (dy2 @ w.to(dy2.dtype)).to(x.dtype).reshape(x.shape)
+            dx = (dy @ w.to(dy.dtype)).to(x.dtype)
         elif ctx.needs_input_grad[0]:
-            dyq, dys = quantize_rows(dy2)
+            dyq, dys = quantize_rows(dy)
             # W's copy scaled per input column: quantize the rows of W^T, then hand the
             # [K, N] row-major result over as the column-major [N, K] second operand.
             wtq, wts = quantize_rows(w.t().contiguous())
-            dx = _scaled_mm(dyq, dys, wtq.t(), wts.t(), x.dtype).reshape(x.shape)
+            dx = _scaled_mm(dyq, dys, wtq.t(), wts.t(), x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(w.dtype)
+            dw = (dy.t() @ x.to(dy.dtype)).to(w.dtype)
         return dx, dw, None
 
 
@@ -159,7 +159,8 @@ def rowwise_linear(
     _check(x, w, b)
     if not isinstance(fp8_dgrad, bool):
         raise TypeError(f"fp8_dgrad must be a bool, got {type(fp8_dgrad).__name__}")
-    y = _RowwiseLinear.apply(x, w, fp8_dgrad)
+    y = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w, fp8_dgrad)
+    y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b.to(y.dtype)
 
 
