@@ -9,6 +9,10 @@ evaluation (CTR / CVR / CTCVR AUC, NE) of every run and the per-seed differences
 specification (the kernels' quantized operands bit for bit; the accumulation differs),
 so a CPU run measures the quality effect of the FP8 numerics, not of the GPU kernels.
 
+With ``--seq-linears`` the variants are ``train.seq_linear_precision`` ``bf16`` and ``fp8``
+instead (the sequence layers' projections in row-wise FP8; on a CPU the FP8 GEMMs are
+emulated in float32 from the same quantized operands).
+
 With ``--rows`` the variants are rows of the ablation table instead (``bench/ablation.py``:
 each row's composed overrides, e.g. ``--rows naive all``): the held-out quality of the full
 stack against the naive baseline at equal steps, the other half of the ablation's
@@ -16,6 +20,7 @@ speed-at-equal-quality claim. The first variant is the baseline of the differenc
 
     python integration/bench/precision_quality.py --out DIR                  # tiny, CPU
     python integration/bench/precision_quality.py --out DIR --rows naive all
+    python integration/bench/precision_quality.py --out DIR --seq-linears
     python integration/bench/precision_quality.py --out DIR --steps 40 --seeds 0 --smoke
 """
 
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ablation
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+SEQ_LINEAR_PRECISIONS = ("bf16", "fp8")
 METRICS = ("ctr_auc", "cvr_auc", "ctcvr_auc", "ctr_ne", "loss")
 
 
@@ -64,6 +70,8 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """``(label, overrides)`` per variant; the first is the baseline."""
+    if args.seq_linears:
+        return [(p, [f"train.seq_linear_precision={p}"]) for p in SEQ_LINEAR_PRECISIONS]
     if not args.rows:
         return [(p, [f"train.attention_precision={p}"]) for p in args.precisions]
     # As the ablation's smoke mode off a GPU: no Inductor build, and autoac needs an
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--rows", nargs="+", default=None, metavar="ROW",
                    help="compare rows of the ablation table instead (e.g. naive all)")  # fmt: skip
+    p.add_argument("--seq-linears", action="store_true",
+                   help="compare train.seq_linear_precision bf16 and fp8 instead")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--tag", default=None)
@@ -99,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    help="SECTION.FIELD=VALUE for every run (e.g. longer histories)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.seq_linears and args.rows:
+        p.error("--seq-linears and --rows compare different things; give one")
     if args.steps < 1:
         p.error("--steps must be >= 1")
     args.extra = list(args.overrides)
@@ -134,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         vals = [r[m] for r in base.values() if r[m] is not None]
         if len(vals) > 1:
             spread[m] = max(vals) - min(vals)
-    kind = "ablation rows" if args.rows else "attention precision"
+    kind, stem = (
+        ("ablation rows", "ablation")
+        if args.rows
+        else ("sequence-linear precision", "seq_linear")
+        if args.seq_linears
+        else ("attention precision", "precision")
+    )
     tag = args.tag or f"{args.preset}_{args.device}"
     from hyperrec.testing.bench import write_result
 
     path = write_result(
-        args.out / f"{'ablation' if args.rows else 'precision'}_quality_{tag}.json",
+        args.out / f"{stem}_quality_{tag}.json",
         {"benchmark": f"{kind}: held-out quality at equal steps",
          "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
          "seeds": args.seeds, "variants": dict(chosen), "baseline": base_name,

@@ -49,7 +49,10 @@ __all__ = [
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "softmax")
 IMPLS = ("hyperrec", "naive")
 COMPILE_MODES = ("off", "inductor", "inductor_autotune", "aot_eager")
+COMPILE_SCOPES = ("regions", "layers")
 MLP_PRECISIONS = ("bf16", "mxfp8")
+SEQ_LINEAR_PRECISIONS = ("bf16", "fp8")
+RESIDUAL_DTYPES = ("float32", "autocast")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
 ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd")
@@ -615,6 +618,12 @@ class TrainConfig:
     "off", "inductor", "inductor_autotune" (Inductor's GEMM autotuning: it times cuBLAS
     against Triton GEMM templates, which can take the SiLU or residual add as an epilogue;
     longer compilation) or "aot_eager" (graph capture without code generation; tests)."""
+    compile_scope: str = "regions"
+    """What ``compile`` compiles in each sequence layer: "regions" (the two small-op
+    regions around the attention, which runs eagerly between them) or "layers" (the whole
+    layer as one graph, the attention as an opaque op inside it: the compiler then also
+    fuses across the attention, e.g. the residual gradient's sum into the layer norm's
+    backward). No effect with ``compile="off"`` or ``impl="naive"``."""
     mlp_precision: str = "bf16"
     """"mxfp8": the interaction MLP's large linears become ``hyperrec.mxfp8.MXLinear`` (the
     128-block Hopper recipe, chosen by a ``PrecisionPolicy``); "bf16": ``nn.Linear``."""
@@ -648,6 +657,20 @@ class TrainConfig:
     and ``FP8Config(backward="fp8")``, FP8 operands in the backward too, about 24 dB
     gradient SNR). "mxfp8" is emulated on Hopper (MX scales applied to bf16 operands:
     slower than bf16). Needs ``impl="hyperrec"``."""
+    seq_linear_precision: str = "bf16"
+    """"bf16" or "fp8": the sequence layers' two projections through
+    ``hyperrec.mxfp8.rowwise_linear`` (row-wise scaled E4M3, fp32 accumulation): the
+    input projection's forward GEMM, and the output projection's forward and dgrad GEMMs;
+    the weight gradients stay bf16. Inside the compiled regions (``compile``) the
+    quantization fuses into the layer norms and the gate. The input projection's dgrad
+    stays bf16 because its row scale would need a second pass over the SiLU backward
+    (measured slower on the H200). Needs ``impl="hyperrec"`` and a width divisible by 16."""
+    residual_dtype: str = "float32"
+    """The sequence tower's residual stream under autocast: "float32" (what autocast
+    gives: its layer norms return float32, so every ``x + W_o(...)`` is float32) or
+    "autocast" (the autocast dtype, bf16: the token norm's output is cast once and the
+    residual adds stay bf16, halving the bytes of every norm input, residual add and
+    residual gradient). No effect without autocast (a CPU run)."""
     row_buckets: int = 0
     """Pad each step's history-token and candidate counts up to one of ``row_buckets``
     sizes per power of two (a power of two; 0: off; no effect with ``impl="naive"``, which
@@ -694,10 +717,13 @@ class TrainConfig:
         for name, choices in (
             ("impl", IMPLS),
             ("compile", COMPILE_MODES),
+            ("compile_scope", COMPILE_SCOPES),
             ("mlp_precision", MLP_PRECISIONS),
             ("optimizer_impl", OPTIMIZER_IMPLS),
             ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
             ("attention_precision", ATTENTION_PRECISIONS),
+            ("seq_linear_precision", SEQ_LINEAR_PRECISIONS),
+            ("residual_dtype", RESIDUAL_DTYPES),
             ("mesh", MESHES),
             ("sparse", SPARSE_PLACEMENTS),
             ("embedding_optimizer", EMBEDDING_OPTIMIZERS),
@@ -714,6 +740,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.attention_precision={self.attention_precision!r} needs "
                 "impl='hyperrec': the naive padded attention has no low-precision path"
+            )
+        if self.impl == "naive" and self.seq_linear_precision != "bf16":
+            raise ValueError(
+                f"TrainConfig.seq_linear_precision={self.seq_linear_precision!r} needs "
+                "impl='hyperrec': the naive baseline runs its linears in bf16"
             )
         _require_int(self, "row_buckets", minimum=0)
         if self.row_buckets & (self.row_buckets - 1):

@@ -47,8 +47,11 @@ from hyperrec.integration.config import (
     ACTIVATIONS,
     ATTENTION_PRECISIONS,
     COMPILE_MODES,
+    COMPILE_SCOPES,
     IMPLS,
     MLP_PRECISIONS,
+    RESIDUAL_DTYPES,
+    SEQ_LINEAR_PRECISIONS,
     DataConfig,
     DataSchema,
     EventLogConfig,
@@ -59,6 +62,7 @@ from hyperrec.integration.data import Batch
 from hyperrec.integration.naive import JaggedLayout
 from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
 from hyperrec.jagged_attn.fp8 import FP8Config, Precision
+from hyperrec.mxfp8 import rowwise_linear
 
 __all__ = [
     "TABLES",
@@ -192,10 +196,12 @@ def _tokens_region(
     norm_w: torch.Tensor,
     norm_b: torch.Tensor,
     eps: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     if proj_w is not None:
         e = F.linear(e, proj_w, proj_b)
-    return F.layer_norm(e, (e.shape[-1],), norm_w, norm_b, eps)
+    x = F.layer_norm(e, (e.shape[-1],), norm_w, norm_b, eps)
+    return x if dtype is None else x.to(dtype)
 
 
 def _project_region(
@@ -205,8 +211,13 @@ def _project_region(
     eps: float,
     w: torch.Tensor,
     b: torch.Tensor,
+    fp8: bool = False,
+    fp8_dgrad: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    h = F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), w, b))
+    n = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
+    # The model asks for an FP8 forward only: an FP8 dgrad needs dY's row scale, a second
+    # pass over the SiLU backward below (measured slower, bench/seq_fp8.py's "fp8_dgrad").
+    h = F.silu(rowwise_linear(n, w, b, fp8_dgrad=fp8_dgrad) if fp8 else F.linear(n, w, b))
     # Split inside the region: its backward then receives the four gradients and the
     # compiler writes their concatenation inside the SiLU-backward kernel (split outside,
     # autograd concatenated them first: one more pass over [T, 4 * dim] per layer).
@@ -224,9 +235,10 @@ def _gate_region(
     b: torch.Tensor,
     p: float,
     training: bool,
+    fp8: bool = False,
 ) -> torch.Tensor:
-    gated = F.layer_norm(a, (a.shape[-1],), norm_w, norm_b, eps) * u
-    return x + F.linear(F.dropout(gated, p, training), w, b)
+    gated = F.dropout(F.layer_norm(a, (a.shape[-1],), norm_w, norm_b, eps) * u, p, training)
+    return x + (rowwise_linear(gated, w, b) if fp8 else F.linear(gated, w, b))
 
 
 def _cross_region(x0: torch.Tensor, layers: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -238,6 +250,62 @@ def _cross_region(x0: torch.Tensor, layers: list[list[torch.Tensor]]) -> torch.T
             y = F.linear(F.linear(x, params[0]), params[1], params[2])
         x = x0 * y + x
     return x
+
+
+def _jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seqlen: int,
+    block_size: int,
+    activation: str,
+    history_cap: int,
+    validate: bool,
+    precision: str,
+) -> torch.Tensor:
+    """A sequence layer's attention through :mod:`hyperrec.jagged_attn` (configuration as
+    plain values, so a compiled caller guards on values, not on a module)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    jp = _jagged_precision(precision)
+    if block_size:
+        return block_attention(q, k, v, offsets, max_seqlen, block_size=block_size, causal=True,
+                               scale=scale, validate=validate, precision=jp)  # fmt: skip
+    if activation == "softmax":
+        return jagged_attention(q, k, v, offsets, max_seqlen, causal=True, scale=scale,
+                                validate=validate, precision=jp)  # fmt: skip
+    return gdpa(q, k, v, offsets, offsets, max_seqlen, max_seqlen, activation=activation,
+                scale=scale, causal=True, output_scale=1.0 / history_cap, validate=validate,
+                precision=jp)  # fmt: skip
+
+
+def _layer_region(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seqlen: int,
+    params: list[torch.Tensor],
+    eps: float,
+    attn_eps: float,
+    p: float,
+    training: bool,
+    fp8: bool,
+    heads: int,
+    block_size: int,
+    activation: str,
+    history_cap: int,
+    validate: bool,
+    precision: str,
+) -> torch.Tensor:
+    """A whole sequence layer (``compile_scope="layers"``): one graph around the attention
+    op, so the compiler also fuses across it (the residual gradient's sum with the layer
+    norm's backward, which otherwise runs as a separate float32 add)."""
+    norm_w, norm_b, w, b, anorm_w, anorm_b, ow, ob = params
+    u, v, q, k = _project_region(x, norm_w, norm_b, eps, w, b, fp8)
+    q, k, v = _jagged(q, heads), _jagged(k, heads), _jagged(v, heads)
+    a = _jagged_attention(q, k, v, offsets, max_seqlen, block_size, activation, history_cap,
+                          validate, precision)  # fmt: skip
+    a = a.reshape(x.shape[0], x.shape[1])
+    return _gate_region(x, a, u, anorm_w, anorm_b, attn_eps, ow, ob, p, training, fp8)
 
 
 def _jagged(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -366,6 +434,8 @@ class SequenceBlock(nn.Module):
         impl: str = "hyperrec",
         compile: str = "off",
         precision: str = "bf16",
+        linear_precision: str = "bf16",
+        compile_scope: str = "regions",
     ):
         super().__init__()
         _check_heads(dim, heads)
@@ -385,7 +455,17 @@ class SequenceBlock(nn.Module):
                 f"precision={precision!r} needs impl='hyperrec': the naive padded attention "
                 "has no low-precision path"
             )
-        self.precision = precision
+        _check_choice("linear_precision", linear_precision, SEQ_LINEAR_PRECISIONS)
+        _check_choice("compile_scope", compile_scope, COMPILE_SCOPES)
+        self.compile_scope = compile_scope
+        if linear_precision != "bf16" and impl == "naive":
+            raise ValueError(
+                f"linear_precision={linear_precision!r} needs impl='hyperrec': the naive "
+                "baseline runs its linears in bf16"
+            )
+        if linear_precision == "fp8" and dim % 16:
+            raise ValueError(f"linear_precision='fp8' needs dim divisible by 16, got dim={dim}")
+        self.precision, self.linear_precision = precision, linear_precision
         self.jagged_precision = _jagged_precision(precision)
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
@@ -424,46 +504,8 @@ class SequenceBlock(nn.Module):
                 scale=scale,
                 output_scale=1.0 / self.max_seqlen,
             )
-        if self.block_size:
-            return block_attention(
-                q,
-                k,
-                v,
-                offsets,
-                max_seqlen,
-                block_size=self.block_size,
-                causal=True,
-                scale=scale,
-                validate=self.validate,
-                precision=self.jagged_precision,
-            )
-        if self.activation == "softmax":
-            return jagged_attention(
-                q,
-                k,
-                v,
-                offsets,
-                max_seqlen,
-                causal=True,
-                scale=scale,
-                validate=self.validate,
-                precision=self.jagged_precision,
-            )
-        return gdpa(
-            q,
-            k,
-            v,
-            offsets,
-            offsets,
-            max_seqlen,
-            max_seqlen,
-            activation=self.activation,
-            scale=scale,
-            causal=True,
-            output_scale=1.0 / self.max_seqlen,
-            validate=self.validate,
-            precision=self.jagged_precision,
-        )
+        return _jagged_attention(q, k, v, offsets, max_seqlen, self.block_size, self.activation,
+                                 self.max_seqlen, self.validate, self.precision)  # fmt: skip
 
     def forward(
         self,
@@ -475,14 +517,25 @@ class SequenceBlock(nn.Module):
         """x: [T, dim]; offsets: int64 [B + 1]; max_seqlen: longest sequence (host int);
         layout: the padded layout of ``offsets`` (naive path; built when None).
         Returns [T, dim]."""
+        fp8 = self.linear_precision == "fp8"
+        if self.compile_scope == "layers" and self.compile_mode != "off" and self.impl != "naive":
+            params = [
+                *(self.norm.weight, self.norm.bias, self.uvqk.weight, self.uvqk.bias),
+                *(self.attn_norm.weight, self.attn_norm.bias, self.out.weight, self.out.bias),
+            ]
+            eps = (self.norm.eps, self.attn_norm.eps)
+            config = (self.heads, self.block_size, self.activation, self.max_seqlen)
+            return _region(_layer_region, self.compile_mode)(
+                x, offsets, max_seqlen, params, *eps, self.dropout.p, self.training, fp8,
+                *config, self.validate, self.precision)  # fmt: skip
         project = _region(_project_region, self.compile_mode)
         u, v, q, k = project(x, self.norm.weight, self.norm.bias, self.norm.eps,
-                             self.uvqk.weight, self.uvqk.bias)  # fmt: skip
+                             self.uvqk.weight, self.uvqk.bias, fp8)  # fmt: skip
         q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
         a = self._attention(q, k, v, offsets, max_seqlen, layout).reshape(x.shape[0], self.dim)
         gate = _region(_gate_region, self.compile_mode)
         return gate(x, a, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps,
-                    self.out.weight, self.out.bias, self.dropout.p, self.training)  # fmt: skip
+                    self.out.weight, self.out.bias, self.dropout.p, self.training, fp8)  # fmt: skip
 
 
 class PMAPooling(nn.Module):
@@ -775,6 +828,14 @@ class GEMModel(nn.Module):
             runs ``hyperrec.jagged_attn``'s ``precision=`` path (block-quantized Q/K/V, P
             quantized online, bf16 backward); PMA and the candidate attention stay bf16.
             Needs ``impl="hyperrec"``.
+        compile_scope: "regions" (default) or "layers": with ``compile``, each sequence
+            layer compiled as one graph around its attention op (see
+            ``TrainConfig.compile_scope``).
+        residual_dtype: "float32" or "autocast": the sequence tower's residual stream
+            under autocast (see ``TrainConfig.residual_dtype``).
+        seq_linear_precision: "bf16" or "fp8": the sequence layers' projections through
+            ``hyperrec.mxfp8.rowwise_linear`` (see ``TrainConfig.seq_linear_precision``).
+            Needs ``impl="hyperrec"``.
         sharded: a :func:`sharded_tables` collection holding the item, category, user
             and tag tables (then ``fused_embeddings`` applies to no table: the action and
             time-bucket tables stay two small ``nn.Embedding`` s); ``None``: dense tables.
@@ -785,8 +846,10 @@ class GEMModel(nn.Module):
 
     Raises:
         TypeError: configs of the wrong type; ``row_buckets`` not an int.
-        ValueError: an unknown ``impl``, ``compile``, ``mlp_precision`` or
-            ``attention_precision``; a low ``attention_precision`` with ``impl="naive"``;
+        ValueError: an unknown ``impl``, ``compile``, ``mlp_precision``,
+            ``attention_precision``, ``seq_linear_precision``, ``residual_dtype`` or
+            ``compile_scope``; a low
+            ``attention_precision`` or ``seq_linear_precision`` with ``impl="naive"``;
             ``row_buckets`` not 0 or a power of two.
     """
 
@@ -811,6 +874,9 @@ class GEMModel(nn.Module):
         sharded: Any = None,
         attention_precision: str = "bf16",
         row_buckets: int = 0,
+        seq_linear_precision: str = "bf16",
+        residual_dtype: str = "float32",
+        compile_scope: str = "regions",
     ):
         super().__init__()
         if not isinstance(model, ModelConfig) or not isinstance(data, (DataSchema, DataConfig)):
@@ -822,6 +888,14 @@ class GEMModel(nn.Module):
         _check_choice("compile", compile, COMPILE_MODES)
         _check_choice("mlp_precision", mlp_precision, MLP_PRECISIONS)
         _check_choice("attention_precision", attention_precision, ATTENTION_PRECISIONS)
+        _check_choice("seq_linear_precision", seq_linear_precision, SEQ_LINEAR_PRECISIONS)
+        _check_choice("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
+        _check_choice("compile_scope", compile_scope, COMPILE_SCOPES)
+        if impl == "naive" and seq_linear_precision != "bf16":
+            raise ValueError(
+                f"seq_linear_precision={seq_linear_precision!r} needs impl='hyperrec': the "
+                "naive baseline runs its linears in bf16"
+            )
         if impl == "naive" and attention_precision != "bf16":
             raise ValueError(
                 f"attention_precision={attention_precision!r} needs impl='hyperrec': the "
@@ -851,6 +925,7 @@ class GEMModel(nn.Module):
             fused_embeddings = False
         self.impl, self.fused_embeddings, self.compile_mode = impl, fused_embeddings, compile
         self.mlp_precision, self.attention_precision = mlp_precision, attention_precision
+        self.seq_linear_precision, self.residual_dtype = seq_linear_precision, residual_dtype
         d, e = model.dim, model.table_dim
         # Item ids are the biggest table; history and candidates share it (and its rows'
         # gradients), as production rankers do.
@@ -889,6 +964,8 @@ class GEMModel(nn.Module):
                 impl=impl,
                 compile=compile,
                 precision=attention_precision,
+                linear_precision=seq_linear_precision,
+                compile_scope=compile_scope,
             )
             for i in range(model.seq_layers)
         )
@@ -962,6 +1039,9 @@ class GEMModel(nn.Module):
             sharded=sharded,
             attention_precision=t.attention_precision,
             row_buckets=t.row_buckets,
+            seq_linear_precision=t.seq_linear_precision,
+            residual_dtype=t.residual_dtype,
+            compile_scope=t.compile_scope,
         )
 
     def set_impl(self, impl: str) -> None:
@@ -975,6 +1055,11 @@ class GEMModel(nn.Module):
             ValueError: an unknown ``impl``.
         """
         _check_choice("impl", impl, IMPLS)
+        if impl == "naive" and self.seq_linear_precision != "bf16":
+            raise ValueError(
+                f"set_impl('naive') on a model with seq_linear_precision="
+                f"{self.seq_linear_precision!r}: the naive baseline runs its linears in bf16"
+            )
         if impl == "naive" and self.attention_precision != "bf16":
             raise ValueError(
                 f"set_impl('naive') on a model with attention_precision="
@@ -1131,6 +1216,13 @@ class GEMModel(nn.Module):
             self.tag_embedding(batch.tags, batch.tag_offsets[:-1]),
         )
 
+    def _residual_cast(self, device: torch.device) -> torch.dtype | None:
+        """The dtype the residual stream is cast to (``residual_dtype="autocast"`` under
+        autocast: autocast's dtype), else None (kept as the token norm returns it)."""
+        if self.residual_dtype == "autocast" and torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return None
+
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of P(click) and P(conversion | click), float32 ``[C]`` each (the second
         ``None`` for a CTR-only schema).
@@ -1181,6 +1273,7 @@ class GEMModel(nn.Module):
             self.token_norm.weight,
             self.token_norm.bias,
             self.token_norm.eps,
+            self._residual_cast(dev),
         )
         for layer in self.seq_layers:
             x = layer(x, tower_off, tower_len, history)
