@@ -13,6 +13,9 @@ With ``--seq-linears`` the variants are ``train.seq_linear_precision`` ``bf16`` 
 instead (the sequence layers' projections in row-wise FP8; on a CPU the FP8 GEMMs are
 emulated in float32 from the same quantized operands).
 
+With ``--variant NAME=SECTION.FIELD=VALUE,...`` (repeatable, as ``step_variants.py``'s,
+without environment items) the variants are given outright; the first is the baseline.
+
 With ``--rows`` the variants are rows of the ablation table instead (``bench/ablation.py``:
 each row's composed overrides, e.g. ``--rows naive all``): the held-out quality of the full
 stack against the naive baseline at equal steps, the other half of the ablation's
@@ -21,6 +24,8 @@ speed-at-equal-quality claim. The first variant is the baseline of the differenc
     python integration/bench/precision_quality.py --out DIR                  # tiny, CPU
     python integration/bench/precision_quality.py --out DIR --rows naive all
     python integration/bench/precision_quality.py --out DIR --seq-linears
+    python integration/bench/precision_quality.py --out DIR --device cuda --preset small \
+        --variant float32= --variant bf16=train.residual_dtype=autocast
     python integration/bench/precision_quality.py --out DIR --steps 40 --seeds 0 --smoke
 """
 
@@ -36,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ablation
+from step_variants import parse_variant
 
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 SEQ_LINEAR_PRECISIONS = ("bf16", "fp8")
@@ -70,6 +76,14 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """``(label, overrides)`` per variant; the first is the baseline."""
+    if args.variant:
+        out = []
+        for text in args.variant:
+            name, overrides, env = parse_variant(text)
+            if env:
+                raise SystemExit(f"--variant {name!r}: environment items are not supported here")
+            out.append((name, overrides))
+        return out
     if args.seq_linears:
         return [(p, [f"train.seq_linear_precision={p}"]) for p in SEQ_LINEAR_PRECISIONS]
     if not args.rows:
@@ -102,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare rows of the ablation table instead (e.g. naive all)")  # fmt: skip
     p.add_argument("--seq-linears", action="store_true",
                    help="compare train.seq_linear_precision bf16 and fp8 instead")  # fmt: skip
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=SECTION.FIELD=VALUE,... (repeat; the first is the baseline)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--tag", default=None)
@@ -109,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    help="SECTION.FIELD=VALUE for every run (e.g. longer histories)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.seq_linears and args.rows:
-        p.error("--seq-linears and --rows compare different things; give one")
+    if sum(map(bool, (args.seq_linears, args.rows, args.variant))) > 1:
+        p.error("--seq-linears, --rows and --variant compare different things; give one")
     if args.steps < 1:
         p.error("--steps must be >= 1")
     args.extra = list(args.overrides)
@@ -151,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.rows
         else ("sequence-linear precision", "seq_linear")
         if args.seq_linears
+        else ("given variants", "variants")
+        if args.variant
         else ("attention precision", "precision")
     )
     tag = args.tag or f"{args.preset}_{args.device}"

@@ -439,6 +439,36 @@ def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch)
         precision_quality.main(["--out", str(tmp_path), "--rows", "naive", "fastest"])
 
 
+def test_quality_of_given_variants_and_seq_linears(tmp_path, monkeypatch):
+    """``--variant NAME=...`` runs exactly the given overrides, the first as baseline;
+    ``--seq-linears`` compares the two linear precisions; the modes exclude each other
+    and environment items are refused."""
+    seen = {}
+
+    def fake_run(args, overrides, seed, out):
+        seen[out.name] = overrides
+        return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7, "cvr_auc": 0.6,
+                "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
+
+    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0",
+            "--variant", "f32=", "--variant", "bf=train.residual_dtype=autocast"]  # fmt: skip
+    assert precision_quality.main(argv) == 0
+    assert seen == {"run-f32-seed0": [], "run-bf-seed0": ["train.residual_dtype=autocast"]}
+    doc = json.loads(next(tmp_path.glob("variants_quality_*.json")).read_text())
+    assert doc["baseline"] == "f32" and set(doc["difference_vs_baseline"]) == {"bf"}
+    seen.clear()
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "1", "--seq-linears"]
+    assert precision_quality.main(argv) == 0
+    assert seen == {"run-bf16-seed1": ["train.seq_linear_precision=bf16"],
+                    "run-fp8-seed1": ["train.seq_linear_precision=fp8"]}  # fmt: skip
+    assert next(tmp_path.glob("seq_linear_quality_*.json"))
+    with pytest.raises(SystemExit):
+        precision_quality.main(["--out", str(tmp_path), "--seq-linears", "--variant", "a="])
+    with pytest.raises(SystemExit, match="environment items"):
+        precision_quality.main(["--out", str(tmp_path), "--variant", "a=@X=1"])
+
+
 def test_cublas_host_smoke_writes_its_result(tmp_path):
     import cublas_host
 
