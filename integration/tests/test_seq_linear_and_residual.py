@@ -108,6 +108,10 @@ def test_autocast_residual_is_bf16_and_close(micro):
     ctr_ref, _ = ref(batch)  # float32 throughout, no autocast
     dt, ctr, cvr = _tower_dtypes(low, batch)
     assert dt == [torch.bfloat16] * preset.model.seq_layers
+    # The default keeps it float32 under autocast on a CPU too (where autocast's layer
+    # norms would return bf16).
+    dt_ref, _, _ = _tower_dtypes(ref, batch)
+    assert dt_ref == [torch.float32] * preset.model.seq_layers
     assert (ctr.float() - ctr_ref).norm() / ctr_ref.norm() < 0.05
     sum(esmm_loss(ctr.float(), cvr.float(), batch.click, batch.conversion)).backward()
     assert torch.isfinite(_grads(low)).all()

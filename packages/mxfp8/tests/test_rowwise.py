@@ -214,7 +214,11 @@ def test_cuda_scaled_mm_matches_reference() -> None:
     w = _rand(512, 256, scale=0.05).cuda().requires_grad_()
     y = rowwise_linear(x, w)
     ref = rowwise_linear_reference(x.detach(), w.detach())
-    assert torch.allclose(y.double(), ref, rtol=2**-7, atol=1e-4)
+    # bf16 output rounding relative to the value, plus accumulation error relative to
+    # the terms' magnitude (Hopper's FP8 MMA accumulates with fewer than 23 mantissa
+    # bits): an element that cancels to near zero is only as exact as its terms.
+    mag = rowwise_linear_reference(x.detach().abs(), w.detach().abs())
+    assert ((y.double() - ref).abs() <= 2**-8 * ref.abs() + 2**-10 * mag).all()
     g = torch.randn_like(y)
     y.backward(g)
     xc, wc = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()

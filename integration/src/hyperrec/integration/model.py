@@ -1217,11 +1217,14 @@ class GEMModel(nn.Module):
         )
 
     def _residual_cast(self, device: torch.device) -> torch.dtype | None:
-        """The dtype the residual stream is cast to (``residual_dtype="autocast"`` under
-        autocast: autocast's dtype), else None (kept as the token norm returns it)."""
-        if self.residual_dtype == "autocast" and torch.is_autocast_enabled(device.type):
+        """The dtype the residual stream is cast to under autocast: float32
+        (``residual_dtype="float32"``) or autocast's dtype (``"autocast"``); None
+        without autocast (the stream keeps the token norm's dtype)."""
+        if not torch.is_autocast_enabled(device.type):
+            return None
+        if self.residual_dtype == "autocast":
             return torch.get_autocast_dtype(device.type)
-        return None
+        return torch.float32
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of P(click) and P(conversion | click), float32 ``[C]`` each (the second
