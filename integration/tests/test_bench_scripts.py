@@ -414,10 +414,9 @@ def test_precision_quality_pairs_runs_by_seed(tmp_path, monkeypatch):
         precision_quality.main(["--out", str(tmp_path), "--steps", "0"])
 
 
-def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch):
-    """``--rows naive all``: each run gets its row's composed overrides (on the CPU with
-    aot_eager for Inductor and an autoac budget); the first row is the baseline; an
-    unknown row is refused with the list of rows."""
+def _record_quality_runs(monkeypatch):
+    """Replace precision_quality's training run by one that records each run's overrides
+    (by output directory name) and reports fixed metrics; returns the record."""
     seen = {}
 
     def fake_run(args, overrides, seed, out):
@@ -426,6 +425,14 @@ def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch)
                 "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
 
     monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    return seen
+
+
+def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch):
+    """``--rows naive all``: each run gets its row's composed overrides (on the CPU with
+    aot_eager for Inductor and an autoac budget); the first row is the baseline; an
+    unknown row is refused with the list of rows."""
+    seen = _record_quality_runs(monkeypatch)
     argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0", "--rows", "naive", "all"]
     assert precision_quality.main(argv) == 0
     naive, full = seen["run-naive-seed0"], seen["run-all-seed0"]
@@ -443,14 +450,7 @@ def test_quality_of_given_variants_and_seq_linears(tmp_path, monkeypatch):
     """``--variant NAME=...`` runs exactly the given overrides, the first as baseline;
     ``--seq-linears`` compares the two linear precisions; the modes exclude each other
     and environment items are refused."""
-    seen = {}
-
-    def fake_run(args, overrides, seed, out):
-        seen[out.name] = overrides
-        return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7, "cvr_auc": 0.6,
-                "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
-
-    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    seen = _record_quality_runs(monkeypatch)
     argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0",
             "--variant", "f32=", "--variant", "bf=train.residual_dtype=autocast"]  # fmt: skip
     assert precision_quality.main(argv) == 0

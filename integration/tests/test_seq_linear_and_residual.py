@@ -20,6 +20,17 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.seq_layers.parameters()])
 
 
+def _pair(preset, n, **kw):
+    """A batch of ``n`` requests, a default model and one built with ``kw`` holding the
+    same parameters."""
+    batch = SyntheticRecsysData(preset.data).batch(TRAIN, np.arange(n))
+    torch.manual_seed(0)
+    ref = GEMModel(preset.model, preset.data)
+    other = GEMModel(preset.model, preset.data, **kw)
+    other.load_state_dict(ref.state_dict())
+    return batch, ref, other
+
+
 def _outputs_after_backward(models, batch):
     """Each model's CTR logits (detached) after one backward of the ESMM loss."""
     outs = {}
@@ -100,11 +111,7 @@ def _tower_dtypes(model, batch, device_type="cpu"):
 
 def test_autocast_residual_is_bf16_and_close(micro):
     preset = _preset(micro)
-    batch = SyntheticRecsysData(preset.data).batch(TRAIN, np.arange(32))
-    torch.manual_seed(0)
-    ref = GEMModel(preset.model, preset.data)
-    low = GEMModel(preset.model, preset.data, residual_dtype="autocast")
-    low.load_state_dict(ref.state_dict())
+    batch, ref, low = _pair(preset, 32, residual_dtype="autocast")
     ctr_ref, _ = ref(batch)  # float32 throughout, no autocast
     dt, ctr, cvr = _tower_dtypes(low, batch)
     assert dt == [torch.bfloat16] * preset.model.seq_layers
@@ -136,11 +143,7 @@ def test_cuda_autocast_residual_float32_by_default_bf16_when_asked(micro):
 
 def test_residual_dtype_without_autocast_changes_nothing(micro):
     preset = _preset(micro)
-    batch = SyntheticRecsysData(preset.data).batch(TRAIN, np.arange(16))
-    torch.manual_seed(0)
-    ref = GEMModel(preset.model, preset.data)
-    other = GEMModel(preset.model, preset.data, residual_dtype="autocast")
-    other.load_state_dict(ref.state_dict())
+    batch, ref, other = _pair(preset, 16, residual_dtype="autocast")
     assert torch.equal(ref(batch)[0], other(batch)[0])
     with pytest.raises(ValueError, match="residual_dtype must be one of"):
         GEMModel(preset.model, preset.data, residual_dtype="bf16")
