@@ -1220,7 +1220,11 @@ class GEMModel(nn.Module):
         """The dtype the residual stream is cast to under autocast: float32
         (``residual_dtype="float32"``) or autocast's dtype (``"autocast"``); None
         without autocast (the stream keeps the token norm's dtype)."""
-        if not torch.is_autocast_enabled(device.type):
+        try:
+            enabled = torch.is_autocast_enabled(device.type)
+        except RuntimeError:  # a device type autocast does not know (meta): no autocast
+            return None
+        if not enabled:
             return None
         if self.residual_dtype == "autocast":
             return torch.get_autocast_dtype(device.type)
