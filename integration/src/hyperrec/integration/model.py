@@ -466,7 +466,6 @@ class SequenceBlock(nn.Module):
         if linear_precision == "fp8" and dim % 16:
             raise ValueError(f"linear_precision='fp8' needs dim divisible by 16, got dim={dim}")
         self.precision, self.linear_precision = precision, linear_precision
-        self.jagged_precision = _jagged_precision(precision)
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
         self.impl, self.compile_mode = impl, compile
