@@ -105,6 +105,8 @@ ROWS = (
             "train.embedding_optimizer=auto",
             "train.activation_checkpointing=off",
             "train.row_buckets=0",
+            # autocast's layer norms return float32, so a plain model's residual is float32
+            "train.residual_dtype=float32",
         ),
     ),
     Row("+ jagged kernels", "hyperrec.jagged_attn on unpadded tokens", ("train.impl=hyperrec",)),
@@ -120,13 +122,14 @@ ROWS = (
     Row("+ sharded embeddings", "ShardedEmbeddingCollection + lazy Adam on the big tables", ("train.sparse=sharded", "train.embedding_optimizer=adam")),
     Row(
         "all",
-        "every available technique that is faster + fused lookup, compiled small ops, fused AdamW, bucketed row counts",
+        "every available technique that is faster + fused lookup, compiled small ops, fused AdamW, bucketed row counts, bf16 residual",
         (
             "train.fused_embeddings=true",
             "train.compile=inductor",
             "train.optimizer_impl=fused",
             "train.attention_precision=bf16",
             "train.row_buckets=64",
+            "train.residual_dtype=autocast",
         ),
     ),
 )  # fmt: skip
