@@ -15,6 +15,8 @@ import precision_quality  # noqa: E402
 import profile_step  # noqa: E402
 import step_variants  # noqa: E402
 
+from hyperrec.integration import get_preset  # noqa: E402
+
 
 def test_ablation_orchestration(tmp_path, monkeypatch):
     """Rows build on each other, unavailable techniques are recorded and skipped, the
@@ -37,9 +39,9 @@ def test_ablation_orchestration(tmp_path, monkeypatch):
     def fake_launch(spec, timeout, in_process):
         calls.append(spec)
         assert len({o.split("=")[0] for o in spec["overrides"]}) == len(spec["overrides"])
-        if spec.get("halve_on_oom"):  # the naive row: fits at 32
-            assert spec["batch"] == 128 and spec["min_batch"] == 32
-            return {**measured(100.0, 0.05, 120.0, 32), "oom_at_batch": [128, 64]}
+        if spec.get("halve_on_oom"):  # the naive row: halved to 64 first, fits at 32
+            assert spec["batch"] == 64 and spec["min_batch"] == 32
+            return {**measured(100.0, 0.05, 120.0, 32), "oom_at_batch": [64]}
         return measured(100.0 + 50 * len(calls), 0.3, 60.0, spec["batch"])
 
     monkeypatch.setattr(ablation, "_launch", fake_launch)
@@ -47,7 +49,9 @@ def test_ablation_orchestration(tmp_path, monkeypatch):
     args = ablation.build_parser().parse_args(["--out", str(tmp_path)])
     doc = ablation.run(args)
     rows = {r["name"]: r for r in doc["rows"]}
-    assert doc["global_batch_size"] == 32 and rows["naive"]["oom_at_batch"] == [128, 64]
+    assert doc["global_batch_size"] == 32 and rows["naive"]["oom_at_batch"] == [64]
+    # gem's naive row is expected to take longer at 128 than its share of the budget
+    assert doc["batch_note"].startswith("batch halved to 64 before the naive row")
     assert rows["naive"]["speedup_vs_naive"] == 1.0
     assert rows["naive"]["naive_estimate"]["batch"] == 32
     assert rows["naive"]["naive_estimate"]["steps"][0]["padded_hstu_tflop"] > 0
@@ -85,6 +89,31 @@ def test_ablation_orchestration(tmp_path, monkeypatch):
     table = (tmp_path / files[1]).read_text()
     assert table.count("\n| ") == len(doc["rows"]) + 1
     assert "| + FP8 attention | " in table
+
+
+def test_ablation_naive_batch_is_halved_only_when_not_given(tmp_path, monkeypatch):
+    """The naive row starts at a batch whose expected time fits its share of the budget,
+    unless --batch names one; the expected time is the estimate times the measured
+    factor."""
+    batches = []
+
+    def fake_launch(spec, timeout, in_process):
+        if spec.get("halve_on_oom"):
+            batches.append(spec["batch"])
+        return {"status": "timeout", "error": "fake"}
+
+    monkeypatch.setattr(ablation, "_launch", fake_launch)
+    monkeypatch.setattr(ablation, "_cuda_available", lambda: True)
+    doc = ablation.run(ablation.build_parser().parse_args(["--out", str(tmp_path), "--quick"]))
+    est = ablation.naive_estimate(get_preset("gem"), batches[0], 5)
+    assert est["expected_s_total"] == pytest.approx(
+        ablation._NAIVE_MEASURED_OVER_ESTIMATE * est["estimated_s_total"]
+    )
+    budget = ablation.MODES["quick"]["budget"] * ablation._NAIVE_SHARE_OF_BUDGET
+    assert ablation._ROW_STARTUP_S + est["expected_s_total"] <= budget
+    assert batches[0] < 128 and doc["batch_note"] is not None
+    ablation.run(ablation.build_parser().parse_args(["--out", str(tmp_path), "--batch", "128"]))
+    assert batches[1] == 128
 
 
 def test_ablation_resume_runs_only_the_rows_left(tmp_path, monkeypatch):
