@@ -13,7 +13,9 @@ public forward in two regimes:
   of one batch; the checks and schedules run at the first, the others hit the caches),
   reported per call (the step's time / 12).
 
-Reports the median time per call (``triton.testing.do_bench``, ``ms``; the host's time
+Each regime runs ``--rounds`` rounds (default 5) in which the three modes alternate in a
+rotated order; the ratios are medians over rounds of the ratio within a round, so a drift
+of the host's speed during the run does not enter them. Reports the median time per call (``triton.testing.do_bench``, ``ms``; the host's time
 counts where it exceeds the GPU's), the GPU's time alone (``device_ms``: the host's issue
 time hidden, see ``bench_attention.device_and_host``) and the host's time to issue a call
 (``host_us``), and the ratios of the default and of ``"full"`` to ``validate=False``;
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,7 +70,7 @@ def _time_ms(fn, device: str, reps: int) -> float:
     if device == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return do_bench(fn, warmup=10, rep=60, return_mode="median")
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -76,7 +79,7 @@ def _time_ms(fn, device: str, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_case(case, device: str, reps: int) -> dict:
+def run_case(case, device: str, reps: int, rounds: int) -> dict:
     name, kind, dist, batch, max_len, heads, dim = case
     lens = lengths(dist, batch, max_len, seed=0)
     off = torch.zeros(batch + 1, dtype=torch.int64)
@@ -91,8 +94,9 @@ def run_case(case, device: str, reps: int) -> dict:
                      heads=heads, head_dim=dim, tokens=t, ms={})  # fmt: skip
     for mode in MODES:
         _call(kind, q, k, v, off, max_len, targets, mode)  # compile, fill the caches
-    row["device_ms"], row["host_us"] = {}, {}
+    row["device_ms"], row["host_us"], row["rounds"] = {}, {}, {}
     for regime, per_fn in (("same", 1), ("fresh", 1), ("step12", 12)):
+        fns = {}
         for mode in MODES:
             if regime == "same":
 
@@ -109,16 +113,31 @@ def run_case(case, device: str, reps: int) -> dict:
                     return [_call(kind, q, k, v, step, max_len, targets, mode)
                             for _ in range(12)]  # fmt: skip
 
-            name = f"{regime}/{mode}"
-            row["ms"][name] = _time_ms(fn, device, reps) / per_fn
-            dev = device_and_host(fn, device=device)
-            row["device_ms"][name] = dev["device_ms"] / per_fn
-            row["host_us"][name] = dev["host_us"] / per_fn
+            fns[mode] = fn
+        # The modes alternate within each round, in a rotated order: the host's speed
+        # drifts by more than the check costs (up to 1.4x between runs of one machine),
+        # so modes timed one after the other would compare drift, not checks.
+        samples: dict[str, dict[str, list[float]]] = {
+            what: {str(m): [] for m in MODES} for what in ("ms", "device_ms", "host_us")
+        }
+        for r in range(rounds):
+            for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+                fn = fns[mode]
+                samples["ms"][str(mode)].append(_time_ms(fn, device, reps) / per_fn)
+                dev = device_and_host(fn, device=device)
+                samples["device_ms"][str(mode)].append(dev["device_ms"] / per_fn)
+                samples["host_us"][str(mode)].append(dev["host_us"] / per_fn)
         for what in ("ms", "device_ms", "host_us"):
             suffix = "" if what == "ms" else f"_{what}"
-            base = row[what][f"{regime}/False"]
-            row[f"{regime}_default_over_none{suffix}"] = row[what][f"{regime}/True"] / base
-            row[f"{regime}_full_over_none{suffix}"] = row[what][f"{regime}/full"] / base
+            per_mode = samples[what]
+            for mode in MODES:
+                row[what][f"{regime}/{mode}"] = statistics.median(per_mode[str(mode)])
+            row["rounds"][f"{regime}{suffix}"] = per_mode
+            base = per_mode["False"]
+            # median over rounds of the ratio within a round (same host speed)
+            for label, mode in (("default", "True"), ("full", "full")):
+                ratios = [a / b for a, b in zip(per_mode[mode], base)]
+                row[f"{regime}_{label}_over_none{suffix}"] = statistics.median(ratios)
     return row
 
 
@@ -127,20 +146,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
     parser.add_argument("--quick", action="store_true", help="two cases")
     parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds per regime; the modes alternate within each (CUDA)",
+    )
     args = parser.parse_args()
     from hyperrec.testing import write_result
 
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        device, cases, reps = "cpu", SMOKE, 3
+        device, cases, reps, rounds = "cpu", SMOKE, 3, 2
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_validate.py needs a CUDA GPU (or --smoke)")
-        device, cases, reps = "cuda", QUICK if args.quick else CASES, 0
+        device, cases, reps, rounds = "cuda", QUICK if args.quick else CASES, 0, args.rounds
     rows = []
     t0 = time.perf_counter()
     for case in cases:
-        rows.append(run_case(case, device, reps))
+        rows.append(run_case(case, device, reps, rounds))
         r = rows[-1]
         print(f"{r['name']:36s} default/none: same {r['same_default_over_none']:.3f} "
               f"fresh {r['fresh_default_over_none']:.3f} step12 "
