@@ -204,6 +204,40 @@ def test_bad_inputs_name_the_argument() -> None:
         rowwise_linear(x, w, fp8_dgrad=1)  # type: ignore[arg-type]
 
 
+def test_gemm_operands_have_scaled_mm_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch._scaled_mm`` (CUDA) takes a row-major first and a column-major second
+    operand. The quantized copies keep their input's layout, so a transposed ``x``, a
+    weight held transposed, or an expanded output gradient reached it in the wrong one
+    (a CUDA-only error); the CPU emulation is checked against that contract here."""
+    from hyperrec.mxfp8 import rowwise
+
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    emulate = rowwise._scaled_mm
+
+    def spy(a, a_scale, b, b_scale, out):
+        seen.append((a.stride(), b.stride()))
+        assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+        return emulate(a, a_scale, b, b_scale, out)
+
+    monkeypatch.setattr(rowwise, "_scaled_mm", spy)
+    torch.manual_seed(6)
+    cases = [
+        (_rand(32, 48).t(), _rand(64, 32)),  # x a transposed view
+        (_rand(48, 32), _rand(32, 64).t()),  # w held transposed
+        (_rand(48, 32)[:, None].expand(48, 3, 32), _rand(64, 32)),  # x broadcast
+    ]
+    for x, w in cases:
+        x, w = x.requires_grad_(), w.requires_grad_()
+        y = rowwise_linear(x, w)
+        y.sum().backward()  # dY is an expanded tensor of ones
+        xd, wd = x.detach().clone().requires_grad_(), w.detach().contiguous().requires_grad_()
+        yd = rowwise_linear(xd, wd)
+        yd.sum().backward()
+        assert torch.equal(y, yd) and torch.equal(x.grad, xd.grad)
+        assert torch.equal(w.grad, wd.grad)
+    assert len(seen) == 2 * len(cases) * 2  # forward and dgrad, two passes per case
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_scaled_mm_matches_reference() -> None:
@@ -226,6 +260,12 @@ def test_cuda_scaled_mm_matches_reference() -> None:
     # CPU emulation and cuBLAS: same operands, different accumulation order
     assert torch.allclose(x.grad.cpu().float(), xc.grad.float(), rtol=2**-6, atol=1e-3)
     assert torch.allclose(w.grad.cpu().float(), wc.grad.float(), rtol=2**-6, atol=1e-2)
+    # transposed views reach cuBLAS in the layouts it takes (0.4.1 raised here)
+    xt = x.detach().t().contiguous().t().requires_grad_()
+    wt = w.detach().t().contiguous().t().requires_grad_()
+    yt = rowwise_linear(xt, wt)
+    assert torch.equal(yt, rowwise_linear(x.detach(), w.detach()))
+    yt.sum().backward()
 
 
 def test_two_calls_in_one_dynamic_graph() -> None:

@@ -107,8 +107,11 @@ class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, fp8_dgrad: bool) -> torch.Tensor:
         ctx.fp8_dgrad = fp8_dgrad
-        xq, xs = quantize_rows(x)
-        wq, ws = quantize_rows(w)
+        # torch._scaled_mm takes a row-major first and a column-major second operand, and
+        # the quantized copies keep their input's layout: a transposed view (of x, or a
+        # weight held transposed) would be rejected on CUDA. A no-op when contiguous.
+        xq, xs = quantize_rows(x.contiguous())
+        wq, ws = quantize_rows(w.contiguous())
         ctx.save_for_backward(x, w)
         return _scaled_mm(xq, xs, wq.t(), ws.t(), x.dtype)
 
@@ -121,7 +124,7 @@ class _RowwiseLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0] and not ctx.fp8_dgrad:
             dx = (dy @ w.to(dy.dtype)).to(x.dtype)
         elif ctx.needs_input_grad[0]:
-            dyq, dys = quantize_rows(dy)
+            dyq, dys = quantize_rows(dy.contiguous())  # e.g. the expanded gradient of a sum
             # W's copy scaled per input column: quantize the rows of W^T, then hand the
             # [K, N] row-major result over as the column-major [N, K] second operand.
             wtq, wts = quantize_rows(w.t().contiguous())
