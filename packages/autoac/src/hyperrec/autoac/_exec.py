@@ -387,8 +387,24 @@ def run_region(
         # recomputed graph.
         fn = keep_module_state(fn)
     return checkpoint(
-        fn, *args, use_reentrant=False, context_fn=ctx, preserve_rng_state=_RNG_GUARD, **kwargs
+        bind_kwargs(fn, kwargs),
+        *args,
+        use_reentrant=False,
+        context_fn=ctx,
+        preserve_rng_state=_RNG_GUARD,
     )
+
+
+def bind_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with the region's keyword arguments bound, for ``checkpoint``.
+
+    ``checkpoint`` takes keyword arguments of its own (``debug``, ``early_stop``,
+    ``determinism_check``, ``context_fn``, ...) and passes only the rest on: a region
+    whose forward has a keyword argument of one of those names lost it (the forward ran
+    with its default, silently) or made ``checkpoint`` raise. The non-reentrant
+    checkpoint handles tensors a function closes over like its arguments.
+    """
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _written_state(

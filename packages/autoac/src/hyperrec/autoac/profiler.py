@@ -32,6 +32,7 @@ from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import (
     SAC_IGNORED_OPS,
     RegionDecisions,
+    bind_kwargs,
     keep_module_state,
     op_name,
     run_region,
@@ -357,12 +358,11 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
             return _PhaseContext(tracker, None, j, fwd), _PhaseContext(tracker, "rc", j, rc)
 
         return checkpoint(
-            keep_module_state(fn),
+            bind_kwargs(keep_module_state(fn), kwargs),
             *args,
             use_reentrant=False,
             context_fn=context_fn,
             preserve_rng_state=True,
-            **kwargs,
         )
 
     return runner

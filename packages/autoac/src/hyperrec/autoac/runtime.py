@@ -92,12 +92,11 @@ def _ckpt(
     fn: Callable[..., Any], ctx: Callable[[], tuple[Any, Any]], *args: Any, **kwargs: Any
 ) -> Any:
     return checkpoint(
-        fn,
+        _exec.bind_kwargs(fn, kwargs),
         *args,
         use_reentrant=False,
         context_fn=ctx,
         preserve_rng_state=_exec._RNG_GUARD,
-        **kwargs,
     )
 
 

@@ -1,0 +1,111 @@
+"""Adversarial inputs for the apply path: gradients, losses and module state of a planned
+model against the same model under plain autograd (no checkpointing)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hyperrec import autoac
+from hyperrec.autoac._exec import RegionDecisions, run_region
+
+D = 32
+FLOPS = autoac.ProfileConfig(steps=1, cost="flops")
+
+#: keep/recompute decision sets (exact) and packed ones, for a region with ops
+#: ``aten.addmm.default`` 0 and 1 and ``aten.sin.default`` 0
+DECISIONS = {
+    "recompute": RegionDecisions("sac"),
+    "keep": RegionDecisions("sac", {("aten.addmm.default", 0): "keep"}),
+    "packed": RegionDecisions("sac", {("aten.sin.default", 0): "mxfp8"}),
+    "keep+packed": RegionDecisions(
+        "sac", {("aten.addmm.default", 0): "keep", ("aten.sin.default", 0): "mxfp8"}
+    ),
+}
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_grads(got, ref, exact: bool) -> None:
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        if exact:
+            assert torch.equal(a, b)
+        else:  # within the documented packing error (3% relative L2)
+            assert (a - b).norm() <= 0.03 * b.norm()
+
+
+# ------------------------------------------------------------------ keyword arguments
+class _KwBlock(nn.Module):
+    """A forward whose keyword arguments share names with ``checkpoint``'s own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(
+        self, x: torch.Tensor, *, early_stop: bool = False, debug: bool = False, scale=1.0
+    ) -> torch.Tensor:
+        h = torch.sin(self.fc1(x)) * scale
+        if early_stop:
+            h = h[:, : D // 2].repeat(1, 2)
+        if debug:
+            h = h + 1.0
+        return x + self.fc2(h)
+
+
+class _KwTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_KwBlock(), _KwBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x, early_stop=True, scale=2.0)
+        return self.layers[1](x, debug=True)
+
+
+@pytest.mark.parametrize("name", list(DECISIONS))
+def test_keyword_arguments_named_like_checkpoints_own_reach_the_forward(name):
+    # checkpoint(fn, *args, early_stop=..., debug=..., **kwargs) took the region's own
+    # `early_stop` (the forward silently ran with its default: another loss) and
+    # `debug=True` made it raise; both reach the forward now.
+    torch.manual_seed(0)
+    block, x = _KwBlock(), torch.randn(16, D)
+    plain = copy.deepcopy(block)
+    kw = {"early_stop": True, "debug": True, "scale": torch.tensor(2.0)}
+    out = run_region(DECISIONS[name], block.forward, (x,), kw)
+    ref = plain(x, **kw)
+    assert torch.equal(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    _assert_grads(_grads(block), _grads(plain), exact=not DECISIONS[name].quantized)
+
+
+def test_keyword_arguments_through_profile_plan_and_apply():
+    torch.manual_seed(0)
+    model, x = _KwTower(), torch.randn(64, D)
+    plain = copy.deepcopy(model)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    prof = autoac.profile(model, step, config=FLOPS)
+    p = autoac.plan(prof, budget=10**12, config=autoac.PlanConfig(allow_none=False))
+    h = autoac.apply_plan(model, p)
+    try:
+        loss = step(model)
+        loss.backward()
+    finally:
+        h.remove()
+    ref = step(plain)
+    ref.backward()
+    assert torch.equal(loss, ref)
+    _assert_grads(_grads(model), _grads(plain), exact=True)
