@@ -109,3 +109,78 @@ def test_keyword_arguments_through_profile_plan_and_apply():
     ref.backward()
     assert torch.equal(loss, ref)
     _assert_grads(_grads(model), _grads(plain), exact=True)
+
+
+# ------------------------------------------------------------------ explicit generators
+class _NoiseBlock(nn.Module):
+    """Multiplicative noise drawn from the block's own generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        h = torch.sin(h * torch.rand(h.shape, generator=self.gen))
+        return x + self.fc2(h)
+
+
+class _NoiseTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_NoiseBlock(), _NoiseBlock(), _NoiseBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _noise_pair():
+    torch.manual_seed(0)
+    model = _NoiseTower()
+    torch.manual_seed(0)
+    plain = _NoiseTower()
+    return model, plain
+
+
+@pytest.mark.parametrize("name", list(DECISIONS))
+def test_random_op_on_an_explicit_generator_is_not_replayed_silently(name):
+    # A checkpoint restores only the default generators: the recomputation drew other
+    # numbers from the block's own generator (gradients off by up to 4) and advanced it
+    # a second time (the next step's noise differed too). Now a clear error.
+    model, _ = _noise_pair()
+    block, x = model.layers[0], torch.randn(16, D)
+    with pytest.raises(NotImplementedError, match="explicit torch.Generator"):
+        run_region(DECISIONS[name], block.forward, (x,), {}).sum().backward()
+
+
+def test_regions_with_an_explicit_generator_are_left_unchecked_by_the_plan():
+    model, plain = _noise_pair()
+    x = torch.randn(64, D)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    prof = autoac.profile(model, step, config=FLOPS)
+    p = autoac.plan(prof, budget=autoac.plan(prof, budget=10**12).floor)
+    assert [r.mode for r in p.regions] == ["none"] * 3
+    for m in (model, plain):
+        for b in m.layers:
+            b.gen.manual_seed(5)
+    h = autoac.apply_plan(model, p)
+    try:
+        for _ in range(2):  # the second step sees the generators the first left
+            for m in (model, plain):
+                for q in m.parameters():
+                    q.grad = None
+            loss, ref = step(model), step(plain)
+            loss.backward()
+            ref.backward()
+            assert torch.equal(loss, ref)
+            _assert_grads(_grads(model), _grads(plain), exact=True)
+    finally:
+        h.remove()
+    for a, b in zip(model.layers, plain.layers):
+        assert torch.equal(a.gen.get_state(), b.gen.get_state())

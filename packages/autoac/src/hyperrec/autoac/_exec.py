@@ -19,6 +19,10 @@ Safety rules, applied here whatever a plan says:
   the region is replayed in order from the same generator state, so dropout masks are
   the same as in the forward. Saving *one* random op would shift the generator for the
   ones after it.
+  A random op that draws from an explicit ``torch.Generator`` (``generator=g``)
+  cannot be replayed (a checkpoint restores only the default generators): it raises
+  ``NotImplementedError`` in a checkpointed region, and the profiler leaves such
+  regions un-checkpointed.
 """
 
 from __future__ import annotations
@@ -100,6 +104,26 @@ class _Counter:
         return (op_name(func), k)
 
 
+def explicit_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op draws from a ``torch.Generator`` passed to it (``generator=g``)."""
+    if isinstance(kwargs.get("generator"), torch.Generator):
+        return True
+    return any(isinstance(a, torch.Generator) for a in args)
+
+
+def _check_replayable(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise for an op of a checkpointed region's forward that cannot be replayed."""
+    if _RNG_GUARD and is_random(func, args, kwargs) and explicit_generator(args, kwargs):
+        raise NotImplementedError(
+            f"autoac: {op_name(func)} draws from an explicit torch.Generator "
+            "(generator=...) inside a checkpointed region: a checkpoint restores only "
+            "the default generators, so the recomputation would draw other numbers "
+            "(wrong gradients) and advance the generator a second time; leave this "
+            "region un-checkpointed (mode 'none', which autoac.profile chooses for "
+            "such regions) or draw from the default generator"
+        )
+
+
 def _policy(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], decision: str | None
 ) -> CheckpointPolicy:
@@ -114,7 +138,7 @@ def _policy(
 
 def _sac_contexts(
     saves: tuple[tuple[tuple[str, int], str], ...],
-    on_op: Callable[[Any], None] | None = None,
+    on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
 ) -> tuple[Any, Any]:
     decisions = dict(saves)
     fwd, rc = _Counter(), _Counter()
@@ -123,23 +147,28 @@ def _sac_contexts(
         # Older torch versions also ask the policy during recomputation; answer the same.
         counter = rc if getattr(ctx, "is_recompute", False) else fwd
         key = counter.key(func)
-        if on_op is not None and counter is fwd:
-            on_op(func)
+        if counter is fwd:
+            if on_op is not None:
+                on_op(func, args, kwargs)
+            else:  # the profiler (on_op) finds the regions that cannot be checkpointed
+                _check_replayable(func, args, kwargs)
         return _policy(func, args, kwargs, decisions.get(key))
 
     return create_selective_checkpoint_contexts(policy)
 
 
 def sac_context_fn(
-    decisions: RegionDecisions, on_op: Callable[[Any], None] | None = None
+    decisions: RegionDecisions,
+    on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``checkpoint``: torch's selective checkpointing, our policy.
 
     It is a ``functools.partial`` over the decisions as a tuple of constants: Dynamo
     guards on them, so two regions with the same code but different decisions get
     different compiled graphs (and regions with equal decisions share one).
-    ``on_op(func)`` is called for every op the policy sees in the forward (the
-    profiler uses it to number ops).
+    ``on_op(func, args, kwargs)`` is called for every op the policy sees in the forward
+    (the profiler uses it to number ops); with it, a random op drawing from an explicit
+    generator is not an error (the profiler leaves its region un-checkpointed).
     """
     return functools.partial(_sac_contexts, tuple(sorted(decisions.saves.items())), on_op)
 
@@ -229,6 +258,7 @@ class _PackingMode(TorchDispatchMode):
             return out
         key = self.counter.key(func)
         decision = self.decisions.saves.get(key)
+        _check_replayable(func, args, kwargs)
         if _policy(func, args, kwargs, decision) is CheckpointPolicy.MUST_SAVE:
             if decision in SAVE_FORMATS and not is_collective(func):
                 with torch.no_grad():

@@ -33,6 +33,7 @@ from hyperrec.autoac._exec import (
     SAC_IGNORED_OPS,
     RegionDecisions,
     bind_kwargs,
+    explicit_generator,
     keep_module_state,
     op_name,
     run_region,
@@ -40,7 +41,7 @@ from hyperrec.autoac._exec import (
 )
 from hyperrec.autoac._validate import check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
-from hyperrec.autoac.tracker import MemoryTracker, OpRecord
+from hyperrec.autoac.tracker import MemoryTracker, OpRecord, is_random
 
 __all__ = ["Profile", "ProfileConfig", "RegionProfile", "SavedOp", "StorageLife", "profile"]
 
@@ -292,6 +293,9 @@ class _ProfilingTracker(MemoryTracker):
         self.policy_calls: defaultdict[int, list[Any]] = defaultdict(list)
         #: regions whose forward runs an in-place collective (replayed unchecked)
         self.inplace_collective: set[int] = set()
+        #: regions whose forward draws from an explicit ``torch.Generator``
+        #: (replayed unchecked: a checkpoint cannot restore it)
+        self.explicit_generator: set[int] = set()
         #: region -> bytes of each input the step created
         self.region_inputs: dict[int, list[int]] = {}
 
@@ -345,11 +349,13 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
 
         calls = tracker.policy_calls[j]
 
-        def on_op(func: Any) -> None:
+        def on_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Only the sequence of ops the policy saw: torch up to 2.11 asks the policy
             # *before* the op runs, later versions after it, so the op the tracker
             # recorded last is not necessarily this one (see _number_policy_ops).
             calls.append(func)
+            if is_random(func, args, kwargs) and explicit_generator(args, kwargs):
+                tracker.explicit_generator.add(j)
 
         inner = sac_context_fn(RegionDecisions(mode="sac"), on_op=on_op)
 
@@ -850,7 +856,7 @@ def _profile(
                         "(make each call its own region)"
                     )
             traces.append(tracker)
-        new_plain = set(traces[-1].inplace_collective) - plain
+        new_plain = (traces[-1].inplace_collective | traces[-1].explicit_generator) - plain
         if not new_plain:
             break
         plain |= new_plain  # replay without checkpointing the regions that cannot be
