@@ -184,3 +184,50 @@ def test_regions_with_an_explicit_generator_are_left_unchecked_by_the_plan():
         h.remove()
     for a, b in zip(model.layers, plain.layers):
         assert torch.equal(a.gen.get_state(), b.gen.get_state())
+
+
+# ------------------------------------------------------------------ a second backward
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.sin(self.fc1(x))
+        return torch.tanh(self.fc2(h)), torch.cos(self.fc3(h))
+
+
+def _retain(y: tuple[torch.Tensor, torch.Tensor]) -> None:
+    loss = y[0].square().sum() + y[1].square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def _per_output(y: tuple[torch.Tensor, torch.Tensor]) -> None:
+    y[0].square().sum().backward(retain_graph=True)
+    y[1].square().sum().backward()
+
+
+@pytest.mark.parametrize("second", [_retain, _per_output], ids=["retain_graph", "per_output"])
+def test_second_backward_through_packed_saves_is_a_clear_error(second):
+    # autoac's packing modes kept counting ops across recomputations: the second
+    # recomputation looked up keys the forward never made ("was not seen in the forward
+    # of this region; the region must run the same ops ...", which it did).
+    torch.manual_seed(0)
+    block, x = _TwoHeads(), torch.randn(64, D)
+    with pytest.raises(NotImplementedError, match="second backward"):
+        second(run_region(DECISIONS["packed"], block.forward, (x,), {}))
+
+
+@pytest.mark.parametrize("second", [_retain, _per_output], ids=["retain_graph", "per_output"])
+def test_second_backward_through_a_recomputed_region_in_a_packed_plan(second):
+    # Only packed (and kept) saves are released by a recomputation: the ops the packing
+    # modes recompute replay again, as under torch's selective checkpointing.
+    torch.manual_seed(0)
+    block, x = _TwoHeads(), torch.randn(64, D)
+    plain = copy.deepcopy(block)
+    d = RegionDecisions("sac", {("aten.mul.Tensor", 0): "mxfp8"})  # no such op here
+    assert d.quantized  # the packing modes run; every op is recomputed
+    second(run_region(d, block.forward, (x,), {}))
+    second(plain(x))
+    _assert_grads(_grads(block), _grads(plain), exact=True)

@@ -230,6 +230,7 @@ def _unpack_output(x: Any) -> Any:
 
 
 _RECOMPUTE = object()
+_CONSUMED = object()
 
 #: ``(op name, occurrence)`` -> the op's saved outputs (a pytree whose tensors may be
 #: :class:`_PackedView`), or ``_RECOMPUTE``.
@@ -281,6 +282,12 @@ class _UnpackingMode(TorchDispatchMode):
         self.storage = storage
         self.counter = _Counter()
 
+    def __enter__(self) -> Any:
+        # Each recomputation numbers the ops from the start (a second one, from a second
+        # backward through the region, used to continue the first one's count).
+        self.counter = _Counter()
+        return super().__enter__()
+
     def __torch_dispatch__(
         self,
         func: OpOverload[..., Any],
@@ -292,7 +299,7 @@ class _UnpackingMode(TorchDispatchMode):
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
         key = self.counter.key(func)
-        entry = self.storage.pop(key, None)
+        entry = self.storage.get(key)
         if entry is None:
             raise RuntimeError(
                 f"autoac: {key[0]} call {key[1]} was not seen in the forward of this region; "
@@ -300,6 +307,15 @@ class _UnpackingMode(TorchDispatchMode):
             )
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
+        if entry is _CONSUMED:
+            raise NotImplementedError(
+                "autoac: a second backward through a checkpointed region with packed saves "
+                "(retain_graph=True, create_graph=True, or separate backward calls for its "
+                "outputs) is not supported: the first recomputation released them (torch's "
+                "selective checkpointing raises 'Trying to backward an extra time' for kept "
+                "ones); plain recomputation and un-checkpointed regions support it"
+            )
+        self.storage[key] = _CONSUMED  # released as the recomputation goes
         with torch.no_grad():
             return tree_map(_unpack_output, entry)
 
