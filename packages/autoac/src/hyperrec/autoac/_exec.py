@@ -124,12 +124,29 @@ def _check_replayable(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         )
 
 
+_MUTABLE: dict[Any, bool] = {}
+
+
+def _mutates_input(func: Any) -> bool:
+    """Whether an op writes into an argument (``add_``, ``relu_``, ``out=`` variants)."""
+    m = _MUTABLE.get(func)
+    if m is None:
+        schema = getattr(func, "_schema", None)
+        m = _MUTABLE[func] = bool(getattr(schema, "is_mutable", False))
+    return m
+
+
 def _policy(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], decision: str | None
 ) -> CheckpointPolicy:
     if is_collective(func):
         return CheckpointPolicy.MUST_SAVE
     if _RNG_GUARD and is_random(func, args, kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    if decision is not None and _mutates_input(func):
+        # Its saved output would be returned instead of writing into the recomputed
+        # input, which the forward goes on using: in-place ops are always replayed (a
+        # plan never names them: they allocate nothing).
         return CheckpointPolicy.MUST_RECOMPUTE
     if decision is not None and decision != "recompute":
         return CheckpointPolicy.MUST_SAVE
