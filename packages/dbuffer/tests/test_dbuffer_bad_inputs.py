@@ -11,7 +11,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyperrec.dbuffer import DBuffer, clip_grad_norm_, flat_params, grad_norm, zero_grad_
+from hyperrec.dbuffer import (
+    DBuffer,
+    ReduceOptions,
+    clip_grad_norm_,
+    flat_params,
+    grad_norm,
+    zero_grad_,
+)
 from hyperrec.testing import fake_mesh
 from hyperrec.testing.bad_inputs import (
     case,
@@ -40,10 +47,10 @@ def _copy_then_check(tensors):
         assert torch.count_nonzero(buf.shard) == 0, "a rejected copy wrote into the shard"
 
 
-def _load_then_check(state):
+def _load_then_check(state, **kwargs):
     buf = DBuffer.from_tensors([torch.zeros(2), torch.zeros(3)], names=["a", "b"])
     try:
-        buf.load_state_dict(state)
+        buf.load_state_dict(state, **kwargs)
     finally:
         assert torch.count_nonzero(buf.shard) == 0, "a rejected load wrote into the shard"
 
@@ -123,6 +130,29 @@ CASES = [
     case(T, "other", BUF.add_, [1.0]),
     case(T, "alpha", BUF.add_, torch.ones(BUF.shard_numel), alpha="x"),
     case(T, "factor", BUF.scale_grad_, "x"),
+    case(T, "flat", BUF.set_grad_, [1.0, 2.0]),
+    case(T, "options", BUF.reduce_grad, options="average"),
+    case(T, "keep", BUF.reshard, keep="x"),
+    case(T, "zero", BUF.begin_grad, zero="no"),
+    case(T, "release", BUF.drop_grad_, release=1),
+    case(
+        T,
+        "strict",
+        _load_then_check,
+        {"a": torch.ones(2), "b": torch.ones(3)},
+        strict="no",
+        doc=DBuffer.load_state_dict,
+    ),
+    # ReduceOptions: a zero factor divided by zero, a negative one flipped the sign
+    case(V, "divide_factor", ReduceOptions, divide_factor=0.0),
+    case(V, "divide_factor", ReduceOptions, divide_factor=-4.0),
+    case(V, "divide_factor", ReduceOptions, divide_factor=float("nan")),
+    case(V, "divide_factor", ReduceOptions, divide_factor=float("inf"), force_sum=True),
+    case(T, "divide_factor", ReduceOptions, divide_factor="2"),
+    case(T, "force_sum", ReduceOptions, force_sum="no"),
+    case(T, "all_reduce", ReduceOptions, all_reduce=0),
+    case(T, "hook", ReduceOptions, hook="print"),
+    case(T, "reduce_scatter", ReduceOptions, reduce_scatter=3),
     # load_state_dict
     case(K, "zz", _load_then_check, {"zz": torch.ones(1)}, doc=DBuffer.load_state_dict),
     case(K, "missing key 'b'", _load_then_check, {"a": torch.ones(2)}, doc=DBuffer.load_state_dict),

@@ -26,6 +26,11 @@ class ReduceOptions:
     """How :meth:`DBuffer.reduce_grad` reduces: PyTorch FSDP2's gradient-reduction knobs.
 
     The defaults are the plain average over every data-parallel rank.
+
+    Raises:
+        TypeError: ``divide_factor`` is not a real number, ``force_sum``/``all_reduce``
+            not bools, ``hook``/``reduce_scatter`` not callables.
+        ValueError: ``divide_factor`` is not positive and finite.
     """
 
     divide_factor: float | None = None
@@ -51,6 +56,19 @@ class ReduceOptions:
     not used: the input and output are this buffer's own storages)."""
     group: dist.ProcessGroup | None = None
     """Process group of the reduce-scatter (default: the shard axis' own group)."""
+
+    def __post_init__(self) -> None:
+        # A zero factor divided by zero (or gave inf gradients with SUM-only collectives),
+        # a negative one flipped every gradient's sign, a string failed deep in the
+        # reduction: refuse them here, by name.
+        if self.divide_factor is not None:
+            check_float("divide_factor", self.divide_factor, minimum=0, exclusive=True)
+        check_bool("force_sum", self.force_sum)
+        check_bool("all_reduce", self.all_reduce)
+        for name in ("hook", "reduce_scatter"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
 
 
 def _default_options(options: ReduceOptions | None) -> bool:
@@ -542,8 +560,11 @@ class DBuffer:
                 ``reshard_after_forward=N``). Must be called while unsharded.
 
         Raises:
+            TypeError: ``keep`` is not a process group.
             ValueError: ``keep`` does not divide the buffer, or nothing is unsharded.
         """
+        if keep is not None and not isinstance(keep, dist.ProcessGroup):
+            raise TypeError(f"keep must be a ProcessGroup or None, got {type(keep).__name__}")
         self.wait_unshard()
         self._post_forward = None
         if self._full_aliases_shard:
@@ -553,7 +574,9 @@ class DBuffer:
             total = self.world_size * self.shard_numel
             if self.world_size % n:
                 raise ValueError(f"keep must have a size dividing {self.world_size}, got {n}")
-            if not self.is_unsharded:
+            # A buffer of zero elements (only empty tensors) never holds memory, gathered
+            # or not: there is nothing to keep, and nothing to check.
+            if total and not self.is_unsharded:
                 raise ValueError("reshard(keep=...) needs the full storage (call unshard first)")
             i, length = keep.rank(), total // n
             with torch.no_grad():
@@ -627,7 +650,11 @@ class DBuffer:
         keep accumulating). When ``grad_full`` aliases ``grad_shard`` (one rank) and the
         shard already holds a reduced gradient, it is not zeroed either, so gradients
         accumulate across optimizer-free backward passes exactly as with more ranks.
+
+        Raises:
+            TypeError: ``zero`` is not a bool.
         """
+        check_bool("zero", zero)
         g = self.grad_full
         if self._grad_full_live:
             return g
@@ -669,16 +696,22 @@ class DBuffer:
                 partial reduction, a hook, a custom collective). Default: average.
 
         Raises:
+            TypeError: ``options`` is not a :class:`ReduceOptions` (or ``None``).
             RuntimeError: no gradients were begun with :meth:`begin_grad`, or non-default
                 ``options`` on a buffer whose ``grad_full`` is ``grad_shard`` while it
                 holds a gradient (call :meth:`unalias_grad_` before the backward).
         """
+        if options is not None and not isinstance(options, ReduceOptions):
+            raise TypeError(
+                f"options must be a ReduceOptions or None, got {type(options).__name__}"
+            )
         if not self._grad_full_live:
             raise RuntimeError("reduce_grad() without begin_grad(): no gradients to reduce")
         self.wait_reduce()
         S, r, W = self.shard_numel, self.rank, self.world_size
         g, out = self.grad_full, self._grad_storage()
-        if _alloc(out, S) and self._has_grad:
+        regrown = _alloc(out, S)  # uninitialised memory until a path below writes it
+        if regrown and self._has_grad:
             raise RuntimeError("grad_shard was released while holding a gradient")
         if (
             not _default_options(options)
@@ -686,7 +719,7 @@ class DBuffer:
             or self._partial is not None
             or self.reduce_dtype not in (torch.float32, torch.bfloat16)
         ):
-            self._reduce_general(options or ReduceOptions(), stream)
+            self._reduce_general(options or ReduceOptions(), stream, regrown)
             return
         with on_stream(stream, self.device):
             if self._grad_full_aliases_shard:
@@ -714,7 +747,9 @@ class DBuffer:
         self._has_grad = True
         self._grad_full_live = False
 
-    def _reduce_general(self, options: ReduceOptions, stream: torch.cuda.Stream | None) -> None:
+    def _reduce_general(
+        self, options: ReduceOptions, stream: torch.cuda.Stream | None, regrown: bool
+    ) -> None:
         # Every option goes through one path: reduce in place into this rank's slot of
         # grad_full, finish the slot (all-reduce, hook, division), then one add/cast
         # (and, offloaded, one device-to-host copy) into grad_shard.
@@ -757,6 +792,10 @@ class DBuffer:
                     else:
                         self._partial.add_(mine)
                     done = True
+                    if regrown:
+                        # Nothing lands in grad_shard this time: leave a released one
+                        # released (it reads as zeros when re-grown), never uninitialised.
+                        _free(out)
                 else:
                     if self._partial is not None:
                         mine.add_(self._partial)
@@ -807,8 +846,10 @@ class DBuffer:
         reduced gradient, e.g. when moving a buffer's gradient into a rebuilt buffer.
 
         Raises:
+            TypeError: ``flat`` is not a tensor.
             ValueError: ``flat`` is not 1-D of ``shard_numel`` elements.
         """
+        _check_flat(flat, self.shard_numel)
         if flat.dim() != 1 or flat.numel() != self.shard_numel:
             raise ValueError(f"flat must have shape ({self.shard_numel},), got {tuple(flat.shape)}")
         self.wait_reduce()
@@ -840,10 +881,16 @@ class DBuffer:
     # ------------------------------------------------------------------- group ops
     @torch.no_grad()
     def zero_grad_(self) -> None:
-        """Zero :attr:`grad_shard` (one kernel) and mark it empty for the next reduce."""
+        """Zero :attr:`grad_shard` (one kernel) and mark it empty for the next reduce.
+
+        A gradient released by ``drop_grad_(release=True)`` stays released (it reads as
+        zeros when it is re-grown): writing through its empty storage would be out of
+        bounds.
+        """
         self.wait_reduce()
-        if self._grad_shard is not None:
-            self._grad_shard.zero_()
+        g = self._grad_shard
+        if g is not None and g.untyped_storage().size() != 0:
+            g.zero_()
         self._has_grad = False
 
     def drop_grad_(self, *, release: bool = False) -> None:
@@ -853,7 +900,11 @@ class DBuffer:
         tensor object and its views stay valid), as ``zero_grad(set_to_none=True)``
         frees gradients between steps. Pinned host memory (``offload``) cannot be resized
         in place, so an offloaded shard keeps its host memory.
+
+        Raises:
+            TypeError: ``release`` is not a bool.
         """
+        check_bool("release", release)
         self.wait_reduce()
         self._has_grad = False
         if (
@@ -898,11 +949,13 @@ class DBuffer:
     def grad_norm_sq(self) -> torch.Tensor:
         """Sum of squares of this rank's :attr:`grad_shard` in fp32 (padding is zero).
 
-        The global squared norm is the sum of this over the shard axis; see
-        :func:`hyperrec.dbuffer.clip_grad_norm_`.
+        Accumulated in fp32, or in fp64 for an fp64 buffer (a narrowing norm is refused by
+        torch), and returned as fp32. The global squared norm is the sum of this over the
+        shard axis; see :func:`hyperrec.dbuffer.clip_grad_norm_`.
         """
         g = self.grad_shard
-        return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+        return torch.linalg.vector_norm(g, dtype=acc).square().float()
 
     @torch.no_grad()
     def gather_full(self, flat: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -992,10 +1045,12 @@ class DBuffer:
         Every entry is checked before the first one is copied.
 
         Raises:
-            TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
+            TypeError: ``state_dict`` is not a mapping, a value is not a tensor, or
+                ``strict`` is not a bool.
             KeyError: a name is missing (``strict``) or unknown.
             ValueError: a value has the wrong shape.
         """
+        check_bool("strict", strict)
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         unknown = set(state_dict) - set(self.names)
