@@ -264,7 +264,10 @@ class RaggedShard(Placement):
         rank boundary falls between rows (e.g. row boundaries of a matrix give
         ``dims=(0,)``; a single owner among several ranks gives ``dims=()``). An axis of
         one rank gets ``dims=(0,)`` (for tensors of 1 dim or more) so that the local shape
-        is the global one, as upstream DTensor assumes on such an axis.
+        is the global one, as upstream DTensor assumes on such an axis, empty tensors
+        included. A 0-d tensor has no dim to shard: it keeps ``dims=()`` and a local shape
+        ``(1,)`` there (a known limitation: ``full_tensor()`` of such a DTensor on a mesh
+        of one rank has shape ``(1,)``).
 
         Args:
             shape: the global tensor shape.
@@ -285,6 +288,9 @@ class RaggedShard(Placement):
                 f"numels sum to {sum(counts)} but a tensor of shape {dims} has {total} elements"
             )
         if total == 0:
+            if len(counts) == 1 and dims:
+                # One rank: its local tensor must be the global (empty) one, as below.
+                return cls((0,), (1,))
             # Nothing to hold: by convention rank 0 owns the (empty) tensor.
             return cls((), (1,) + (0,) * (len(counts) - 1))
         cuts = [b for b, _ in prefix_bounds(counts)[1:]]
