@@ -14,14 +14,17 @@ created before or after keep working. PyTorch FSDP2 does the same in its
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._group import ParamGroup, _Slot
+from hyperrec.raggedshard import wrap_local
 
-__all__ = ["resync_group"]
+__all__ = ["relayout_loaded", "resync_group"]
 
 
 def _registered(s: _Slot) -> torch.Tensor:
@@ -74,6 +77,34 @@ def _local_piece(p: torch.Tensor, buf: DBuffer, i: int) -> torch.Tensor | None:
             f"expected {tuple(buf.shapes[i])}"
         )
     return p.detach().reshape(-1)[lo:hi]
+
+
+def relayout_loaded(
+    group: ParamGroup, module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """``load_state_dict`` pre-hook of ``module``: turn the entries for its parameters that
+    are DTensors of another layout (FSDP2's ``Shard(0)``, another mesh) into DTensors of
+    this group's layout, so the ``copy_`` of ``load_state_dict`` runs between equal
+    placements (a copy across placements is not supported: it raised). The choice is
+    made from global metadata (placements, mesh, shape), the same on every rank, so every
+    rank joins the ``full_tensor()`` each converted entry needs. Entries of another shape
+    are left for ``load_state_dict`` to report."""
+    for s in group.slots:
+        p = s.sharded
+        for m, name in s.registrations:
+            v = state_dict.get(prefix + name) if m is module else None
+            if not isinstance(v, DTensor) or not isinstance(p, DTensor):
+                continue
+            if v.device_mesh == p.device_mesh and tuple(v.placements) == tuple(p.placements):
+                continue
+            if tuple(v.shape) != tuple(p.shape):
+                continue
+            piece = _local_piece(v, group.buffers[s.buffer], s.index)
+            assert piece is not None  # only meta tensors have none; full_tensor() is real
+            local = piece.reshape(p._local_tensor.shape).to(p._local_tensor.device)
+            state_dict[prefix + name] = wrap_local(
+                local, p.device_mesh, tuple(p.placements), shape=tuple(p.shape)
+            )
 
 
 def _views_into(group: ParamGroup, b: int, buf: DBuffer, targets: list[torch.Tensor]) -> None:

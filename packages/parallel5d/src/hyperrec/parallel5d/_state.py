@@ -98,6 +98,8 @@ class FSDPState:
             for owner in owners.values():
                 owner.register_state_dict_pre_hook(self._to_sharded_hook)
                 owner._register_load_state_dict_pre_hook(self._to_sharded_hook)
+                # DTensors of another layout (FSDP2's state dict) are loaded into ours.
+                owner._register_load_state_dict_pre_hook(self._relayout_hook, with_module=True)
                 # load_state_dict(assign=True) replaces parameters: rebuild around them.
                 owner.register_load_state_dict_post_hook(self._resync_hook)
         if len(modules) == 1:
@@ -118,6 +120,12 @@ class FSDPState:
     def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
         if self.group is not None:
             self.group.reshard()
+
+    def _relayout_hook(self, module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+        from hyperrec.parallel5d._convert import relayout_loaded
+
+        if self.group is not None:
+            relayout_loaded(self.group, module, state_dict, prefix)
 
     def _resync_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         from hyperrec.parallel5d._convert import resync_group
