@@ -100,7 +100,8 @@ def relayout_loaded(
             if tuple(v.shape) != tuple(p.shape):
                 continue
             piece = _local_piece(v, group.buffers[s.buffer], s.index)
-            assert piece is not None  # only meta tensors have none; full_tensor() is real
+            if piece is None:  # a meta entry: no values to lay out
+                continue
             local = piece.reshape(p._local_tensor.shape).to(p._local_tensor.device)
             state_dict[prefix + name] = wrap_local(
                 local, p.device_mesh, tuple(p.placements), shape=tuple(p.shape)
