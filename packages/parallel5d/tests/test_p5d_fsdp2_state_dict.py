@@ -6,7 +6,8 @@ each entry into the parameter; a copy between those placements raised "in-place
 operations that require placement changes are not supported" (while FSDP2 loads its own
 state dict, and ours loaded it with ``assign=True``). On 3 ranks (uneven: a bias of 3,
 a one-element parameter) and on a 2x2 HSDP mesh, the loaded parameters must equal
-FSDP2's, and both models must then train identically (AdamW, 2 steps).
+FSDP2's, and both models must then train identically (AdamW, 2 steps). Our own state
+dict on the 2x2 mesh also loads into our model on a 1-D mesh of 4 (it raised too).
 
 Caught: every test here failed before the fix (0.2.12).
 """
@@ -98,7 +99,18 @@ def _load_fsdp2_state_dict(mesh_shape: tuple[int, ...]) -> dict:
         n: float((_full(p) - _full(q)).abs().max())
         for (n, p), q in zip(model.named_parameters(), ref.parameters())
     }
+    cross = 0.0
+    if len(mesh_shape) == 2:  # ours on the 2x2 HSDP mesh into ours on a 1-D mesh of 4
+        torch.manual_seed(3)
+        flat = _model()
+        _shard(ours, flat, init_device_mesh("cpu", (4,)))
+        flat.load_state_dict(model.state_dict())
+        cross = max(
+            float((_full(p) - _full(q)).abs().max())
+            for p, q in zip(flat.parameters(), model.parameters())
+        )
     return {
+        "cross_mesh": cross,
         "loaded": loaded,
         "loss_err": max(abs(a - b) for a, b in zip(ref_losses, losses)),
         "trained": trained,
@@ -110,6 +122,7 @@ def _check(per_rank: list[dict]) -> None:
     for rank, r in enumerate(per_rank):
         assert "error" not in r, (rank, r)
         assert r["ours_sharded"], rank
+        assert r["cross_mesh"] == 0.0, (rank, r["cross_mesh"])
         assert max(r["loaded"].values()) == 0.0, (rank, r["loaded"])
         assert r["loss_err"] <= 1e-5, (rank, r)
         assert max(r["trained"].values()) <= 2e-6, (rank, r["trained"])
