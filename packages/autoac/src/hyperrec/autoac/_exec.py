@@ -104,16 +104,18 @@ class _Counter:
         return (op_name(func), k)
 
 
-def explicit_generator(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an op draws from a ``torch.Generator`` passed to it (``generator=g``)."""
-    if isinstance(kwargs.get("generator"), torch.Generator):
-        return True
-    return any(isinstance(a, torch.Generator) for a in args)
+def explicit_generator(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a random op draws from a ``torch.Generator`` passed to it
+    (``generator=g``), which a checkpoint cannot restore."""
+    passed = isinstance(kwargs.get("generator"), torch.Generator) or any(
+        isinstance(a, torch.Generator) for a in args
+    )
+    return passed and is_random(func, args, kwargs)
 
 
 def _check_replayable(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise for an op of a checkpointed region's forward that cannot be replayed."""
-    if _RNG_GUARD and is_random(func, args, kwargs) and explicit_generator(args, kwargs):
+    if _RNG_GUARD and explicit_generator(func, args, kwargs):
         raise NotImplementedError(
             f"autoac: {op_name(func)} draws from an explicit torch.Generator "
             "(generator=...) inside a checkpointed region: a checkpoint restores only "

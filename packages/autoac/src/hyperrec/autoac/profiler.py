@@ -41,7 +41,7 @@ from hyperrec.autoac._exec import (
 )
 from hyperrec.autoac._validate import check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
-from hyperrec.autoac.tracker import MemoryTracker, OpRecord, is_random
+from hyperrec.autoac.tracker import MemoryTracker, OpRecord
 
 __all__ = ["Profile", "ProfileConfig", "RegionProfile", "SavedOp", "StorageLife", "profile"]
 
@@ -354,7 +354,7 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
             # *before* the op runs, later versions after it, so the op the tracker
             # recorded last is not necessarily this one (see _number_policy_ops).
             calls.append(func)
-            if is_random(func, args, kwargs) and explicit_generator(args, kwargs):
+            if explicit_generator(func, args, kwargs):
                 tracker.explicit_generator.add(j)
 
         inner = sac_context_fn(RegionDecisions(mode="sac"), on_op=on_op)
