@@ -177,11 +177,18 @@ def main() -> None:
     worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"],
                     r["step12_default_over_none"]) for r in rows)  # fmt: skip
     suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
+    from hyperrec.jagged_attn._triton._direct import direct_requested
+
+    direct = direct_requested()
+    if not direct and not args.smoke:
+        suffix += "_no_direct_launch"
     path = write_result(args.out / f"validate_{suffix}.json", {
         "benchmark": "jagged_attn input checks: validate=True (default) / 'full' / False, "
                      "public forward, bf16, median ms per call",
         "device": device,
         "target": "default within 5% of validate=False (ratio <= 1.05)",
+        "direct_launch": direct,
+        "fused_schedule_check": True,
         "worst_default_over_none": worst,
         "seconds": time.perf_counter() - t0,
         "cases": rows,

@@ -482,25 +482,24 @@ def check_fixes(args, device: str, timer: Timer) -> dict:
     for fn in layers.values():
         fn()
     host_us = {name: device_and_host(fn, device=device)["host_us"] for name, fn in layers.items()}
-    # the opt-in direct relaunch (_triton/_direct.py): the public call with it
+    # the direct relaunch (_triton/_direct.py, on by default): the public call without it
+    from hyperrec.jagged_attn._triton import _direct
     from hyperrec.jagged_attn._triton._direct import DIRECT_ENV
 
     before = os.environ.get(DIRECT_ENV)
-    os.environ[DIRECT_ENV] = "1"
+    os.environ[DIRECT_ENV] = "0"
     try:
         fn = layers["public_default"]
-        fn()  # records the relaunchers
-        host_us["public_default_direct_launch"] = device_and_host(fn, device=device)["host_us"]
-        from hyperrec.jagged_attn._triton import _launch as launch_module
-
-        host_us["direct_launch_replayable"] = float(
-            bool(launch_module._RELAUNCH) and all(r.ok for r in launch_module._RELAUNCH.values())
-        )
+        host_us["public_default_without_direct_launch"] = device_and_host(
+            fn, device=device)["host_us"]  # fmt: skip
     finally:
         if before is None:
             os.environ.pop(DIRECT_ENV, None)
         else:
             os.environ[DIRECT_ENV] = before
+    host_us["direct_launch_replayable"] = float(
+        bool(_direct.RELAUNCH) and all(r.ok for r in _direct.RELAUNCH.values())
+    )
     out["host_us_per_call"] = dict(
         case=case.name, **host_us,
         criterion="the public call's host time below its GPU time at this case",

@@ -163,7 +163,7 @@ def test_gpu_eager_path_equals_custom_op():
 
 
 # ----------------------------------------------------------------------------------------
-# Opt-in direct relaunch (``_triton/_direct.py``): its bookkeeping, on stand-ins for a
+# Direct relaunch (``_triton/_direct.py``, on by default): its bookkeeping, on stand-ins for a
 # Triton kernel and its compiled launcher (the real replay is a GPU test)
 # ----------------------------------------------------------------------------------------
 
@@ -218,13 +218,55 @@ def test_relauncher_replays_and_falls_back(fake_triton):
     r = fake_triton.Relauncher(_FakeKernel(), compiled, (x, 7, 32), dict(BLOCK=128), {})
     assert r.ok
     y = torch.zeros(32)
-    assert r(5, (y, 2**20, 32))  # new tensor and unspecialised int: replayed
+    assert r((5,), (y, 2**20, 32))  # new tensor and unspecialised int: replayed
     assert compiled.runs == [(5, 1, 1, "stream", "fn", "md", None, None, None, y, 2**20, 32, 128)]
+    assert r((5, 3), (y, 2**20, 32))  # a 2-D grid
+    assert compiled.runs[-1][:3] == (5, 3, 1)
     z = torch.zeros(33)[1:]  # 4 bytes off: Triton would compile another variant
-    assert not r(5, (z, 7, 32))
-    assert not r(5, (y, 7, 48))  # a specialised int changed
-    assert not r(5, (y, 2**31, 32))  # beyond int32: another signature
-    assert len(compiled.runs) == 1
+    assert not r((5,), (z, 7, 32))
+    assert not r((5,), (y, 7, 48))  # a specialised int changed
+    assert not r((5,), (y, 2**31, 32))  # beyond int32: another signature
+    fake_triton._current_device = lambda: 1  # another current device
+    assert not r((5,), (y, 2**20, 32))
+    assert len(compiled.runs) == 2
+
+
+def test_launch_records_then_replays(fake_triton, monkeypatch):
+    calls = []
+    compiled = _FakeCompiled()
+
+    class Kernel(_FakeKernel):
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append((grid, args, kw))
+                return compiled
+
+            return run
+
+    monkeypatch.setattr(fake_triton, "RELAUNCH", {})
+    monkeypatch.setattr(fake_triton, "direct_requested", lambda: True)
+    k, x = Kernel(), torch.zeros(64)
+    assert fake_triton.launch(k, (2,), ("k",), (x, 7, 32), dict(BLOCK=128), {}) is compiled
+    assert fake_triton.launch(k, (3,), ("k",), (x, 9, 32), dict(BLOCK=128), {}) is None
+    assert len(calls) == 1 and compiled.runs[0][:3] == (3, 1, 1)  # the second was replayed
+    assert fake_triton.launch(k, (3,), ("k",), (x, 9, 48), dict(BLOCK=128), {}) is compiled
+    assert len(calls) == 2  # a specialised int changed: Triton's path
+    monkeypatch.setattr(fake_triton, "direct_requested", lambda: False)
+    fake_triton.launch(k, (3,), ("k",), (x, 9, 32), dict(BLOCK=128), {})
+    assert len(calls) == 3  # switched off: always Triton's path
+
+
+def test_direct_launch_switch(monkeypatch):
+    from hyperrec.jagged_attn._triton import _direct
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv(_direct.DIRECT_ENV, raising=False)
+    assert _direct.direct_requested()  # on by default
+    monkeypatch.setenv(_direct.DIRECT_ENV, "0")
+    assert not _direct.direct_requested()
+    monkeypatch.setenv(_direct.DIRECT_ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _direct.direct_requested()  # the interpreter has no compiled launcher
 
 
 def test_relauncher_refuses_what_it_cannot_replay(fake_triton, monkeypatch):
@@ -255,6 +297,7 @@ def test_run_convention_of_this_triton():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (not the interpreter)")
 def test_gpu_direct_relaunch_equals_triton_launch(monkeypatch):
+    from hyperrec.jagged_attn._triton import _direct
     from hyperrec.jagged_attn._triton._direct import DIRECT_ENV
 
     lens = [300, 0, 1, 129, 64, 513]
@@ -263,18 +306,36 @@ def test_gpu_direct_relaunch_equals_triton_launch(monkeypatch):
                for _ in range(3))  # fmt: skip
     do = torch.randn(sum(lens), 4, 128, device="cuda").to(torch.bfloat16)
 
-    def run():
-        out = jagged_attention(q, k, v, off, 513, causal=True)
+    def run(offsets, max_len=513):
+        out = jagged_attention(q, k, v, offsets, max_len, causal=True)
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 
     monkeypatch.setenv(DIRECT_ENV, "0")
-    want = run()
+    want = run(off.clone())
     monkeypatch.setenv(DIRECT_ENV, "1")
-    monkeypatch.setattr(_launch, "_RELAUNCH", {})
-    first = run()  # Triton's launches; relaunchers recorded
-    assert _launch._RELAUNCH and all(r.ok for r in _launch._RELAUNCH.values()), (
+    monkeypatch.setattr(_direct, "RELAUNCH", {})
+    replays = []
+    real = _direct.Relauncher.__call__
+
+    def counted(self, grid, args):
+        done = real(self, grid, args)
+        replays.append(done)
+        return done
+
+    monkeypatch.setattr(_direct.Relauncher, "__call__", counted)
+    # new offsets objects: schedules (with the fused check) built; then the same offsets
+    # with another max_seqlen: cached schedules, the separate check kernel
+    o1 = off.clone()
+    first = run(o1)  # Triton's launches; relaunchers recorded
+    run(o1, 600)  # (replays the attention kernels; records the check kernel's)
+    assert {key[0] for key in _direct.RELAUNCH} >= {"tiles", "checks", "delta"}
+    assert _direct.RELAUNCH and all(r.ok for r in _direct.RELAUNCH.values()), (
         "this Triton's launch convention is not replayable"
     )
-    again = run()  # replayed
-    for a, b, c in zip(want, first, again):
+    o2 = off.clone()
+    again = run(o2)  # replayed
+    again_600 = run(o2, 600)
+    assert sum(replays) >= 6, replays  # tiles x2, attention x3, delta (at least)
+    for a, b, c, d in zip(want, first, again, again_600):
+        assert torch.equal(a, d)
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -154,9 +154,11 @@ def check_tensor(
 #   naming the argument. Free on CPU tensors (no device to wait for), so the default there;
 #   on CUDA only with ``validate="full"`` (it waits for the GPU: a host sync per call).
 # * ``"device"``: the default on CUDA. The same conditions, reduced on the GPU to one flag
-#   and checked by ``torch._assert_async``: no host sync, two kernel launches (one Triton
-#   kernel computes the flag, ``_triton/_checks.py``; PyTorch ops where Triton cannot run),
-#   and those only for offsets the call has not seen before (results are cached per tensor
+#   and checked by ``torch._assert_async``: no host sync. For the Triton forward on a new
+#   offsets object the flag comes from its tile-schedule kernel (``_triton/_tiles.py``), so
+#   the check adds only the assert; otherwise one Triton kernel computes it
+#   (``_triton/_checks.py``; PyTorch ops where Triton cannot run). Either only for offsets
+#   the call has not seen before (results are cached per tensor
 #   object and version, like the kernels' schedules). A violation is a device-side assert:
 #   the CUDA error surfaces at the next synchronisation and leaves the CUDA context
 #   unusable, as any device-side assert does (re-run with ``validate="full"`` for the
@@ -164,6 +166,7 @@ def check_tensor(
 # * ``"none"``: ``validate=False``, and inside ``torch.compile`` tracing (the graph carries
 #   the custom op; the checks would break it).
 
+import threading  # noqa: E402
 import weakref  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -174,12 +177,15 @@ __all__ += [
     "INDEX_DTYPES",
     "VALIDATE_CHOICES",
     "CheckMode",
+    "DeviceCheck",
     "Names",
     "Validate",
     "check_index_tensor",
     "check_qkv",
     "check_validate",
     "run_value_checks",
+    "set_pending_check",
+    "take_pending_check",
     "value_check_mode",
 ]
 
@@ -477,6 +483,45 @@ def _already_checked(tensors: tuple[torch.Tensor | None, ...], scalars: tuple[in
     return False
 
 
+class DeviceCheck:
+    """A ``"device"``-mode value check that has not run yet (see :func:`run_value_checks`
+    with ``defer=True``): ``args`` is the argument tuple of ``_checks.values_ok``."""
+
+    __slots__ = ("args", "message")
+
+    def __init__(self, args: tuple[Any, ...], message: str) -> None:
+        self.args, self.message = args, message
+
+    def run(self) -> None:
+        """Compute the flag (its own launch) and assert it on the device."""
+        _assert_async(_fused_condition(*self.args), self.message)
+
+    def assert_flag(self, ok: torch.Tensor) -> None:
+        """Assert a flag computed elsewhere (the tile-schedule kernel) from :attr:`args`."""
+        _assert_async(ok, self.message)
+
+
+# The deferred check of the call in progress on this thread: set by the public layer
+# around the Triton op, taken by the forward launcher (``take_pending_check``), which
+# fuses it into the schedule build of a new offsets object or runs it before its kernel.
+_pending = threading.local()
+
+
+def set_pending_check(check: DeviceCheck | None) -> DeviceCheck | None:
+    """Make ``check`` the pending check of this thread; returns the one it replaces."""
+    old = getattr(_pending, "check", None)
+    _pending.check = check
+    return old
+
+
+def take_pending_check() -> DeviceCheck | None:
+    """The pending check of this thread (now no longer pending), or None."""
+    check = getattr(_pending, "check", None)
+    if check is not None:
+        _pending.check = None
+    return check
+
+
 def run_value_checks(
     mode: CheckMode,
     q: torch.Tensor,
@@ -489,8 +534,13 @@ def run_value_checks(
     kv_index: torch.Tensor | None,
     num_targets: torch.Tensor | None,
     names: Names,
-) -> None:
+    defer: bool = False,
+) -> DeviceCheck | None:
     """The value checks in ``mode`` (see :func:`value_check_mode`).
+
+    ``defer=True`` (``"device"`` mode): instead of launching the check, return it as a
+    :class:`DeviceCheck` for the caller to fuse into its own first kernel or run before
+    it; None when there is nothing to check (other modes, or offsets already checked).
 
     Raises:
         ValueError: (``"host"`` mode) an offsets tensor does not start at 0, decreases, or
@@ -507,10 +557,14 @@ def run_value_checks(
         tensors = (q_offsets, kv_offsets, kv_index, num_targets)
         scalars = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_kv)
         if _already_checked(tensors, scalars):
-            return
-        _assert_async(
-            _fused_condition(*args),
+            return None
+        check = DeviceCheck(
+            args,
             f"hyperrec.jagged_attn: invalid {names.q_offsets}, {names.kv_offsets}, "
             f"{names.max_seqlen_q}, {names.max_seqlen_kv}, kv_index or num_targets values "
             "(call with validate='full' for the error that names the argument)",
         )
+        if defer:
+            return check
+        check.run()
+    return None

@@ -1,4 +1,4 @@
-"""Opt-in direct relaunch of compiled kernels: ``JAGGED_ATTN_DIRECT_LAUNCH=1``.
+"""Direct relaunch of compiled kernels (default; ``JAGGED_ATTN_DIRECT_LAUNCH=0`` turns it off).
 
 Every ``kernel[grid](*args, **kwargs)`` goes through Triton's launch path: it binds ~75
 arguments and constexprs, computes each one's specialisation, builds and hashes the
@@ -12,9 +12,12 @@ others); otherwise the call takes Triton's path.
 
 It replays an internal calling convention (the one Triton's ``JITFunction.run`` uses, read
 from this Triton's source at first use, and the binder's argument order, compared with
-ours at the first launch of each key); any mismatch disables it for that key. Off by
-default until a GPU run has validated it (``tests/test_triton_layout.py``, ``gpu``;
-``bench/diagnose_variance.py`` measures the host time with and without it).
+ours at the first launch of each key); any mismatch disables it for that key. Every
+kernel of a bf16 call goes through :func:`launch` (the attention kernels through
+``_launch._launch_persistent``): the tile schedule, the value check, the backward's delta
+pass. On by default since its GPU validation (``tests/test_triton_layout.py``, ``gpu``:
+bit-identical outputs and gradients to Triton's own launches; ``bench/diagnose_variance.py``
+measures the host time with and without it).
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIRECT_ENV", "Relauncher", "direct_requested"]
+__all__ = ["DIRECT_ENV", "RELAUNCH", "Relauncher", "direct_requested", "launch"]
 
-#: Environment variable that opts into direct relaunches (``"1"``).
+#: Environment variable that switches direct relaunches off (``"0"``); on otherwise.
 DIRECT_ENV = "JAGGED_ATTN_DIRECT_LAUNCH"
+
+#: One :class:`Relauncher` per launch key (a key fixes the kernel, its constexprs, its
+#: launch options and the device).
+RELAUNCH: dict[tuple[object, ...], Relauncher] = {}
 
 # What JITFunction.run must contain for the replay below to be the same call.
 _RUN_SOURCE = (
@@ -41,8 +48,13 @@ _INT32 = (-(2**31), 2**31)
 
 
 def direct_requested() -> bool:
-    """Whether :data:`DIRECT_ENV` asks for direct relaunches."""
-    return os.environ.get(DIRECT_ENV, "0") == "1"
+    """Whether direct relaunches are on: unless :data:`DIRECT_ENV` is ``"0"``, and never
+    under Triton's interpreter (it has no compiled launcher)."""
+    if os.environ.get(DIRECT_ENV, "1") == "0":
+        return False
+    from hyperrec.jagged_attn._triton import interpreting
+
+    return not interpreting()
 
 
 def _current_device() -> int:
@@ -114,19 +126,38 @@ class Relauncher:
         lo, hi = _INT32
         return all(lo <= args[i] < hi for i in self.ints)
 
-    def __call__(self, grid0: int, args: tuple[Any, ...]) -> bool:
-        """Launch on ``(grid0,)`` and return True, or return False (nothing launched) if
-        ``args`` would specialise differently from the first launch."""
+    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...]) -> bool:
+        """Launch on ``grid`` (1 to 3 dims) and return True, or return False (nothing
+        launched) if ``args`` would specialise differently from the first launch, or the
+        current device is another one."""
         ptr = 0
         for i in self.tensors:
             ptr |= args[i].data_ptr()
         if ptr % 16 or [args[i] for i in self.fixed] != self.fixed_values:
             return False
-        if not self._ints_ok(args):
+        if not self._ints_ok(args) or _current_device() != self.device:
             return False
+        g0, g1, g2 = (*grid, 1, 1)[:3]
         values = (*args, *self.tail)
         c = self.compiled
         stream = _current_stream(self.device)
-        meta = c.launch_metadata((grid0, 1, 1), stream, *values)
-        c.run(grid0, 1, 1, stream, c.function, c.packed_metadata, meta, *_hooks(), *values)
+        meta = c.launch_metadata((g0, g1, g2), stream, *values)
+        c.run(g0, g1, g2, stream, c.function, c.packed_metadata, meta, *_hooks(), *values)
         return True
+
+
+def launch(kernel: Any, grid: tuple[int, ...], key: tuple[object, ...], args: tuple[Any, ...],
+           kw: dict[str, Any], options: dict[str, Any]) -> Any:  # fmt: skip
+    """``kernel[grid](*args, **kw, **options)``: replayed through the :class:`Relauncher`
+    of ``key`` when direct relaunches are on and it applies. Returns the compiled kernel
+    when Triton's path ran, None after a replay. ``key`` must fix everything but ``args``
+    (the kernel, ``kw``, ``options``, the device)."""
+    if not direct_requested():
+        return kernel[grid](*args, **kw, **options)
+    relaunch = RELAUNCH.get(key)
+    if relaunch is not None and relaunch.ok and relaunch(grid, args):
+        return None
+    compiled = kernel[grid](*args, **kw, **options)
+    if relaunch is None:
+        RELAUNCH[key] = Relauncher(kernel, compiled, args, kw, options)
+    return compiled

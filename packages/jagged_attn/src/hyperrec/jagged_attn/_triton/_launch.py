@@ -19,9 +19,8 @@ import triton
 import triton.language as tl
 
 from hyperrec.jagged_attn._opschema import AttentionCall
-from hyperrec.jagged_attn._triton import _configs, _kernels, interpreting
+from hyperrec.jagged_attn._triton import _configs, _direct, _kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
-from hyperrec.jagged_attn._triton._direct import Relauncher, direct_requested
 from hyperrec.jagged_attn._triton._probe import hopper_features
 from hyperrec.jagged_attn._triton._schedule import (
     as_int32,
@@ -34,6 +33,7 @@ from hyperrec.jagged_attn._triton._schedule import (
     work_upper_bound,
 )
 from hyperrec.jagged_attn._triton._tiles import tile_schedule
+from hyperrec.jagged_attn._validate import DeviceCheck, take_pending_check
 
 __all__ = ["attention_backward", "attention_forward"]
 
@@ -184,22 +184,11 @@ def _launch_persistent(kernel, work_upper_bound: int, device, cfg: KernelConfig,
     """Launch ``kernel`` on min(upper bound of work items, programs resident at once)."""
     occ = _OCCUPANCY.get(key, 1)
     grid0 = max(1, min(work_upper_bound, _num_sms(device) * occ))
-    direct = direct_requested()
-    if direct:
-        relaunch = _RELAUNCH.get(key)
-        if relaunch is not None and relaunch.ok and relaunch(grid0, args):
-            return
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    compiled = kernel[(grid0,)](*args, **kw, **options)
-    if key not in _OCCUPANCY and not interpreting():
+    compiled = _direct.launch(kernel, (grid0,), key, args, kw, options)
+    if compiled is not None and key not in _OCCUPANCY and not interpreting():
         _OCCUPANCY[key] = _occupancy(compiled, cfg.num_warps, device)
         _COMPILED[key] = compiled
-    if direct and key not in _RELAUNCH and not interpreting():
-        _RELAUNCH[key] = Relauncher(kernel, compiled, args, kw, options)
-
-
-# Opt-in direct relaunches (``_direct.py``), per launch key.
-_RELAUNCH: dict[tuple[object, ...], Relauncher] = {}
 
 
 # The compiled kernel of each key (for benchmarks: registers, spills, shared memory, IR).
@@ -536,24 +525,36 @@ def attention_forward(
     if plan is None:
         plan = _remember(_FWD_PLANS, signature, _forward_plan(call, out, fast_math, config))
     assert k.shape[0] == v.shape[0], "k and v must have the same number of tokens"
+    # The public layer's deferred value check (``_validate.DeviceCheck``): fused into the
+    # schedule build below when this call builds one, else run before any kernel.
+    check = take_pending_check()
+    cfg, kw = plan.cfg, plan.kw
+    no_schedule = total_q == 0 or n_seq == 0 or (plan.gluon and gluon_requested())
+    if check is not None and (no_schedule or (cfg.pack_rows and _packable(call))):
+        check.run()
+        check = None
     if total_q == 0 or n_seq == 0:
         return out, lse
     if plan.gluon and gluon_requested():
         return _gluon_forward(call)
-    cfg, kw = plan.cfg, plan.kw
     coef = _coef(spec)
     if cfg.pack_rows and _packable(call):
         _forward_packed(call, cfg, coef, plan.ce, out, lse)
         return out, lse
     if kw["PREFETCH"]:
+        if check is not None:
+            check.run()
         q_offsets, kv_offsets, tile_meta, total = _fwd_schedule(
             call, cfg.block_m, cfg.work_order, prefetch=True
         )
         tile_seq = tile_idx = total  # not read
     else:
+        checks = [check] if check is not None else []
         q_offsets, kv_offsets, tile_seq, tile_idx, total = _fwd_schedule(
-            call, cfg.block_m, cfg.work_order
+            call, cfg.block_m, cfg.work_order, checks=checks
         )
+        if checks:  # the schedule was cached (or not built by the fused kernel)
+            checks[0].run()
         tile_meta = total  # not read
     kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
     # the dynamic schedule's shared item counter, zeroed for this launch
@@ -603,20 +604,32 @@ def _coef(spec) -> float:
 
 
 def _fwd_schedule(
-    call: AttentionCall, block_m: int, order: str, prefetch: bool = False
+    call: AttentionCall,
+    block_m: int,
+    order: str,
+    prefetch: bool = False,
+    checks: list[DeviceCheck] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(int32 q offsets, int32 kv offsets, the query-tile schedule of the forward or the dQ
-    kernel...): one cache lookup per call (see :mod:`._schedule`)."""
+    kernel...): one cache lookup per call (see :mod:`._schedule`).
+
+    ``checks``: at most one pending value check of this call. When the default schedule is
+    built here (a new offsets object) the schedule kernel computes the check's flag, the
+    check is asserted and removed from the list; otherwise it stays for the caller."""
     causal, total_q = call.spec.mask.causal, call.q.shape[0]
     tensors = (call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets)
 
     def build() -> tuple[torch.Tensor, ...]:
         if not prefetch and order == "cost":  # the default: one kernel launch
             upper = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, block_m)
+            check = checks.pop() if checks else None
             q32, kv32, *table = tile_schedule(
                 call.q_offsets, call.kv_offsets, as_int32(call.kv_index), block_m, causal, upper,
                 call.spec.max_seqlen_kv, kv_tiles=False,
+                check=None if check is None else check.args,
             )  # fmt: skip
+            if check is not None:
+                check.assert_flag(table.pop())
             remember_int32(call.q_offsets, q32)
             remember_int32(call.kv_offsets, kv32)
             return (q32, kv32, *table)
@@ -754,9 +767,11 @@ def attention_backward(
         return dq, dk, dv
     if softmax:
         delta = torch.empty_like(lse)
-        _kernels._bwd_delta_kernel[(triton.cdiv(total_q, _DELTA_ROWS), n_heads)](
-            out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0),
-            grad_out.stride(1), delta.stride(0), total_q, **plan.delta_kw,
+        _direct.launch(
+            _kernels._bwd_delta_kernel, (triton.cdiv(total_q, _DELTA_ROWS), n_heads),
+            ("delta", signature),
+            (out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0),
+             grad_out.stride(1), delta.stride(0), total_q), plan.delta_kw, {},
         )  # fmt: skip
         lse_arg, delta_arg, stride_lh = lse, delta, lse.stride(0)
     else:

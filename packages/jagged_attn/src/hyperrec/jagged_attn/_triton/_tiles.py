@@ -20,19 +20,30 @@ forward and dQ kernels, with or without a query -> kv map) and key-tile schedule
 self-attention maps (dK/dV without ``kv_index``) are built here; the opt-in variants
 (``work_order="sequence"``, ``prefetch``) and the dK/dV schedule with a map keep the
 PyTorch builders.
+
+With ``check=`` the kernel first runs the default value check of the call
+(``_checks.values_bad``: one launch fewer per new offsets object) and writes its flag;
+invalid values build an empty schedule, so nothing is written out of bounds before the
+caller's ``torch._assert_async`` fires.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+
+from hyperrec.jagged_attn._triton._checks import CHECK_BLOCK, check_constexprs, values_bad
+from hyperrec.jagged_attn._triton._direct import launch
 
 __all__ = ["tile_schedule"]
 
 # Cost buckets of the counting sort, and sequences per step of the kernel's loops.
 _BINS = 4096
 _SEQS = 1024
+_OPTIONS = {"num_warps": 8}
 
 
 @triton.jit
@@ -65,13 +76,22 @@ def _tile_bucket(t, lq, lk, gran, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     return tl.minimum((work + BLOCK) // gran, BINS - 1)
 
 
-@triton.jit(do_not_specialize=["n_seq", "n_q_off", "n_kv_off", "upper", "gran"])
+@triton.jit(do_not_specialize=["n_seq", "n_q_off", "n_kv_off", "upper", "gran", "c_total_q",
+                               "c_total_k", "c_max_q", "c_max_kv"])  # fmt: skip
 def _tile_schedule_kernel(
     QO, KO, KI, QO32, KO32, TILE_SEQ, TILE_IDX, TOTAL, CURSOR,
     n_seq, n_q_off, n_kv_off, upper, gran,
+    KIC, NTC, OK, c_total_q, c_total_k, c_max_q, c_max_kv,
     BLOCK: tl.constexpr, CAUSAL: tl.constexpr, KV_TILES: tl.constexpr, HAS_MAP: tl.constexpr,
     WRITE_Q32: tl.constexpr, WRITE_KV32: tl.constexpr, BINS: tl.constexpr, SEQS: tl.constexpr,
+    CHECK: tl.constexpr, C_SAME: tl.constexpr, C_HAS_MAP: tl.constexpr,
+    C_HAS_TARGETS: tl.constexpr, C_BLOCK: tl.constexpr,
 ):  # fmt: skip
+    if CHECK:  # the call's value check (``_checks.py``); invalid values: an empty schedule
+        bad = values_bad(QO, KO, KIC, NTC, n_q_off - 1, n_kv_off - 1, c_total_q, c_total_k,
+                         c_max_q, c_max_kv, C_SAME, C_HAS_MAP, C_HAS_TARGETS, C_BLOCK)  # fmt: skip
+        tl.store(OK, (bad == 0).to(tl.int32))
+        n_seq = tl.where(bad == 0, n_seq, 0)
     lanes = tl.arange(0, SEQS)
     bins = tl.arange(0, BINS)
     tl.store(CURSOR + bins, tl.zeros([BINS], dtype=tl.int32))
@@ -142,8 +162,10 @@ def tile_schedule(
     max_len: int,
     *,
     kv_tiles: bool,
+    check: tuple[Any, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)`` from one launch.
+    """``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)`` from one launch, and
+    with ``check`` a sixth entry: the value check's flag (0-dim int32, 1 = valid).
 
     Query tiles of ``block`` rows (``kv_tiles=False``: the forward and dQ kernels; a
     ``kv_index`` maps query sequences to kv sequences) or key tiles (``kv_tiles=True``:
@@ -152,6 +174,11 @@ def tile_schedule(
     can reach (``max_seqlen_kv`` for query tiles, ``max_seqlen_q`` for key tiles; a bound
     that is too small only coarsens the order). The int32 offsets are the inputs if they
     are int32 already, else copies written by the same launch.
+
+    ``check`` is the argument tuple of ``_checks.values_ok`` (``total_q, total_k,
+    q_offsets, kv_offsets, max_seqlen_q, max_seqlen_kv, kv_index, num_targets``, the
+    offsets being these ``q_offsets``/``kv_offsets``): the kernel runs that check first,
+    and on invalid values builds an empty schedule (``total`` 0) instead.
     """
     assert not (kv_tiles and kv_index is not None), "key tiles with a kv_index: use _schedule"
     device = q_offsets.device
@@ -166,11 +193,31 @@ def tile_schedule(
     cursor = torch.empty(_BINS, dtype=torch.int32, device=device)
     gran = max(1, -(-(max_len + block + 1) // _BINS))
     n_seq = q_offsets.numel() - 1
-    _tile_schedule_kernel[(1,)](
-        q_offsets, kv_offsets, q_offsets if kv_index is None else kv_index, q32, kv32,
-        tile_seq, tile_idx, total, cursor, n_seq, q_offsets.numel(), kv_offsets.numel(),
-        upper, gran, BLOCK=block, CAUSAL=causal, KV_TILES=kv_tiles,
-        HAS_MAP=kv_index is not None, WRITE_Q32=write_q, WRITE_KV32=write_kv, BINS=_BINS,
-        SEQS=_SEQS, num_warps=8,
-    )  # fmt: skip
-    return q32, kv32, tile_seq, tile_idx, total
+    if check is None:
+        ok = total  # not written
+        c_args: tuple[Any, ...] = (q_offsets, q_offsets, 0, 0, 0, 0)
+        flags = dict(C_SAME=True, C_HAS_MAP=False, C_HAS_TARGETS=False)
+    else:
+        c_total_q, c_total_k, c_qo, c_ko, c_max_q, c_max_kv, c_map, c_targets = check
+        assert c_qo is q_offsets and c_ko is kv_offsets, "check: another call's offsets"
+        ok = torch.empty((), dtype=torch.int32, device=device)
+        c_args = (q_offsets if c_map is None else c_map,
+                  q_offsets if c_targets is None else c_targets,
+                  c_total_q, c_total_k, c_max_q, c_max_kv)  # fmt: skip
+        flags = {"C_" + name: value for name, value in check_constexprs(
+            q_offsets, kv_offsets, c_total_q, c_total_k, c_max_q, c_max_kv, c_map, c_targets
+        ).items()}  # fmt: skip
+    c_map, c_targets = c_args[0], c_args[1]
+    args = (q_offsets, kv_offsets, q_offsets if kv_index is None else kv_index, q32, kv32,
+            tile_seq, tile_idx, total, cursor, n_seq, q_offsets.numel(), kv_offsets.numel(),
+            upper, gran, c_map, c_targets, ok, *c_args[2:])  # fmt: skip
+    kw = dict(BLOCK=block, CAUSAL=causal, KV_TILES=kv_tiles, HAS_MAP=kv_index is not None,
+              WRITE_Q32=write_q, WRITE_KV32=write_kv, BINS=_BINS, SEQS=_SEQS,
+              CHECK=check is not None, **flags, C_BLOCK=CHECK_BLOCK)  # fmt: skip
+    # the key fixes the compiled variant: constexprs and the index tensors' dtypes
+    key = ("tiles", device, q_offsets.dtype, kv_offsets.dtype, c_map.dtype, c_targets.dtype,
+           *kw.values())  # fmt: skip
+    launch(_tile_schedule_kernel, (1,), key, args, kw, _OPTIONS)
+    if check is None:
+        return q32, kv32, tile_seq, tile_idx, total
+    return q32, kv32, tile_seq, tile_idx, total, ok
