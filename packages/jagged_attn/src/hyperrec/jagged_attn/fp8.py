@@ -283,6 +283,8 @@ def resolve_precision(precision: object) -> FP8Config | None:
         ValueError: an unknown name.
         ModuleNotFoundError: ``"mxfp8"`` without hyperrec-mxfp8 installed.
     """
+    if precision == "bf16" and type(precision) is str:  # the default: no checks to run
+        return None
     if isinstance(precision, FP8Config):
         config = precision
     elif isinstance(precision, str):

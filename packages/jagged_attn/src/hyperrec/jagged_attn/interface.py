@@ -15,7 +15,7 @@ import torch
 
 from hyperrec.jagged_attn._dispatch import BACKENDS, Backend, resolve_backend
 from hyperrec.jagged_attn._opschema import AttentionCall, make_spec
-from hyperrec.jagged_attn._triton.ops import attention_triton
+from hyperrec.jagged_attn._triton.ops import attention_triton, attention_triton_call
 from hyperrec.jagged_attn._validate import (
     Names,
     Validate,
@@ -96,11 +96,13 @@ def _dispatch(
     )
     call = AttentionCall(q=q, k=k, v=v, q_offsets=q_offsets, kv_offsets=kv_offsets,
                          kv_index=kv_index, num_targets=num_targets, spec=spec)  # fmt: skip
-    if check is None:
+    if op is not attention_triton:
         return op(*call.op_args())
+    if check is None:
+        return attention_triton_call(call)
     outer = set_pending_check(check)
     try:
-        out = op(*call.op_args())
+        out = attention_triton_call(call)
     finally:
         left = set_pending_check(outer)
     if left is not None:  # a path that launched no attention kernel: check all the same

@@ -38,10 +38,13 @@ def supports(device: torch.device | str, dtype: torch.dtype | None = None) -> bo
         return False
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
         return False
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if interpreting():
         return device.type == "cpu"
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
+        return False
+    if device.index not in _CAPABILITY and not torch.cuda.is_available():
         return False
     return _capability(device.index)[0] >= 8
 

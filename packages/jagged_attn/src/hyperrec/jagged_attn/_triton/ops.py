@@ -29,6 +29,7 @@ from hyperrec.jagged_attn._triton._probe import supports
 __all__ = [
     "attention_triton",
     "attention_triton_bwd",
+    "attention_triton_call",
     "attention_triton_fwd",
     "unsupported_reason",
 ]
@@ -168,15 +169,27 @@ def attention_triton(*args) -> torch.Tensor:
     Both paths compute the same thing with the same kernels.
     """
     if _eager(args[0], args[1], args[2]):
-        call = _prepared(AttentionCall.from_op_args(args))
-        q, k, v = call.q, call.k, call.v
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return _EagerAttention.apply(q, k, v, call)
-        from hyperrec.jagged_attn._triton._launch import attention_forward
-
-        return attention_forward(call)[0]
+        return _eager_forward(AttentionCall.from_op_args(args))
     out, _ = attention_triton_fwd(*args)
     return out
+
+
+def attention_triton_call(call: AttentionCall) -> torch.Tensor:
+    """:func:`attention_triton` on an :class:`AttentionCall`: the public layer's entry,
+    which in eager mode skips encoding the spec into op arguments and decoding it again."""
+    if _eager(call.q, call.k, call.v):
+        return _eager_forward(call)
+    return attention_triton(*call.op_args())
+
+
+def _eager_forward(call: AttentionCall) -> torch.Tensor:
+    call = _prepared(call)
+    q, k, v = call.q, call.k, call.v
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(q, k, v, call)
+    from hyperrec.jagged_attn._triton._launch import attention_forward
+
+    return attention_forward(call)[0]
 
 
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
