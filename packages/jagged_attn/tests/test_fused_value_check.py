@@ -134,8 +134,12 @@ def device_mode(monkeypatch):
         counts["fused"] += 1
         real_flag(self, ok)
 
+    def in_kernel(self):
+        counts["fused"] += 1
+
     monkeypatch.setattr(_validate.DeviceCheck, "run", run)
     monkeypatch.setattr(_validate.DeviceCheck, "assert_flag", flag)
+    monkeypatch.setattr(_validate.DeviceCheck, "asserted_in_kernel", in_kernel)
     _validate._checked.clear()
     yield counts
     assert _validate.take_pending_check() is None  # nothing left pending on the thread
@@ -175,6 +179,24 @@ def test_invalid_values_raise_through_the_fused_check(device_mode):
     bad = torch.tensor([0, 5, 3, 22, 31])  # decreasing
     with pytest.raises(RuntimeError, match="validate='full'"):
         jagged_attention(q, k, v, bad, 17, backend="triton")
+
+
+def test_in_kernel_assert_only_off_the_interpreter(monkeypatch):
+    from hyperrec.jagged_attn._triton import _tiles
+
+    assert _tiles._assert_options() is None  # the interpreter: the caller asserts the flag
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    opts = _tiles._assert_options()
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:
+        assert opts is None
+        return
+    fields = CUDAOptions.__dataclass_fields__
+    if "debug" in fields and "sanitize_overflow" in fields:
+        assert opts == {"num_warps": 8, "debug": True, "sanitize_overflow": False}
+    else:
+        assert opts is None
 
 
 def test_paths_without_a_schedule_build_check_on_their_own(device_mode):

@@ -27,11 +27,14 @@ __all__ = [
     "TMA_KV",
     "TMA_O",
     "TMA_Q",
+    "PACKED",
+    "PACK_ROWS_MAX_LEN",
     "TUNED",
     "TUNED_POINTWISE",
     "WORK_ORDERS",
     "KernelConfig",
     "config_key",
+    "packed_config",
     "select_config",
 ]
 
@@ -207,6 +210,31 @@ TUNED_POINTWISE: dict[tuple[str, str, int, str], KernelConfig] = {
     ("dkdv", "sm90", 64, "long"): _bwd(_c(32, 64, 4, 3)),
     ("dkdv", "sm90", 128, "long"): _bwd(_c(32, 64, 4, 3)),
 }
+
+#: Longest sequence for which the forward packs rows by default (see :data:`PACKED`).
+PACK_ROWS_MAX_LEN = 64
+
+#: The default forward of self-attention calls (no mask or causal, no kv map, no targets)
+#: whose sequences are all at most :data:`PACK_ROWS_MAX_LEN` long, per (arch, padded head
+#: dim): the packed-rows kernel (``pack_rows``), whose 64-row spans hold several
+#: sequences. On the H200 (``bench/results/attention_quick_h200_2026-12-03.json``,
+#: tiny-u-B2048-L64-H4-D128, 4 fresh instances) it ran the forward at 50 TFLOP/s on the
+#: GPU against the one-tile-per-sequence kernel's 29 and padded SDPA's 32. Calls that do
+#: not qualify keep :data:`TUNED`'s entry.
+PACKED: dict[tuple[str, int], KernelConfig] = {
+    ("sm90", 64): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                               pack_rows=True),
+    ("sm90", 128): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                pack_rows=True),
+}  # fmt: skip
+
+
+def packed_config(arch: str, head_dim: int, max_seqlen: int) -> KernelConfig | None:
+    """The default packed-rows forward for this call's key (:data:`PACKED`), or None."""
+    if max_seqlen > PACK_ROWS_MAX_LEN:
+        return None
+    return PACKED.get((arch, max(32, 1 << (max(head_dim, 1) - 1).bit_length())))
+
 
 #: What ``bench/tune_configs.py`` searches, per kernel (dK/dV also with ``dq_atomic``).
 CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {

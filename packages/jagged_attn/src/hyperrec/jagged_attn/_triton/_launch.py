@@ -341,6 +341,9 @@ class _ForwardPlan:
     key: _Key
     ce: dict[str, Any]
     host_descs: bool
+    packed: KernelConfig | None
+    """The packed-rows forward to run when the call qualifies (``_packable``): a pinned
+    ``pack_rows`` configuration, else :func:`._configs.packed_config`'s default."""
     gluon: bool
     """The experimental Gluon forward can serve this call (used if :data:`GLUON_ENV` is
     set)."""
@@ -367,6 +370,7 @@ def _signature(call: AttentionCall, *extra: Any) -> tuple[object, ...]:
         call.kv_offsets.device, None if ki is None else (ki.dtype, ki.device),
         None if nt is None else (nt.dtype, nt.device), spec.activation, spec.normalization,
         spec.mask, spec.scale > 0, max(spec.max_seqlen_q, spec.max_seqlen_kv) <= 256,
+        max(spec.max_seqlen_q, spec.max_seqlen_kv) <= _configs.PACK_ROWS_MAX_LEN,
         q.shape[0] == 0, k.shape[0] == 0, aligned, *extra,
     )  # fmt: skip
 
@@ -401,7 +405,13 @@ def _forward_plan(
         key = _Key(("fwd", q.dtype, cfg, tuple(sorted(kw.items()))))
     host_descs = bool(variants["TMA"]) and not variants["TMA_IN_KERNEL"]
     gluon = config is None and gluon_eligible(call)
-    return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, gluon=gluon)
+    if config is not None:
+        packed = config if config.pack_rows else None
+    else:
+        packed = _configs.packed_config(_arch(q.device), head_dim,
+                                        max(spec.max_seqlen_q, spec.max_seqlen_kv))  # fmt: skip
+    return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, packed=packed,
+                        gluon=gluon)  # fmt: skip
 
 
 #: Environment variable that opts into the experimental Gluon forward (``_gluon/``) for the
@@ -530,7 +540,8 @@ def attention_forward(
     check = take_pending_check()
     cfg, kw = plan.cfg, plan.kw
     no_schedule = total_q == 0 or n_seq == 0 or (plan.gluon and gluon_requested())
-    if check is not None and (no_schedule or (cfg.pack_rows and _packable(call))):
+    packed = plan.packed is not None and _packable(call)
+    if check is not None and (no_schedule or packed):
         check.run()
         check = None
     if total_q == 0 or n_seq == 0:
@@ -538,8 +549,8 @@ def attention_forward(
     if plan.gluon and gluon_requested():
         return _gluon_forward(call)
     coef = _coef(spec)
-    if cfg.pack_rows and _packable(call):
-        _forward_packed(call, cfg, coef, plan.ce, out, lse)
+    if packed:
+        _forward_packed(call, plan.packed, coef, plan.ce, out, lse)
         return out, lse
     if kw["PREFETCH"]:
         if check is not None:
@@ -629,7 +640,11 @@ def _fwd_schedule(
                 check=None if check is None else check.args,
             )  # fmt: skip
             if check is not None:
-                check.assert_flag(table.pop())
+                flag = table.pop()
+                if flag is not None:  # else the schedule kernel asserted it itself
+                    check.assert_flag(flag)
+                else:
+                    check.asserted_in_kernel()
             remember_int32(call.q_offsets, q32)
             remember_int32(call.kv_offsets, kv32)
             return (q32, kv32, *table)

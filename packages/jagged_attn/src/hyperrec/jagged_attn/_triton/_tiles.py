@@ -44,6 +44,29 @@ __all__ = ["tile_schedule"]
 _BINS = 4096
 _SEQS = 1024
 _OPTIONS = {"num_warps": 8}
+# The checking variant's options on a GPU: debug mode keeps ``tl.device_assert``; Triton's
+# integer-overflow asserts, which debug mode would add to every int32 add, stay off.
+_ASSERT_OPTIONS: dict[str, object] = {}
+
+
+def _assert_options() -> dict[str, object] | None:
+    """The launch options that compile the in-kernel assert, or None where it cannot be
+    used (the interpreter; a Triton without these options)."""
+    from hyperrec.jagged_attn._triton import interpreting
+
+    if interpreting():
+        return None
+    if not _ASSERT_OPTIONS:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            fields = CUDAOptions.__dataclass_fields__
+        except Exception:  # another backend or layout
+            return None
+        if "debug" not in fields or "sanitize_overflow" not in fields:
+            return None
+        _ASSERT_OPTIONS.update(num_warps=8, debug=True, sanitize_overflow=False)
+    return _ASSERT_OPTIONS
 
 
 @triton.jit
@@ -85,12 +108,16 @@ def _tile_schedule_kernel(
     BLOCK: tl.constexpr, CAUSAL: tl.constexpr, KV_TILES: tl.constexpr, HAS_MAP: tl.constexpr,
     WRITE_Q32: tl.constexpr, WRITE_KV32: tl.constexpr, BINS: tl.constexpr, SEQS: tl.constexpr,
     CHECK: tl.constexpr, C_SAME: tl.constexpr, C_HAS_MAP: tl.constexpr,
-    C_HAS_TARGETS: tl.constexpr, C_BLOCK: tl.constexpr,
+    C_HAS_TARGETS: tl.constexpr, C_BLOCK: tl.constexpr, C_ASSERT: tl.constexpr,
 ):  # fmt: skip
     if CHECK:  # the call's value check (``_checks.py``); invalid values: an empty schedule
         bad = values_bad(QO, KO, KIC, NTC, n_q_off - 1, n_kv_off - 1, c_total_q, c_total_k,
                          c_max_q, c_max_kv, C_SAME, C_HAS_MAP, C_HAS_TARGETS, C_BLOCK)  # fmt: skip
         tl.store(OK, (bad == 0).to(tl.int32))
+        if C_ASSERT:  # compiled with debug=True (see ``tile_schedule``)
+            tl.device_assert(bad == 0, "hyperrec.jagged_attn: invalid offsets, max_seqlen, "
+                             "kv_index or num_targets values (call with validate='full' for "
+                             "the error that names the argument)")  # fmt: skip
         n_seq = tl.where(bad == 0, n_seq, 0)
     lanes = tl.arange(0, SEQS)
     bins = tl.arange(0, BINS)
@@ -178,7 +205,10 @@ def tile_schedule(
     ``check`` is the argument tuple of ``_checks.values_ok`` (``total_q, total_k,
     q_offsets, kv_offsets, max_seqlen_q, max_seqlen_kv, kv_index, num_targets``, the
     offsets being these ``q_offsets``/``kv_offsets``): the kernel runs that check first,
-    and on invalid values builds an empty schedule (``total`` 0) instead.
+    and on invalid values builds an empty schedule (``total`` 0) instead. On a GPU it also
+    asserts the flag itself (``tl.device_assert``, compiled in debug mode; one
+    ``torch._assert_async`` launch fewer), and the flag returned is None; under the
+    interpreter the caller asserts the flag.
     """
     assert not (kv_tiles and kv_index is not None), "key tiles with a kv_index: use _schedule"
     device = q_offsets.device
@@ -193,6 +223,7 @@ def tile_schedule(
     cursor = torch.empty(_BINS, dtype=torch.int32, device=device)
     gran = max(1, -(-(max_len + block + 1) // _BINS))
     n_seq = q_offsets.numel() - 1
+    in_kernel = check is not None and _assert_options() is not None
     if check is None:
         ok = total  # not written
         c_args: tuple[Any, ...] = (q_offsets, q_offsets, 0, 0, 0, 0)
@@ -213,11 +244,12 @@ def tile_schedule(
             upper, gran, c_map, c_targets, ok, *c_args[2:])  # fmt: skip
     kw = dict(BLOCK=block, CAUSAL=causal, KV_TILES=kv_tiles, HAS_MAP=kv_index is not None,
               WRITE_Q32=write_q, WRITE_KV32=write_kv, BINS=_BINS, SEQS=_SEQS,
-              CHECK=check is not None, **flags, C_BLOCK=CHECK_BLOCK)  # fmt: skip
+              CHECK=check is not None, **flags, C_BLOCK=CHECK_BLOCK,
+              C_ASSERT=in_kernel)  # fmt: skip
     # the key fixes the compiled variant: constexprs and the index tensors' dtypes
     key = ("tiles", device, q_offsets.dtype, kv_offsets.dtype, c_map.dtype, c_targets.dtype,
            *kw.values())  # fmt: skip
-    launch(_tile_schedule_kernel, (1,), key, args, kw, _OPTIONS)
+    launch(_tile_schedule_kernel, (1,), key, args, kw, _ASSERT_OPTIONS if in_kernel else _OPTIONS)
     if check is None:
         return q32, kv32, tile_seq, tile_idx, total
-    return q32, kv32, tile_seq, tile_idx, total, ok
+    return q32, kv32, tile_seq, tile_idx, total, None if in_kernel else ok
