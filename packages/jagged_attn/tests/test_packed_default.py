@@ -114,3 +114,20 @@ def test_other_calls_keep_the_tile_per_sequence_forward(as_sm90, case):
                     num_targets=nt, backend="torch", validate=False)  # fmt: skip
     assert as_sm90 == []
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_gpu_check_script_runs_as_sm90(tmp_path):
+    """``bench/check_packed_default.py`` (the H200 check of this default) in its smoke
+    mode: a subprocess, because it patches the launcher module for the whole run."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "check_packed_default.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "packed_default_check_smoke.json").read_text())
+    assert result["cases"] == 8 and result["fails"] == 0
+    assert all(row["packed_taken"] for row in result["rows"])
