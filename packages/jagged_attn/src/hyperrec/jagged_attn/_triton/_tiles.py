@@ -190,9 +190,10 @@ def tile_schedule(
     *,
     kv_tiles: bool,
     check: tuple[Any, ...] | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[Any, ...]:
     """``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)`` from one launch, and
-    with ``check`` a sixth entry: the value check's flag (0-dim int32, 1 = valid).
+    with ``check`` a sixth entry: the value check's flag (0-dim int32, 1 = valid), or
+    None where the kernel asserted it itself (on a GPU).
 
     Query tiles of ``block`` rows (``kv_tiles=False``: the forward and dQ kernels; a
     ``kv_index`` maps query sequences to kv sequences) or key tiles (``kv_tiles=True``:
