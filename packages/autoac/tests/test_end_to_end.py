@@ -321,3 +321,33 @@ def test_empty_batch():
     p = autoac.plan(prof, budget=autoac.plan(prof, budget=1e15).floor)
     m = _measure(model, step, p)
     assert m.peak_bytes == p.predicted_peak
+
+
+@pytest.mark.parametrize("case", ["mlp", "attn"])
+def test_allowing_formats_never_predicts_slower(case, request):
+    """Packed formats only add choices: the plan that may use them is never predicted
+    slower than the keep/recompute-only plan at the same budget (the greedy alone can
+    be: its path changes with the extra choices). Pack costs are scaled so that packing
+    is sometimes worth it and sometimes not."""
+    model, step = request.getfixturevalue(f"{case}_case")
+    cfg = dataclasses.replace(FLOPS, formats=("mxfp8",), min_pack_bytes=4096, max_grad_error=1.0)
+    base = autoac.profile(model, step, config=cfg)
+    plain_cfg = autoac.PlanConfig(formats=(), solver="greedy")
+    quant_cfg = autoac.PlanConfig(solver="greedy")
+    scale0 = max(o.time_s for r in base.regions for o in r.ops if o.formats)
+    checked = 0
+    for scale in (0.0, 0.05, 0.2, 0.5, 1.0, 3.0):
+        costs = {
+            f: {**c, "pack_call_s": scale * scale0, "unpack_call_s": 0.5 * scale * scale0,
+                "pack_per_elem_s": 0.0, "unpack_per_elem_s": 0.0}
+            for f, c in base.pack_costs.items()
+        }  # fmt: skip
+        prof = dataclasses.replace(base, pack_costs=costs)
+        for b in _budgets(prof, (0.0, 0.1, 0.25, 0.5, 0.75)):
+            plain = autoac.plan(prof, budget=b, config=plain_cfg)
+            quant = autoac.plan(prof, budget=b, config=quant_cfg)
+            assert quant.added_s <= plain.added_s + 1e-12
+            assert quant.predicted_peak <= b
+            assert quant.lower_bound_s <= quant.added_s + 1e-12
+            checked += 1
+    assert checked == 30

@@ -697,32 +697,45 @@ def _measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, flo
 def _pack_costs(
     formats: tuple[str, ...], device: torch.device, dtype: torch.dtype
 ) -> dict[str, dict[str, float]]:
-    """Per format: time to pack + unpack a storage (linear in elements) and workspace."""
-    # Sizes where the per-element cost shows: on the GPU 4M elements still cost little
-    # more than a launch (the H200 run of 2026-12-01 fitted a zero slope there).
-    sizes = (1 << 20, 1 << 25) if device.type == "cuda" else (1 << 12, 1 << 16)
+    """Per format: time to pack + unpack a storage (linear in elements) and workspace.
+
+    Each size is packed once to warm up (Triton compiles), then ``reps`` times back to
+    back with one synchronisation at the end, and the packed copy unpacked the same way:
+    the time per call is what a stream of such calls costs, the host's issue time where
+    it exceeds the device's (small storages) and the device's time otherwise. Timing each
+    call between synchronisations instead (before 0.1.7) added the launch latency and the
+    host's whole Python path to every call: on the H200 that fitted ~1 ms per pack with no
+    per-element term, about 5x what packing every eligible save added to a measured step,
+    so the planner never chose a packed save.
+    """
+    sizes = (1 << 20, 1 << 26) if device.type == "cuda" else (1 << 12, 1 << 16)
+    reps = 5 if device.type == "cuda" else 3
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     out: dict[str, dict[str, float]] = {}
     for fmt in formats:
         meas = []
         ws = [0.0, 0.0]
         for n in sizes:
             x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
-            ts_p, ts_u = [], []
-            for _ in range(3):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
+            p = pack_storage(x, fmt)
+            y = p.dequantize()
+            del y
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
                 p = pack_storage(x, fmt)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
+            sync()
+            t1 = time.perf_counter()
+            for _ in range(reps):
                 y = p.dequantize()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                ts_p.append(t1 - t0)
-                ts_u.append(time.perf_counter() - t1)
-                del y
-            meas.append((n, statistics.median(ts_p), statistics.median(ts_u)))
+            sync()
+            t2 = time.perf_counter()
+            del y
+            meas.append((n, (t1 - t0) / reps, (t2 - t1) / reps))
             # Workspace beyond the inputs and outputs of each call, per element.
             tr = MemoryTracker(device=device)
             with tr:
