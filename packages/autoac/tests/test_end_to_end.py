@@ -351,3 +351,35 @@ def test_allowing_formats_never_predicts_slower(case, request):
             assert quant.lower_bound_s <= quant.added_s + 1e-12
             checked += 1
     assert checked == 30
+
+
+def test_plan_falls_back_to_the_plan_without_formats(mlp_case, monkeypatch):
+    """The guard itself: when the solve that may pack ends on a worse plan (here forced:
+    the greedy returns its starting point, full recompute, whenever packing is among the
+    choices), ``plan`` returns the keep/recompute-only plan, with the bound of both."""
+    from hyperrec.autoac import planner
+    from hyperrec.autoac.formats import SAVE_FORMATS
+    from hyperrec.autoac.model import time_of
+    from hyperrec.autoac.solve import SolveResult
+
+    model, step = mlp_case
+    cfg = dataclasses.replace(FLOPS, formats=("mxfp8",), min_pack_bytes=4096, max_grad_error=1.0)
+    prof = autoac.profile(model, step, config=cfg)
+    b = _budgets(prof, (0.6,))[0]
+    plain = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=(), solver="greedy"))
+    assert plain.added_s < plain.full_recompute_s  # something is kept at this budget
+    real = planner.solve_greedy
+
+    def stuck(prob, *, start=None):
+        packs = any(c.kind in SAVE_FORMATS for g in prob.groups for o in g.choices.values()
+                    for c in o)  # fmt: skip
+        if packs:
+            return SolveResult(start, time_of(prob, start), False, 0)
+        return real(prob, start=start)
+
+    monkeypatch.setattr(planner, "solve_greedy", stuck)
+    got = autoac.plan(prof, budget=b, config=autoac.PlanConfig(solver="greedy"))
+    assert got.added_s == pytest.approx(plain.added_s)
+    assert [r.saves for r in got.regions] == [r.saves for r in plain.regions]
+    assert not got.packed and not got.proven_optimal
+    assert got.lower_bound_s <= got.added_s
