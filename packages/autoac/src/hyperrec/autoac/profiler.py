@@ -40,7 +40,7 @@ from hyperrec.autoac._exec import (
     sac_context_fn,
 )
 from hyperrec.autoac._validate import check_choice, check_float, check_int
-from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage
+from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, pack_storage, packed_nbytes
 from hyperrec.autoac.tracker import MemoryTracker, OpRecord
 
 __all__ = ["Profile", "ProfileConfig", "RegionProfile", "SavedOp", "StorageLife", "profile"]
@@ -695,7 +695,10 @@ def _measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, flo
 
 
 def _pack_costs(
-    formats: tuple[str, ...], device: torch.device, dtype: torch.dtype
+    formats: tuple[str, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    byte_rate: float | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per format: time to pack + unpack a storage (linear in elements) and workspace.
 
@@ -707,6 +710,12 @@ def _pack_costs(
     host's whole Python path to every call: on the H200 that fitted ~1 ms per pack with no
     per-element term, about 5x what packing every eligible save added to a measured step,
     so the planner never chose a packed save.
+
+    With ``byte_rate`` (``cost="flops"``) the times are the copy roofline instead, as for
+    the ops they compete with: the bytes a pack reads and writes over ``byte_rate``, no
+    per-call term; only the workspace is measured. Mixing measured pack times with
+    roofline op costs priced packing in another currency: on the CPU the reference
+    quantizer's wall time against FLOP counts, so the planner never packed there.
     """
     sizes = (1 << 20, 1 << 26) if device.type == "cuda" else (1 << 12, 1 << 16)
     reps = 5 if device.type == "cuda" else 3
@@ -750,11 +759,17 @@ def _pack_costs(
         (n0, p0, u0), (n1, p1, u1) = meas
         pb = max((p1 - p0) / (n1 - n0), 0.0)
         ub = max((u1 - u0) / (n1 - n0), 0.0)
+        pc, uc = max(p0 - pb * n0, 0.0), max(u0 - ub * n0, 0.0)
+        if byte_rate is not None:
+            # read the storage, write the packed copy; the unpack the other way round
+            moved = torch.finfo(dtype).bits / 8 + packed_nbytes(1 << 20, fmt) / (1 << 20)
+            pb = ub = moved / byte_rate
+            pc = uc = 0.0
         out[fmt] = {
             "pack_per_elem_s": pb,
-            "pack_call_s": max(p0 - pb * n0, 0.0),
+            "pack_call_s": pc,
             "unpack_per_elem_s": ub,
-            "unpack_call_s": max(u0 - ub * n0, 0.0),
+            "unpack_call_s": uc,
             "pack_ws_per_elem": ws[0],
             "unpack_ws_per_elem": ws[1],
         }
@@ -896,7 +911,7 @@ def _profile(
             lv.dtype for r in regions_p for o in r.ops for lv in o.storages if o.formats
         )
         dtype = dtypes.most_common(1)[0][0] if dtypes else torch.float32
-        pack_costs = _pack_costs(config.formats, device, dtype)
+        pack_costs = _pack_costs(config.formats, device, dtype, None if rates is None else rates[1])
         pack_errors = _class_errors(model, step_fn, states, regions_p, config, device, ref_grads)
         regions_p = _restrict_formats(regions_p, pack_errors, config.max_grad_error)
     set_grads(model, None)
