@@ -51,16 +51,7 @@ def main() -> None:
                 synced_p.append(t1 - t0)
                 synced_u.append(time.perf_counter() - t1)
             reps = 10
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                p = pack_storage(x, fmt)
-            sync()
-            t1 = time.perf_counter()
-            for _ in range(reps):
-                p.dequantize()
-            sync()
-            t2 = time.perf_counter()
+            b2b_p, b2b_u = profiler.time_pack_back_to_back(x, fmt, reps)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             torch.cuda._sleep(50_000_000)  # the host queues everything behind this
             ev[0].record()
@@ -78,8 +69,8 @@ def main() -> None:
                 "numel": n,
                 "synced_pack_us": statistics.median(synced_p) * 1e6,
                 "synced_unpack_us": statistics.median(synced_u) * 1e6,
-                "back_to_back_pack_us": (t1 - t0) / reps * 1e6,
-                "back_to_back_unpack_us": (t2 - t1) / reps * 1e6,
+                "back_to_back_pack_us": b2b_p * 1e6,
+                "back_to_back_unpack_us": b2b_u * 1e6,
                 "device_pack_us": ev[0].elapsed_time(ev[1]) / reps * 1e3,
                 "device_unpack_us": ev[1].elapsed_time(ev[2]) / reps * 1e3,
                 "fit_pack_us": model_p * 1e6,

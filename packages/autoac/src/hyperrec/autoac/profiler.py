@@ -694,6 +694,26 @@ def _measure_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, flo
     return 2 * n**3 / clock(lambda: a @ a), 2 * x.nbytes / clock(lambda: y.copy_(x))
 
 
+def time_pack_back_to_back(x: torch.Tensor, fmt: str, reps: int) -> tuple[float, float]:
+    """Seconds per call of ``reps`` packs of ``x``'s storage issued back to back (one
+    synchronisation at the end), then as many unpacks of the last packed copy."""
+
+    def sync() -> None:
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        p = pack_storage(x, fmt)
+    sync()
+    t1 = time.perf_counter()
+    for _ in range(reps):
+        p.dequantize()
+    sync()
+    return (t1 - t0) / reps, (time.perf_counter() - t1) / reps
+
+
 def _pack_costs(
     formats: tuple[str, ...],
     device: torch.device,
@@ -719,32 +739,14 @@ def _pack_costs(
     """
     sizes = (1 << 20, 1 << 26) if device.type == "cuda" else (1 << 12, 1 << 16)
     reps = 5 if device.type == "cuda" else 3
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     out: dict[str, dict[str, float]] = {}
     for fmt in formats:
         meas = []
         ws = [0.0, 0.0]
         for n in sizes:
             x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
-            p = pack_storage(x, fmt)
-            y = p.dequantize()
-            del y
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                p = pack_storage(x, fmt)
-            sync()
-            t1 = time.perf_counter()
-            for _ in range(reps):
-                y = p.dequantize()
-            sync()
-            t2 = time.perf_counter()
-            del y
-            meas.append((n, (t1 - t0) / reps, (t2 - t1) / reps))
+            pack_storage(x, fmt).dequantize()  # warm-up: compiles
+            meas.append((n, *time_pack_back_to_back(x, fmt, reps)))
             # Workspace beyond the inputs and outputs of each call, per element.
             tr = MemoryTracker(device=device)
             with tr:
