@@ -151,3 +151,13 @@ def test_compiles_fullgraph():
     x = torch.randn(64, 64)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), f(x))
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (3, 0, 32), (0,)])
+def test_mx4_empty_round_trip(shape):
+    """An empty MX4 tensor dequantizes to its shape (the nibble unpacking could not infer
+    a length for zero rows before 0.4.3)."""
+    x = torch.randn(shape)
+    q = to_mx(x, elem_dtype="e2m1", block_size=32)
+    out = q.dequantize(backend="torch")
+    assert out.shape == x.shape and out.dtype == x.dtype

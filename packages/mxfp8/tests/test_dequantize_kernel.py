@@ -57,14 +57,60 @@ def test_shapes_sweep(lead, width, block, elem):
     _same_bits(got, q.dequantize(torch.bfloat16, backend="torch"))
 
 
+@pytest.mark.parametrize("out", OUT, ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("block", [32, 64])
+def test_mx4_matches_reference(out, block):
+    """MX4 (E2M1 codes two to a byte): heavy-tailed data, a NaN block, a zero block,
+    tiny and huge scales, and a width that is not a multiple of the block."""
+    x = torch.randn(21, 266) * torch.exp(3 * torch.randn(21, 266))
+    x[2, 10] = float("nan")
+    x[4, :block] = 0.0
+    x[6] *= 2.0**-100
+    x[9] *= 2.0**70
+    if out == torch.float16:
+        x = x.clamp(-6e4, 6e4) * 1e-3
+    q = to_mx(x, elem_dtype="e2m1", block_size=block)
+    assert q.fmt.packed and q.data.shape[-1] == 133
+    _same_bits(q.dequantize(out, backend="triton"), q.dequantize(out, backend="torch"))
+
+
+def test_mx4_every_code_and_nibble():
+    """All 16 codes in both nibbles of a byte (signed zeros included), scale 2**0."""
+    from hyperrec.mxfp8 import MXTensor
+    from hyperrec.mxfp8.formats import E2M1
+
+    codes = torch.arange(256, dtype=torch.uint8).reshape(8, 32)  # byte b: lo b & 15, hi b >> 4
+    scale = torch.full((8, 2), 127, dtype=torch.uint8)
+    q = MXTensor(data=codes, scale=scale, fmt=E2M1, block_size=32, axis=1,
+                 shape=torch.Size((8, 64)), orig_dtype=torch.float32)  # fmt: skip
+    got = q.dequantize(torch.float32, backend="triton")
+    want = q.dequantize(torch.float32, backend="torch")
+    _same_bits(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0.0 for code 8
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 4), min_size=0, max_size=2),
+    width=st.integers(1, 300).map(lambda w: 2 * w),
+    block=st.sampled_from([32, 64]),
+)
+def test_mx4_shapes_sweep(lead, width, block):
+    x = torch.randn(*lead, width) * 5
+    q = to_mx(x, elem_dtype="e2m1", block_size=block)
+    got = q.dequantize(torch.bfloat16, backend="triton")
+    assert got.shape == x.shape
+    _same_bits(got, q.dequantize(torch.bfloat16, backend="torch"))
+
+
 def test_other_layouts_fall_back_to_the_reference():
-    """Column-wise copies (blocked dim not last) and MX4 run the reference even when the
-    Triton backend is asked for; a non-contiguous leading layout still works."""
+    """Column-wise copies (blocked dim not last) run the reference even when the Triton
+    backend is asked for; a non-contiguous leading layout still works."""
     x = torch.randn(64, 96)
     col = to_mx(x, block_size=32, axis=0)
     _same_bits(col.dequantize(backend="triton"), col.dequantize(backend="torch"))
-    mx4 = to_mx(x, elem_dtype="e2m1", block_size=32)
-    _same_bits(mx4.dequantize(backend="triton"), mx4.dequantize(backend="torch"))
+    mx4_col = to_mx(x, elem_dtype="e2m1", block_size=32, axis=0)
+    _same_bits(mx4_col.dequantize(backend="triton"), mx4_col.dequantize(backend="torch"))
     q = to_mx(torch.randn(6, 4, 64))
     sliced = type(q)(**{**q.__dict__, "data": q.data.transpose(0, 1).contiguous().transpose(0, 1)})
     _same_bits(sliced.dequantize(backend="triton"), q.dequantize(backend="torch"))

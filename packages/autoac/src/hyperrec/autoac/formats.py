@@ -148,7 +148,8 @@ class PackedStorage:
         (hyperrec-mxfp8 >= 0.3.2); elsewhere two passes in :attr:`dtype` (widen the
         elements, multiply by the block scale as a power of two) instead of the
         reference's four in FP32. All three round the exact product once: the same bits.
-        MX4 uses ``MXTensor.dequantize`` (the reference).
+        MX4 uses ``MXTensor.dequantize`` (one Triton pass on CUDA with hyperrec-mxfp8 >=
+        0.4.3, the reference before and elsewhere).
         """
         if self.fmt == "mx4" or self.mx.data.is_cuda:
             return self.mx.dequantize(self.dtype).reshape(-1)

@@ -247,7 +247,8 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: uint8 ``(..., n)`` -> 4-bit codes ``(..., 2n)``."""
     lo, hi = packed & 0xF, packed >> 4
-    return torch.stack([lo, hi], -1).reshape(*packed.shape[:-1], -1)
+    # the length spelt out: ``-1`` cannot be inferred for an empty tensor (zero rows)
+    return torch.stack([lo, hi], -1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 # --------------------------------------------------------------------------- blocks

@@ -64,12 +64,13 @@ class MXTensor:
         """``decode(data) * 2**(scale - 127)`` with ``shape``, in ``dtype`` (default
         ``orig_dtype``). Blocks with a NaN scale dequantize to NaN.
 
-        ``backend``: ``"auto"`` (one Triton pass for FP8 elements on CUDA, see below; the
-        reference otherwise), ``"torch"`` or ``"triton"`` (CUDA, or CPU tensors under
-        ``TRITON_INTERPRET=1``). The Triton pass serves FP8 formats blocked along the last
-        dim with that dim contiguous, into float32/bfloat16/float16; other cases (MX4,
-        column-wise copies) run the reference whatever ``backend`` says. Both give the
-        same bits (the product of an FP8 value and a power of two, rounded once), except
+        ``backend``: ``"auto"`` (one Triton pass on CUDA, see below; the reference
+        otherwise), ``"torch"`` or ``"triton"`` (CUDA, or CPU tensors under
+        ``TRITON_INTERPRET=1``). The Triton pass serves every format (MX4 since 0.4.3)
+        blocked along the last dim with that dim contiguous, into
+        float32/bfloat16/float16; other cases (column-wise copies) run the reference
+        whatever ``backend`` says. Both give the
+        same bits (the product of an FP8 or E2M1 value and a power of two, rounded once), except
         that a GPU may flush products below float32's normal range to zero.
 
         Raises:
@@ -80,21 +81,25 @@ class MXTensor:
 
         out_dtype = dtype or self.orig_dtype
         last = self.data.dim() - 1
+        width = self.shape[-1] if self.shape else 0
+        stored = (width + 1) // 2 if self.fmt.packed else width
         if (
             resolve_backend(backend, self.data.device) == "triton"
-            and not self.fmt.packed
             and self.data.dim() >= 1
             and self.axis == last
-            and self.data.shape[-1] == self.shape[-1]
+            and self.data.shape[-1] == stored
             and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.data.stride(-1) == 1
         ):
-            from hyperrec.mxfp8._triton.dequantize import dequantize_rows
+            from hyperrec.mxfp8._triton.dequantize import dequantize_fp4_rows, dequantize_rows
 
-            width = self.data.shape[-1]
-            data = self.data.reshape(-1, width)
+            data = self.data.reshape(-1, stored)
             scale = self.scale.reshape(-1, self.scale.shape[-1])
-            return dequantize_rows(data, scale, self.block_size, out_dtype).view(self.shape)
+            if self.fmt.packed:
+                flat = dequantize_fp4_rows(data, scale, self.block_size, width, out_dtype)
+            else:
+                flat = dequantize_rows(data, scale, self.block_size, out_dtype)
+            return flat.view(self.shape)
         return ref.dequantize(
             self.data,
             self.scale,

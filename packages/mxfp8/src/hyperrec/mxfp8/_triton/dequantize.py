@@ -1,4 +1,5 @@
-"""The MX dequantizer for FP8 elements: one pass, ``decode(data) * 2**(scale - 127)``.
+"""The MX dequantizer: one pass, ``decode(data) * 2**(scale - 127)``, for FP8 elements
+and (since 0.4.3) MX4's E2M1 codes packed two to a byte.
 
 The PyTorch reference (``reference.dequantize``) takes four passes through a float32
 temporary (decode, expand the scales, multiply, cast). Here each program reads a tile of
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_rows"]
+__all__ = ["dequantize_fp4_rows", "dequantize_rows"]
 
 _ROWS = 16
 _COLS = 256
@@ -40,6 +41,53 @@ def _dequant_rows_kernel(
     y = tl.where(b == 255, float("nan"), x * s)
     tl.store(OUT + r.to(tl.int64)[:, None] * stride_o + c[None, :], y.to(OUT.dtype.element_ty),
              mask=ok)  # fmt: skip
+
+
+@triton.jit
+def _dequant_fp4_rows_kernel(
+    D, S, OUT, n_rows, width, stride_d, stride_sr, stride_sc, stride_o,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    ok = (r < n_rows)[:, None] & (c < width)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    # element 2i in the low nibble of byte i, 2i + 1 in the high one (each byte is read
+    # by its two columns: the second read hits the cache)
+    byte = tl.load(D + r64 * stride_d + (c // 2)[None, :], mask=ok, other=0).to(tl.int32)
+    code = tl.where((c % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+    # E2M1: 0, 0.5 (subnormal), then (1 + m / 2) * 2**(e - 1): 1, 1.5, 2, 3, 4, 6
+    e = (code >> 1) & 3
+    half = (code & 1).to(tl.float32) * 0.5
+    p2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+    mag = tl.where(e == 0, half, (1.0 + half) * p2)
+    x = tl.where((code & 8) != 0, -mag, mag)
+    b = tl.load(S + r64 * stride_sr + (c // BLOCK)[None, :] * stride_sc, mask=ok,
+                other=127).to(tl.int32)  # fmt: skip
+    s = tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
+    y = tl.where(b == 255, float("nan"), x * s)
+    tl.store(OUT + r.to(tl.int64)[:, None] * stride_o + c[None, :], y.to(OUT.dtype.element_ty),
+             mask=ok)  # fmt: skip
+
+
+def dequantize_fp4_rows(
+    data: torch.Tensor, scale: torch.Tensor, block_size: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(rows, ceil(width / 2))`` bytes of E2M1 codes packed two to a byte (low nibble
+    first) with ``(rows, ceil(width / block_size))`` E8M0 ``scale`` -> ``(rows, width)``
+    in ``dtype``. Every E2M1 value times a power of two is exact in float32, so the one
+    rounding to ``dtype`` gives the reference's bits. ``data``'s last dim must be
+    contiguous (the caller checks)."""
+    rows = data.shape[0]
+    out = torch.empty((rows, width), dtype=dtype, device=data.device)
+    if rows and width:
+        grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
+        _dequant_fp4_rows_kernel[grid](
+            data.view(torch.uint8), scale, out, rows, width, data.stride(0), scale.stride(0),
+            scale.stride(1), out.stride(0),
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def dequantize_rows(
