@@ -26,44 +26,29 @@ _COLS = 256
 @triton.jit
 def _dequant_rows_kernel(
     D, S, OUT, n_rows, width, stride_d, stride_sr, stride_sc, stride_o,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, FP4: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * COLS + tl.arange(0, COLS)
     ok = (r < n_rows)[:, None] & (c < width)[None, :]
     r64 = r.to(tl.int64)[:, None]
-    x = tl.load(D + r64 * stride_d + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    if FP4:
+        # element 2i in the low nibble of byte i, 2i + 1 in the high one (each byte is
+        # read by its two columns: the second read hits the cache)
+        byte = tl.load(D + r64 * stride_d + (c // 2)[None, :], mask=ok, other=0).to(tl.int32)
+        code = tl.where((c % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+        # E2M1: 0, 0.5 (subnormal), then (1 + m / 2) * 2**(e - 1): 1, 1.5, 2, 3, 4, 6
+        e = (code >> 1) & 3
+        half = (code & 1).to(tl.float32) * 0.5
+        p2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+        mag = tl.where(e == 0, half, (1.0 + half) * p2)
+        x = tl.where((code & 8) != 0, -mag, mag)
+    else:
+        x = tl.load(D + r64 * stride_d + c[None, :], mask=ok, other=0.0).to(tl.float32)
     # the scale byte of each element's block (repeated loads of one byte hit the cache)
     b = tl.load(S + r64 * stride_sr + (c // BLOCK)[None, :] * stride_sc, mask=ok,
                 other=127).to(tl.int32)  # fmt: skip
     # E8M0: 2**(b - 127) from the exponent field; b = 0 is 2**-127, a float32 subnormal
-    s = tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
-    y = tl.where(b == 255, float("nan"), x * s)
-    tl.store(OUT + r.to(tl.int64)[:, None] * stride_o + c[None, :], y.to(OUT.dtype.element_ty),
-             mask=ok)  # fmt: skip
-
-
-@triton.jit
-def _dequant_fp4_rows_kernel(
-    D, S, OUT, n_rows, width, stride_d, stride_sr, stride_sc, stride_o,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-):  # fmt: skip
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    ok = (r < n_rows)[:, None] & (c < width)[None, :]
-    r64 = r.to(tl.int64)[:, None]
-    # element 2i in the low nibble of byte i, 2i + 1 in the high one (each byte is read
-    # by its two columns: the second read hits the cache)
-    byte = tl.load(D + r64 * stride_d + (c // 2)[None, :], mask=ok, other=0).to(tl.int32)
-    code = tl.where((c % 2 == 0)[None, :], byte & 0xF, byte >> 4)
-    # E2M1: 0, 0.5 (subnormal), then (1 + m / 2) * 2**(e - 1): 1, 1.5, 2, 3, 4, 6
-    e = (code >> 1) & 3
-    half = (code & 1).to(tl.float32) * 0.5
-    p2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
-    mag = tl.where(e == 0, half, (1.0 + half) * p2)
-    x = tl.where((code & 8) != 0, -mag, mag)
-    b = tl.load(S + r64 * stride_sr + (c // BLOCK)[None, :] * stride_sc, mask=ok,
-                other=127).to(tl.int32)  # fmt: skip
     s = tl.where(b == 0, 1 << 22, b << 23).to(tl.float32, bitcast=True)
     y = tl.where(b == 255, float("nan"), x * s)
     tl.store(OUT + r.to(tl.int64)[:, None] * stride_o + c[None, :], y.to(OUT.dtype.element_ty),
@@ -82,10 +67,10 @@ def dequantize_fp4_rows(
     out = torch.empty((rows, width), dtype=dtype, device=data.device)
     if rows and width:
         grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
-        _dequant_fp4_rows_kernel[grid](
+        _dequant_rows_kernel[grid](
             data.view(torch.uint8), scale, out, rows, width, data.stride(0), scale.stride(0),
             scale.stride(1), out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, num_warps=4,
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=True, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -104,6 +89,6 @@ def dequantize_rows(
         _dequant_rows_kernel[grid](
             data, scale, out, rows, width, data.stride(0), scale.stride(0), scale.stride(1),
             out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, num_warps=4,
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=False, num_warps=4,
         )  # fmt: skip
     return out
