@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mx_helpers import INTERPRET
 
-from hyperrec.mxfp8 import E2M1, E4M3, E5M2, to_mx
+from hyperrec.mxfp8 import E2M1, E4M3, E5M2, MXTensor, to_mx
 from hyperrec.mxfp8 import reference as ref
 
 if os.environ.get("HYPERREC_REQUIRE_ORACLES") == "1":
@@ -107,17 +107,26 @@ def test_quantize_matches_torchao_sweep(fmt, mode, rows, blocks, spread, shift, 
     assert torch.equal(_bytes(data), want_data)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("out", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_dequantize_matches_torchao(fmt, out):
-    """Every element code under scales from 2**-100 to 2**100: the same values."""
+def test_dequantize_matches_torchao(fmt, out, backend):
+    """Every element code under scales from 2**-100 to 2**100: the same values, from the
+    reference and from the one-pass Triton kernel (interpreted on the CPU)."""
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
     elem, tao_dtype = FORMATS[fmt]
     n_codes = 16 if elem.packed else 256
     codes = torch.arange(n_codes, dtype=torch.uint8).repeat(64)
     codes = codes[torch.randperm(codes.numel())].reshape(-1, 32 * 4)
     scale = torch.randint(27, 228, (codes.shape[0], 4), dtype=torch.uint8)
     data = ref.pack_fp4(codes) if elem.packed else codes.view(elem.storage_dtype)
-    got = ref.dequantize(data, scale, elem, 32, axis=-1, length=codes.shape[1], dtype=out)
+    if backend == "torch":
+        got = ref.dequantize(data, scale, elem, 32, axis=-1, length=codes.shape[1], dtype=out)
+    else:
+        mx = MXTensor(data=data, scale=scale, fmt=elem, block_size=32, axis=1,
+                      shape=torch.Size(codes.shape), orig_dtype=out)  # fmt: skip
+        got = mx.dequantize(out, backend="triton")
     want = tao_to_dtype(
         data,  # MX4: packed uint8 bytes, as torchao keeps them internally
         scale.view(torch.float8_e8m0fnu),

@@ -196,3 +196,22 @@ def test_one_pass_dequantize_on_the_gpu(elem, out):
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(got)
     assert torch.equal(got[fin], want[fin])
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_one_pass_dequantize_every_fp8_code_on_the_gpu(elem):
+    """Every FP8 byte (NaN and Inf codes included) under a finite scale decodes as the
+    reference decodes it on the CPU."""
+    from hyperrec.mxfp8 import MXTensor
+
+    fmt = get_format(elem)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(2, 128)
+    scale = torch.full((2, 4), 120, dtype=torch.uint8)
+    data = codes.view(fmt.storage_dtype)
+    q = MXTensor(data=data.cuda(), scale=scale.cuda(), fmt=fmt, block_size=32, axis=1,
+                 shape=torch.Size((2, 128)), orig_dtype=torch.float32)  # fmt: skip
+    got = q.dequantize(torch.float32, backend="triton").cpu()
+    want = ref.dequantize(data, scale, fmt, 32, axis=-1, length=128)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = ~torch.isnan(got)
+    assert torch.equal(got[fin], want[fin])

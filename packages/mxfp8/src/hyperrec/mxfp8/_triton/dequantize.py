@@ -25,8 +25,9 @@ _COLS = 256
 
 @triton.jit
 def _dequant_rows_kernel(
-    D, S, OUT, n_rows, width, stride_d, stride_sr, stride_sc, stride_o,
+    D, DB, S, OUT, n_rows, width, stride_d, stride_sr, stride_sc, stride_o,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, FP4: tl.constexpr,
+    E5M2: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * COLS + tl.arange(0, COLS)
@@ -45,6 +46,16 @@ def _dequant_rows_kernel(
         x = tl.where((code & 8) != 0, -mag, mag)
     else:
         x = tl.load(D + r64 * stride_d + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        # NaN and Inf codes from their bits (the same bytes through a uint8 view; the
+        # second read hits the cache): Triton's interpreter converts them as if they were
+        # finite (E4M3 0x7F read as 480, E5M2 0x7C as 65536)
+        bits = tl.load(DB + r64 * stride_d + c[None, :], mask=ok, other=0).to(tl.int32)
+        if E5M2:
+            special = (bits & 0x7C) == 0x7C
+            inf = tl.where(bits >= 128, float("-inf"), float("inf"))
+            x = tl.where(special, tl.where((bits & 3) == 0, inf, float("nan")), x)
+        else:
+            x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
     # the scale byte of each element's block (repeated loads of one byte hit the cache)
     b = tl.load(S + r64 * stride_sr + (c // BLOCK)[None, :] * stride_sc, mask=ok,
                 other=127).to(tl.int32)  # fmt: skip
@@ -68,9 +79,9 @@ def dequantize_fp4_rows(
     if rows and width:
         grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
         _dequant_rows_kernel[grid](
-            data.view(torch.uint8), scale, out, rows, width, data.stride(0), scale.stride(0),
-            scale.stride(1), out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=True, num_warps=4,
+            data.view(torch.uint8), data.view(torch.uint8), scale, out, rows, width,
+            data.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=True, E5M2=False, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -87,8 +98,9 @@ def dequantize_rows(
     if rows and width:
         grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
         _dequant_rows_kernel[grid](
-            data, scale, out, rows, width, data.stride(0), scale.stride(0), scale.stride(1),
-            out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=False, num_warps=4,
+            data, data.view(torch.uint8), scale, out, rows, width, data.stride(0),
+            scale.stride(0), scale.stride(1), out.stride(0),
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=False,
+            E5M2=data.dtype == torch.float8_e5m2, num_warps=4,
         )  # fmt: skip
     return out
