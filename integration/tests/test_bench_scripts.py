@@ -507,3 +507,19 @@ def test_cublas_host_smoke_writes_its_result(tmp_path):
     case = doc["results"]["mm_NT (forward, x W^T)"]
     assert set(case) == {"same_M", "new_M_each_call", "M_rounded_up_to_256"}
     assert all(v["min_us"] <= v["median_us"] <= v["max_us"] for v in case.values())
+
+
+def test_ac_same_memory_trains_longer_histories_within_the_no_ac_peak(tmp_path):
+    """``bench/ac_same_memory.py`` on ``tiny``: twice the history lengths train under the
+    no-AC peak of the preset's own (autoac's measured peak within it), three times do
+    not fit (their floor is above it)."""
+    import ac_same_memory
+
+    path = ac_same_memory.main(["--out", str(tmp_path), "--factors", "2", "3", "--steps", "3"])
+    doc = json.loads(path.read_text())
+    base, x2, x3 = doc["rows"]
+    assert doc["budget_gb"] == base["no_ac_peak_gb"]
+    assert x2["fits"] and x2["no_ac_peak_gb"] > doc["budget_gb"]
+    v = x2["autoac"]["verification"]
+    assert v["measured_peak"] <= doc["budget_gb"] * 1e9 * 1.001 and x2["steps"] == 3
+    assert not x3["fits"] and x3["floor_gb"] > doc["budget_gb"]
