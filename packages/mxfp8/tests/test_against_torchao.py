@@ -105,6 +105,10 @@ def test_quantize_matches_torchao_sweep(fmt, mode, rows, blocks, spread, shift, 
     data, scale = ref.to_mx(x, FORMATS[fmt][0], 32, mode, axis=-1)
     assert torch.equal(_bytes(scale), want_scale)
     assert torch.equal(_bytes(data), want_data)
+    if INTERPRET:  # the Triton quantizer too, on the same draws
+        q = to_mx(x, elem_dtype=FORMATS[fmt][1], block_size=32, scale_mode=mode, backend="triton")
+        assert torch.equal(_bytes(q.scale), want_scale)
+        assert torch.equal(_bytes(q.data), want_data)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
