@@ -91,15 +91,12 @@ class MXTensor:
             and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
             and self.data.stride(-1) == 1
         ):
-            from hyperrec.mxfp8._triton.dequantize import dequantize_fp4_rows, dequantize_rows
+            from hyperrec.mxfp8._triton.dequantize import dequantize_rows
 
             data = self.data.reshape(-1, stored)
             scale = self.scale.reshape(-1, self.scale.shape[-1])
-            if self.fmt.packed:
-                flat = dequantize_fp4_rows(data, scale, self.block_size, width, out_dtype)
-            else:
-                flat = dequantize_rows(data, scale, self.block_size, out_dtype)
-            return flat.view(self.shape)
+            fp4 = width if self.fmt.packed else None
+            return dequantize_rows(data, scale, self.block_size, out_dtype, fp4).view(self.shape)
         return ref.dequantize(
             self.data,
             self.scale,

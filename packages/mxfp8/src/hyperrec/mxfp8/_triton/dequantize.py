@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_fp4_rows", "dequantize_rows"]
+__all__ = ["dequantize_rows"]
 
 _ROWS = 16
 _COLS = 256
@@ -66,41 +66,30 @@ def _dequant_rows_kernel(
              mask=ok)  # fmt: skip
 
 
-def dequantize_fp4_rows(
-    data: torch.Tensor, scale: torch.Tensor, block_size: int, width: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``(rows, ceil(width / 2))`` bytes of E2M1 codes packed two to a byte (low nibble
-    first) with ``(rows, ceil(width / block_size))`` E8M0 ``scale`` -> ``(rows, width)``
-    in ``dtype``. Every E2M1 value times a power of two is exact in float32, so the one
-    rounding to ``dtype`` gives the reference's bits. ``data``'s last dim must be
-    contiguous (the caller checks)."""
-    rows = data.shape[0]
-    out = torch.empty((rows, width), dtype=dtype, device=data.device)
-    if rows and width:
-        grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
-        _dequant_rows_kernel[grid](
-            data.view(torch.uint8), data.view(torch.uint8), scale, out, rows, width,
-            data.stride(0), scale.stride(0), scale.stride(1), out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=True, E5M2=False, num_warps=4,
-        )  # fmt: skip
-    return out
-
-
 def dequantize_rows(
-    data: torch.Tensor, scale: torch.Tensor, block_size: int, dtype: torch.dtype
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    fp4_width: int | None = None,
 ) -> torch.Tensor:
     """``(rows, width)`` FP8 ``data`` blocked along the last dim with ``(rows,
     ceil(width / block_size))`` E8M0 ``scale`` (any strides: the quantizer stores scales
-    column-major) -> ``(rows, width)`` in ``dtype``. ``data``'s last dim must be
-    contiguous (the caller checks)."""
-    rows, width = data.shape
+    column-major) -> ``(rows, width)`` in ``dtype``. With ``fp4_width``, ``data`` is
+    ``(rows, ceil(fp4_width / 2))`` bytes of E2M1 codes two to a byte (low nibble first)
+    and the output ``(rows, fp4_width)``; every E2M1 value times a power of two is exact in
+    float32, so the one rounding to ``dtype`` gives the reference's bits. ``data``'s last
+    dim must be contiguous (the caller checks)."""
+    rows = data.shape[0]
+    width = data.shape[1] if fp4_width is None else fp4_width
     out = torch.empty((rows, width), dtype=dtype, device=data.device)
     if rows and width:
         grid = (triton.cdiv(rows, _ROWS), triton.cdiv(width, _COLS))
+        raw = data.view(torch.uint8)  # MX4 data may be typed torch.float4_e2m1fn_x2
         _dequant_rows_kernel[grid](
-            data, data.view(torch.uint8), scale, out, rows, width, data.stride(0),
+            raw if fp4_width is not None else data, raw, scale, out, rows, width, data.stride(0),
             scale.stride(0), scale.stride(1), out.stride(0),
-            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=False,
+            BLOCK=block_size, ROWS=_ROWS, COLS=_COLS, FP4=fp4_width is not None,
             E5M2=data.dtype == torch.float8_e5m2, num_warps=4,
         )  # fmt: skip
     return out
