@@ -735,7 +735,8 @@ def _pack_costs(
     the ops they compete with: the bytes a pack reads and writes over ``byte_rate``, no
     per-call term; only the workspace is measured. Mixing measured pack times with
     roofline op costs priced packing in another currency: on the CPU the reference
-    quantizer's wall time against FLOP counts, so the planner never packed there.
+    quantizer's wall time against FLOP counts, so the planner never packed there. Nothing
+    is timed then.
     """
     sizes = (1 << 20, 1 << 26) if device.type == "cuda" else (1 << 12, 1 << 16)
     reps = 5 if device.type == "cuda" else 3
@@ -745,8 +746,9 @@ def _pack_costs(
         ws = [0.0, 0.0]
         for n in sizes:
             x = torch.randn(n, device=device, dtype=torch.float32).to(dtype)
-            pack_storage(x, fmt).dequantize()  # warm-up: compiles
-            meas.append((n, *time_pack_back_to_back(x, fmt, reps)))
+            if byte_rate is None:
+                pack_storage(x, fmt).dequantize()  # warm-up: compiles
+                meas.append((n, *time_pack_back_to_back(x, fmt, reps)))
             # Workspace beyond the inputs and outputs of each call, per element.
             tr = MemoryTracker(device=device)
             with tr:
@@ -758,11 +760,12 @@ def _pack_costs(
                 y = p.dequantize()
             tr.finish()
             ws[1] = max(0.0, (tr.peak_bytes() - p.nbytes - y.nbytes) / n)
-        (n0, p0, u0), (n1, p1, u1) = meas
-        pb = max((p1 - p0) / (n1 - n0), 0.0)
-        ub = max((u1 - u0) / (n1 - n0), 0.0)
-        pc, uc = max(p0 - pb * n0, 0.0), max(u0 - ub * n0, 0.0)
-        if byte_rate is not None:
+        if byte_rate is None:
+            (n0, p0, u0), (n1, p1, u1) = meas
+            pb = max((p1 - p0) / (n1 - n0), 0.0)
+            ub = max((u1 - u0) / (n1 - n0), 0.0)
+            pc, uc = max(p0 - pb * n0, 0.0), max(u0 - ub * n0, 0.0)
+        else:
             # read the storage, write the packed copy; the unpack the other way round
             moved = torch.finfo(dtype).bits / 8 + packed_nbytes(1 << 20, fmt) / (1 << 20)
             pb = ub = moved / byte_rate
