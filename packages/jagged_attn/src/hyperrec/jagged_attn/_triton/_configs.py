@@ -217,10 +217,11 @@ PACK_ROWS_MAX_LEN = 64
 #: The default forward of self-attention calls (no mask or causal, no kv map, no targets)
 #: whose sequences are all at most :data:`PACK_ROWS_MAX_LEN` long, per (arch, padded head
 #: dim): the packed-rows kernel (``pack_rows``), whose 64-row spans hold several
-#: sequences. On the H200 (``bench/results/attention_quick_h200_2026-12-03.json``,
+#: sequences. On the H200 (``bench/results/attention_quick_h200_2026-12-03_direct_launch.json``,
 #: tiny-u-B2048-L64-H4-D128, 4 fresh instances) it ran the forward at 50 TFLOP/s on the
-#: GPU against the one-tile-per-sequence kernel's 29 and padded SDPA's 32. Calls that do
-#: not qualify keep :data:`TUNED`'s entry.
+#: GPU against the one-tile-per-sequence kernel's 29 and padded SDPA's 32; as the default
+#: 49.5 (``attention_quick_h200_2026-12-03_packed_default.json``). Calls that do not
+#: qualify keep :data:`TUNED`'s entry.
 PACKED: dict[tuple[str, int], KernelConfig] = {
     ("sm90", 64): KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                pack_rows=True),
