@@ -662,11 +662,12 @@ def observe_dispatch():
     Wraps two module attributes that the launchers look up at call time (``src/`` is not
     changed): only around untimed calls, since the wrappers cost host time.
     """
-    from hyperrec.jagged_attn import _gluon
+    from hyperrec.jagged_attn._gluon import _launch as _gluon
     from hyperrec.jagged_attn._triton import _launch
 
     seen: dict = {"verdicts": [], "gluon_launches": 0}
-    forward, gluon_fwd = _launch.attention_forward, _gluon.jagged_attention_fwd_gluon
+    # the dispatcher launches through the unchecked entry point ``_gluon._launch._run``
+    forward, gluon_fwd = _launch.attention_forward, _gluon._run
 
     def observed_forward(call, **kw):
         seen["verdicts"].append(_launch.gluon_unsupported(call))
@@ -677,12 +678,12 @@ def observe_dispatch():
         return gluon_fwd(*args, **kw)
 
     _launch.attention_forward = observed_forward
-    _gluon.jagged_attention_fwd_gluon = observed_gluon
+    _gluon._run = observed_gluon
     try:
         yield seen
     finally:
         _launch.attention_forward = forward
-        _gluon.jagged_attention_fwd_gluon = gluon_fwd
+        _gluon._run = gluon_fwd
 
 
 def time_split(fn, device) -> dict:

@@ -56,6 +56,9 @@ def configs() -> list[dict]:
     out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=1, block_n=128))
     out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=3, block_n=64))
     out.append(dict(head_dim=64, causal=False, act=0, pingpong=True, stages=4, block_n=128))
+    # the value-tile guard off (GluonConfig(isolate_values=False))
+    out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=2, block_n=128,
+                    isolate=False))  # fmt: skip
     return out
 
 
@@ -107,20 +110,21 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
     fn = mod.jagged_fwd_kernel
     signature = {
         "q_desc": desc(WG_ROWS), "k_desc": desc(bn), "v_desc": desc(bn), "o_desc": desc(WG_ROWS),
-        "O": "*bf16", "LSE": "*fp32", "meta": "*i32", "total_ptr": "*i32",
+        "O": "*bf16", "LSE": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
+        "kv_off": "*i32", "total_ptr": "*i32",
         "stride_ot": "i32", "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32",
     }  # fmt: skip
     constexprs = {
         "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
         "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
-        "PINGPONG": cfg["pingpong"],
+        "PINGPONG": cfg["pingpong"], "ISOLATE_VALUES": cfg.get("isolate", True),
     }  # fmt: skip
     for name in constexprs:
         signature[name] = "constexpr"
     # what the JIT would specialise for 16-aligned pointers and strides
     attrs = {
         (fn.arg_names.index(n),): [["tt.divisibility", 16]]
-        for n in ("O", "LSE", "meta", "total_ptr", "stride_ot")
+        for n in ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "stride_ot")
     }
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     t0 = time.perf_counter()
@@ -144,9 +148,8 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         **ptxas_report(ptx, knobs.nvidia.ptxas.path),
     }
     if dump is not None:
-        name = "fwd_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}_n{block_n}".format(
-            **cfg
-        )
+        name = "fwd_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}_n{block_n}_i{isolate:d}"
+        name = name.format(**{"isolate": True, **cfg})
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
@@ -167,9 +170,10 @@ def main() -> int:
     mod = load_kernel_module()
     rows, failed = [], 0
     for cfg in configs():
-        label = "D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} BN={block_n}".format(
-            **cfg
-        )
+        label = (
+            "D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
+            "BN={block_n} isolate={isolate:d}"
+        ).format(**{"isolate": True, **cfg})
         try:
             rep = compile_one(mod, cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]

@@ -157,6 +157,55 @@ def test_deterministic():
     assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+def _poisoned_neighbours(head_dim, causal, act, isolate, seed=0):
+    """Sequences whose key lengths are not multiples of the tile, each followed by a
+    sequence whose values (and keys, queries) are NaN/Inf: the finite sequences' outputs
+    must equal the reference computed on them alone."""
+    torch.manual_seed(seed)
+    lens = [100, 7, 130, 5, 255, 3, 64, 9]  # poisoned: the odd positions
+    heads = 2
+    qo = _offsets(lens)
+    q, k, v = (torch.randn(sum(lens), heads, head_dim, device=DEV, dtype=torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    for b in range(1, len(lens), 2):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        v[rows, :, ::2] = float("nan")
+        v[rows, :, 1::2] = float("inf")
+        k[rows] = float("nan")
+        q[rows] = float("-inf")
+    cfg = GluonConfig(num_stages=default_config(head_dim).num_stages, isolate_values=isolate)
+    kw = dict(causal=causal, config=cfg)
+    if act == "silu":
+        kw.update(activation="silu", normalization="max_seqlen")
+    out, _ = jagged_attention_fwd_gluon(q, k, v, qo, max(lens), **kw)
+    scale = 1.0 / math.sqrt(head_dim)
+    bad = []
+    for b in range(0, len(lens), 2):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        one = _offsets([lens[b]])
+        ref, _ = _reference(q[rows], k[rows], v[rows], one, one, causal, scale, act,
+                            1.0 / max(lens), torch.float64)  # fmt: skip
+        if not bool(torch.isfinite(out[rows]).all()):
+            bad.append(b)
+            continue
+        assert float((out[rows].double() - ref).abs().max()) < 0.05
+    return bad
+
+
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_non_finite_values_stay_in_their_sequence(head_dim, causal, act):
+    assert _poisoned_neighbours(head_dim, causal, act, isolate=True) == []
+
+
+def test_without_isolation_non_finite_values_leak():
+    # The guard is what keeps them apart: without it every finite sequence whose last key
+    # tile reaches into its poisoned neighbour turns NaN (this test fails if the poison
+    # does not reach the kernel's reads, i.e. if the check above proved nothing).
+    assert _poisoned_neighbours(128, False, "softmax", isolate=False) != []
+
+
 def test_empty_inputs():
     q = torch.zeros(0, 2, 128, device=DEV, dtype=torch.bfloat16)
     out, lse = jagged_attention_fwd_gluon(q, q, q, torch.zeros(1, dtype=torch.int64, device=DEV), 0)
@@ -175,3 +224,23 @@ def test_layout_errors():
     qo = torch.tensor([0, 64], device=DEV)
     with pytest.raises(ValueError, match="packed heads"):
         jagged_attention_fwd_gluon(q, q, q, qo, 64)
+
+
+def test_direct_relaunch_is_bit_identical(monkeypatch):
+    from hyperrec.jagged_attn._triton import _direct
+
+    torch.manual_seed(3)
+    outs = {}
+    for direct in ("0", "1"):
+        monkeypatch.setenv(_direct.DIRECT_ENV, direct)
+        for lens in (RAGGED, [700, 3, 129], RAGGED):  # new token counts between the calls
+            q, k, v = (torch.randn(sum(lens), 4, 128, device=DEV, dtype=torch.bfloat16,
+                                   generator=torch.Generator(DEV).manual_seed(len(lens)))
+                       for _ in range(3))  # fmt: skip
+            outs.setdefault(direct, []).append(
+                jagged_attention_fwd_gluon(q, k, v, _offsets(lens), max(lens), causal=True)
+            )
+    for (a, la), (b, lb) in zip(outs["0"], outs["1"]):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    keys = [key for key in _direct.RELAUNCH if key[0] == "gluon_fwd"]
+    assert keys and all(_direct.RELAUNCH[key].ok for key in keys)

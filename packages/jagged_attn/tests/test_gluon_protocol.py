@@ -20,6 +20,7 @@ Keep the model in step with the kernel when changing either.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 from dataclasses import dataclass, field
@@ -27,8 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from hyperrec.jagged_attn._gluon._launch import BLOCK_M, GluonConfig, shared_memory_bytes
-from hyperrec.jagged_attn._gluon._schedule import tile_table, upper_bound
+from hyperrec.jagged_attn._gluon._launch import BLOCK_M, GluonConfig, _schedule, shared_memory_bytes
 
 WG_ROWS = 64
 
@@ -259,14 +259,32 @@ def all_ok(i: int, j0: int, block_n: int, lq: int, lk: int, causal: bool) -> boo
     return all(c < lk and (not causal or c <= i + lk - lq) for c in range(j0, j0 + block_n))
 
 
+def work_rows(qo, ko, causal: bool, total_q: int, max_kv: int) -> tuple[list, int]:
+    """What the kernel's ``_item`` reads for each tile: (q start, Lq, kv start, Lk, first
+    row), in the schedule's order (the package forward's Triton schedule kernel under the
+    interpreter; elsewhere the same tiles, longest key range first, built here)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _, _, tile_seq, tile_idx, total = _schedule(qo, ko, causal, total_q, max_kv)
+        total = int(total)
+        tiles = list(zip(tile_seq[:total].tolist(), tile_idx[:total].tolist()))
+    else:
+        lq = (qo[1:] - qo[:-1]).tolist()
+        tiles = [(b, t) for b, n in enumerate(lq) for t in range(-(-n // BLOCK_M))]
+        tiles.sort(key=lambda bt: -int(ko[bt[0] + 1] - ko[bt[0]]))
+        total = len(tiles)
+    rows = []
+    for b, t in tiles:
+        q0, k0 = int(qo[b]), int(ko[b])
+        rows.append((q0, int(qo[b + 1]) - q0, k0, int(ko[b + 1]) - k0, t * BLOCK_M))
+    return rows, total
+
+
 def simulate(q_lens, kv_lens, causal, heads, nprog, config: GluonConfig, seed: int):
     rng = random.Random(seed)
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
     total_q = int(qo[-1])
-    meta, total = tile_table(qo, ko, BLOCK_M, causal, total_q)
-    assert meta.shape[0] == upper_bound(total_q, len(q_lens), BLOCK_M)
-    meta = meta.tolist()
+    meta, total = work_rows(qo, ko, causal, total_q, max(kv_lens))
     n_items = int(total) * heads
     written: list = []
     visited: list = []

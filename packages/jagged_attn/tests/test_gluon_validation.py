@@ -7,6 +7,7 @@ without one and without importing the kernel.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hyperrec.jagged_attn._gluon import (
     shared_memory_bytes,
     unsupported_reason,
 )
-from hyperrec.jagged_attn._gluon import _schedule as sched
+from hyperrec.jagged_attn._gluon import _launch as gluon_launch
 
 
 def _inputs(lens=(5, 0, 9), heads=2, dim=64, dtype=torch.bfloat16):
@@ -106,46 +107,47 @@ def test_config_checks_and_shared_memory():
         jagged_attention_fwd_gluon(q, k, v, offsets, max_len, config=GluonConfig(num_stages=3))
 
 
-def _table(lens, kv_lens=None, causal=False, block_m=128):
+def _table(lens, kv_lens=None, causal=False):
     qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     ko = qo if kv_lens is None else torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
-    meta, total = sched.tile_table(qo, ko, block_m, causal, int(qo[-1]))
-    return qo, ko, meta, int(total)
+    kv_max = max(kv_lens if kv_lens is not None else lens, default=0)
+    schedule = gluon_launch._schedule(qo, ko, causal, int(qo[-1]), kv_max)
+    return qo, ko, schedule
 
 
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the schedule is a Triton kernel"
+)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("causal", [False, True])
-def test_tile_table_lists_every_tile_once_heaviest_first(causal):
+def test_schedule_lists_every_tile_once(causal):
+    # the Gluon forward walks the package forward's 128-row query-tile schedule
     lens, kv_lens = [300, 0, 1, 128, 129, 700], [10, 5, 300, 128, 1000, 700]
-    qo, ko, meta, total = _table(lens, kv_lens, causal)
+    qo, ko, (q32, kv32, tile_seq, tile_idx, total) = _table(lens, kv_lens, causal)
+    total = int(total)
+    assert q32.tolist() == qo.tolist() and kv32.tolist() == ko.tolist()
     assert total == sum(math.ceil(x / 128) for x in lens)
-    assert meta.shape == (sum(lens) // 128 + len(lens), 8)
-    rows = meta[:total].tolist()
-    got = sorted((r[0], r[4]) for r in rows)
-    want = sorted(
-        (int(qo[b]), t * 128) for b, n in enumerate(lens) for t in range(math.ceil(n / 128))
-    )
-    assert got == want
-    for q_start, lq, k_start, lk, m0, *pad in rows:
-        b = int((qo[:-1] == q_start).nonzero()[-1]) if lq else None
-        assert lq == lens[b] and k_start == int(ko[b]) and lk == kv_lens[b] and pad == [0, 0, 0]
-        assert 0 <= m0 < lq
-    keys = [
-        min(lk, max(0, min(m0 + 128, lq) + lk - lq)) if causal else lk
-        for _, lq, _, lk, m0, *_ in rows
-    ]
-    assert keys == sorted(keys, reverse=True)
+    assert tile_seq.shape == (sum(lens) // 128 + len(lens),)
+    got = sorted(zip(tile_seq[:total].tolist(), tile_idx[:total].tolist()))
+    assert got == sorted((b, t) for b, n in enumerate(lens) for t in range(math.ceil(n / 128)))
+    # the longest key range first
+    assert kv_lens[int(tile_seq[0])] == 1000
 
 
-def test_tile_table_cache_follows_the_offsets_object():
+@needs_interpreter
+def test_schedule_cache_follows_the_offsets_object():
     qo = torch.tensor([0, 200, 300])
-    a = sched.tile_table(qo, qo, 128, False, 300)
-    assert sched.tile_table(qo, qo, 128, False, 300) is a
-    assert sched.tile_table(qo.clone(), qo, 128, False, 300) is not a
+    a = gluon_launch._schedule(qo, qo, False, 300, 200)
+    assert gluon_launch._schedule(qo, qo, False, 300, 200) is a
+    assert gluon_launch._schedule(qo.clone(), qo, False, 300, 200) is not a
     qo[1] = 100  # in place: a new version, a new table
-    b = sched.tile_table(qo, qo, 128, False, 300)
+    b = gluon_launch._schedule(qo, qo, False, 300, 200)
     assert b is not a and not torch.equal(b[0], a[0])
 
 
-def test_tile_table_empty_sequences_only():
-    qo, ko, meta, total = _table([0, 0, 0])
-    assert total == 0 and meta.shape[0] >= 1
+@needs_interpreter
+def test_schedule_empty_sequences_only():
+    qo, ko, schedule = _table([0, 0, 0])
+    assert int(schedule[-1]) == 0 and schedule[2].shape[0] >= 1

@@ -24,8 +24,9 @@ Structure of one CTA (FlashAttention-3's forward, adapted to jagged work items):
   written with a masked store (a bulk store would overwrite the next sequence's rows).
   The base-2 log-sum-exp is written per row in fp32.
 
-Work items are (128-row query tile, head) pairs from a device-side table sorted by cost
-(``_schedule.py``); the grid is persistent and each CTA takes items in "snake" order.
+Work items are (128-row query tile, head) pairs from the package forward's query-tile
+schedule, sorted by cost (``_triton/_tiles.py``); the grid is persistent and each CTA takes
+items in "snake" order.
 Every partition reads the same table and so agrees on the item sequence and on the number
 of key tiles per item without talking to the others.
 
@@ -33,10 +34,9 @@ Masking: key tiles that cross the end of the key sequence or the causal diagonal
 (bottom-right aligned: query ``i`` sees keys ``j <= i + Lk - Lq``) set disallowed scores to
 ``-inf`` before the running max; other tiles run mask-free. Rows past a sequence's end read
 the next sequence's queries (TMA loads whole boxes): their results are never stored. Key
-rows past the sequence end are masked; value rows there are multiplied by exact zeros,
-so they contribute nothing as long as they are finite (a NaN/Inf in the *first rows of the
-next sequence's* values would propagate; the pointer-based Triton kernel has no such
-caveat).
+rows past the sequence end are masked (``where``, so a NaN there is dropped too); value
+rows there are zeroed in shared memory before the last P V product (``_clear_rows``), so
+a non-finite value in one sequence never reaches another's output.
 
 ``ACT == 1`` replaces the softmax by GDPA's SiLU: ``o = coef * sum_j silu(s_ij) v_j``, no
 running state, no LSE.
@@ -72,14 +72,18 @@ def _tanh_approx(x):
 @gluon.jit
 def _item(meta, w, n_items, H: gl.constexpr):
     """Work item ``w``: (head, q start, Lq, kv start, Lk, first query row)."""
-    row = meta + gl.minimum(w, n_items - 1) // H * 8
+    tile_seq, tile_idx, q_off, kv_off = meta
+    t = gl.minimum(w, n_items - 1) // H
+    seq = gl.load(tile_seq + t)
+    q_start = gl.load(q_off + seq)
+    k_start = gl.load(kv_off + seq)
     return (
         w % H,
-        gl.load(row),
-        gl.load(row + 1),
-        gl.load(row + 2),
-        gl.load(row + 3),
-        gl.load(row + 4),
+        q_start,
+        gl.load(q_off + seq + 1) - q_start,
+        k_start,
+        gl.load(kv_off + seq + 1) - k_start,
+        gl.load(tile_idx + t) * (2 * WG_ROWS),
     )
 
 
@@ -220,10 +224,48 @@ def _weights(s, m_i, l_i, qk_scale, ACT: gl.constexpr, SCALE_IN_EXP: gl.constexp
 
 
 @gluon.jit
+def _clear_rows(v_smem, st, valid, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr):  # fmt: skip
+    """Zero rows ``[valid, BLOCK_N)`` of value tile ``st`` of the ring in shared memory.
+
+    TMA reads whole boxes, so the last value tile of a sequence holds the first rows of the
+    next sequence. Their weights are exact zeros, but ``0 * NaN`` is NaN: without this a
+    non-finite value in one sequence would reach its neighbour's output. Both consumer
+    warpgroups clear the same tile; rows below ``valid`` of the chunk that straddles it are
+    written back unchanged, so the two write identical bytes and a warpgroup whose GEMM
+    already reads the tile sees the same data either way.
+    """
+    # The ring's 128-byte-swizzled layout stores a tile as panels of 64 columns (one
+    # swizzle row each), every panel holding all BLOCK_N rows: viewed as chunks of
+    # (CH rows x 64 columns), CH a multiple of the swizzle's 8-row period, it keeps its
+    # layout and chunks can be indexed at run time. A loop over chunks, one 16-byte vector
+    # per thread each, rather than unrolled static slices: the partition holds the output
+    # accumulator and registers are scarce (static slices spilled).
+    PANEL: gl.constexpr = 64
+    N_PANELS: gl.constexpr = HEAD_DIM // PANEL
+    CH: gl.constexpr = 16
+    PER_PANEL: gl.constexpr = BLOCK_N // CH
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                      rank=2)  # fmt: skip
+    chunks = v_smem._reinterpret(v_smem.dtype, [NUM_STAGES * N_PANELS * PER_PANEL, CH, PANEL],
+                                 chunk_layout)  # fmt: skip
+    rows = gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+    for c in range(valid // CH, PER_PANEL):
+        keep = (c * CH + rows < valid)[:, None]
+        for p in gl.static_range(N_PANELS):
+            chunk = chunks.index((st * N_PANELS + p) * PER_PANEL + c)
+            x = chunk.load(blk)
+            chunk.store(gl.where(keep, x, gl.zeros_like(x)))
+    # the tensor cores read shared memory through the async proxy
+    fence_async_shared()
+
+
+@gluon.jit
 def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr,
+    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
 ):  # fmt: skip
     o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh = shared
     qk_scale, coef = consts
@@ -316,9 +358,13 @@ def _consumer(
                     ph_prev = ph
                 # Every Q K^T of this item has retired: the producer may reload Q.
                 mbarrier.arrive(q_empty.index(WG), count=1)
-                # Tail: O += P_last V_last.
-                _take_turn(turn, slot, WG, PINGPONG)
+                # Tail: O += P_last V_last. Only the last key tile can cross the end of
+                # the key sequence; its rows past the end are the next sequence's values.
                 mbarrier.wait(v_ready.index(st_prev), ph_prev)
+                tail_rows = Lk - (n_tiles - 1) * BLOCK_N
+                if ISOLATE_VALUES and tail_rows < BLOCK_N:
+                    _clear_rows(v_smem, st_prev, tail_rows, NUM_STAGES, BLOCK_N, HEAD_DIM)
+                _take_turn(turn, slot, WG, PINGPONG)
                 acc = warpgroup_mma(p_op, v_smem.index(st_prev), acc, is_async=True)
                 _pass_turn(turn, WG, PINGPONG)
                 slot += 1
@@ -355,19 +401,23 @@ def _consumer(
     tma.store_wait(0)
 
 
-@gluon.jit
+# ``stride_lh`` is the query token count: not specialised, so that a new batch reuses the
+# compiled kernel and its direct relaunch (``_triton/_direct.py``).
+@gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_fwd_kernel(
-    q_desc, k_desc, v_desc, o_desc, O, LSE, meta, total_ptr,
+    q_desc, k_desc, v_desc, o_desc, O, LSE, tile_seq, tile_idx, q_off, kv_off, total_ptr,
     stride_ot, stride_lh, qk_scale, coef,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr,
+    SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention forward; see the module docstring.
 
     ``q_desc``/``o_desc``: 2-D ``(tokens, H * HEAD_DIM)`` descriptors with ``[64, HEAD_DIM]``
-    boxes; ``k_desc``/``v_desc``: the same with ``[BLOCK_N, HEAD_DIM]`` boxes. ``meta``:
-    the int32 ``(U, 8)`` tile table, ``total_ptr``: its number of real rows (device).
+    boxes; ``k_desc``/``v_desc``: the same with ``[BLOCK_N, HEAD_DIM]`` boxes. ``tile_seq``,
+    ``tile_idx``: the int32 query-tile schedule of the package's forward (``_triton/_tiles.py``:
+    each 128-row tile's sequence and index in it, heaviest first), ``total_ptr``: how many
+    entries are real tiles (device); ``q_off``/``kv_off``: int32 ``(B + 1,)`` offsets.
     ``LSE``: ``(H, Tq)`` fp32 (softmax only). ``qk_scale``: ``scale * log2(e)`` for
     softmax, ``scale`` for SiLU; ``coef``: output multiplier.
     """
@@ -398,6 +448,7 @@ def jagged_fwd_kernel(
 
     smem = (q_smem, k_smem, v_smem, o_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    meta = (tile_seq, tile_idx, q_off, kv_off)
     shared = (o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh)
     consts = (qk_scale, coef)
     # Consumer 0 is the default partition (the kernel's 4 warps); consumer 1 (4 warps) and
@@ -407,9 +458,9 @@ def jagged_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES)),
             (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H, HEAD_DIM,
                          BLOCK_N, NUM_STAGES, CAUSAL)),
         ],

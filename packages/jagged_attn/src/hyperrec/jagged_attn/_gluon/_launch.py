@@ -7,6 +7,7 @@ the device are checked and give ``TypeError``/``ValueError`` naming the argument
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -14,7 +15,6 @@ from typing import Literal
 import torch
 
 from hyperrec.jagged_attn._gluon._probe import gluon_supported, unsupported_reason
-from hyperrec.jagged_attn._gluon._schedule import tile_table, upper_bound
 
 __all__ = [
     "ACTIVATIONS",
@@ -58,6 +58,12 @@ class GluonConfig:
     """Make the two consumer warpgroups take turns issuing their GEMMs, so one
     warpgroup's softmax overlaps the other's GEMMs (FlashAttention-3's inter-warpgroup
     schedule). Off: both issue as soon as their data is ready."""
+    isolate_values: bool = True
+    """Zero the rows of a sequence's last value tile that belong to the next sequence
+    before the last ``P V`` product (TMA reads whole boxes; their weights are 0, but
+    ``0 * NaN`` is NaN). Off: a non-finite value in one sequence's first rows reaches the
+    previous sequence's output (FlashAttention-3's varlen forward and FlexAttention's
+    document masks behave that way); for benchmarks of what the guard costs."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_stages"):
@@ -68,10 +74,13 @@ class GluonConfig:
             raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if not isinstance(self.pingpong, bool):
-            raise TypeError(f"pingpong must be a bool, got {type(self.pingpong).__name__}")
+        for name in ("pingpong", "isolate_values"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+@functools.cache
 def default_config(head_dim: int) -> GluonConfig:
     """The configuration used when none is given (2 stages fill SMEM at head dim 128)."""
     return GluonConfig(block_n=128, num_stages=2 if head_dim > 64 else 3)
@@ -260,7 +269,46 @@ def jagged_attention_fwd_gluon(
             f"q must be on an sm_90 GPU with Triton 3.6 Gluon: {unsupported_reason(q.device)}"
         )
 
-    softmax = activation == "softmax"
+    return _run(
+        q,
+        k,
+        v,
+        offsets,
+        kv_offsets,
+        max_seqlen_kv,
+        causal,
+        scale,
+        activation == "softmax",
+        output_scale,
+        normalization == "max_seqlen",
+        config,
+    )
+
+
+def _run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_seqlen_kv: int,
+    causal: bool,
+    scale: float,
+    softmax: bool,
+    output_scale: float,
+    hstu_norm: bool,
+    config: GluonConfig,
+    schedule: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch without argument checks: the package's dispatcher calls it for calls it
+    has validated (``_triton._launch.gluon_unsupported``); everything else goes through
+    :func:`jagged_attention_fwd_gluon`.
+
+    ``schedule``: ``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)``, the forward's
+    query-tile schedule for 128-row tiles (``_triton._tiles.tile_schedule``), if the caller
+    has it (the dispatcher's is cached per offsets object and fuses its value check);
+    otherwise built here, cached the same way."""
+    total_q, n_heads, head_dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
     n_seq = offsets.numel() - 1
@@ -273,38 +321,81 @@ def jagged_attention_fwd_gluon(
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         _check_tma_rows(name, t)
 
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from hyperrec.jagged_attn._gluon._kernel import jagged_fwd_kernel
-
-    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    from hyperrec.jagged_attn._triton import _direct
+    from hyperrec.jagged_attn._triton._schedule import work_upper_bound
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
         return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
                                 strides=[t.stride(0), 1], block_shape=[rows, head_dim],
-                                layout=layout)  # fmt: skip
+                                layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
 
-    meta, total = tile_table(offsets, kv_offsets, BLOCK_M, causal, total_q)
+    if schedule is None:
+        schedule = _schedule(offsets, kv_offsets, causal, total_q, max_seqlen_kv)
+    q32, kv32, tile_seq, tile_idx, total = schedule
     if softmax:
         qk_scale = scale * math.log2(math.e)  # the kernel's exp2 works in base 2
         coef = output_scale
         lse_arg = lse
     else:
         qk_scale = scale
-        coef = (
-            output_scale / max(max_seqlen_kv, 1) if normalization == "max_seqlen" else output_scale
-        )
+        coef = output_scale / max(max_seqlen_kv, 1) if hstu_norm else output_scale
         lse_arg = torch.empty(1, dtype=torch.float32, device=q.device)  # never written
-    work = upper_bound(total_q, n_seq, BLOCK_M) * n_heads
+    work = work_upper_bound(total_q, n_seq, BLOCK_M) * n_heads
     grid = (max(1, min(work, _num_sms(q.device))),)
-    jagged_fwd_kernel[grid](
-        desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n), desc(out, _WG_ROWS),
-        out, lse_arg, meta, total, out.stride(0), total_q, qk_scale, coef,
-        H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        CAUSAL=causal, ACT=0 if softmax else 1, SCALE_IN_EXP=softmax and scale > 0,
-        PINGPONG=config.pingpong,
-        num_warps=4, maxnreg=_MAXNREG,
-    )  # fmt: skip
+    args = (desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n),
+            desc(out, _WG_ROWS), out, lse_arg, tile_seq, tile_idx, q32, kv32, total, out.stride(0),
+            total_q, qk_scale,
+            coef)  # fmt: skip
+    kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n,
+              NUM_STAGES=config.num_stages, CAUSAL=causal, ACT=0 if softmax else 1,
+              SCALE_IN_EXP=softmax and scale > 0, PINGPONG=config.pingpong,
+              ISOLATE_VALUES=config.isolate_values)  # fmt: skip
+    # The launch key fixes everything but the arguments (``_direct.launch``'s contract):
+    # the descriptors' dtype, boxes and layouts follow from (dtype, head dim, config).
+    key = ("gluon_fwd", q.dtype, q.device, tuple(sorted(kw.items())))
+    _direct.launch(jagged_fwd_kernel, grid, key, args, kw, _OPTIONS)
     return out, lse
+
+
+_OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
+
+
+def _schedule(
+    offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    causal: bool,
+    total_q: int,
+    max_seqlen_kv: int,
+) -> tuple[torch.Tensor, ...]:
+    """The package forward's query-tile schedule (one Triton launch, no host sync), cached
+    per offsets object like the Triton forward's (the same cache and key: a Triton forward
+    of 128-row tiles on the same offsets reuses it)."""
+    from hyperrec.jagged_attn._triton._schedule import cached_schedule, work_upper_bound
+    from hyperrec.jagged_attn._triton._tiles import tile_schedule
+
+    def build() -> tuple[torch.Tensor, ...]:
+        upper = work_upper_bound(total_q, offsets.shape[0] - 1, BLOCK_M)
+        return tuple(tile_schedule(offsets, kv_offsets, None, BLOCK_M, causal, upper,
+                                   max_seqlen_kv, kv_tiles=False))  # fmt: skip
+
+    key = ("fwd", BLOCK_M, causal, total_q, "cost", False)
+    return cached_schedule((offsets, kv_offsets, None, None), key, build)
+
+
+_LAYOUTS: dict[tuple[int, int, torch.dtype], object] = {}
+
+
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype) -> object:
+    """The shared-memory layout of a ``[rows, head_dim]`` box (built once: a Python object
+    Triton derives from the swizzle rules, worth caching on a path that runs every call)."""
+    key = (rows, head_dim, dtype)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    return layout
