@@ -74,11 +74,22 @@ needs_kernels = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET
 
 
 @needs_kernels
-@pytest.mark.parametrize("env", [None, "0", "1"])
-def test_dispatch_only_when_requested(env, monkeypatch):
+@pytest.mark.parametrize("long", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("default", [False, True])
+@pytest.mark.parametrize("env", [None, "auto", "0", "1"])
+def test_dispatch_follows_the_variable_and_the_default(env, default, packed, long, monkeypatch):
+    # "1": every eligible call; "0": none; unset/"auto": GLUON_DEFAULT for calls longer
+    # than GLUON_MIN_SEQLEN that the packed-rows forward does not take
+    want = env == "1" or (env in (None, "auto") and default and not packed and long)
     calls = []
 
-    def stub(call):
+    def stub(call, schedule):
+        # the forward's 128-row query-tile schedule: lengths (5, 0, 9) make two tiles
+        q32, kv32, tile_seq, tile_idx, total = schedule
+        assert q32.dtype == torch.int32 and q32.tolist() == call.q_offsets.tolist()
+        assert int(total) == 2 and sorted(tile_seq[:2].tolist()) == [0, 2]
+        assert tile_idx[:2].tolist() == [0, 0]
         calls.append(call)
         return _launch.attention_forward(call, config=_launch._configs._heuristic(
             "fwd", "interpreter", call.q.shape[2]))  # fmt: skip
@@ -86,16 +97,23 @@ def test_dispatch_only_when_requested(env, monkeypatch):
     monkeypatch.setattr(_launch, "gluon_eligible", lambda call: True)
     monkeypatch.setattr(_launch, "_gluon_forward", stub)
     monkeypatch.setattr(_launch, "_FWD_PLANS", {})
+    monkeypatch.setattr(_launch, "GLUON_DEFAULT", default)
+    monkeypatch.setattr(_launch, "GLUON_MIN_SEQLEN", 0 if long else 10**9)
+    # the packed-rows forward has no interpreter entry in the shipped table: pin the sm_90
+    # one, or none
+    pinned = _launch._configs.packed_config("sm90", 64, 9) if packed else None
+    assert pinned is not None or not packed
+    monkeypatch.setattr(_launch._configs, "packed_config", lambda *a: pinned)
     if env is None:
         monkeypatch.delenv(GLUON_ENV, raising=False)
     else:
         monkeypatch.setenv(GLUON_ENV, env)
     call = _call()
     out, _ = _launch.attention_forward(call)
-    assert len(calls) == (1 if env == "1" else 0)
+    assert len(calls) == int(want)
     # a pinned configuration (tests, tuning) always runs the Triton kernel
     _launch.attention_forward(call, config=_launch._configs._heuristic("fwd", "interpreter", 64))
-    assert len(calls) == (1 if env == "1" else 0)
+    assert len(calls) == int(want)
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,3 +152,9 @@ def test_gpu_public_api_with_gluon(causal, dim, monkeypatch):
     for a, b in zip(results["0"], results["1"]):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_bad_variable_value_is_an_error(monkeypatch):
+    monkeypatch.setenv(GLUON_ENV, "yes")
+    with pytest.raises(ValueError, match="JAGGED_ATTN_GLUON must be 0, 1 or auto"):
+        _launch.gluon_requested()

@@ -1,4 +1,4 @@
-"""Warp-specialised Hopper forward of jagged attention, written in Gluon (experimental).
+"""Warp-specialised Hopper forward of jagged attention, written in Gluon.
 
 A FlashAttention-3-style forward for sm_90 written with ``triton.experimental.gluon``
 (Triton 3.6's API): a producer warp streams K/V tiles through TMA into a multi-stage
@@ -9,11 +9,12 @@ issue, over a persistent, cost-sorted schedule of jagged (query tile, head) work
 The output leaves through TMA stores (masked stores for a sequence's last partial tile),
 with an fp32 base-2 LSE.
 
-Status: compiled ahead of time for sm_90 on a CPU machine (``bench/compile_gluon.py``);
-its numerics and speed are checked on the GPU only (``tests/test_gluon_forward.py``,
-``bench/bench_gluon.py``): Gluon has no CPU interpreter. The package's launcher calls it
-only with ``JAGGED_ATTN_GLUON=1`` (opt-in, for the calls it supports; see
-``_triton._launch.gluon_unsupported``).
+Status: the package's default forward on sm_90 with Triton 3.6 for the calls it can
+serve whose longest sequence exceeds 256 tokens (``_triton._launch.GLUON_DEFAULT``,
+``GLUON_MIN_SEQLEN``; ``JAGGED_ATTN_GLUON=0`` off, ``=1`` every call it can serve; see
+``_triton._launch.gluon_unsupported``). Compiled ahead of time for sm_90 on a CPU machine
+(``bench/compile_gluon.py``); its numerics and speed are checked on the GPU only
+(``tests/test_gluon_forward.py``, ``bench/bench_gluon.py``): Gluon has no CPU interpreter.
 
 Importing this subpackage imports neither Triton nor the kernel.
 

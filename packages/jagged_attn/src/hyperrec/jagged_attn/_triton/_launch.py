@@ -345,8 +345,10 @@ class _ForwardPlan:
     """The packed-rows forward to run when the call qualifies (``_packable``): a pinned
     ``pack_rows`` configuration, else :func:`._configs.packed_config`'s default."""
     gluon: bool
-    """The experimental Gluon forward can serve this call (used if :data:`GLUON_ENV` is
-    set)."""
+    """The Gluon forward can serve this call (see :func:`gluon_unsupported`)."""
+    long: bool
+    """The call's longest sequence exceeds :data:`GLUON_MIN_SEQLEN` (where the Gluon
+    forward is the default)."""
 
 
 _FWD_PLANS: dict[tuple[object, ...], _ForwardPlan] = {}
@@ -410,23 +412,48 @@ def _forward_plan(
     else:
         packed = _configs.packed_config(_arch(q.device), head_dim,
                                         max(spec.max_seqlen_q, spec.max_seqlen_kv))  # fmt: skip
+    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
     return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, packed=packed,
-                        gluon=gluon)  # fmt: skip
+                        gluon=gluon, long=long)  # fmt: skip
 
 
-#: Environment variable that opts into the experimental Gluon forward (``_gluon/``) for the
-#: calls it supports: ``JAGGED_ATTN_GLUON=1``. Off by default until a GPU run has
-#: validated it; the backward stays the Triton kernels (they take its LSE as is).
+#: Environment variable that chooses the Gluon forward (``_gluon/``) for the calls it
+#: supports: ``1`` for every such call, ``0`` never; unset (or ``auto``): when
+#: :data:`GLUON_DEFAULT` is on, for such calls whose longest sequence exceeds
+#: :data:`GLUON_MIN_SEQLEN` tokens. The backward stays the Triton kernels (they take its
+#: LSE as is).
 GLUON_ENV = "JAGGED_ATTN_GLUON"
+#: Whether the Gluon forward runs by default (on since its GPU validation through the
+#: public dispatch: 1.22-1.38x the Triton forward on batches with sequences of hundreds of
+#: tokens and more, 0.85-0.96x on sequences of at most 128 tokens;
+#: ``bench/results/bench_gluon_public_h200_2026-12-03.json``).
+GLUON_DEFAULT = True
+#: The default takes the Gluon forward only for calls whose ``max(max_seqlen_q,
+#: max_seqlen_kv)`` exceeds this (the Triton forward wins below 128 tokens; between 128
+#: and 256 nothing was measured, the short-sequence configurations stay).
+GLUON_MIN_SEQLEN = 256
 #: ``JAGGED_ATTN_BWD_TMA=0`` switches off the backward's descriptor reads
 #: (``KernelConfig.bwd_tma``) for plans built after it is set: an escape hatch and an A/B
 #: switch for benchmarks.
 BWD_TMA_ENV = "JAGGED_ATTN_BWD_TMA"
 
 
-def gluon_requested() -> bool:
-    """Whether :data:`GLUON_ENV` asks for the Gluon forward (``"1"``)."""
-    return os.environ.get(GLUON_ENV, "0") == "1"
+def gluon_requested() -> bool | None:
+    """What :data:`GLUON_ENV` asks for: True (``"1"``), False (``"0"``) or None (unset or
+    ``"auto"``: the default policy)."""
+    value = os.environ.get(GLUON_ENV, "")
+    if value in ("", "auto"):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{GLUON_ENV} must be 0, 1 or auto (or unset), got {value!r}")
+    return value == "1"
+
+
+def _use_gluon(plan: _ForwardPlan, packed: bool) -> bool:
+    if not plan.gluon:
+        return False
+    asked = gluon_requested()
+    return (GLUON_DEFAULT and plan.long and not packed) if asked is None else asked
 
 
 def gluon_eligible(call: AttentionCall) -> bool:
@@ -487,20 +514,24 @@ def _gluon_normalization(normalization: str) -> Literal["none", "max_seqlen"]:
     )
 
 
-def _gluon_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-    from hyperrec.jagged_attn._gluon import jagged_attention_fwd_gluon
+#: Query rows per work item of the Gluon forward (``_gluon._launch.BLOCK_M``).
+_GLUON_BLOCK_M = 128
+
+
+def _gluon_forward(
+    call: AttentionCall, schedule: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The call passed the public checks and gluon_unsupported: launch without the Gluon
+    # entry point's own argument checks (host time on every call).
+    from hyperrec.jagged_attn._gluon._launch import _run, default_config
 
     spec = call.spec
-    # the Gluon launcher takes kv_offsets=None for self-attention (then max_seqlen is the
-    # kv maximum too: HSTU's divisor)
-    same = (call.kv_offsets is call.q_offsets and spec.max_seqlen_kv == spec.max_seqlen_q
-            and call.k.shape[0] == call.q.shape[0])  # fmt: skip
-    return jagged_attention_fwd_gluon(
-        call.q, call.k, call.v, call.q_offsets, spec.max_seqlen_q, causal=spec.mask.causal,
-        scale=spec.scale, kv_offsets=None if same else call.kv_offsets,
-        max_seqlen_kv=None if same else spec.max_seqlen_kv,
-        activation=_gluon_activation(spec.activation), output_scale=spec.output_scale,
-        normalization=_gluon_normalization(spec.normalization),
+    activation = _gluon_activation(spec.activation)
+    normalization = _gluon_normalization(spec.normalization)
+    return _run(
+        call.q, call.k, call.v, call.q_offsets, call.kv_offsets, spec.max_seqlen_kv,
+        spec.mask.causal, spec.scale, activation == "softmax", spec.output_scale,
+        normalization == "max_seqlen", default_config(call.q.shape[2]), schedule,
     )  # fmt: skip
 
 
@@ -539,15 +570,22 @@ def attention_forward(
     # schedule build below when this call builds one, else run before any kernel.
     check = take_pending_check()
     cfg, kw = plan.cfg, plan.kw
-    no_schedule = total_q == 0 or n_seq == 0 or (plan.gluon and gluon_requested())
     packed = plan.packed is not None and _packable(call)
+    gluon = _use_gluon(plan, packed)
+    no_schedule = total_q == 0 or n_seq == 0
     if check is not None and (no_schedule or packed):
         check.run()
         check = None
     if total_q == 0 or n_seq == 0:
         return out, lse
-    if plan.gluon and gluon_requested():
-        return _gluon_forward(call)
+    if gluon:
+        # the Gluon kernel walks the same query-tile schedule (128-row tiles), built with
+        # the value check fused as for the Triton forward
+        checks = [check] if check is not None else []
+        schedule = _fwd_schedule(call, _GLUON_BLOCK_M, "cost", checks=checks)
+        if checks:
+            checks[0].run()
+        return _gluon_forward(call, schedule)
     coef = _coef(spec)
     if packed:
         _forward_packed(call, plan.packed, coef, plan.ce, out, lse)
