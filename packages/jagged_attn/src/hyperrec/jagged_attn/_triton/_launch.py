@@ -34,6 +34,7 @@ from hyperrec.jagged_attn._triton._schedule import (
 )
 from hyperrec.jagged_attn._triton._tiles import tile_schedule
 from hyperrec.jagged_attn._validate import DeviceCheck, take_pending_check
+from hyperrec.jagged_attn.spec import AttentionSpec
 
 __all__ = ["attention_backward", "attention_forward"]
 
@@ -346,9 +347,6 @@ class _ForwardPlan:
     ``pack_rows`` configuration, else :func:`._configs.packed_config`'s default."""
     gluon: bool
     """The Gluon forward can serve this call (see :func:`gluon_unsupported`)."""
-    long: bool
-    """The call's longest sequence exceeds :data:`GLUON_MIN_SEQLEN` (where the Gluon
-    forward is the default)."""
 
 
 _FWD_PLANS: dict[tuple[object, ...], _ForwardPlan] = {}
@@ -412,9 +410,8 @@ def _forward_plan(
     else:
         packed = _configs.packed_config(_arch(q.device), head_dim,
                                         max(spec.max_seqlen_q, spec.max_seqlen_kv))  # fmt: skip
-    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
     return _ForwardPlan(cfg=cfg, kw=kw, key=key, ce=ce, host_descs=host_descs, packed=packed,
-                        gluon=gluon, long=long)  # fmt: skip
+                        gluon=gluon)  # fmt: skip
 
 
 #: Environment variable that chooses the Gluon forward (``_gluon/``) for the calls it
@@ -449,11 +446,15 @@ def gluon_requested() -> bool | None:
     return value == "1"
 
 
-def _use_gluon(plan: _ForwardPlan, packed: bool) -> bool:
+def _use_gluon(plan: _ForwardPlan, spec: AttentionSpec, packed: bool) -> bool:
     if not plan.gluon:
         return False
     asked = gluon_requested()
-    return (GLUON_DEFAULT and plan.long and not packed) if asked is None else asked
+    if asked is not None:
+        return asked
+    # read at every call (not in the cached plan): a changed threshold applies at once
+    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
+    return GLUON_DEFAULT and long and not packed
 
 
 def gluon_eligible(call: AttentionCall) -> bool:
@@ -571,7 +572,7 @@ def attention_forward(
     check = take_pending_check()
     cfg, kw = plan.cfg, plan.kw
     packed = plan.packed is not None and _packable(call)
-    gluon = _use_gluon(plan, packed)
+    gluon = _use_gluon(plan, spec, packed)
     no_schedule = total_q == 0 or n_seq == 0
     if check is not None and (no_schedule or packed):
         check.run()
