@@ -226,3 +226,25 @@ def test_other_backends_check_before_they_run(device_mode):
     with pytest.raises(RuntimeError, match="validate='full'"):
         jagged_attention(q, k, v, off, 5, backend="torch")
     assert device_mode == {"separate": 1, "fused": 0}
+
+
+def test_the_gluon_path_checks_inside_its_schedule_build(device_mode, monkeypatch):
+    # The Gluon forward walks the same schedule; its build runs the fused check too.
+    seen = []
+
+    def gluon_stub(call, schedule):
+        seen.append(int(schedule[-1]))  # the number of real tiles
+        out = torch.zeros_like(call.q)
+        return out, torch.zeros(call.q.shape[1], call.q.shape[0], dtype=torch.float32)
+
+    monkeypatch.setattr(_launch, "gluon_eligible", lambda call: True)
+    monkeypatch.setattr(_launch, "_gluon_forward", gluon_stub)
+    monkeypatch.setattr(_launch, "_FWD_PLANS", {})
+    monkeypatch.setenv(_launch.GLUON_ENV, "1")
+    off = _off([5, 0, 17, 9])
+    q, k, v = _qkv(int(off[-1]))
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    assert seen == [3] and device_mode == {"separate": 0, "fused": 1}  # 128-row tiles
+    with pytest.raises(RuntimeError, match="validate='full'"):
+        jagged_attention(q, k, v, _off([5, 0, 17, 9]), 16, backend="triton")  # 17 > 16
+    assert device_mode == {"separate": 0, "fused": 2} and seen == [3]
