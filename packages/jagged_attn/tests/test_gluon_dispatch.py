@@ -84,7 +84,7 @@ def test_dispatch_follows_the_variable_and_the_default(env, default, packed, lon
     want = env == "1" or (env in (None, "auto") and default and not packed and long)
     calls = []
 
-    def stub(call, schedule):
+    def stub(call, schedule, *buffers):
         # the forward's 128-row query-tile schedule: lengths (5, 0, 9) make two tiles
         q32, kv32, tile_seq, tile_idx, total = schedule
         assert q32.dtype == torch.int32 and q32.tolist() == call.q_offsets.tolist()

@@ -299,6 +299,8 @@ def _run(
     hstu_norm: bool,
     config: GluonConfig,
     schedule: tuple[torch.Tensor, ...] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch without argument checks: the package's dispatcher calls it for calls it
     has validated (``_triton._launch.gluon_unsupported``); everything else goes through
@@ -307,10 +309,15 @@ def _run(
     ``schedule``: ``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)``, the forward's
     query-tile schedule for 128-row tiles (``_triton._tiles.tile_schedule``), if the caller
     has it (the dispatcher's is cached per offsets object and fuses its value check);
-    otherwise built here, cached the same way."""
+    otherwise built here, cached the same way. ``out``/``lse``: buffers the caller has
+    allocated (``(Tq, H, D)`` contiguous in q's dtype; ``(H, Tq)`` float32, or ``(0,)`` for
+    SiLU), else allocated here."""
     total_q, n_heads, head_dim = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((n_heads, total_q) if softmax else (0,), dtype=torch.float32,
+                          device=q.device)  # fmt: skip
     n_seq = offsets.numel() - 1
     if total_q == 0 or n_seq == 0:
         return out, lse

@@ -520,7 +520,10 @@ _GLUON_BLOCK_M = 128
 
 
 def _gluon_forward(
-    call: AttentionCall, schedule: tuple[torch.Tensor, ...]
+    call: AttentionCall,
+    schedule: tuple[torch.Tensor, ...],
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The call passed the public checks and gluon_unsupported: launch without the Gluon
     # entry point's own argument checks (host time on every call).
@@ -532,7 +535,7 @@ def _gluon_forward(
     return _run(
         call.q, call.k, call.v, call.q_offsets, call.kv_offsets, spec.max_seqlen_kv,
         spec.mask.causal, spec.scale, activation == "softmax", spec.output_scale,
-        normalization == "max_seqlen", default_config(call.q.shape[2]), schedule,
+        normalization == "max_seqlen", default_config(call.q.shape[2]), schedule, out, lse,
     )  # fmt: skip
 
 
@@ -586,7 +589,7 @@ def attention_forward(
         schedule = _fwd_schedule(call, _GLUON_BLOCK_M, "cost", checks=checks)
         if checks:
             checks[0].run()
-        return _gluon_forward(call, schedule)
+        return _gluon_forward(call, schedule, out, lse)
     coef = _coef(spec)
     if packed:
         _forward_packed(call, plan.packed, coef, plan.ce, out, lse)
