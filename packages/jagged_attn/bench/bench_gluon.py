@@ -537,6 +537,12 @@ def log_rows(path: Path) -> list[tuple[str, dict]]:
     return [(row.pop("section"), row) for row in rows]
 
 
+def _tail(text: str) -> str:
+    """The last 6,000 characters of a child's output, file paths made relative to the
+    repository (result files must not record where the checkout lives)."""
+    return text.replace(f"{HERE.parents[2]}/", "")[-6000:]
+
+
 def run_child(path: Path, smoke: bool, timeout: float, stand_in: bool = False,
               flag: str = "--child") -> dict:  # fmt: skip
     cmd = [sys.executable, str(Path(__file__).resolve()), flag, str(path)]
@@ -549,13 +555,13 @@ def run_child(path: Path, smoke: bool, timeout: float, stand_in: bool = False,
     try:
         res = subprocess.run(cmd, timeout=timeout, env=env, capture_output=True, text=True,
                              check=False)  # fmt: skip
-        status = {"returncode": res.returncode, "stdout_tail": res.stdout[-6000:],
-                  "stderr_tail": res.stderr[-6000:]}  # fmt: skip
+        status = {"returncode": res.returncode, "stdout_tail": _tail(res.stdout),
+                  "stderr_tail": _tail(res.stderr)}  # fmt: skip
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        status = {"returncode": None, "timeout_s": timeout, "stdout_tail": out[-6000:],
-                  "stderr_tail": err[-6000:]}  # fmt: skip
+        status = {"returncode": None, "timeout_s": timeout, "stdout_tail": _tail(out),
+                  "stderr_tail": _tail(err)}  # fmt: skip
     status["seconds"] = round(time.perf_counter() - t0, 1)
     print(status["stdout_tail"])
     if status["returncode"] != 0:
