@@ -377,32 +377,19 @@ def _schedule(
     total_q: int,
     max_seqlen_kv: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The package forward's query-tile schedule (one Triton launch, no host sync), cached
-    per offsets object like the Triton forward's (the same cache and key: a Triton forward
-    of 128-row tiles on the same offsets reuses it)."""
-    from hyperrec.jagged_attn._triton._schedule import cached_schedule, work_upper_bound
-    from hyperrec.jagged_attn._triton._tiles import tile_schedule
+    """The package forward's query-tile schedule for 128-row tiles (one Triton launch, no
+    host sync), cached per offsets object in the same cache as the Triton forward's."""
+    from hyperrec.jagged_attn._triton._launch import forward_schedule
 
-    def build() -> tuple[torch.Tensor, ...]:
-        upper = work_upper_bound(total_q, offsets.shape[0] - 1, BLOCK_M)
-        return tuple(tile_schedule(offsets, kv_offsets, None, BLOCK_M, causal, upper,
-                                   max_seqlen_kv, kv_tiles=False))  # fmt: skip
-
-    key = ("fwd", BLOCK_M, causal, total_q, "cost", False)
-    return cached_schedule((offsets, kv_offsets, None, None), key, build)
+    return forward_schedule(offsets, kv_offsets, None, None, causal=causal, total_q=total_q,
+                            max_seqlen_kv=max_seqlen_kv, block_m=BLOCK_M)  # fmt: skip
 
 
-_LAYOUTS: dict[tuple[int, int, torch.dtype], object] = {}
-
-
+@functools.cache
 def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype) -> object:
     """The shared-memory layout of a ``[rows, head_dim]`` box (built once: a Python object
     Triton derives from the swizzle rules, worth caching on a path that runs every call)."""
-    key = (rows, head_dim, dtype)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon import language as gl
 
-        gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
-    return layout
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import triton
 import triton.language as tl
 
+from hyperrec.jagged_attn._gluon._launch import BLOCK_M as GLUON_BLOCK_M
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _configs, _direct, _kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
@@ -497,45 +498,23 @@ def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str 
     return None
 
 
-def _gluon_activation(activation: str) -> Literal["softmax", "silu"]:
-    if activation == "softmax":
-        return "softmax"
-    if activation == "silu":
-        return "silu"
-    raise ValueError(f"activation must be 'softmax' or 'silu' for Gluon, got {activation!r}")
-
-
-def _gluon_normalization(normalization: str) -> Literal["none", "max_seqlen"]:
-    if normalization == "none":
-        return "none"
-    if normalization == "max_seqlen":
-        return "max_seqlen"
-    raise ValueError(
-        f"normalization must be 'none' or 'max_seqlen' for Gluon, got {normalization!r}"
-    )
-
-
-#: Query rows per work item of the Gluon forward (``_gluon._launch.BLOCK_M``).
-_GLUON_BLOCK_M = 128
-
-
 def _gluon_forward(
     call: AttentionCall,
     schedule: tuple[torch.Tensor, ...],
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The call passed the public checks and gluon_unsupported: launch without the Gluon
-    # entry point's own argument checks (host time on every call).
+    # The call passed the public checks and gluon_unsupported (softmax or SiLU, none or
+    # HSTU's normalisation): launch without the Gluon entry point's own argument checks
+    # (host time on every call).
     from hyperrec.jagged_attn._gluon._launch import _run, default_config
 
     spec = call.spec
-    activation = _gluon_activation(spec.activation)
-    normalization = _gluon_normalization(spec.normalization)
     return _run(
         call.q, call.k, call.v, call.q_offsets, call.kv_offsets, spec.max_seqlen_kv,
-        spec.mask.causal, spec.scale, activation == "softmax", spec.output_scale,
-        normalization == "max_seqlen", default_config(call.q.shape[2]), schedule, out, lse,
+        spec.mask.causal, spec.scale, spec.activation == "softmax", spec.output_scale,
+        spec.normalization == "max_seqlen", default_config(call.q.shape[2]), schedule, out,
+        lse,
     )  # fmt: skip
 
 
@@ -575,18 +554,17 @@ def attention_forward(
     check = take_pending_check()
     cfg, kw = plan.cfg, plan.kw
     packed = plan.packed is not None and _packable(call)
-    gluon = _use_gluon(plan, spec, packed)
-    no_schedule = total_q == 0 or n_seq == 0
-    if check is not None and (no_schedule or packed):
+    empty = total_q == 0 or n_seq == 0
+    if check is not None and (empty or packed):
         check.run()
         check = None
-    if total_q == 0 or n_seq == 0:
+    if empty:
         return out, lse
-    if gluon:
-        # the Gluon kernel walks the same query-tile schedule (128-row tiles), built with
-        # the value check fused as for the Triton forward
+    if _use_gluon(plan, spec, packed):
+        # the Gluon kernel walks the same query-tile schedule, built with the value check
+        # fused as for the Triton forward
         checks = [check] if check is not None else []
-        schedule = _fwd_schedule(call, _GLUON_BLOCK_M, "cost", checks=checks)
+        schedule = _fwd_schedule(call, GLUON_BLOCK_M, "cost", checks=checks)
         if checks:
             checks[0].run()
         return _gluon_forward(call, schedule, out, lse)
@@ -663,23 +641,46 @@ def _fwd_schedule(
     prefetch: bool = False,
     checks: list[DeviceCheck] | None = None,
 ) -> tuple[torch.Tensor, ...]:
+    """:func:`forward_schedule` for ``call``'s offsets, maps and spec."""
+    return forward_schedule(
+        call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets,
+        causal=call.spec.mask.causal, total_q=call.q.shape[0],
+        max_seqlen_kv=call.spec.max_seqlen_kv, block_m=block_m, order=order,
+        prefetch=prefetch, checks=checks,
+    )  # fmt: skip
+
+
+def forward_schedule(
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+    *,
+    causal: bool,
+    total_q: int,
+    max_seqlen_kv: int,
+    block_m: int,
+    order: str = "cost",
+    prefetch: bool = False,
+    checks: list[DeviceCheck] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """(int32 q offsets, int32 kv offsets, the query-tile schedule of the forward or the dQ
-    kernel...): one cache lookup per call (see :mod:`._schedule`).
+    kernel...): one cache lookup per call (see :mod:`._schedule`). The Triton forward and
+    the Gluon forward (``_gluon._launch``) share it, so both find one schedule per offsets
+    object.
 
     ``checks``: at most one pending value check of this call. When the default schedule is
     built here (a new offsets object) the schedule kernel computes the check's flag, the
     check is asserted and removed from the list; otherwise it stays for the caller."""
-    causal, total_q = call.spec.mask.causal, call.q.shape[0]
-    tensors = (call.q_offsets, call.kv_offsets, call.kv_index, call.num_targets)
+    tensors = (q_offsets, kv_offsets, kv_index, num_targets)
 
     def build() -> tuple[torch.Tensor, ...]:
         if not prefetch and order == "cost":  # the default: one kernel launch
-            upper = work_upper_bound(total_q, call.q_offsets.shape[0] - 1, block_m)
+            upper = work_upper_bound(total_q, q_offsets.shape[0] - 1, block_m)
             check = checks.pop() if checks else None
             q32, kv32, *table = tile_schedule(
-                call.q_offsets, call.kv_offsets, as_int32(call.kv_index), block_m, causal, upper,
-                call.spec.max_seqlen_kv, kv_tiles=False,
-                check=None if check is None else check.args,
+                q_offsets, kv_offsets, as_int32(kv_index), block_m, causal, upper, max_seqlen_kv,
+                kv_tiles=False, check=None if check is None else check.args,
             )  # fmt: skip
             if check is not None:
                 flag = table.pop()
@@ -687,19 +688,17 @@ def _fwd_schedule(
                     check.assert_flag(flag)
                 else:
                     check.asserted_in_kernel()
-            remember_int32(call.q_offsets, q32)
-            remember_int32(call.kv_offsets, kv32)
+            remember_int32(q_offsets, q32)
+            remember_int32(kv_offsets, kv32)
             return (q32, kv32, *table)
-        q_offsets, kv_offsets = as_int32(call.q_offsets), as_int32(call.kv_offsets)
-        kv_index, num_targets = as_int32(call.kv_index), as_int32(call.num_targets)
+        qo32, kvo32 = as_int32(q_offsets), as_int32(kv_offsets)
+        ki32, nt32 = as_int32(kv_index), as_int32(num_targets)
         schedule: tuple[torch.Tensor, ...]
         if prefetch:
-            schedule = q_tile_meta(q_offsets, kv_offsets, kv_index, num_targets, block_m, causal,
-                                   total_q, order)  # fmt: skip
+            schedule = q_tile_meta(qo32, kvo32, ki32, nt32, block_m, causal, total_q, order)
         else:
-            schedule = q_tile_schedule(q_offsets, kv_offsets, kv_index, block_m, causal, total_q,
-                                       order)  # fmt: skip
-        return (q_offsets, kv_offsets, *schedule)
+            schedule = q_tile_schedule(qo32, kvo32, ki32, block_m, causal, total_q, order)
+        return (qo32, kvo32, *schedule)
 
     return cached_schedule(tensors, ("fwd", block_m, causal, total_q, order, prefetch), build)
 
