@@ -1,4 +1,4 @@
-"""Compile the Gluon forward ahead of time for sm_90 and report registers, spills, SMEM.
+"""Compile the Gluon kernels ahead of time for sm_90 and report registers, spills, SMEM.
 
 Needs no GPU and no PyTorch: only Triton 3.6 (the Gluon API the kernel targets), whose
 wheel ships ``ptxas``. The kernel module is loaded from its file, so the script runs in a
@@ -7,7 +7,8 @@ bare venv::
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python bench/compile_gluon.py [--out results/compile_gluon.json] [--dump DIR]
 
-For every configuration (head dim x causal x activation x ping-pong x ring depth) it
+For every configuration of the forward (head dim x causal x activation x ping-pong x ring
+depth) and of the dK/dV kernel (head dim x causal x activation x ring depth) it
 compiles Gluon -> TTGIR -> LLVM -> PTX -> cubin for ``GPUTarget("cuda", 90, 32)`` and
 reports: the kernel's register cap and what ptxas used, spill stores/loads and stack,
 the ``setmaxnreg`` values of the partitions, wgmma instructions, dynamic shared memory,
@@ -30,7 +31,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-KERNEL = HERE.parent / "src" / "hyperrec" / "jagged_attn" / "_gluon" / "_kernel.py"
+GLUON = HERE.parent / "src" / "hyperrec" / "jagged_attn" / "_gluon"
+KERNEL = GLUON / "_kernel.py"
+BWD_KERNEL = GLUON / "_bwd_kernel.py"
 
 # Must match _gluon/_launch.py.
 WG_ROWS = 64
@@ -38,11 +41,24 @@ MAXNREG = 168
 SMEM_LIMIT = 232448
 
 
-def load_kernel_module():
-    spec = importlib.util.spec_from_file_location("hyperrec_gluon_kernel", KERNEL)
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs: the backward module imports the forward's helpers by
+    # their package name, which then resolves here without importing the package
+    # (and PyTorch)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_kernel_module():
+    return _load("hyperrec.jagged_attn._gluon._kernel", KERNEL)
+
+
+def load_bwd_module():
+    load_kernel_module()
+    return _load("hyperrec.jagged_attn._gluon._bwd_kernel", BWD_KERNEL)
 
 
 def configs() -> list[dict]:
@@ -59,6 +75,14 @@ def configs() -> list[dict]:
     # the value-tile guard off (GluonConfig(isolate_values=False))
     out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=2, block_n=128,
                     isolate=False))  # fmt: skip
+    # the dK/dV kernel (``_bwd_kernel.py``): 128-key items, 64-row query tiles
+    for head_dim in (128, 64):
+        for causal in (False, True):
+            for act in (0, 1):
+                out.append(dict(kernel="dkdv", head_dim=head_dim, causal=causal, act=act,
+                                pingpong=False, stages=3, block_n=128))  # fmt: skip
+    out.append(dict(kernel="dkdv", head_dim=128, causal=False, act=0, pingpong=False,
+                    stages=2, block_n=128))  # fmt: skip
     return out
 
 
@@ -89,12 +113,8 @@ def ptxas_report(ptx: str, ptxas: str) -> dict:
 
 
 def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
-    import triton
     import triton.language as tl
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import MockTensor, mangle_type
 
@@ -107,6 +127,25 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             TensorDescriptor(base, [4096, heads * d], [heads * d, 1], [rows, d], layout)
         )
 
+    if cfg.get("kernel") == "dkdv":
+        fn = mod.jagged_bwd_dkdv_kernel
+        bm = 32 if d > 64 else 64  # _gluon/_bwd_launch.py's block_m
+        signature = {
+            "q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(WG_ROWS),
+            "v_desc": desc(WG_ROWS), "dk_desc": desc(WG_ROWS), "dv_desc": desc(WG_ROWS),
+            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32",
+            "DELTA": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
+            "kv_off": "*i32", "total_ptr": "*i32", "stride_kt": "i32", "stride_lh": "i32",
+            "qk_scale": "fp32", "coef": "fp32", "dk_scale": "fp32",
+        }  # fmt: skip
+        constexprs = {
+            "H": heads, "HEAD_DIM": d, "BLOCK_M": bm, "NUM_STAGES": cfg["stages"],
+            "CAUSAL": cfg["causal"],
+            "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
+        }  # fmt: skip
+        aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
+                   "total_ptr", "stride_kt")  # fmt: skip
+        return _compile(fn, signature, constexprs, aligned, cfg, dump, "dkdv")
     fn = mod.jagged_fwd_kernel
     signature = {
         "q_desc": desc(WG_ROWS), "k_desc": desc(bn), "v_desc": desc(bn), "o_desc": desc(WG_ROWS),
@@ -119,13 +158,20 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
         "PINGPONG": cfg["pingpong"], "ISOLATE_VALUES": cfg.get("isolate", True),
     }  # fmt: skip
+    aligned = ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "stride_ot")
+    return _compile(fn, signature, constexprs, aligned, cfg, dump, "fwd")
+
+
+def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, kind: str) -> dict:
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     for name in constexprs:
         signature[name] = "constexpr"
     # what the JIT would specialise for 16-aligned pointers and strides
-    attrs = {
-        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
-        for n in ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "stride_ot")
-    }
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     t0 = time.perf_counter()
     kernel = triton.compile(
@@ -148,7 +194,8 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         **ptxas_report(ptx, knobs.nvidia.ptxas.path),
     }
     if dump is not None:
-        name = "fwd_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}_n{block_n}_i{isolate:d}"
+        name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
+        name += "_n{block_n}_i{isolate:d}"
         name = name.format(**{"isolate": True, **cfg})
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
@@ -168,14 +215,15 @@ def main() -> int:
 
     print(f"triton {triton.__version__}, target cuda sm_90 (compile only, no device)")
     mod = load_kernel_module()
+    bwd = load_bwd_module()
     rows, failed = [], 0
     for cfg in configs():
-        label = (
-            "D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
+        label = cfg.get("kernel", "fwd") + (
+            " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
             "BN={block_n} isolate={isolate:d}"
         ).format(**{"isolate": True, **cfg})
         try:
-            rep = compile_one(mod, cfg, args.dump)
+            rep = compile_one(bwd if cfg.get("kernel") == "dkdv" else mod, cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
             failed += not ok
             print(

@@ -430,6 +430,13 @@ GLUON_DEFAULT = True
 #: max_seqlen_kv)`` exceeds this (the Triton forward wins below 128 tokens; between 128
 #: and 256 nothing was measured, the short-sequence configurations stay).
 GLUON_MIN_SEQLEN = 256
+#: Environment variable that chooses the Gluon dK/dV kernel (``_gluon/_bwd_kernel.py``) for
+#: the backward calls the Gluon forward supports (:func:`gluon_unsupported`): ``1`` for
+#: every such call, ``0`` never; unset (or ``auto``): :data:`GLUON_BWD_DEFAULT`. dQ stays
+#: the Triton kernel either way.
+GLUON_BWD_ENV = "JAGGED_ATTN_GLUON_BWD"
+#: Off by default: an experimental kernel until its GPU measurements say otherwise.
+GLUON_BWD_DEFAULT = False
 #: ``JAGGED_ATTN_BWD_TMA=0`` switches off the backward's descriptor reads
 #: (``KernelConfig.bwd_tma``) for plans built after it is set: an escape hatch and an A/B
 #: switch for benchmarks.
@@ -444,6 +451,17 @@ def gluon_requested() -> bool | None:
         return None
     if value not in ("0", "1"):
         raise ValueError(f"{GLUON_ENV} must be 0, 1 or auto (or unset), got {value!r}")
+    return value == "1"
+
+
+def gluon_bwd_requested() -> bool:
+    """Whether :data:`GLUON_BWD_ENV` (or, unset or ``auto``, :data:`GLUON_BWD_DEFAULT`)
+    asks for the Gluon dK/dV kernel; read at every call."""
+    value = os.environ.get(GLUON_BWD_ENV, "")
+    if value in ("", "auto"):
+        return GLUON_BWD_DEFAULT
+    if value not in ("0", "1"):
+        raise ValueError(f"{GLUON_BWD_ENV} must be 0, 1 or auto (or unset), got {value!r}")
     return value == "1"
 
 
@@ -835,6 +853,13 @@ def attention_backward(
         stride_lh = 0
     rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
+    if gluon_bwd_requested() and gluon_unsupported(call) is None:
+        if not _tma_ready(grad_out):
+            grad_out = grad_out.clone(memory_format=torch.contiguous_format)
+        _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
+        _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key, *rest)
+        return dq, dk, dv
+
     # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
     # tile's share of dQ into a zeroed fp32 buffer, and the dQ kernel is skipped.
     dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if plan.dq_atomic else dq
@@ -844,6 +869,24 @@ def attention_backward(
         return dqa.mul_(scale).to(q.dtype), dk, dv
     _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key, *rest)
     return dq, dk, dv
+
+
+class _GluonKeyTiles:
+    # what ``_kv_schedule`` reads of a configuration: the Gluon kernel's key-tile rows
+    block_n = 128
+
+
+def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> None:
+    """dK and dV by the Gluon kernel (a call :func:`gluon_unsupported` accepts)."""
+    from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N, run_dkdv
+
+    assert _GluonKeyTiles.block_n == BLOCK_N
+    softmax = call.spec.activation == "softmax"
+    run_dkdv(
+        call.q, call.k, call.v, grad_out, lse, delta, dk, dv,
+        _kv_schedule(call, _GluonKeyTiles), causal=call.spec.mask.causal, softmax=softmax,
+        qk_scale=qk_scale, coef=coef, dk_scale=scale if softmax else scale * coef,
+    )  # fmt: skip
 
 
 def _launch_dkdv(call, plan, grad_out, lse, delta, dk, dv, dqa, kw, key, stride_lh, qk_scale,

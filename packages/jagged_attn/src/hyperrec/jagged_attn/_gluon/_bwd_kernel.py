@@ -1,0 +1,318 @@
+"""Warp-specialised Hopper (sm_90) dK/dV kernel of jagged attention, written in Gluon.
+
+Targets Triton 3.6's ``triton.experimental.gluon`` API, like the forward (``_kernel.py``).
+The roles of the forward are swapped: a CTA holds one 128-row *key* tile of one head and
+streams the query tiles that see it.
+
+* A **producer** partition (one warp) loads, per work item, the two 64-row halves of the
+  key and value tile (one per consumer), then the item's query and dO tiles (64 rows each)
+  into a ``NUM_STAGES`` ring. ``ready`` mbarriers complete on the TMA transaction count,
+  ``empty`` ones take one arrival per consumer.
+* Two **consumer** partitions (one warpgroup each) own keys ``[n0, n0 + 64)`` and
+  ``[n0 + 64, n0 + 128)``. Per query tile: ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued
+  together (the exponentials of ``S^T`` run while ``dP^T`` is on the tensor cores); then
+  ``P^T`` and ``dS^T`` go to registers as bf16/fp16 operands of ``dV += P^T dO`` and
+  ``dK += dS^T Q``, whose shared-memory operands are the stage's dO and Q tiles. dK and dV
+  stay in fp32 registers for the whole item and are stored once.
+
+dQ is not computed here: the package's Triton dQ kernel runs after this one (Gluon 3.6 on
+Hopper has no bulk reduce-add, and per-element atomics lost to the separate kernel in the
+Triton backward).
+
+Masking: tiles that cross the end of the query or key sequence or the causal diagonal
+(bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``) select 0 for
+disallowed entries of ``P^T`` and ``dS^T`` (``where``, so a NaN there is dropped too).
+Query rows past the sequence end hold the next sequence's queries and dO (TMA loads whole
+boxes): they are zeroed in shared memory before the products that multiply them
+(``_clear_rows``), so a non-finite value in one sequence never reaches another's
+gradients. Key rows past the end are never stored.
+
+``ACT == 1``: GDPA's SiLU, ``o = coef * sum_j silu(s_ij) v_j``: ``dV = coef * W^T dO``,
+``dS = dP * silu'(s)``, no LSE or delta.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from hyperrec.jagged_attn._gluon._kernel import (
+    CONSUMER_REGS,
+    PRODUCER_REGS,
+    WG_ROWS,
+    _clear_rows,
+    _item,
+    _snake,
+    _tanh_approx,
+)
+
+
+@gluon.jit
+def _q_tiles(n0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """``[lo, hi)``: the query tiles that see some key of the tile starting at ``n0``."""
+    lo = n0 * 0
+    if CAUSAL:
+        # query i sees key j iff j <= i + Lk - Lq: the first query seeing key n0
+        lo = gl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M
+    hi = (Lq + BLOCK_M - 1) // BLOCK_M
+    return lo, gl.maximum(hi, lo)
+
+
+@gluon.jit
+def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
+    k_smem, v_smem, q_smem, do_smem = smem
+    kv_ready, kv_empty, q_ready, q_empty = bars
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(total_ptr) * H
+    q_it = 0
+    item_i = 0
+    for r in range(gl.cdiv(n_items, nprog)):
+        w = _snake(r, pid, nprog)
+        if w < n_items:
+            h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
+            for c in gl.static_range(2):
+                # the consumer's previous item has retired its last GEMM on these buffers
+                mbarrier.wait(kv_empty.index(c), (item_i & 1) ^ 1)
+                mbarrier.expect(kv_ready.index(c),
+                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)  # fmt: skip
+                row = k_start + n0 + c * WG_ROWS
+                tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], kv_ready.index(c),
+                                                k_smem.index(c))  # fmt: skip
+                tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], kv_ready.index(c),
+                                                v_smem.index(c))  # fmt: skip
+            lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
+            for i in range(lo, hi):
+                st = q_it % NUM_STAGES
+                ph = (q_it // NUM_STAGES) & 1
+                mbarrier.wait(q_empty.index(st), ph ^ 1)
+                mbarrier.expect(q_ready.index(st),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)  # fmt: skip
+                row = q_start + i * BLOCK_M
+                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(st),
+                                                q_smem.index(st))  # fmt: skip
+                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(st),
+                                                do_smem.index(st))  # fmt: skip
+                q_it += 1
+            item_i += 1
+
+
+@gluon.jit
+def _bwd_consumer(
+    shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
+    ISOLATE_ROWS: gl.constexpr,
+):  # fmt: skip
+    out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh = shared
+    dk_desc, dv_desc, DK, DV = out
+    qk_scale, coef, dk_scale = consts
+    # S^T / dP^T: [64 keys, 64 queries]; dK / dV: [64 keys, HEAD_DIM]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    scol: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_smem, v_smem, q_smem, do_smem = smem
+    kv_ready, kv_empty, q_ready, q_empty = bars
+    dtype: gl.constexpr = k_smem.dtype
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(total_ptr) * H
+    s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, s_layout)
+    k_buf = k_smem.index(WG)
+    v_buf = v_smem.index(WG)
+    q_it = 0
+    item_i = 0
+    for r in range(gl.cdiv(n_items, nprog)):
+        w = _snake(r, pid, nprog)
+        if w < n_items:
+            h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
+            r0 = n0 + WG * WG_ROWS  # this warpgroup's first key
+            # Both warpgroups visit the query tiles either needs (the producer loads them
+            # once for both): the ring and its barriers stay in step.
+            lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
+            dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+            dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+            mbarrier.wait(kv_ready.index(WG), item_i & 1)
+            for i in range(lo, hi):
+                it = q_it + (i - lo)
+                st = it % NUM_STAGES
+                ph = (it // NUM_STAGES) & 1
+                q_buf = q_smem.index(st)
+                do_buf = do_smem.index(st)
+                mbarrier.wait(q_ready.index(st), ph)
+                s = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)  # fmt: skip
+                dp = warpgroup_mma(v_buf, do_buf.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)  # fmt: skip
+                m0 = i * BLOCK_M
+                # Column vectors cost 16 registers each in the accumulator layout: loaded
+                # one at a time, each just before the wait it overlaps (the consumers run
+                # at their register cap with dK and dV resident).
+                if ACT == 0:
+                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
+                    lse = gl.load(LSE + h * stride_lh + q_start + cols, mask=cols < Lq,
+                                  other=float("inf"))  # fmt: skip
+                # groups retire in order: S^T is done, dP^T may still run
+                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+                if ACT == 0:
+                    p = gl.exp2(s * qk_scale - lse[None, :])
+                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
+                    delta = gl.load(DELTA + h * stride_lh + q_start + cols, mask=cols < Lq,
+                                    other=0.0)  # fmt: skip
+                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+                    ds = p * (dp * coef - delta[None, :])
+                else:
+                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+                    x = s * qk_scale
+                    sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
+                    p = x * sg  # silu(x)
+                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+                need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
+                if CAUSAL:
+                    need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
+                if need_mask:
+                    # select, not multiply: a NaN computed from another sequence's rows
+                    # (or from -inf - inf) is dropped
+                    rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
+                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
+                    ok = (rows[:, None] < Lk) & (cols < Lq)[None, :]
+                    if CAUSAL:
+                        ok = ok & (rows[:, None] <= cols[None, :] + (Lk - Lq))
+                    p = gl.where(ok, p, 0.0)
+                    ds = gl.where(ok, ds, 0.0)
+                if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
+                    # rows past the query sequence are the next sequence's: zero them
+                    # before dV += P^T dO and dK += dS^T Q read them
+                    if m0 + BLOCK_M > Lq:
+                        _clear_rows(q_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
+                        _clear_rows(do_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
+                p_op = gl.convert_layout(p.to(dtype), op_layout)
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+                dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                         deps=[dv, dk, p_op, ds_op])  # fmt: skip
+                mbarrier.arrive(q_empty.index(st), count=1)
+            q_it += hi - lo
+            item_i += 1
+            # Epilogue: dK = scale * dS^T Q (times coef for SiLU), dV = coef * W^T dO, staged
+            # through this warpgroup's K/V buffers (every GEMM on them has retired). A
+            # register-side masked store would need a 64-bit pointer per element.
+            k_buf.store((dk * dk_scale).to(dtype))
+            v_buf.store((dv * coef).to(dtype))
+            fence_async_shared()
+            if r0 + WG_ROWS <= Lk:
+                tma.async_copy_shared_to_global(dk_desc, [k_start + r0, h * HEAD_DIM], k_buf)
+                tma.async_copy_shared_to_global(dv_desc, [k_start + r0, h * HEAD_DIM], v_buf)
+                tma.store_wait(0)
+            else:
+                # the tile's rows past the key sequence are the next sequence's: a bulk
+                # store would overwrite them
+                _store_rows(k_smem, WG, Lk - r0, DK, k_start + r0, h, stride_kt, HEAD_DIM)
+                _store_rows(v_smem, WG, Lk - r0, DV, k_start + r0, h, stride_kt, HEAD_DIM)
+            # the producer may reload this warpgroup's K/V half
+            mbarrier.arrive(kv_empty.index(WG), count=1)
+
+
+@gluon.jit
+def _store_rows(bufs, idx, valid, OUT, row0, h, stride_t, HEAD_DIM: gl.constexpr):
+    """Store rows ``[0, valid)`` of the ``[64, HEAD_DIM]`` shared-memory tile ``bufs[idx]``
+    to rows ``row0 + r`` of ``OUT`` (``(T, H, HEAD_DIM)``, row stride ``stride_t``), head ``h``.
+
+    Reads the 128-byte-swizzled tile as chunks of 16 rows x 64 columns (see
+    ``_clear_rows``): one 16-byte vector per thread and chunk, few registers."""
+    PANEL: gl.constexpr = 64
+    N_PANELS: gl.constexpr = HEAD_DIM // PANEL
+    CH: gl.constexpr = 16
+    PER_PANEL: gl.constexpr = WG_ROWS // CH
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                      rank=2)  # fmt: skip
+    chunks = bufs._reinterpret(bufs.dtype, [2 * N_PANELS * PER_PANEL, CH, PANEL], chunk_layout)
+    rows = gl.arange(0, CH, layout=gl.SliceLayout(1, blk))
+    cols = gl.arange(0, PANEL, layout=gl.SliceLayout(0, blk))
+    for c in range(0, (valid + CH - 1) // CH):
+        r = c * CH + rows
+        base = (row0 + r).to(gl.int64) * stride_t + h * HEAD_DIM
+        for p in gl.static_range(N_PANELS):
+            x = chunks.index((idx * N_PANELS + p) * PER_PANEL + c).load(blk)
+            gl.store(OUT + base[:, None] + (p * PANEL + cols)[None, :], x,
+                     mask=(r < valid)[:, None])  # fmt: skip
+
+
+# ``stride_lh`` is the query token count: not specialised, so that a new batch reuses the
+# compiled kernel and its direct relaunch (``_triton/_direct.py``).
+@gluon.jit(do_not_specialize=["stride_lh"])
+def jagged_bwd_dkdv_kernel(
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, tile_seq, tile_idx,
+    q_off, kv_off, total_ptr, stride_kt, stride_lh, qk_scale, coef, dk_scale,
+    H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr,
+):  # fmt: skip
+    """Persistent jagged attention dK/dV; see the module docstring.
+
+    ``q_desc``/``do_desc``: 2-D ``(Tq, H * HEAD_DIM)`` descriptors with ``[BLOCK_M,
+    HEAD_DIM]`` boxes (``BLOCK_M`` query rows per streamed tile);
+    ``k_desc``/``v_desc``/``dk_desc``/``dv_desc``: ``(Tk, H * HEAD_DIM)`` with ``[64,
+    HEAD_DIM]`` boxes. ``DK``/``DV``: the same ``(Tk, H, HEAD_DIM)`` outputs as
+    pointers (a sequence's partial last tile), row stride ``stride_kt``. ``LSE``/``DELTA``:
+    ``(H, Tq)`` fp32 (softmax only), row stride ``stride_lh``. ``tile_seq``/``tile_idx``:
+    the key-tile schedule (128-key tiles) of the package's dK/dV kernel, ``total_ptr``: how
+    many entries are real tiles. ``qk_scale``: ``scale * log2(e)`` for softmax, ``scale``
+    for SiLU; ``coef``: the output multiplier; ``dk_scale``: dK's (``scale``, times
+    ``coef`` for SiLU).
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    for c in gl.static_range(2):
+        mbarrier.init(kv_ready.index(c), count=1)
+        mbarrier.init(kv_empty.index(c), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        # one arrival per consumer warpgroup
+        mbarrier.init(q_empty.index(s), count=2)
+    fence_async_shared()
+
+    smem = (k_smem, v_smem, q_smem, do_smem)
+    bars = (kv_ready, kv_empty, q_ready, q_empty)
+    meta = (tile_seq, tile_idx, q_off, kv_off)
+    out = (dk_desc, dv_desc, DK, DV)
+    shared = (out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh)
+    consts = (qk_scale, coef, dk_scale)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
+                             ISOLATE_ROWS)),
+            (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
+                             ISOLATE_ROWS)),
+            (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H,
+                             HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    # fmt: on

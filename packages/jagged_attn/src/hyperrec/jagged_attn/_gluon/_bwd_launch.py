@@ -1,0 +1,92 @@
+"""Host side of the Gluon dK/dV kernel (``_bwd_kernel.py``): descriptors and the launch.
+
+Called by the package's backward (``_triton._launch.attention_backward``) for calls that
+``gluon_unsupported`` accepts; nothing here checks arguments or reads a device value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _num_sms, _smem_layout
+
+__all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "shared_memory_bytes"]
+
+# Key rows of one work item: two consumer warpgroups of 64 keys each.
+BLOCK_N = 128
+
+
+def block_m(head_dim: int) -> int:
+    """Query rows per streamed tile: 32 at head dim 128 (64 spilled registers there)."""
+    return 32 if head_dim > 64 else 64
+
+
+#: Depth of the query/dO ring (three stages: 160 KiB of shared memory at head dim 128).
+DEFAULT_STAGES = 3
+_OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
+
+
+def shared_memory_bytes(head_dim: int, num_stages: int, element_size: int = 2) -> int:
+    """K and V halves of both warpgroups plus the query/dO ring."""
+    return (2 * BLOCK_N + 2 * num_stages * block_m(head_dim)) * head_dim * element_size
+
+
+def run_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    schedule: tuple[torch.Tensor, ...],
+    *,
+    causal: bool,
+    softmax: bool,
+    qk_scale: float,
+    coef: float,
+    dk_scale: float,
+    num_stages: int = DEFAULT_STAGES,
+    isolate_rows: bool = True,
+) -> None:
+    """Write dK and dV of a validated call into ``dk``/``dv``.
+
+    ``q``, ``grad_out``: ``(Tq, H, D)``; ``k``, ``v``, ``dk``, ``dv``: ``(Tk, H, D)``; all
+    with packed heads and 16-byte aligned rows (TMA), ``dk``/``dv`` contiguous. ``lse``,
+    ``delta``: ``(H, Tq)`` fp32 (softmax; ignored for SiLU). ``schedule``: ``(q_offsets32,
+    kv_offsets32, tile_seq, tile_idx, total, ...)``, the dK/dV kernel's key-tile schedule
+    for :data:`BLOCK_N`-key tiles (``_triton._launch._kv_schedule``). ``qk_scale``:
+    ``scale * log2(e)`` (softmax) or ``scale`` (SiLU); ``coef``: the output multiplier;
+    ``dk_scale``: ``scale`` (softmax) or ``scale * coef`` (SiLU). ``isolate_rows``: zero a
+    partial query tile's rows of the next sequence in shared memory (off only to show,
+    in a test, that it is needed).
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dkdv_kernel
+    from hyperrec.jagged_attn._triton import _direct
+    from hyperrec.jagged_attn._triton._schedule import work_upper_bound
+
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    q32, kv32, tile_seq, tile_idx, total = schedule[:5]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
+                                strides=[t.stride(0), 1], block_shape=[rows, head_dim],
+                                layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
+
+    bm = block_m(head_dim)
+
+    if not softmax:
+        lse = delta = dk  # never read
+    work = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
+    grid = (max(1, min(work, _num_sms(q.device))),)
+    args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), desc(dk, 64), desc(dv, 64),
+            dk, dv, lse, delta, tile_seq, tile_idx,
+            q32, kv32, total, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
+            dk_scale)  # fmt: skip
+    kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
+              ACT=0 if softmax else 1, ISOLATE_ROWS=isolate_rows)  # fmt: skip
+    key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
+    _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)

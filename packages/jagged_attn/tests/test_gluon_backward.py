@@ -1,0 +1,200 @@
+"""The experimental Gluon dK/dV kernel (``JAGGED_ATTN_GLUON_BWD=1``).
+
+On the CPU: the variable's values, and that the backward routes dK/dV to the Gluon
+launcher only when asked and eligible while dQ stays the Triton kernel's (the launcher is
+replaced by a stub there: Gluon has no interpreter). On an sm_90 GPU (``gpu``): gradients
+through the public API against a float64 autograd reference, with the rule
+``max|g - ref| <= 2 * max|g_triton - ref| + 1e-3`` (``g_triton``: the default Triton
+backward on the same inputs), over causal and not, softmax and SiLU, head dims 64 and 128,
+query lengths shorter than, equal to and longer than key lengths, empty sequences and
+partial tiles; and the isolation of non-finite values in a neighbouring sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyperrec.jagged_attn import gdpa
+from hyperrec.jagged_attn._triton import _launch
+from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def test_a_bad_variable_value_is_an_error(monkeypatch):
+    monkeypatch.setenv(GLUON_BWD_ENV, "yes")
+    with pytest.raises(ValueError, match="JAGGED_ATTN_GLUON_BWD must be 0, 1 or auto"):
+        _launch.gluon_bwd_requested()
+
+
+@pytest.mark.parametrize(("env", "want"), [(None, False), ("auto", False), ("0", False),
+                                           ("1", True)])  # fmt: skip
+def test_the_variable_and_the_default(env, want, monkeypatch):
+    monkeypatch.setattr(_launch, "GLUON_BWD_DEFAULT", False)
+    if env is None:
+        monkeypatch.delenv(GLUON_BWD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GLUON_BWD_ENV, env)
+    assert _launch.gluon_bwd_requested() is want
+    monkeypatch.setattr(_launch, "GLUON_BWD_DEFAULT", True)
+    assert _launch.gluon_bwd_requested() is (env != "0")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("eligible", [False, True])
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_backward_routes_dk_dv_only(env, eligible, monkeypatch):
+    lens = [5, 0, 9]
+    t = sum(lens)
+    off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(t, 2, 64, generator=g).to(torch.bfloat16) for _ in range(4))
+
+    def grads():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = gdpa(*leaves, off, off, 9, 9, activation="softmax", causal=True, backend="triton")
+        return torch.autograd.grad(out, leaves, do)
+
+    monkeypatch.delenv(GLUON_BWD_ENV, raising=False)
+    dq0, dk0, dv0 = grads()
+    calls = []
+
+    def stub(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef):
+        calls.append((lse.shape, delta.shape, qk_scale, scale, coef))
+        dk.fill_(7.0)
+        dv.fill_(-7.0)
+
+    monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None if eligible else "no")
+    monkeypatch.setattr(_launch, "_gluon_dkdv", stub)
+    monkeypatch.setenv(GLUON_BWD_ENV, env)
+    dq, dk, dv = grads()
+    taken = env == "1" and eligible
+    assert len(calls) == int(taken)
+    assert torch.equal(dq, dq0)  # dQ is the Triton kernel's either way
+    if taken:
+        lse_shape, delta_shape, qk_scale, scale, coef = calls[0]
+        assert lse_shape == delta_shape == (2, t)
+        assert math.isclose(qk_scale, scale * math.log2(math.e)) and coef == 1.0
+        assert (dk == 7.0).all() and (dv == -7.0).all()
+    else:
+        assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
+
+
+# ----------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------
+
+
+def _gluon_gpu() -> bool:
+    if not torch.cuda.is_available() or INTERPRET:
+        return False
+    from hyperrec.jagged_attn._gluon import gluon_supported
+
+    return gluon_supported("cuda")
+
+
+needs_gluon = pytest.mark.skipif(not _gluon_gpu(), reason="needs sm_90 and Gluon's Triton")
+
+
+def _offsets(lens, device="cuda"):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device)
+
+
+def _reference(q, k, v, qo, ko, causal, scale, act, coef):
+    """float64 output of the same attention, differentiable (a loop over sequences)."""
+    outs = []
+    for b in range(qo.numel() - 1):
+        q0, q1, k0, k1 = int(qo[b]), int(qo[b + 1]), int(ko[b]), int(ko[b + 1])
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0:
+            continue
+        if lk == 0:
+            outs.append(q[q0:q1].new_zeros(lq, q.shape[1], v.shape[2]))
+            continue
+        qb, kb, vb = (x.transpose(0, 1) for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        s = (qb @ kb.transpose(1, 2)) * scale
+        i = torch.arange(lq, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None, :]
+        ok = (j <= i + lk - lq) if causal else torch.ones(lq, lk, dtype=torch.bool,
+                                                          device=q.device)  # fmt: skip
+        if act == "softmax":
+            w = torch.softmax(s.masked_fill(~ok, -math.inf), -1).nan_to_num(0.0)
+        else:
+            w = F.silu(s) * ok * coef
+        outs.append((w @ vb).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _grads(q, k, v, do, qo, ko, mq, mk, causal, act, env, monkeypatch):
+    monkeypatch.setenv(GLUON_BWD_ENV, env)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    norm = "max_seqlen" if act == "silu" else "none"
+    out = gdpa(*leaves, qo, ko, mq, mk, activation=act, causal=causal, normalization=norm)
+    return torch.autograd.grad(out, leaves, do)
+
+
+CASES = {
+    # name: (query lengths, key lengths)
+    "equal": ([300, 0, 1, 129, 64, 513, 128, 77], None),
+    "lq<lk": ([17, 64, 200, 1, 0], [300, 64, 333, 5, 9]),
+    "lq>lk": ([300, 64, 333, 5, 9], [17, 64, 200, 1, 0]),
+    "long": ([2048, 1000], None),
+}
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_gpu_gradients_against_float64(case, act, causal, dim, monkeypatch):
+    lens, kv_lens = CASES[case]
+    kv_lens = lens if kv_lens is None else kv_lens
+    qo, ko = _offsets(lens), _offsets(kv_lens)
+    mq, mk = max(lens), max(kv_lens)
+    seed = zlib.crc32(f"{case}/{act}/{causal}/{dim}".encode())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tq, tk = sum(lens), sum(kv_lens)
+    q, do = (torch.randn(tq, 4, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(tk, 4, dim, device="cuda", generator=g).bfloat16() for _ in range(2))
+    scale = dim**-0.5
+    coef = 1.0 / max(mk, 1)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(
+        _reference(*leaves, qo, ko, causal, scale, act, coef), leaves, do.double()
+    )
+    base = _grads(q, k, v, do, qo, ko, mq, mk, causal, act, "0", monkeypatch)
+    glu = _grads(q, k, v, do, qo, ko, mq, mk, causal, act, "1", monkeypatch)
+    for name, r, b, x in zip("qkv", ref, base, glu):
+        assert torch.isfinite(x).all(), f"d{name} not finite"
+        err = (x.double() - r).abs().max().item()
+        tol = 2 * (b.double() - r).abs().max().item() + 1e-3
+        assert err <= tol, f"d{name}: {err:.3e} > {tol:.3e}"
+    # dQ is the Triton kernel's in both runs
+    assert torch.equal(base[0], glu[0])
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("where", ["q", "do", "k", "v"])
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+def test_gpu_non_finite_values_stay_in_their_sequence(where, act, monkeypatch):
+    # sequence 1 (poisoned) follows sequence 0, whose last query and key tiles are partial
+    lens = [100, 64, 37]
+    qo = _offsets(lens)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t = sum(lens)
+    q, k, v, do = (torch.randn(t, 2, 128, device="cuda", generator=g).bfloat16() for _ in range(4))
+    poisoned = dict(q=q, do=do, k=k, v=v)[where]
+    poisoned[100:164] = float("nan")
+    _, dk, dv = _grads(q, k, v, do, qo, qo, 100, 100, True, act, "1", monkeypatch)
+    for name, x in (("dk", dk), ("dv", dv)):
+        assert torch.isfinite(x[:100]).all(), f"{name} of sequence 0"
+        assert torch.isfinite(x[164:]).all(), f"{name} of sequence 2"
