@@ -5,8 +5,9 @@ fresh instances (new lengths where the law is random, new q/k/v/dO every time), 
 D = 128, bf16, 65,536 tokens per batch:
 
 * ``bwd``: the backward of one public call (``torch.autograd.grad`` on a retained graph),
-  with ``JAGGED_ATTN_GLUON_BWD=0`` (Triton dK/dV) and ``=1`` (Gluon dK/dV); dQ and the
-  delta pre-pass are the same kernels in both;
+  with ``JAGGED_ATTN_GLUON_BWD=0`` (the Triton kernels) and ``=1`` (the Gluon dK/dV and
+  dQ kernels; on the GPU also ``1-late``, the dK/dV kernel's ``EARLY_DV`` off, and
+  ``1-tdq``, Gluon dK/dV with the Triton dQ kernel); the delta pre-pass is the same;
 * ``fwd_bwd``: forward plus backward, both settings (the forward is the package default);
 * ``flex/fwd_bwd`` (softmax kinds): FlexAttention compiled, document (and causal) mask
   built outside the timing;
@@ -54,10 +55,16 @@ def lengths(dist: dict, tokens: int, seed: int) -> list[int]:
     return bg.draw_lengths(dist, tokens, seed)
 
 
-def set_env(bwd: str) -> None:
+def set_env(setting: str) -> None:
+    """``"0"``: the Triton backward; ``"1"``: the Gluon dK/dV and dQ kernels;
+    ``"1-late"``: the same with both dK/dV products issued after dS
+    (``_bwd_launch.EARLY_DV = False``); ``"1-tdq"``: Gluon dK/dV, Triton dQ."""
+    from hyperrec.jagged_attn._gluon import _bwd_launch
     from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
 
-    os.environ[GLUON_BWD_ENV] = bwd
+    os.environ[GLUON_BWD_ENV] = setting[0]
+    _bwd_launch.EARLY_DV = setting != "1-late"
+    _bwd_launch.DQ_KERNEL = "triton" if setting == "1-tdq" else "gluon"
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,7 +86,8 @@ def instance(dist, kind, inst, device, heads, dim, tokens, flex_cache) -> dict:
                  "errors": {}}  # fmt: skip
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     grads = {}
-    for setting in ("0", "1") if inst % 2 == 0 else ("1", "0"):
+    settings = ("0", "1", "1-late", "1-tdq") if device == "cuda" else ("0", "1")
+    for setting in settings if inst % 2 == 0 else settings[::-1]:
         try:
             set_env(setting)
             out = bg.public_call(kind, *leaves, off, max_len)
@@ -134,7 +142,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (dist, kind), rs in by.items():
         s: dict = {"dist": dist, "kind": kind, "instances": len(rs),
                    "errors": sorted({e for r in rs for e in r["errors"]})}  # fmt: skip
-        for path in ("gluon_bwd=0", "gluon_bwd=1", "flex"):
+        for path in ("gluon_bwd=0", "gluon_bwd=1", "gluon_bwd=1-late", "gluon_bwd=1-tdq", "flex"):
             for pass_ in ("bwd", "fwd_bwd"):
                 ts = [r["timings"].get(path, {}).get(pass_) for r in rs]
                 ts = [t for t in ts if t]
@@ -151,6 +159,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             s[f"gluon_over_triton/bwd/{key}"] = ratio(
                 "gluon_bwd=0", "gluon_bwd=1", "bwd", "bwd", key
             )
+            s[f"tdq_over_triton/bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1-tdq", "bwd",
+                                                    "bwd", key)  # fmt: skip
+            s[f"late_dv_over_triton/bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1-late", "bwd",
+                                                        "bwd", key)  # fmt: skip
             s[f"gluon_over_triton/fwd_bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1", "fwd_bwd",
                                                           "fwd_bwd", key)  # fmt: skip
             s[f"over_flex/gluon_bwd=1/fwd_bwd/{key}"] = ratio("flex", "gluon_bwd=1", "fwd_bwd",

@@ -8,7 +8,8 @@ bare venv::
     /tmp/t36/bin/python bench/compile_gluon.py [--out results/compile_gluon.json] [--dump DIR]
 
 For every configuration of the forward (head dim x causal x activation x ping-pong x ring
-depth) and of the dK/dV kernel (head dim x causal x activation x ring depth) it
+depth) and of the backward's dK/dV and dQ kernels (head dim x causal x activation x ring
+depth) it
 compiles Gluon -> TTGIR -> LLVM -> PTX -> cubin for ``GPUTarget("cuda", 90, 32)`` and
 reports: the kernel's register cap and what ptxas used, spill stores/loads and stack,
 the ``setmaxnreg`` values of the partitions, wgmma instructions, dynamic shared memory,
@@ -83,6 +84,17 @@ def configs() -> list[dict]:
                                 pingpong=False, stages=3, block_n=128))  # fmt: skip
     out.append(dict(kernel="dkdv", head_dim=128, causal=False, act=0, pingpong=False,
                     stages=2, block_n=128))  # fmt: skip
+    # the dQ kernel (same module): 128-row query items, BLOCK_N-key tiles
+    for head_dim in (128, 64):
+        for causal in (False, True):
+            for act in (0, 1):
+                out.append(dict(kernel="dq", head_dim=head_dim, causal=causal, act=act,
+                                pingpong=False, stages=2, block_n=64))  # fmt: skip
+    out.append(dict(kernel="dq", head_dim=128, causal=False, act=0, pingpong=False, stages=2,
+                    block_n=128))  # fmt: skip
+    for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
+        out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
+                        stages=3, block_n=128, early_dv=False))  # fmt: skip
     return out
 
 
@@ -142,10 +154,27 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "H": heads, "HEAD_DIM": d, "BLOCK_M": bm, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"],
             "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
+            "EARLY_DV": cfg.get("early_dv", True),
         }  # fmt: skip
         aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "total_ptr", "stride_kt")  # fmt: skip
         return _compile(fn, signature, constexprs, aligned, cfg, dump, "dkdv")
+    if cfg.get("kernel") == "dq":
+        fn = mod.jagged_bwd_dq_kernel
+        signature = {
+            "q_desc": desc(WG_ROWS), "do_desc": desc(WG_ROWS), "k_desc": desc(bn),
+            "v_desc": desc(bn), "dq_desc": desc(WG_ROWS), "DQ": "*bf16", "LSE": "*fp32",
+            "DELTA": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
+            "kv_off": "*i32", "total_ptr": "*i32", "stride_qt": "i32", "stride_lh": "i32",
+            "qk_scale": "fp32", "coef": "fp32", "dq_scale": "fp32",
+        }  # fmt: skip
+        constexprs = {
+            "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
+            "CAUSAL": cfg["causal"], "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
+        }  # fmt: skip
+        aligned = ("DQ", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
+                   "total_ptr", "stride_qt")  # fmt: skip
+        return _compile(fn, signature, constexprs, aligned, cfg, dump, "dq")
     fn = mod.jagged_fwd_kernel
     signature = {
         "q_desc": desc(WG_ROWS), "k_desc": desc(bn), "v_desc": desc(bn), "o_desc": desc(WG_ROWS),
@@ -223,7 +252,7 @@ def main() -> int:
             "BN={block_n} isolate={isolate:d}"
         ).format(**{"isolate": True, **cfg})
         try:
-            rep = compile_one(bwd if cfg.get("kernel") == "dkdv" else mod, cfg, args.dump)
+            rep = compile_one(bwd if cfg.get("kernel") in ("dkdv", "dq") else mod, cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
             failed += not ok
             print(

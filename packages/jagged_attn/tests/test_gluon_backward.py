@@ -1,13 +1,14 @@
-"""The experimental Gluon dK/dV kernel (``JAGGED_ATTN_GLUON_BWD=1``).
+"""The experimental Gluon backward kernels (``JAGGED_ATTN_GLUON_BWD=1``).
 
-On the CPU: the variable's values, and that the backward routes dK/dV to the Gluon
-launcher only when asked and eligible while dQ stays the Triton kernel's (the launcher is
-replaced by a stub there: Gluon has no interpreter). On an sm_90 GPU (``gpu``): gradients
-through the public API against a float64 autograd reference, with the rule
-``max|g - ref| <= 2 * max|g_triton - ref| + 1e-3`` (``g_triton``: the default Triton
-backward on the same inputs), over causal and not, softmax and SiLU, head dims 64 and 128,
-query lengths shorter than, equal to and longer than key lengths, empty sequences and
-partial tiles; and the isolation of non-finite values in a neighbouring sequence.
+On the CPU: the variable's values, and that the backward routes dK/dV and dQ to the Gluon
+launchers only when asked and eligible, and dQ to the Triton kernel when the dQ switch
+says so (the launchers are replaced by stubs there: Gluon has no interpreter). On an
+sm_90 GPU (``gpu``): gradients through the public API against a float64 autograd
+reference, with the rule ``max|g - ref| <= 2 * max|g_triton - ref| + 1e-3``
+(``g_triton``: the default Triton backward on the same inputs), over causal and not,
+softmax and SiLU, head dims 64 and 128, query lengths shorter than, equal to and longer
+than key lengths, empty sequences and partial tiles; and the isolation of non-finite
+values in a neighbouring sequence.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def test_the_variable_and_the_default(env, want, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("gluon_dq", [False, True])
 @pytest.mark.parametrize("eligible", [False, True])
 @pytest.mark.parametrize("env", ["0", "1"])
-def test_backward_routes_dk_dv_only(env, eligible, monkeypatch):
+def test_backward_routes_to_the_gluon_kernels(env, eligible, gluon_dq, monkeypatch):
     lens = [5, 0, 9]
     t = sum(lens)
     off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
@@ -65,18 +67,31 @@ def test_backward_routes_dk_dv_only(env, eligible, monkeypatch):
     dq0, dk0, dv0 = grads()
     calls = []
 
+    dq_calls = []
+
     def stub(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef):
         calls.append((lse.shape, delta.shape, qk_scale, scale, coef))
         dk.fill_(7.0)
         dv.fill_(-7.0)
 
+    def dq_stub(call, grad_out, lse, delta, dq, qk_scale, scale, coef):
+        # the real one returns False without launching when the switch says "triton"
+        dq_calls.append(qk_scale)
+        if gluon_dq:
+            dq.fill_(3.0)
+        return gluon_dq
+
     monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None if eligible else "no")
     monkeypatch.setattr(_launch, "_gluon_dkdv", stub)
+    monkeypatch.setattr(_launch, "_gluon_dq", dq_stub)
     monkeypatch.setenv(GLUON_BWD_ENV, env)
     dq, dk, dv = grads()
     taken = env == "1" and eligible
-    assert len(calls) == int(taken)
-    assert torch.equal(dq, dq0)  # dQ is the Triton kernel's either way
+    assert len(calls) == len(dq_calls) == int(taken)
+    if taken and gluon_dq:
+        assert (dq == 3.0).all()
+    else:
+        assert torch.equal(dq, dq0)  # the Triton dQ kernel
     if taken:
         lse_shape, delta_shape, qk_scale, scale, coef = calls[0]
         assert lse_shape == delta_shape == (2, t)
@@ -177,8 +192,25 @@ def test_gpu_gradients_against_float64(case, act, causal, dim, monkeypatch):
         err = (x.double() - r).abs().max().item()
         tol = 2 * (b.double() - r).abs().max().item() + 1e-3
         assert err <= tol, f"d{name}: {err:.3e} > {tol:.3e}"
-    # dQ is the Triton kernel's in both runs
-    assert torch.equal(base[0], glu[0])
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_gluon_dkdv_with_the_triton_dq(causal, monkeypatch):
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    monkeypatch.setattr(_bwd_launch, "DQ_KERNEL", "triton")
+    lens = [300, 0, 1, 129, 64, 513]
+    qo = _offsets(lens)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t = sum(lens)
+    q, k, v, do = (torch.randn(t, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(4))
+    base = _grads(q, k, v, do, qo, qo, 513, 513, causal, "softmax", "0", monkeypatch)
+    glu = _grads(q, k, v, do, qo, qo, 513, 513, causal, "softmax", "1", monkeypatch)
+    assert torch.equal(base[0], glu[0])  # the same dQ kernel
+    for b, x in zip(base[1:], glu[1:]):
+        torch.testing.assert_close(x.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -194,7 +226,7 @@ def test_gpu_non_finite_values_stay_in_their_sequence(where, act, monkeypatch):
     q, k, v, do = (torch.randn(t, 2, 128, device="cuda", generator=g).bfloat16() for _ in range(4))
     poisoned = dict(q=q, do=do, k=k, v=v)[where]
     poisoned[100:164] = float("nan")
-    _, dk, dv = _grads(q, k, v, do, qo, qo, 100, 100, True, act, "1", monkeypatch)
-    for name, x in (("dk", dk), ("dv", dv)):
+    dq, dk, dv = _grads(q, k, v, do, qo, qo, 100, 100, True, act, "1", monkeypatch)
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x[:100]).all(), f"{name} of sequence 0"
         assert torch.isfinite(x[164:]).all(), f"{name} of sequence 2"

@@ -12,7 +12,10 @@ streams the query tiles that see it.
   ``[n0 + 64, n0 + 128)``. Per query tile: ``S^T = K Q^T`` and ``dP^T = V dO^T`` are issued
   together (the exponentials of ``S^T`` run while ``dP^T`` is on the tensor cores); then
   ``P^T`` and ``dS^T`` go to registers as bf16/fp16 operands of ``dV += P^T dO`` and
-  ``dK += dS^T Q``, whose shared-memory operands are the stage's dO and Q tiles. dK and dV
+  ``dK += dS^T Q``, whose shared-memory operands are the stage's dO and Q tiles. With
+  ``EARLY_DV`` the dV product is issued as soon as ``P^T`` is ready, so that it runs while
+  ``dS^T`` is computed (a few bytes of register spills at head dim 128); otherwise both
+  products are issued after ``dS^T``. dK and dV
   stay in fp32 registers for the whole item and are stored once.
 
 dQ is not computed here: the package's Triton dQ kernel runs after this one (Gluon 3.6 on
@@ -49,6 +52,7 @@ from hyperrec.jagged_attn._gluon._kernel import (
     WG_ROWS,
     _clear_rows,
     _item,
+    _n_kv_tiles,
     _snake,
     _tanh_approx,
 )
@@ -63,6 +67,18 @@ def _q_tiles(n0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
         lo = gl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M
     hi = (Lq + BLOCK_M - 1) // BLOCK_M
     return lo, gl.maximum(hi, lo)
+
+
+@gluon.jit
+def _allowed(r0, m0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """Which (key, query) entries of the ``[64, BLOCK_M]`` tile at keys ``r0``, queries
+    ``m0`` the mask allows (both inside their sequence; causal: ``j <= i + Lk - Lq``)."""
+    rows = r0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    cols = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    ok = (rows[:, None] < Lk) & (cols < Lq)[None, :]
+    if CAUSAL:
+        ok = ok & (rows[:, None] <= cols[None, :] + (Lk - Lq))
+    return ok
 
 
 @gluon.jit
@@ -110,7 +126,7 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
 def _bwd_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    ISOLATE_ROWS: gl.constexpr,
+    ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
 ):  # fmt: skip
     out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh = shared
     dk_desc, dv_desc, DK, DV = out
@@ -123,7 +139,6 @@ def _bwd_consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
-    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
     scol: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_smem, v_smem, q_smem, do_smem = smem
     kv_ready, kv_empty, q_ready, q_empty = bars
@@ -160,7 +175,13 @@ def _bwd_consumer(
                 dp = warpgroup_mma(v_buf, do_buf.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)  # fmt: skip
                 m0 = i * BLOCK_M
-                # Column vectors cost 16 registers each in the accumulator layout: loaded
+                # A tile crossing the end of either sequence or the causal diagonal selects
+                # 0 for disallowed entries (select, not multiply: a NaN computed from
+                # another sequence's rows, or from -inf - inf, is dropped).
+                need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
+                if CAUSAL:
+                    need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
+                # Column vectors cost 8-16 registers each in the accumulator layout: loaded
                 # one at a time, each just before the wait it overlaps (the consumers run
                 # at their register cap with dK and dV resident).
                 if ACT == 0:
@@ -171,30 +192,12 @@ def _bwd_consumer(
                 s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
                 if ACT == 0:
                     p = gl.exp2(s * qk_scale - lse[None, :])
-                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
-                    delta = gl.load(DELTA + h * stride_lh + q_start + cols, mask=cols < Lq,
-                                    other=0.0)  # fmt: skip
-                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-                    ds = p * (dp * coef - delta[None, :])
                 else:
-                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
                     x = s * qk_scale
                     sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
                     p = x * sg  # silu(x)
-                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
-                need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
-                if CAUSAL:
-                    need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
                 if need_mask:
-                    # select, not multiply: a NaN computed from another sequence's rows
-                    # (or from -inf - inf) is dropped
-                    rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
-                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
-                    ok = (rows[:, None] < Lk) & (cols < Lq)[None, :]
-                    if CAUSAL:
-                        ok = ok & (rows[:, None] <= cols[None, :] + (Lk - Lq))
-                    p = gl.where(ok, p, 0.0)
-                    ds = gl.where(ok, ds, 0.0)
+                    p = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), p, 0.0)
                 if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
                     # rows past the query sequence are the next sequence's: zero them
                     # before dV += P^T dO and dK += dS^T Q read them
@@ -202,8 +205,26 @@ def _bwd_consumer(
                         _clear_rows(q_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
                         _clear_rows(do_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
                 p_op = gl.convert_layout(p.to(dtype), op_layout)
+                if EARLY_DV:
+                    # dV += P^T dO runs on the tensor cores while dS^T is computed
+                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+                if ACT == 0:
+                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
+                    delta = gl.load(DELTA + h * stride_lh + q_start + cols, mask=cols < Lq,
+                                    other=0.0)  # fmt: skip
+                if EARLY_DV:
+                    dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
+                else:
+                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+                if ACT == 0:
+                    ds = p * (dp * coef - delta[None, :])
+                else:
+                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+                if need_mask:
+                    ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
                 ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+                if not EARLY_DV:
+                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
                 dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
                                                          deps=[dv, dk, p_op, ds_op])  # fmt: skip
@@ -262,7 +283,7 @@ def jagged_bwd_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, tile_seq, tile_idx,
     q_off, kv_off, total_ptr, stride_kt, stride_lh, qk_scale, coef, dk_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr,
+    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dK/dV; see the module docstring.
 
@@ -306,11 +327,218 @@ def jagged_bwd_dkdv_kernel(
     gl.warp_specialize(
         [
             (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS)),
+                             ISOLATE_ROWS, EARLY_DV)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS)),
+                             ISOLATE_ROWS, EARLY_DV)),
             (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H,
                              HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )
+    # fmt: on
+
+
+# ----------------------------------------------------------------------------------------
+# dQ: the forward's structure (a CTA holds a 128-row query tile, two consumer warpgroups of
+# 64 rows, and streams the key/value tiles through a ring), three GEMMs per key tile:
+# S = Q K^T, dP = dO V^T, dQ += dS K.
+# ----------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
+    q_smem, do_smem, k_smem, v_smem = smem
+    q_ready, q_empty, kv_ready, kv_empty = bars
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(total_ptr) * H
+    kv_it = 0
+    item_i = 0
+    for r in range(gl.cdiv(n_items, nprog)):
+        w = _snake(r, pid, nprog)
+        if w < n_items:
+            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+            for c in gl.static_range(2):
+                # the consumer has stored its previous dQ tile out of its Q buffer
+                mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
+                mbarrier.expect(q_ready.index(c),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)  # fmt: skip
+                row = q_start + m0 + c * WG_ROWS
+                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(c),
+                                                q_smem.index(c))  # fmt: skip
+                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(c),
+                                                do_smem.index(c))  # fmt: skip
+            n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
+                                 _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+            for j in range(n_tiles):
+                st = kv_it % NUM_STAGES
+                ph = (kv_it // NUM_STAGES) & 1
+                mbarrier.wait(kv_empty.index(st), ph ^ 1)
+                mbarrier.expect(kv_ready.index(st),
+                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)  # fmt: skip
+                row = k_start + j * BLOCK_N
+                tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], kv_ready.index(st),
+                                                k_smem.index(st))  # fmt: skip
+                tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], kv_ready.index(st),
+                                                v_smem.index(st))  # fmt: skip
+                kv_it += 1
+            item_i += 1
+
+
+@gluon.jit
+def _dq_consumer(
+    shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
+    ISOLATE_ROWS: gl.constexpr,
+):  # fmt: skip
+    dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh = shared
+    qk_scale, coef, dq_scale = consts
+    # S / dP: [64 queries, BLOCK_N keys]; dQ: [64 queries, HEAD_DIM]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+    scol: gl.constexpr = gl.SliceLayout(0, s_layout)
+    q_smem, do_smem, k_smem, v_smem = smem
+    q_ready, q_empty, kv_ready, kv_empty = bars
+    dtype: gl.constexpr = k_smem.dtype
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(total_ptr) * H
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    q_buf = q_smem.index(WG)
+    do_buf = do_smem.index(WG)
+    kv_it = 0
+    item_i = 0
+    for r in range(gl.cdiv(n_items, nprog)):
+        w = _snake(r, pid, nprog)
+        if w < n_items:
+            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+            r0 = m0 + WG * WG_ROWS  # this warpgroup's first query row
+            n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
+                                 _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+            rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
+            if ACT == 0:
+                # rows past the sequence get LSE = +inf, hence P = 0
+                lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=rows < Lq,
+                              other=float("inf"))  # fmt: skip
+                delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=rows < Lq,
+                                other=0.0)  # fmt: skip
+            dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+            mbarrier.wait(q_ready.index(WG), item_i & 1)
+            for j in range(n_tiles):
+                it = kv_it + j
+                st = it % NUM_STAGES
+                ph = (it // NUM_STAGES) & 1
+                k_buf = k_smem.index(st)
+                mbarrier.wait(kv_ready.index(st), ph)
+                s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)  # fmt: skip
+                dp = warpgroup_mma(do_buf, v_smem.index(st).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)  # fmt: skip
+                n_lo = j * BLOCK_N
+                need_mask = n_lo + BLOCK_N > Lk
+                if CAUSAL:
+                    need_mask = need_mask | (n_lo + BLOCK_N - 1 > r0 + (Lk - Lq))
+                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+                if ACT == 0:
+                    p = gl.exp2(s * qk_scale - lse[:, None])
+                else:
+                    x = s * qk_scale
+                    sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+                if ACT == 0:
+                    ds = p * (dp * coef - delta[:, None])
+                else:
+                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+                if need_mask:
+                    # select, not multiply (a NaN from another sequence's keys is dropped);
+                    # rows past the query sequence are never stored
+                    cols = n_lo + gl.arange(0, BLOCK_N, layout=scol)
+                    ok = cols[None, :] < Lk
+                    if CAUSAL:
+                        ok = ok & (cols[None, :] <= rows[:, None] + (Lk - Lq))
+                    ds = gl.where(ok, ds, 0.0)
+                if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
+                    # the last key tile's rows past the sequence are the next sequence's:
+                    # zero them before dQ += dS K reads them (0 * NaN is NaN)
+                    if n_lo + BLOCK_N > Lk:
+                        _clear_rows(k_smem, st, Lk - n_lo, NUM_STAGES, BLOCK_N, HEAD_DIM)
+                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+                dq = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+                dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=[dq, ds_op])
+                mbarrier.arrive(kv_empty.index(st), count=1)
+            kv_it += n_tiles
+            item_i += 1
+            # Epilogue: dQ = scale * dS K (times coef for SiLU), staged through this
+            # warpgroup's Q buffer (every GEMM on it has retired).
+            q_buf.store((dq * dq_scale).to(dtype))
+            fence_async_shared()
+            if r0 + WG_ROWS <= Lq:
+                tma.async_copy_shared_to_global(dq_desc, [q_start + r0, h * HEAD_DIM], q_buf)
+                tma.store_wait(0)
+            else:
+                _store_rows(q_smem, WG, Lq - r0, DQ, q_start + r0, h, stride_qt, HEAD_DIM)
+            # the producer may reload this warpgroup's Q and dO
+            mbarrier.arrive(q_empty.index(WG), count=1)
+
+
+@gluon.jit(do_not_specialize=["stride_lh"])
+def jagged_bwd_dq_kernel(
+    q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, LSE, DELTA, tile_seq, tile_idx, q_off,
+    kv_off, total_ptr, stride_qt, stride_lh, qk_scale, coef, dq_scale,
+    H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr,
+):  # fmt: skip
+    """Persistent jagged attention dQ over the forward's 128-row query-tile schedule.
+
+    ``q_desc``/``do_desc``/``dq_desc``: ``(Tq, H * HEAD_DIM)`` descriptors with ``[64,
+    HEAD_DIM]`` boxes; ``k_desc``/``v_desc``: ``(Tk, H * HEAD_DIM)`` with ``[BLOCK_N,
+    HEAD_DIM]`` boxes. ``DQ``: the same output as a pointer (a sequence's partial last
+    tile), row stride ``stride_qt``. ``LSE``/``DELTA``, ``qk_scale``, ``coef``: as for
+    :func:`jagged_bwd_dkdv_kernel`; ``dq_scale``: ``scale`` (softmax) or ``scale * coef``.
+    """
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        # one arrival per consumer warpgroup
+        mbarrier.init(kv_empty.index(s), count=2)
+    fence_async_shared()
+
+    smem = (q_smem, do_smem, k_smem, v_smem)
+    bars = (q_ready, q_empty, kv_ready, kv_empty)
+    meta = (tile_seq, tile_idx, q_off, kv_off)
+    shared = (dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh)
+    consts = (qk_scale, coef, dq_scale)
+    # fmt: off
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
+                            ISOLATE_ROWS)),
+            (_dq_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
+                            ISOLATE_ROWS)),
+            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H,
+                            HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

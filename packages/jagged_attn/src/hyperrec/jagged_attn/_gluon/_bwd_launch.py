@@ -1,4 +1,4 @@
-"""Host side of the Gluon dK/dV kernel (``_bwd_kernel.py``): descriptors and the launch.
+"""Host side of the Gluon backward kernels (``_bwd_kernel.py``): descriptors and launches.
 
 Called by the package's backward (``_triton._launch.attention_backward``) for calls that
 ``gluon_unsupported`` accepts; nothing here checks arguments or reads a device value.
@@ -10,7 +10,7 @@ import torch
 
 from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _num_sms, _smem_layout
 
-__all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "shared_memory_bytes"]
+__all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq", "shared_memory_bytes"]
 
 # Key rows of one work item: two consumer warpgroups of 64 keys each.
 BLOCK_N = 128
@@ -23,6 +23,16 @@ def block_m(head_dim: int) -> int:
 
 #: Depth of the query/dO ring (three stages: 160 KiB of shared memory at head dim 128).
 DEFAULT_STAGES = 3
+#: Which kernel computes dQ after the Gluon dK/dV kernel: ``"gluon"``
+#: (``jagged_bwd_dq_kernel``) or ``"triton"`` (the package's Triton dQ kernel); read at
+#: every call, a switch for benchmarks.
+DQ_KERNEL = "gluon"
+#: Key rows per tile of the dQ kernel and the depth of its K/V ring.
+DQ_BLOCK_N = 64
+DQ_STAGES = 3
+#: Issue ``dV += P^T dO`` before ``dS^T`` is computed (``EARLY_DV`` in the kernel); read at
+#: every launch, a switch for benchmarks.
+EARLY_DV = True
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
 
 
@@ -87,6 +97,61 @@ def run_dkdv(
             q32, kv32, total, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
-              ACT=0 if softmax else 1, ISOLATE_ROWS=isolate_rows)  # fmt: skip
+              ACT=0 if softmax else 1, ISOLATE_ROWS=isolate_rows,
+              EARLY_DV=EARLY_DV)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)
+
+
+def run_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    schedule: tuple[torch.Tensor, ...],
+    *,
+    causal: bool,
+    softmax: bool,
+    qk_scale: float,
+    coef: float,
+    dq_scale: float,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    """Write dQ of a validated call into ``dq`` (``(Tq, H, D)``, contiguous).
+
+    ``schedule``: ``(q_offsets32, kv_offsets32, tile_seq, tile_idx, total)``, the forward's
+    query-tile schedule for 128-row tiles. ``dq_scale``: ``scale`` (softmax) or ``scale *
+    coef`` (SiLU); the rest as in :func:`run_dkdv`. ``block_n``/``num_stages``: default
+    :data:`DQ_BLOCK_N` / :data:`DQ_STAGES`.
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dq_kernel
+    from hyperrec.jagged_attn._triton import _direct
+    from hyperrec.jagged_attn._triton._schedule import work_upper_bound
+
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    block_n = DQ_BLOCK_N if block_n is None else block_n
+    num_stages = DQ_STAGES if num_stages is None else num_stages
+    q32, kv32, tile_seq, tile_idx, total = schedule[:5]
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
+                                strides=[t.stride(0), 1], block_shape=[rows, head_dim],
+                                layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
+
+    if not softmax:
+        lse = delta = dq  # never read
+    work = work_upper_bound(q.shape[0], q32.numel() - 1, 2 * 64) * n_heads
+    grid = (max(1, min(work, _num_sms(q.device))),)
+    args = (desc(q, 64), desc(grad_out, 64), desc(k, block_n), desc(v, block_n), desc(dq, 64),
+            dq, lse, delta, tile_seq, tile_idx, q32, kv32, total, dq.stride(0),
+            lse.stride(0) if softmax else 0, qk_scale, coef, dq_scale)  # fmt: skip
+    kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages,
+              CAUSAL=causal, ACT=0 if softmax else 1, ISOLATE_ROWS=True)  # fmt: skip
+    key = ("gluon_dq", q.dtype, q.device, tuple(sorted(kw.items())))
+    _direct.launch(jagged_bwd_dq_kernel, grid, key, args, kw, _OPTIONS)

@@ -432,8 +432,8 @@ GLUON_DEFAULT = True
 GLUON_MIN_SEQLEN = 256
 #: Environment variable that chooses the Gluon dK/dV kernel (``_gluon/_bwd_kernel.py``) for
 #: the backward calls the Gluon forward supports (:func:`gluon_unsupported`): ``1`` for
-#: every such call, ``0`` never; unset (or ``auto``): :data:`GLUON_BWD_DEFAULT`. dQ stays
-#: the Triton kernel either way.
+#: every such call, ``0`` never; unset (or ``auto``): :data:`GLUON_BWD_DEFAULT`. dQ is
+#: the Gluon dQ kernel too (``_gluon._bwd_launch.DQ_KERNEL``).
 GLUON_BWD_ENV = "JAGGED_ATTN_GLUON_BWD"
 #: Off by default: an experimental kernel until its GPU measurements say otherwise.
 GLUON_BWD_DEFAULT = False
@@ -857,7 +857,9 @@ def attention_backward(
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
-        _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key, *rest)
+        if not _gluon_dq(call, grad_out, lse_arg, delta_arg, dq, qk_scale, scale, coef):
+            _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key,
+                       *rest)  # fmt: skip
         return dq, dk, dv
 
     # dK, dV: one work item per key tile. With ``dq_atomic`` the same programs also add each
@@ -887,6 +889,23 @@ def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> No
         _kv_schedule(call, _GluonKeyTiles), causal=call.spec.mask.causal, softmax=softmax,
         qk_scale=qk_scale, coef=coef, dk_scale=scale if softmax else scale * coef,
     )  # fmt: skip
+
+
+def _gluon_dq(call, grad_out, lse, delta, dq, qk_scale, scale, coef) -> bool:
+    """dQ by the Gluon kernel, unless ``_gluon._bwd_launch.DQ_KERNEL`` says ``"triton"``
+    (then nothing is launched and False returned)."""
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    if _bwd_launch.DQ_KERNEL != "gluon":
+        return False
+    softmax = call.spec.activation == "softmax"
+    _bwd_launch.run_dq(
+        call.q, call.k, call.v, grad_out, lse, delta, dq,
+        _fwd_schedule(call, GLUON_BLOCK_M, "cost"), causal=call.spec.mask.causal,
+        softmax=softmax, qk_scale=qk_scale, coef=coef,
+        dq_scale=scale if softmax else scale * coef,
+    )  # fmt: skip
+    return True
 
 
 def _launch_dkdv(call, plan, grad_out, lse, delta, dk, dv, dqa, kw, key, stride_lh, qk_scale,
