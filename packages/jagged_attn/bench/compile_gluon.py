@@ -141,7 +141,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
 
     if cfg.get("kernel") == "dkdv":
         fn = mod.jagged_bwd_dkdv_kernel
-        bm = 32 if d > 64 else 64  # _gluon/_bwd_launch.py's block_m
+        bm = cfg.get("block_m", 32 if d > 64 else 64)  # _gluon/_bwd_launch.py: block_m
         signature = {
             "q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(WG_ROWS),
             "v_desc": desc(WG_ROWS), "dk_desc": desc(WG_ROWS), "dv_desc": desc(WG_ROWS),

@@ -21,30 +21,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperrec.jagged_attn import gdpa
+from hyperrec.jagged_attn import AttentionSpec, gdpa
 from hyperrec.jagged_attn._triton import _launch
 from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _spec(max_len):
+    return AttentionSpec(scale=0.125, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
 def test_a_bad_variable_value_is_an_error(monkeypatch):
     monkeypatch.setenv(GLUON_BWD_ENV, "yes")
     with pytest.raises(ValueError, match="JAGGED_ATTN_GLUON_BWD must be 0, 1 or auto"):
-        _launch.gluon_bwd_requested()
+        _launch.gluon_bwd_requested(_spec(512))
 
 
-@pytest.mark.parametrize(("env", "want"), [(None, False), ("auto", False), ("0", False),
-                                           ("1", True)])  # fmt: skip
-def test_the_variable_and_the_default(env, want, monkeypatch):
-    monkeypatch.setattr(_launch, "GLUON_BWD_DEFAULT", False)
+@pytest.mark.parametrize("env", [None, "auto", "0", "1"])
+@pytest.mark.parametrize("default", [False, True])
+@pytest.mark.parametrize("max_len", [16, 256, 257, 4096])
+def test_the_variable_and_the_default(env, default, max_len, monkeypatch):
+    # "1": every eligible call; "0": none; unset/"auto": GLUON_BWD_DEFAULT for calls longer
+    # than GLUON_MIN_SEQLEN (256)
+    monkeypatch.setattr(_launch, "GLUON_BWD_DEFAULT", default)
     if env is None:
         monkeypatch.delenv(GLUON_BWD_ENV, raising=False)
     else:
         monkeypatch.setenv(GLUON_BWD_ENV, env)
-    assert _launch.gluon_bwd_requested() is want
-    monkeypatch.setattr(_launch, "GLUON_BWD_DEFAULT", True)
-    assert _launch.gluon_bwd_requested() is (env != "0")
+    want = env == "1" or (env in (None, "auto") and default and max_len > 256)
+    assert _launch.gluon_bwd_requested(_spec(max_len)) is want
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
@@ -147,11 +153,35 @@ def _reference(q, k, v, qo, ko, causal, scale, act, coef):
 
 
 def _grads(q, k, v, do, qo, ko, mq, mk, causal, act, env, monkeypatch):
+    """Gradients through the public API with ``JAGGED_ATTN_GLUON_BWD=env``; checks that
+    the Gluon launchers ran exactly when asked (the Gluon and Triton kernels can give
+    bit-identical gradients: the same tensor-core products in the same order)."""
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    launches = []
+    real = {name: getattr(_bwd_launch, name) for name in ("run_dkdv", "run_dq")}
+
+    def spy(name):
+        def run(*a, **kw):
+            launches.append(name)
+            return real[name](*a, **kw)
+
+        return run
+
     monkeypatch.setenv(GLUON_BWD_ENV, env)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     norm = "max_seqlen" if act == "silu" else "none"
-    out = gdpa(*leaves, qo, ko, mq, mk, activation=act, causal=causal, normalization=norm)
-    return torch.autograd.grad(out, leaves, do)
+    try:
+        for name in real:
+            setattr(_bwd_launch, name, spy(name))
+        out = gdpa(*leaves, qo, ko, mq, mk, activation=act, causal=causal, normalization=norm)
+        grads = torch.autograd.grad(out, leaves, do)
+    finally:
+        for name, fn in real.items():
+            setattr(_bwd_launch, name, fn)
+    want = ["run_dkdv"] + (["run_dq"] if _bwd_launch.DQ_KERNEL == "gluon" else [])
+    assert launches == (want if env == "1" else [])
+    return grads
 
 
 CASES = {

@@ -83,9 +83,12 @@ def _allowed(r0, m0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, s_layo
 
 @gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
-    k_smem, v_smem, q_smem, do_smem = smem
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr):  # fmt: skip
+    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats = loads
+    k_smem, v_smem, q_smem, do_smem, stat_smem = smem
+    LSE, DELTA, stride_lh = stats
+    # one warp: BLOCK_M // 32 statistics per thread
+    vec: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     kv_ready, kv_empty, q_ready, q_empty = bars
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -111,6 +114,15 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
                 st = q_it % NUM_STAGES
                 ph = (q_it // NUM_STAGES) & 1
                 mbarrier.wait(q_empty.index(st), ph ^ 1)
+                if ACT == 0:
+                    # The tile's LSE and delta go through shared memory with it: loaded by
+                    # the consumers, their latency was exposed at every tile. The arrival
+                    # below (release) orders these stores before the consumers' wait.
+                    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
+                    ok = cols < Lq
+                    base = h * stride_lh + q_start + cols
+                    stat_smem.index(2 * st).store(gl.load(LSE + base, mask=ok, other=float("inf")))
+                    stat_smem.index(2 * st + 1).store(gl.load(DELTA + base, mask=ok, other=0.0))
                 mbarrier.expect(q_ready.index(st),
                                 q_desc.block_type.nbytes + do_desc.block_type.nbytes)  # fmt: skip
                 row = q_start + i * BLOCK_M
@@ -140,7 +152,7 @@ def _bwd_consumer(
     )
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     scol: gl.constexpr = gl.SliceLayout(0, s_layout)
-    k_smem, v_smem, q_smem, do_smem = smem
+    k_smem, v_smem, q_smem, do_smem, stat_smem = smem
     kv_ready, kv_empty, q_ready, q_empty = bars
     dtype: gl.constexpr = k_smem.dtype
 
@@ -181,13 +193,11 @@ def _bwd_consumer(
                 need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
                 if CAUSAL:
                     need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
-                # Column vectors cost 8-16 registers each in the accumulator layout: loaded
-                # one at a time, each just before the wait it overlaps (the consumers run
-                # at their register cap with dK and dV resident).
+                # Column vectors cost 8-16 registers each in the accumulator layout: read
+                # from shared memory one at a time, each just before its use (the
+                # consumers run at their register cap with dK and dV resident).
                 if ACT == 0:
-                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
-                    lse = gl.load(LSE + h * stride_lh + q_start + cols, mask=cols < Lq,
-                                  other=float("inf"))  # fmt: skip
+                    lse = stat_smem.index(2 * st).load(scol)
                 # groups retire in order: S^T is done, dP^T may still run
                 s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
                 if ACT == 0:
@@ -209,9 +219,7 @@ def _bwd_consumer(
                     # dV += P^T dO runs on the tensor cores while dS^T is computed
                     dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
                 if ACT == 0:
-                    cols = m0 + gl.arange(0, BLOCK_M, layout=scol)
-                    delta = gl.load(DELTA + h * stride_lh + q_start + cols, mask=cols < Lq,
-                                    other=0.0)  # fmt: skip
+                    delta = stat_smem.index(2 * st + 1).load(scol)
                 if EARLY_DV:
                     dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
                 else:
@@ -303,6 +311,9 @@ def jagged_bwd_dkdv_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    # per stage: the query tile's LSE and delta (softmax)
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    stat_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M], stat_layout)
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
@@ -317,7 +328,7 @@ def jagged_bwd_dkdv_kernel(
         mbarrier.init(q_empty.index(s), count=2)
     fence_async_shared()
 
-    smem = (k_smem, v_smem, q_smem, do_smem)
+    smem = (k_smem, v_smem, q_smem, do_smem, stat_smem)
     bars = (kv_ready, kv_empty, q_ready, q_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
     out = (dk_desc, dv_desc, DK, DV)
@@ -330,8 +341,9 @@ def jagged_bwd_dkdv_kernel(
                              ISOLATE_ROWS, EARLY_DV)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
                              ISOLATE_ROWS, EARLY_DV)),
-            (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H,
-                             HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL)),
+            (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
+                              (LSE, DELTA, stride_lh)), H, HEAD_DIM, BLOCK_M, NUM_STAGES,
+                             CAUSAL, ACT)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

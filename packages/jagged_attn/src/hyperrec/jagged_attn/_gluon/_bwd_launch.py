@@ -16,9 +16,20 @@ __all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq", "shared
 BLOCK_N = 128
 
 
-def block_m(head_dim: int) -> int:
-    """Query rows per streamed tile: 32 at head dim 128 (64 spilled registers there)."""
-    return 32 if head_dim > 64 else 64
+#: Query rows per streamed tile of the dK/dV kernel at head dim 128, softmax / SiLU: 64
+#: rows spill a few registers in both, which cost SiLU 1.4-1.5x and saved softmax 4-10%
+#: (one H200, ``bench/results/bench_gluon_bwd_h200_2026-12-03_m64.json``); read at every
+#: launch, switches for benchmarks.
+BLOCK_M_D128_SOFTMAX = 64
+BLOCK_M_D128_SILU = 32
+
+
+def block_m(head_dim: int, softmax: bool = True) -> int:
+    """Query rows per streamed tile of the dK/dV kernel: 64 at head dim 64; at head dim
+    128 :data:`BLOCK_M_D128_SOFTMAX` or :data:`BLOCK_M_D128_SILU`."""
+    if head_dim <= 64:
+        return 64
+    return BLOCK_M_D128_SOFTMAX if softmax else BLOCK_M_D128_SILU
 
 
 #: Depth of the query/dO ring (three stages: 160 KiB of shared memory at head dim 128).
@@ -86,7 +97,7 @@ def run_dkdv(
                                 strides=[t.stride(0), 1], block_shape=[rows, head_dim],
                                 layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
 
-    bm = block_m(head_dim)
+    bm = block_m(head_dim, softmax)
 
     if not softmax:
         lse = delta = dk  # never read

@@ -418,8 +418,8 @@ def _forward_plan(
 #: Environment variable that chooses the Gluon forward (``_gluon/``) for the calls it
 #: supports: ``1`` for every such call, ``0`` never; unset (or ``auto``): when
 #: :data:`GLUON_DEFAULT` is on, for such calls whose longest sequence exceeds
-#: :data:`GLUON_MIN_SEQLEN` tokens. The backward stays the Triton kernels (they take its
-#: LSE as is).
+#: :data:`GLUON_MIN_SEQLEN` tokens. The backward (Triton or Gluon kernels, see
+#: :data:`GLUON_BWD_ENV`) takes its LSE as is.
 GLUON_ENV = "JAGGED_ATTN_GLUON"
 #: Whether the Gluon forward runs by default (on since its GPU validation through the
 #: public dispatch: 1.22-1.38x the Triton forward on batches with sequences of hundreds of
@@ -430,13 +430,16 @@ GLUON_DEFAULT = True
 #: max_seqlen_kv)`` exceeds this (the Triton forward wins below 128 tokens; between 128
 #: and 256 nothing was measured, the short-sequence configurations stay).
 GLUON_MIN_SEQLEN = 256
-#: Environment variable that chooses the Gluon dK/dV kernel (``_gluon/_bwd_kernel.py``) for
-#: the backward calls the Gluon forward supports (:func:`gluon_unsupported`): ``1`` for
-#: every such call, ``0`` never; unset (or ``auto``): :data:`GLUON_BWD_DEFAULT`. dQ is
-#: the Gluon dQ kernel too (``_gluon._bwd_launch.DQ_KERNEL``).
+#: Environment variable that chooses the Gluon backward kernels (``_gluon/_bwd_kernel.py``:
+#: dK/dV, then dQ) for the backward calls the Gluon forward supports
+#: (:func:`gluon_unsupported`): ``1`` for every such call, ``0`` never; unset (or
+#: ``auto``): when :data:`GLUON_BWD_DEFAULT` is on, for such calls whose longest sequence
+#: exceeds :data:`GLUON_MIN_SEQLEN` tokens (the forward's rule).
 GLUON_BWD_ENV = "JAGGED_ATTN_GLUON_BWD"
-#: Off by default: an experimental kernel until its GPU measurements say otherwise.
-GLUON_BWD_DEFAULT = False
+#: Whether the Gluon backward runs by default (on since its GPU validation: 1.03-1.40x the
+#: Triton backward on GPU time, H = 8, D = 128, sequences of up to 1,024-8,192 tokens,
+#: softmax, causal softmax and HSTU; ``bench/results/bench_gluon_bwd_h200_2026-12-03*.json``).
+GLUON_BWD_DEFAULT = True
 #: ``JAGGED_ATTN_BWD_TMA=0`` switches off the backward's descriptor reads
 #: (``KernelConfig.bwd_tma``) for plans built after it is set: an escape hatch and an A/B
 #: switch for benchmarks.
@@ -454,12 +457,13 @@ def gluon_requested() -> bool | None:
     return value == "1"
 
 
-def gluon_bwd_requested() -> bool:
-    """Whether :data:`GLUON_BWD_ENV` (or, unset or ``auto``, :data:`GLUON_BWD_DEFAULT`)
-    asks for the Gluon dK/dV kernel; read at every call."""
+def gluon_bwd_requested(spec: AttentionSpec) -> bool:
+    """Whether :data:`GLUON_BWD_ENV` asks for the Gluon backward kernels for a call with
+    ``spec`` (unset or ``auto``: :data:`GLUON_BWD_DEFAULT` for calls whose longest sequence
+    exceeds :data:`GLUON_MIN_SEQLEN`); read at every call."""
     value = os.environ.get(GLUON_BWD_ENV, "")
     if value in ("", "auto"):
-        return GLUON_BWD_DEFAULT
+        return GLUON_BWD_DEFAULT and max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
     if value not in ("0", "1"):
         raise ValueError(f"{GLUON_BWD_ENV} must be 0, 1 or auto (or unset), got {value!r}")
     return value == "1"
@@ -853,7 +857,7 @@ def attention_backward(
         stride_lh = 0
     rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
-    if gluon_bwd_requested() and gluon_unsupported(call) is None:
+    if gluon_bwd_requested(spec) and gluon_unsupported(call) is None:
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
