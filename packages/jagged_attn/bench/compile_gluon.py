@@ -89,7 +89,7 @@ def configs() -> list[dict]:
         for causal in (False, True):
             for act in (0, 1):
                 out.append(dict(kernel="dq", head_dim=head_dim, causal=causal, act=act,
-                                pingpong=False, stages=2, block_n=64))  # fmt: skip
+                                pingpong=False, stages=3, block_n=64))  # fmt: skip
     out.append(dict(kernel="dq", head_dim=128, causal=False, act=0, pingpong=False, stages=2,
                     block_n=128))  # fmt: skip
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
@@ -141,7 +141,8 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
 
     if cfg.get("kernel") == "dkdv":
         fn = mod.jagged_bwd_dkdv_kernel
-        bm = cfg.get("block_m", 32 if d > 64 else 64)  # _gluon/_bwd_launch.py: block_m
+        # _gluon/_bwd_launch.py: block_m (head dim 128: 64 rows for softmax, 32 for SiLU)
+        bm = cfg.get("block_m", 64 if d <= 64 or cfg["act"] == 0 else 32)
         signature = {
             "q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(WG_ROWS),
             "v_desc": desc(WG_ROWS), "dk_desc": desc(WG_ROWS), "dv_desc": desc(WG_ROWS),

@@ -1,4 +1,4 @@
-"""Warp-specialised Hopper forward of jagged attention, written in Gluon.
+"""Warp-specialised Hopper forward and backward of jagged attention, written in Gluon.
 
 A FlashAttention-3-style forward for sm_90 written with ``triton.experimental.gluon``
 (Triton 3.6's API): a producer warp streams K/V tiles through TMA into a multi-stage
@@ -16,7 +16,13 @@ serve whose longest sequence exceeds 256 tokens (``_triton._launch.GLUON_DEFAULT
 (``bench/compile_gluon.py``); its numerics and speed are checked on the GPU only
 (``tests/test_gluon_forward.py``, ``bench/bench_gluon.py``): Gluon has no CPU interpreter.
 
-Importing this subpackage imports neither Triton nor the kernel.
+The backward of the same calls (since 0.2.15, ``JAGGED_ATTN_GLUON_BWD``): a dK/dV kernel
+over 128-key tiles and a dQ kernel over 128-row query tiles with the same producer /
+consumer partitions (``_bwd_kernel.py``), launched by the package's backward through
+``_bwd_launch.run_dkdv`` / ``run_dq``; checked on the GPU by
+``tests/test_gluon_backward.py`` and timed by ``bench/bench_gluon_bwd.py``.
+
+Importing this subpackage imports neither Triton nor the kernels.
 
 * :func:`jagged_attention_fwd_gluon`: ``(out, lse)`` for softmax (causal or not) or
   GDPA-SiLU, bf16/fp16, head dim 64 or 128.

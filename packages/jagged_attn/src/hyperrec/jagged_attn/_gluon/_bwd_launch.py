@@ -17,7 +17,7 @@ BLOCK_N = 128
 
 
 #: Query rows per streamed tile of the dK/dV kernel at head dim 128, softmax / SiLU: 64
-#: rows spill a few registers in both, which cost SiLU 1.4-1.5x and saved softmax 4-10%
+#: rows spill registers in both, which cost SiLU 1.5-1.6x and saved softmax 2-12%
 #: (one H200, ``bench/results/bench_gluon_bwd_h200_2026-12-03_m64.json``); read at every
 #: launch, switches for benchmarks.
 BLOCK_M_D128_SOFTMAX = 64
