@@ -877,20 +877,19 @@ def attention_backward(
     return dq, dk, dv
 
 
-class _GluonKeyTiles:
-    # what ``_kv_schedule`` reads of a configuration: the Gluon kernel's key-tile rows
-    block_n = 128
+# what ``_kv_schedule`` reads of a configuration: the Gluon dK/dV kernel's key-tile rows
+_GLUON_KEY_TILES = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=1)
 
 
 def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> None:
     """dK and dV by the Gluon kernel (a call :func:`gluon_unsupported` accepts)."""
     from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N, run_dkdv
 
-    assert _GluonKeyTiles.block_n == BLOCK_N
+    assert _GLUON_KEY_TILES.block_n == BLOCK_N
     softmax = call.spec.activation == "softmax"
     run_dkdv(
         call.q, call.k, call.v, grad_out, lse, delta, dk, dv,
-        _kv_schedule(call, _GluonKeyTiles), causal=call.spec.mask.causal, softmax=softmax,
+        _kv_schedule(call, _GLUON_KEY_TILES), causal=call.spec.mask.causal, softmax=softmax,
         qk_scale=qk_scale, coef=coef, dk_scale=scale if softmax else scale * coef,
     )  # fmt: skip
 
