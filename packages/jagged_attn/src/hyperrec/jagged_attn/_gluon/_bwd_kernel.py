@@ -82,6 +82,15 @@ def _allowed(r0, m0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, s_layo
 
 
 @gluon.jit
+def _load_pair(a_desc, b_desc, row, col, bar, a_dst, b_dst):
+    """Two TMA loads of row ``row``, column ``col`` into ``a_dst``/``b_dst``, completing
+    the transaction count of ``bar``."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row, col], bar, a_dst)
+    tma.async_copy_global_to_shared(b_desc, [row, col], bar, b_dst)
+
+
+@gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr):  # fmt: skip
     q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats = loads
@@ -102,13 +111,8 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
             for c in gl.static_range(2):
                 # the consumer's previous item has retired its last GEMM on these buffers
                 mbarrier.wait(kv_empty.index(c), (item_i & 1) ^ 1)
-                mbarrier.expect(kv_ready.index(c),
-                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)  # fmt: skip
-                row = k_start + n0 + c * WG_ROWS
-                tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], kv_ready.index(c),
-                                                k_smem.index(c))  # fmt: skip
-                tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], kv_ready.index(c),
-                                                v_smem.index(c))  # fmt: skip
+                _load_pair(k_desc, v_desc, k_start + n0 + c * WG_ROWS, h * HEAD_DIM,
+                           kv_ready.index(c), k_smem.index(c), v_smem.index(c))  # fmt: skip
             lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
             for i in range(lo, hi):
                 st = q_it % NUM_STAGES
@@ -123,13 +127,8 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
                     base = h * stride_lh + q_start + cols
                     stat_smem.index(2 * st).store(gl.load(LSE + base, mask=ok, other=float("inf")))
                     stat_smem.index(2 * st + 1).store(gl.load(DELTA + base, mask=ok, other=0.0))
-                mbarrier.expect(q_ready.index(st),
-                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)  # fmt: skip
-                row = q_start + i * BLOCK_M
-                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(st),
-                                                q_smem.index(st))  # fmt: skip
-                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(st),
-                                                do_smem.index(st))  # fmt: skip
+                _load_pair(q_desc, do_desc, q_start + i * BLOCK_M, h * HEAD_DIM,
+                           q_ready.index(st), q_smem.index(st), do_smem.index(st))  # fmt: skip
                 q_it += 1
             item_i += 1
 
@@ -376,26 +375,16 @@ def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
             for c in gl.static_range(2):
                 # the consumer has stored its previous dQ tile out of its Q buffer
                 mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-                mbarrier.expect(q_ready.index(c),
-                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)  # fmt: skip
-                row = q_start + m0 + c * WG_ROWS
-                tma.async_copy_global_to_shared(q_desc, [row, h * HEAD_DIM], q_ready.index(c),
-                                                q_smem.index(c))  # fmt: skip
-                tma.async_copy_global_to_shared(do_desc, [row, h * HEAD_DIM], q_ready.index(c),
-                                                do_smem.index(c))  # fmt: skip
+                _load_pair(q_desc, do_desc, q_start + m0 + c * WG_ROWS, h * HEAD_DIM,
+                           q_ready.index(c), q_smem.index(c), do_smem.index(c))  # fmt: skip
             n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
                                  _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
             for j in range(n_tiles):
                 st = kv_it % NUM_STAGES
                 ph = (kv_it // NUM_STAGES) & 1
                 mbarrier.wait(kv_empty.index(st), ph ^ 1)
-                mbarrier.expect(kv_ready.index(st),
-                                k_desc.block_type.nbytes + v_desc.block_type.nbytes)  # fmt: skip
-                row = k_start + j * BLOCK_N
-                tma.async_copy_global_to_shared(k_desc, [row, h * HEAD_DIM], kv_ready.index(st),
-                                                k_smem.index(st))  # fmt: skip
-                tma.async_copy_global_to_shared(v_desc, [row, h * HEAD_DIM], kv_ready.index(st),
-                                                v_smem.index(st))  # fmt: skip
+                _load_pair(k_desc, v_desc, k_start + j * BLOCK_N, h * HEAD_DIM,
+                           kv_ready.index(st), k_smem.index(st), v_smem.index(st))  # fmt: skip
                 kv_it += 1
             item_i += 1
 

@@ -52,6 +52,15 @@ def shared_memory_bytes(head_dim: int, num_stages: int, element_size: int = 2) -
     return (2 * BLOCK_N + 2 * num_stages * block_m(head_dim)) * head_dim * element_size
 
 
+def _descriptor(t: torch.Tensor, rows: int, n_heads: int, head_dim: int) -> object:
+    """A ``[rows, head_dim]``-box TMA descriptor over ``t`` viewed as ``(T, H * D)``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim], strides=[t.stride(0), 1],
+                            block_shape=[rows, head_dim],
+                            layout=_smem_layout(rows, head_dim, t.dtype))  # fmt: skip
+
+
 def run_dkdv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,8 +92,6 @@ def run_dkdv(
     partial query tile's rows of the next sequence in shared memory (off only to show,
     in a test, that it is needed).
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dkdv_kernel
     from hyperrec.jagged_attn._triton import _direct
     from hyperrec.jagged_attn._triton._schedule import work_upper_bound
@@ -92,10 +99,8 @@ def run_dkdv(
     n_heads, head_dim = q.shape[1], q.shape[2]
     q32, kv32, tile_seq, tile_idx, total = schedule[:5]
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
-                                strides=[t.stride(0), 1], block_shape=[rows, head_dim],
-                                layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
+    def desc(t: torch.Tensor, rows: int) -> object:
+        return _descriptor(t, rows, n_heads, head_dim)
 
     bm = block_m(head_dim, softmax)
 
@@ -139,8 +144,6 @@ def run_dq(
     coef`` (SiLU); the rest as in :func:`run_dkdv`. ``block_n``/``num_stages``: default
     :data:`DQ_BLOCK_N` / :data:`DQ_STAGES`.
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dq_kernel
     from hyperrec.jagged_attn._triton import _direct
     from hyperrec.jagged_attn._triton._schedule import work_upper_bound
@@ -150,10 +153,8 @@ def run_dq(
     num_stages = DQ_STAGES if num_stages is None else num_stages
     q32, kv32, tile_seq, tile_idx, total = schedule[:5]
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        return TensorDescriptor(t, shape=[t.shape[0], n_heads * head_dim],
-                                strides=[t.stride(0), 1], block_shape=[rows, head_dim],
-                                layout=_smem_layout(rows, head_dim, q.dtype))  # fmt: skip
+    def desc(t: torch.Tensor, rows: int) -> object:
+        return _descriptor(t, rows, n_heads, head_dim)
 
     if not softmax:
         lse = delta = dq  # never read
