@@ -1,0 +1,264 @@
+"""CPU checks of the Gluon backward kernels' schedules and synchronisation protocols.
+
+As ``test_gluon_protocol.py`` does for the forward: the partitions of
+``_gluon/_bwd_kernel.py`` (dK/dV and dQ) re-written as Python generators that perform the
+same mbarrier operations in the same order, run under a random scheduler with
+asynchronous TMA completions. The model flags a deadlock, a TMA load (or the producer's
+store of a tile's LSE/delta) into a buffer a consumer may still read, a consumer reading a
+buffer that does not hold its tile, an epilogue staging its output through a buffer that a
+load may still overwrite, rows of dK/dV or dQ not written exactly once per head, and a
+(key, query) tile pair that an allowed entry needs but no warpgroup visits.
+
+Keep the model in step with the kernels when changing either.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from test_gluon_protocol import Barrier, Buffer, Race, Sim, n_kv_tiles, snake
+
+from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N, block_m
+
+WG_ROWS = 64
+Q_BLOCK = 128  # the dQ kernel's work items: the forward's 128-row query tiles
+
+
+class BwdSim(Sim):
+    """Buffers and barriers of either backward kernel: ``fixed`` (two halves, one per
+    consumer: K/V in dK/dV, Q/dO in dQ) and a ``ring`` of ``stages`` streamed tiles."""
+
+    def __init__(self, stages: int, ring_count: int, rng: random.Random):
+        self.rng = rng
+        self.inflight = []
+        self.fixed_ready = [Barrier(1) for _ in range(2)]
+        self.fixed_empty = [Barrier(1) for _ in range(2)]
+        self.ring_ready = [Barrier(1) for _ in range(stages)]
+        self.ring_empty = [Barrier(ring_count) for _ in range(stages)]
+        self.fixed = [Buffer() for _ in range(2)]
+        self.ring = [Buffer() for _ in range(stages)]
+        self.stats = [Buffer() for _ in range(stages)]
+
+    def store(self, who: str, buf: Buffer, tag: object) -> None:
+        """A generic-proxy store (producer's statistics, a consumer's epilogue)."""
+        if buf.readers - {who} or not buf.landed:
+            raise Race(f"{who} stores {tag} into a buffer read by {buf.readers} "
+                       f"(landed={buf.landed})")  # fmt: skip
+        buf.tag = tag
+
+
+def q_tiles(n0: int, lq: int, lk: int, causal: bool, bm: int) -> range:
+    """The kernel's ``_q_tiles``."""
+    lo = max(n0 - (lk - lq), 0) // bm if causal else 0
+    hi = (lq + bm - 1) // bm
+    return range(lo, max(hi, lo))
+
+
+def key_tiles(qo, ko, causal) -> list[tuple[int, int]]:
+    """(sequence, key tile) work items: the package's key-tile schedule under the
+    interpreter (the dK/dV kernel's own), else every key tile, built here."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from hyperrec.jagged_attn._triton._schedule import work_upper_bound
+        from hyperrec.jagged_attn._triton._tiles import tile_schedule
+
+        lq = (qo[1:] - qo[:-1]).tolist()
+        upper = work_upper_bound(int(ko[-1]), ko.numel() - 1, BLOCK_N)
+        _, _, seq, idx, total = tile_schedule(qo, ko, None, BLOCK_N, causal, upper,
+                                              max(lq + [1]), kv_tiles=True)  # fmt: skip
+        return list(zip(seq[: int(total)].tolist(), idx[: int(total)].tolist()))
+    lk = (ko[1:] - ko[:-1]).tolist()
+    return [(b, t) for b, n in enumerate(lk) for t in range(-(-n // BLOCK_N))]
+
+
+def dkdv_producer(sim, work, causal, bm, stages, softmax):
+    it = 0
+    for item_i, (_h, _qs, lq, _ks, lk, n0) in enumerate(work):
+        for c in range(2):
+            yield lambda c=c, i=item_i: sim.fixed_empty[c].passed((i & 1) ^ 1)
+            sim.fixed_ready[c].expect(1)
+            sim.tma_load(sim.fixed_ready[c], sim.fixed[c], ("kv", item_i, c))
+        for i in q_tiles(n0, lq, lk, causal, bm):
+            st, ph = it % stages, (it // stages) & 1
+            yield lambda st=st, ph=ph: sim.ring_empty[st].passed(ph ^ 1)
+            if softmax:  # stored before the arrival that publishes them
+                sim.store("producer", sim.stats[st], ("stats", item_i, i))
+            sim.ring_ready[st].expect(1)
+            sim.tma_load(sim.ring_ready[st], sim.ring[st], ("q", item_i, i))
+            it += 1
+
+
+def dkdv_consumer(sim, wg, work, causal, bm, stages, softmax, written, visited):
+    me, it = f"wg{wg}", 0
+    for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(work):
+        r0 = n0 + wg * WG_ROWS
+        yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
+        sim.read(me, sim.fixed[wg], ("kv", item_i, wg))
+        tiles = q_tiles(n0, lq, lk, causal, bm)
+        for i in tiles:
+            st, ph = it % stages, (it // stages) & 1
+            yield lambda st=st, ph=ph: sim.ring_ready[st].passed(ph)
+            sim.read(me, sim.ring[st], ("q", item_i, i))
+            if softmax:
+                sim.read(me, sim.stats[st], ("stats", item_i, i))
+                sim.release(me, sim.stats[st])
+            visited.add((k_start, h, r0, i))
+            sim.release(me, sim.ring[st])
+            sim.ring_empty[st].arrive()
+            it += 1
+        # epilogue: dK/dV staged through this warpgroup's K/V buffers
+        sim.store(me, sim.fixed[wg], ("dkdv", item_i, wg))
+        written.extend((k_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lk)))
+        sim.release(me, sim.fixed[wg])
+        sim.fixed_empty[wg].arrive()
+
+
+def dq_producer(sim, work, causal, block_n, stages):
+    it = 0
+    for item_i, (_h, _qs, lq, _ks, lk, m0) in enumerate(work):
+        for c in range(2):
+            yield lambda c=c, i=item_i: sim.fixed_empty[c].passed((i & 1) ^ 1)
+            sim.fixed_ready[c].expect(1)
+            sim.tma_load(sim.fixed_ready[c], sim.fixed[c], ("q", item_i, c))
+        n = max(n_kv_tiles(m0, lq, lk, causal, block_n),
+                n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
+        for j in range(n):
+            st, ph = it % stages, (it // stages) & 1
+            yield lambda st=st, ph=ph: sim.ring_empty[st].passed(ph ^ 1)
+            sim.ring_ready[st].expect(1)
+            sim.tma_load(sim.ring_ready[st], sim.ring[st], ("kv", item_i, j))
+            it += 1
+
+
+def dq_consumer(sim, wg, work, causal, block_n, stages, written, visited):
+    me, it = f"wg{wg}", 0
+    for item_i, (h, q_start, lq, _ks, lk, m0) in enumerate(work):
+        r0 = m0 + wg * WG_ROWS
+        n = max(n_kv_tiles(m0, lq, lk, causal, block_n),
+                n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
+        yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
+        sim.read(me, sim.fixed[wg], ("q", item_i, wg))
+        for j in range(n):
+            st, ph = it % stages, (it // stages) & 1
+            yield lambda st=st, ph=ph: sim.ring_ready[st].passed(ph)
+            sim.read(me, sim.ring[st], ("kv", item_i, j))
+            visited.add((q_start, h, r0, j))
+            sim.release(me, sim.ring[st])
+            sim.ring_empty[st].arrive()
+            it += 1
+        # epilogue: dQ staged through this warpgroup's Q buffer
+        sim.store(me, sim.fixed[wg], ("dq", item_i, wg))
+        written.extend((q_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lq)))
+        sim.release(me, sim.fixed[wg])
+        sim.fixed_empty[wg].arrive()
+
+
+def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softmax=True):
+    rng = random.Random(seed)
+    qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
+    if kind == "dkdv":
+        tiles = key_tiles(qo, ko, causal)
+        block = BLOCK_N
+    else:
+        tiles = [(b, t) for b, n in enumerate(q_lens) for t in range(-(-n // Q_BLOCK))]
+        block = Q_BLOCK
+    meta = [(int(qo[b]), int(qo[b + 1] - qo[b]), int(ko[b]), int(ko[b + 1] - ko[b]), t * block)
+            for b, t in tiles]  # fmt: skip
+    n_items = len(meta) * heads
+    written, visited = [], set()
+    bm = block_m(128, softmax)
+    for pid in range(nprog):
+        work = []
+        for r in range((n_items + nprog - 1) // nprog):
+            w = snake(r, pid, nprog)
+            if w < n_items:
+                work.append((w % heads, *meta[w // heads]))
+        if kind == "dkdv":
+            sim = BwdSim(stages, 2, rng)
+            procs = {"producer": dkdv_producer(sim, work, causal, bm, stages, softmax)}
+            for wg in range(2):
+                procs[f"wg{wg}"] = dkdv_consumer(sim, wg, work, causal, bm, stages, softmax,
+                                                 written, visited)  # fmt: skip
+        else:
+            sim = BwdSim(stages, 2, rng)
+            procs = {"producer": dq_producer(sim, work, causal, 64, stages)}
+            for wg in range(2):
+                procs[f"wg{wg}"] = dq_consumer(sim, wg, work, causal, 64, stages, written,
+                                               visited)  # fmt: skip
+        sim.run(procs)
+    tokens = int(ko[-1]) if kind == "dkdv" else int(qo[-1])
+    assert sorted(written) == sorted((t, h) for t in range(tokens) for h in range(heads))
+    # every allowed (query i, key j) entry lies in a visited tile pair
+    for b, (lq, lk) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        for h in range(heads):
+            for i in range(lq):
+                for j in range(lk):
+                    if causal and j > i + lk - lq:
+                        continue
+                    if kind == "dkdv":
+                        key = (int(ko[b]), h, j // WG_ROWS * WG_ROWS, i // bm)
+                    else:
+                        key = (int(qo[b]), h, i // WG_ROWS * WG_ROWS, j // 64)
+                    assert key in visited, (kind, b, h, i, j)
+
+
+CASES = [
+    ((300, 0, 10, 390), None),  # ragged, an empty sequence, a 10-token one
+    ((1, 64, 65, 128, 129, 257), None),  # around the 64-row halves and 128-row tiles
+    ((200, 50, 0), (130, 300, 7)),  # Lq != Lk both ways, an empty query sequence
+    ((0, 0, 5), (0, 3, 0)),  # empty key sequences
+    ((40,), (520,)),  # Lq < Lk: causal keys no query sees
+]
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_backward_protocols_have_no_deadlock_race_or_gap(case, causal, kind, softmax):
+    q_lens, kv_lens = case
+    kv_lens = q_lens if kv_lens is None else kv_lens
+    for seed, stages in ((0, 1), (1, 3)):
+        run_kernel(kind, q_lens, kv_lens, causal, heads=2, nprog=3, stages=stages, seed=seed,
+                   softmax=softmax)  # fmt: skip
+
+
+def test_model_detects_an_early_release(monkeypatch):
+    """The checks can fail: a dK/dV consumer that frees its K/V half before staging its
+    output there lets the next item's load race with the epilogue."""
+    import test_gluon_bwd_protocol as me
+
+    def early(sim, wg, work, causal, bm, stages, softmax, written, visited):
+        me_, it = f"wg{wg}", 0
+        for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(work):
+            r0 = n0 + wg * WG_ROWS
+            yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
+            sim.read(me_, sim.fixed[wg], ("kv", item_i, wg))
+            sim.fixed_empty[wg].arrive()  # released before the item is done with it
+            for i in q_tiles(n0, lq, lk, causal, bm):
+                st, ph = it % stages, (it // stages) & 1
+                yield lambda st=st, ph=ph: sim.ring_ready[st].passed(ph)
+                sim.read(me_, sim.ring[st], ("q", item_i, i))
+                if softmax:
+                    sim.read(me_, sim.stats[st], ("stats", item_i, i))
+                    sim.release(me_, sim.stats[st])
+                visited.add((k_start, h, r0, i))
+                sim.release(me_, sim.ring[st])
+                sim.ring_empty[st].arrive()
+                it += 1
+            sim.store(me_, sim.fixed[wg], ("dkdv", item_i, wg))
+            written.extend((k_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lk)))
+            sim.release(me_, sim.fixed[wg])
+
+    monkeypatch.setattr(me, "dkdv_consumer", early)
+
+    def run_seeds():
+        for seed in range(20):
+            run_kernel("dkdv", (300, 300, 300), (300, 300, 300), False, 1, 1, stages=2,
+                       seed=seed)  # fmt: skip
+
+    with pytest.raises(Race):
+        run_seeds()
