@@ -10,7 +10,7 @@ import torch
 
 from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _num_sms, _smem_layout
 
-__all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq", "shared_memory_bytes"]
+__all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq"]
 
 # Key rows of one work item: two consumer warpgroups of 64 keys each.
 BLOCK_N = 128
@@ -32,7 +32,7 @@ def block_m(head_dim: int, softmax: bool = True) -> int:
     return BLOCK_M_D128_SOFTMAX if softmax else BLOCK_M_D128_SILU
 
 
-#: Depth of the query/dO ring (three stages: 160 KiB of shared memory at head dim 128).
+#: Depth of the query/dO ring (three stages: 112-160 KiB of shared memory at head dim 128).
 DEFAULT_STAGES = 3
 #: Which kernel computes dQ after the Gluon dK/dV kernel: ``"gluon"``
 #: (``jagged_bwd_dq_kernel``) or ``"triton"`` (the package's Triton dQ kernel); read at
@@ -45,11 +45,6 @@ DQ_STAGES = 3
 #: every launch, a switch for benchmarks.
 EARLY_DV = True
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
-
-
-def shared_memory_bytes(head_dim: int, num_stages: int, element_size: int = 2) -> int:
-    """K and V halves of both warpgroups plus the query/dO ring."""
-    return (2 * BLOCK_N + 2 * num_stages * block_m(head_dim)) * head_dim * element_size
 
 
 def _descriptor(t: torch.Tensor, rows: int, n_heads: int, head_dim: int) -> object:
@@ -78,7 +73,6 @@ def run_dkdv(
     coef: float,
     dk_scale: float,
     num_stages: int = DEFAULT_STAGES,
-    isolate_rows: bool = True,
 ) -> None:
     """Write dK and dV of a validated call into ``dk``/``dv``.
 
@@ -88,9 +82,7 @@ def run_dkdv(
     kv_offsets32, tile_seq, tile_idx, total, ...)``, the dK/dV kernel's key-tile schedule
     for :data:`BLOCK_N`-key tiles (``_triton._launch._kv_schedule``). ``qk_scale``:
     ``scale * log2(e)`` (softmax) or ``scale`` (SiLU); ``coef``: the output multiplier;
-    ``dk_scale``: ``scale`` (softmax) or ``scale * coef`` (SiLU). ``isolate_rows``: zero a
-    partial query tile's rows of the next sequence in shared memory (off only to show,
-    in a test, that it is needed).
+    ``dk_scale``: ``scale`` (softmax) or ``scale * coef`` (SiLU).
     """
     from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dkdv_kernel
     from hyperrec.jagged_attn._triton import _direct
@@ -113,7 +105,7 @@ def run_dkdv(
             q32, kv32, total, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
-              ACT=0 if softmax else 1, ISOLATE_ROWS=isolate_rows,
+              ACT=0 if softmax else 1, ISOLATE_ROWS=True,
               EARLY_DV=EARLY_DV)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)

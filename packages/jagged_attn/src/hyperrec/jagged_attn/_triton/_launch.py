@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N as GLUON_BWD_BLOCK_N
 from hyperrec.jagged_attn._gluon._launch import BLOCK_M as GLUON_BLOCK_M
 from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _configs, _direct, _kernels, interpreting
@@ -446,27 +447,34 @@ GLUON_BWD_DEFAULT = True
 BWD_TMA_ENV = "JAGGED_ATTN_BWD_TMA"
 
 
-def gluon_requested() -> bool | None:
-    """What :data:`GLUON_ENV` asks for: True (``"1"``), False (``"0"``) or None (unset or
-    ``"auto"``: the default policy)."""
-    value = os.environ.get(GLUON_ENV, "")
+def _switch(name: str) -> bool | None:
+    """The value of an on/off environment variable: True (``"1"``), False (``"0"``) or None
+    (unset or ``"auto"``: the default policy); other values are a ``ValueError``."""
+    value = os.environ.get(name, "")
     if value in ("", "auto"):
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_ENV} must be 0, 1 or auto (or unset), got {value!r}")
+        raise ValueError(f"{name} must be 0, 1 or auto (or unset), got {value!r}")
     return value == "1"
+
+
+def _long(spec: AttentionSpec) -> bool:
+    # read at every call (not in a cached plan): a changed threshold applies at once
+    return max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
+
+
+def gluon_requested() -> bool | None:
+    """What :data:`GLUON_ENV` asks for: True (``"1"``), False (``"0"``) or None (unset or
+    ``"auto"``: the default policy)."""
+    return _switch(GLUON_ENV)
 
 
 def gluon_bwd_requested(spec: AttentionSpec) -> bool:
     """Whether :data:`GLUON_BWD_ENV` asks for the Gluon backward kernels for a call with
     ``spec`` (unset or ``auto``: :data:`GLUON_BWD_DEFAULT` for calls whose longest sequence
     exceeds :data:`GLUON_MIN_SEQLEN`); read at every call."""
-    value = os.environ.get(GLUON_BWD_ENV, "")
-    if value in ("", "auto"):
-        return GLUON_BWD_DEFAULT and max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
-    if value not in ("0", "1"):
-        raise ValueError(f"{GLUON_BWD_ENV} must be 0, 1 or auto (or unset), got {value!r}")
-    return value == "1"
+    asked = _switch(GLUON_BWD_ENV)
+    return GLUON_BWD_DEFAULT and _long(spec) if asked is None else asked
 
 
 def _use_gluon(plan: _ForwardPlan, spec: AttentionSpec, packed: bool) -> bool:
@@ -475,9 +483,7 @@ def _use_gluon(plan: _ForwardPlan, spec: AttentionSpec, packed: bool) -> bool:
     asked = gluon_requested()
     if asked is not None:
         return asked
-    # read at every call (not in the cached plan): a changed threshold applies at once
-    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
-    return GLUON_DEFAULT and long and not packed
+    return GLUON_DEFAULT and _long(spec) and not packed
 
 
 def gluon_eligible(call: AttentionCall) -> bool:
@@ -857,7 +863,7 @@ def attention_backward(
         stride_lh = 0
     rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
-    if gluon_bwd_requested(spec) and gluon_unsupported(call) is None:
+    if plan.gluon and gluon_bwd_requested(spec):
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
@@ -878,14 +884,14 @@ def attention_backward(
 
 
 # what ``_kv_schedule`` reads of a configuration: the Gluon dK/dV kernel's key-tile rows
-_GLUON_KEY_TILES = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=1)
+_GLUON_KEY_TILES = KernelConfig(block_m=64, block_n=GLUON_BWD_BLOCK_N, num_warps=4,
+                                num_stages=1)  # fmt: skip
 
 
 def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> None:
     """dK and dV by the Gluon kernel (a call :func:`gluon_unsupported` accepts)."""
-    from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N, run_dkdv
+    from hyperrec.jagged_attn._gluon._bwd_launch import run_dkdv
 
-    assert _GLUON_KEY_TILES.block_n == BLOCK_N
     softmax = call.spec.activation == "softmax"
     run_dkdv(
         call.q, call.k, call.v, grad_out, lse, delta, dk, dv,
@@ -972,6 +978,8 @@ class _BackwardPlan:
     dkdv_stats_key: _Key
     # some kernel reads through in-kernel tensor descriptors (``KernelConfig.bwd_tma``)
     descriptors: bool
+    # the Gluon backward kernels can compute this call (``gluon_unsupported``)
+    gluon: bool
 
 
 def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _BackwardPlan:
@@ -1009,7 +1017,7 @@ def _backward_plan(call, fast_math, deterministic, config_dkdv, config_dq) -> _B
         dq_stats_kw=dict(dq_kw, STATS=True), dq_stats_key=_Key((*dq_key, "stats")),
         dkdv_stats_kw=dict(dkdv_kw, DQ_ATOMIC=False, TMA_REDUCE=False),
         dkdv_stats_key=_Key((*dkdv_key, "stats")),
-        descriptors=dkdv_tma or bool(dq_kw.get("TMA")),
+        descriptors=dkdv_tma or bool(dq_kw.get("TMA")), gluon=gluon_eligible(call),
     )  # fmt: skip
 
 
