@@ -181,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args._child:
+        import faulthandler
+
+        # every thread's stack on stderr shortly before the parent kills this process: the
+        # timeout record then shows where it stood (a compile, a wait on the GPU, a hang)
+        faulthandler.dump_traceback_later(max(args.timeout - 10.0, 1.0), exit=False)
         result = run_child(args)
+        faulthandler.cancel_dump_traceback_later()
         Path(args._child).write_text(json.dumps(jsonable(result)))
         return 0
     variants = [parse_variant(v) for v in (args.variant or ["base="])]
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, overrides, env in variants:
         result_file = out / f".variant_{name}.json"
         cmd = [sys.executable, __file__, "--out", str(out), "--_child", str(result_file),
-               "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
+               "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--timeout", str(args.timeout)]  # fmt: skip
         if args.preset:
             cmd += ["--preset", args.preset]
         if args.smoke:
@@ -221,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 record["status"] = "failed"
                 record["error"] = proc.stderr[-2000:]
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             record["status"] = "timeout"
+            # what the child printed before it was killed: tells a slow compile from a hang
+            tail = exc.stderr or b""
+            record["error"] = (tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-2000:]
         record["wall_s"] = time.perf_counter() - t0
         result_file.unlink(missing_ok=True)
         doc["variants"].append(record)
