@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             record["status"] = "timeout"
             # what the child printed before it was killed: tells a slow compile from a hang
             tail = exc.stderr or b""
-            record["error"] = (tail.decode(errors="replace") if isinstance(tail, bytes) else tail)[-2000:]
+            text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            record["error"] = text[-2000:]
         record["wall_s"] = time.perf_counter() - t0
         result_file.unlink(missing_ok=True)
         doc["variants"].append(record)
