@@ -343,3 +343,37 @@ def test_from_tensors_errors():
         buf.copy_from_full_([torch.zeros(3)])
     with pytest.raises(ValueError, match="expected 1"):
         buf.copy_from_full_([])
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    numels=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    alignment=st.sampled_from([1, 4, 16]),
+)
+def test_zero_grad_padding_clears_exactly_the_gaps_across_reallocations(numels, alignment):
+    # grad_full's storage is freed after each reduction and re-grown by the next
+    # begin_grad, holding whatever the allocator left: the gaps between tensors (which
+    # reach the reduced shard, and a flat optimizer's or grad norm's view of it) must be
+    # zeroed every time, and the tensors' own gradients left alone.
+    buf = DBuffer([(n,) for n in numels], reduce_dtype=torch.float64, alignment=alignment)
+    for _window in range(2):  # the second one runs on re-grown storage
+        g = buf.begin_grad(zero=False)
+        assert g is not buf.grad_shard  # a separate reduce-dtype buffer
+        g.fill_(float("nan"))
+        for i in range(len(numels)):
+            buf.grad_full_view(i).fill_(float(i + 1))
+        buf.zero_grad_padding_()
+        inside = torch.zeros(g.numel(), dtype=torch.bool)
+        for i, n in enumerate(numels):
+            view = buf.grad_full_view(i)
+            assert torch.equal(view, torch.full((n,), float(i + 1), dtype=torch.float64))
+            if n:
+                start = (view.data_ptr() - g.data_ptr()) // g.element_size()
+                inside[start : start + n] = True
+        assert torch.equal(g[~inside], torch.zeros(int((~inside).sum()), dtype=torch.float64))
+        buf.reduce_grad()
+        buf.wait_reduce()
+        expect = torch.cat([torch.full((n,), float(i + 1)) for i, n in enumerate(numels)])
+        got = torch.cat([buf.grad_shard_view(i) for i in range(len(numels))])
+        assert torch.equal(got, expect) and bool(torch.isfinite(buf.grad_shard).all())
+        buf.drop_grad_(release=True)

@@ -356,6 +356,7 @@ class DBuffer:
         self._partial: torch.Tensor | None = None  # HSDP reduce-scattered, not all-reduced
         self._post_forward: tuple[torch.Tensor, dist.ProcessGroup] | None = None
         self._grad_full: torch.Tensor | None = None
+        self._grad_gap_views: list[torch.Tensor] = []  # grad_full's gaps, made with it
         self._grad_full_live = False
         self._has_grad = False
         self._unshard_pending: Pending | None = None
@@ -618,6 +619,8 @@ class DBuffer:
                     device=self.device,
                 )
             self._grad_full_views = self._views_of(self._grad_full)
+            g = self._grad_full
+            self._grad_gap_views = [g[a:b] for a, b in self._gaps]
             if not self._grad_full_aliases_shard:
                 _free(self._grad_full)
         return self._grad_full
@@ -671,8 +674,10 @@ class DBuffer:
     @torch.no_grad()
     def zero_grad_padding_(self) -> None:
         """Zero the parts of :attr:`grad_full` that belong to no tensor (before a reduce)."""
-        for a, b in self._gaps:
-            self.grad_full[a:b].zero_()
+        if self._gaps:
+            self.grad_full  # noqa: B018  (creates the views on first use)
+            # one foreach call (one kernel on CUDA) for every alignment gap
+            torch._foreach_zero_(self._grad_gap_views)
 
     @torch.no_grad()
     def reduce_grad(
