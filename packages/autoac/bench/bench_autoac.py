@@ -29,7 +29,8 @@ Strategies, per model (each a point: measured peak, step time):
   ``torch_budget@0.5``): the matched-budget comparison.
 * ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
   gradient-error bound: the activation memory quantized saves alone remove
-  (``activation_reduction_vs_no_ac``: no AC's peak above its start over this one's).
+  (``activation_reduction_vs_no_ac``: no AC's peak above its start over this one's);
+  ``pack_all_<fmt>`` the same for each other format given with ``--formats``.
 
 The profiled ends of autoac's model are checked against the measured baselines of the
 same run: if the predicted no-AC or full-recompute peak is off by more than 10%, the
@@ -447,7 +448,10 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
     few = args.quick or args.smoke or args.compiled
-    formats = ("mxfp8",) if few else ("mxfp8", "fp8_e4m3", "mx4")
+    if args.formats:
+        formats = tuple(f for f in args.formats.split(",") if f)
+    else:
+        formats = ("mxfp8",) if few else ("mxfp8", "fp8_e4m3", "mx4")
     pcfg = autoac.ProfileConfig(
         steps=2 if args.smoke else 3,
         formats=formats,
@@ -559,25 +563,39 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             predicted_added_ms=p.added_s * 1e3,
         )
 
-    def pack_all_point() -> None:
+    def pack_all_point(fmt: str) -> None:
         """Memory of quantized saves: nothing checkpointed, every saved tensor whose
-        class passed the gradient-error bound packed (the planner's choice aside)."""
-        p = pack_all_plan(prof, free, formats[0])
+        class passed the gradient-error bound in ``fmt`` packed (the planner's choice
+        aside). Named ``pack_all`` for MXFP8 (as in earlier runs), else ``pack_all_<fmt>``."""
+        name = "pack_all" if fmt == "mxfp8" else f"pack_all_{fmt}"
+        p = pack_all_plan(prof, free, fmt)
         if p is None:
-            rows.append({"method": "pack_all", "skipped": "no packable saved tensor"})
+            rows.append({"method": name, "skipped": "no packable saved tensor"})
             return
-        plans["pack_all"] = p.to_dict()
+        plans[name] = p.to_dict()
         handle: list = []
 
         def setup():
             handle.append(autoac.apply_plan(case.model, p))
             return lambda: handle.pop().remove()
 
+        # What the profile says autograd holds for the backward, and how much of it the
+        # plan packs: bounds the activation cut that packing alone can reach.
+        needed = packed = 0
+        for rp, r in zip(prof.regions, p.regions):
+            for o in rp.ops:
+                held = sum(lv.nbytes for lv in o.storages if lv.needed)
+                needed += held
+                if r.saves.get(o.key) == fmt:
+                    packed += held
         res = point(
-            "pack_all",
+            name,
             setup,
-            format=formats[0],
+            format=fmt,
             packed_ops=sum(map(len, (r.saves for r in p.regions))),
+            regions_saved_bytes=needed,
+            regions_packed_bytes=packed,
+            regions_packed_fraction=packed / max(needed, 1),
         )
         if res is not None and "peak_bytes" in res:
             # Activation memory: the step's peak above what was allocated before it.
@@ -594,7 +612,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         autoac_point("autoac", 0.5)
         autoac_point("autoac_quant", 0.5)
         if prof.pack_errors:
-            pack_all_point()
+            for fmt in formats:
+                pack_all_point(fmt)
         autoac_point("autoac", 0.0, matched=osac)
         if not args.quick:
             budget_point(1.0)
@@ -682,6 +701,12 @@ def main() -> None:
     ap.add_argument("--models", default="hstu,llama")
     ap.add_argument("--minutes", type=float, default=None, help="time budget (default 7 / 1.9)")
     ap.add_argument("--max-grad-error", type=float, default=0.03)
+    ap.add_argument(
+        "--formats",
+        default="",
+        help="comma-separated packed formats to profile (default: mxfp8 with --quick/--smoke, "
+        "else mxfp8,fp8_e4m3,mx4); one pack_all point per format",
+    )
     ap.add_argument(
         "--compiled",
         action="store_true",

@@ -23,12 +23,13 @@ GIB = 2.0**30
 STYLES: tuple[tuple[str, str, str, str], ...] = (
     ("autoac_compiled", "autoac, compiled", "D", "tab:purple"),
     ("autoac_quant", "autoac + packed saves", "x", "tab:orange"),
+    ("pack_all_mxint8", "pack every save as MXINT8", "*", "tab:olive"),
     ("autoac", "autoac (eager)", "o", "tab:blue"),
     ("no_ac", "no AC (eager)", "s", "black"),
     ("full_ac", "full AC", "^", "tab:red"),
     ("op_sac", "op-level SAC (torchtitan-style)", "v", "tab:green"),
     ("torch_budget", "torch activation_memory_budget (compiled)", "P", "tab:brown"),
-    ("pack_all", "pack every save as MXFP8", "*", "tab:gray"),
+    ("pack_all", "pack every save (MXFP8) that passed", "*", "tab:gray"),
 )
 
 

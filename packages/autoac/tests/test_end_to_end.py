@@ -120,6 +120,37 @@ def test_packed_saves_peak_and_gradient_bound(mlp_case):
             h.remove()
 
 
+def test_mxint8_saves_pass_a_bound_that_mxfp8_fails(mlp_case):
+    """MXINT8 measures a smaller gradient error than MXFP8 on every class of the tower; at
+    a bound between the two, only MXINT8 is allowed, the plan packs with it, its peak is
+    as predicted and its measured gradient error is within the bound."""
+    model, step = mlp_case
+    cfg = dataclasses.replace(
+        FLOPS, formats=("mxfp8", "mxint8"), min_pack_bytes=4096, max_grad_error=1.0
+    )
+    prof = _cheap_packing(autoac.profile(model, step, config=cfg))
+    classes = {c for c, _ in prof.pack_errors}
+    assert classes
+    for c in classes:
+        assert prof.pack_errors[(c, "mxint8")] < 0.6 * prof.pack_errors[(c, "mxfp8")], c
+    bound = max(prof.pack_errors[(c, "mxint8")] for c in classes) * 1.5
+    assert bound < min(prof.pack_errors[(c, "mxfp8")] for c in classes)
+    prof_b = autoac.profile(model, step, config=dataclasses.replace(cfg, max_grad_error=bound))
+    prof_b = _cheap_packing(prof_b)
+    allowed = {f for r in prof_b.regions for o in r.ops for f in o.formats}
+    assert allowed == {"mxint8"}
+    b = _budgets(prof_b, (0.15,))[0]
+    h = AutoAC(model, autoac.plan(prof_b, budget=b), profile_=prof_b)
+    try:
+        assert h.plan.packed
+        _verify(h, step, b, None, None)
+        v = h.verification
+        assert v["grad_error"] <= bound
+        assert abs(v["measured_peak"] / h.plan.predicted_peak - 1) <= 0.10
+    finally:
+        h.remove()
+
+
 def test_apply_one_call_with_sample_inputs():
     model = mlp_tower()
     x = torch.randn(128, 32)

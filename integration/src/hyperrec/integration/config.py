@@ -66,7 +66,7 @@ SHARDED_TABLE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam")
 """Optimizers of sharded tables (``hyperrec.parallel5d``'s lazy row optimizers):
 ``RowWiseAdagrad``, ``LazyAdagrad`` (``torch.optim.Adagrad``'s rule on touched rows) and
 ``LazyAdam`` (``torch.optim.SparseAdam``'s)."""
-AC_FORMATS = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4")
+AC_FORMATS = ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4", "mxint8")
 
 NOT_AVAILABLE: dict[tuple[str, str], str] = {}
 """Config values that exist so that runs and ablations can name them, but whose
@@ -648,8 +648,8 @@ class TrainConfig:
     region budgets; 0: no bound of its own); empty, or one entry per layer."""
     ac_formats: tuple[str, ...] = ()
     """Packed formats autoac may keep saved activations in (``mxfp8``, ``fp8_e4m3``,
-    ``fp8_e5m2``, ``mx4``), each only where its measured gradient error is within autoac's
-    bound; empty: keep or recompute only. Packed regions run eagerly."""
+    ``fp8_e5m2``, ``mx4``, ``mxint8``), each only where its measured gradient error is
+    within autoac's bound; empty: keep or recompute only. Packed regions run eagerly."""
     attention_precision: str = "bf16"
     """"bf16", "fp8", "mxfp8" or "fp8_bwd": the sequence tower's attention through
     ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V

@@ -71,7 +71,7 @@ class ProfileConfig:
 
     formats: tuple[str, ...] = ()
     """Packed formats to consider for saved tensors (``"mxfp8"``, ``"fp8_e4m3"``,
-    ``"fp8_e5m2"``, ``"mx4"``). Each is measured per tensor class (the producing op)
+    ``"fp8_e5m2"``, ``"mx4"``, ``"mxint8"``). Each is measured per tensor class (the producing op)
     and allowed only where the gradient error stays within ``max_grad_error``."""
 
     max_grad_error: float = 0.03

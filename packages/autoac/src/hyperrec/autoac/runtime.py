@@ -39,6 +39,7 @@ from hyperrec.autoac import _exec
 from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import RegionDecisions, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
+from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
 from hyperrec.autoac.profiler import (
     Profile,
@@ -484,7 +485,7 @@ def apply(
             optionally ``loss_fn(output) -> loss`` (default: mean of squares of the
             floating outputs).
         formats: packed formats to consider (``"mxfp8"``, ``"fp8_e4m3"``,
-            ``"fp8_e5m2"``, ``"mx4"``); overrides ``profile_config.formats``. Not with
+            ``"fp8_e5m2"``, ``"mx4"``, ``"mxint8"``); overrides ``profile_config.formats``. Not with
             ``compile=True``.
         profile_config, plan_config: see :class:`ProfileConfig`, :class:`PlanConfig`.
         verify: run the planned step once: record predicted vs measured peak and the
@@ -542,7 +543,7 @@ def apply(
     if not isinstance(formats, tuple):
         raise TypeError(f"formats must be a tuple, got {type(formats).__name__}")
     for f in formats:
-        check_choice("formats entry", f, ("mxfp8", "fp8_e4m3", "fp8_e5m2", "mx4"))
+        check_choice("formats entry", f, SAVE_FORMATS)
     if compile and formats:
         raise ValueError("formats must be () with compile=True: packed saves run eagerly only")
     pc = ProfileConfig() if profile_config is None else profile_config
