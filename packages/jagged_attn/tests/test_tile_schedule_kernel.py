@@ -20,7 +20,7 @@ from hyperrec.jagged_attn._triton._schedule import (
 if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a GPU", allow_module_level=True)
 
-from hyperrec.jagged_attn._triton._tiles import _BINS, tile_schedule
+from hyperrec.jagged_attn._triton._tiles import _BINS, CAUSAL_RUNS_ENV, causal_runs, tile_schedule
 
 DEVICE = (
     "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -74,7 +74,25 @@ def _check(q_lens, k_lens, *, causal, block, kv_tiles, kv_index=None, dtype=torc
             work = torch.minimum(lk[s], last).clamp(min=0)
     gran = max(1, -(-((longest if max_len is None else max_len) + block + 1) // _BINS))
     bucket = ((work + block) // gran).clamp(max=_BINS - 1)
-    assert bool((bucket[1:] <= bucket[:-1]).all()) or t < 2
+    runs = not causal or causal_runs()
+    if runs:
+        # a sequence's tiles are one run, heaviest first (programs running side by side
+        # share its keys and values in L2; interleaved, the H200 forward lost ~20%), and
+        # runs come heaviest first by their heaviest tile
+        heads = []
+        for q in set(s.tolist()):
+            pos = (s == q).nonzero().flatten()
+            assert bool((pos[1:] - pos[:-1] == 1).all()), (q, pos.tolist())
+            order = list(range(len(pos)))
+            if causal and not kv_tiles:
+                order = order[::-1]
+            assert i[pos].tolist() == order
+            assert int(bucket[pos].max()) == int(bucket[pos[0]])
+            heads.append((int(pos[0]), int(bucket[pos[0]])))
+        b = [bk for _, bk in sorted(heads)]
+        assert all(x >= y for x, y in zip(b, b[1:]))
+    else:
+        assert bool((bucket[1:] <= bucket[:-1]).all()) or t < 2
     # padding entries: a valid tile of the last sequence
     assert bool((seq[t:] == n - 1).all()) and bool((idx[t:] == 0).all())
 
@@ -87,6 +105,16 @@ def test_examples():
     _check([0, 0], [0, 0], causal=False, block=16, kv_tiles=False)  # no tile at all
     # a max_len below the real maximum (validate=False with a wrong bound): same tiles
     _check([100, 7], [100, 7], causal=True, block=16, kv_tiles=False, max_len=4)
+
+
+def test_causal_runs_switch(monkeypatch):
+    monkeypatch.setenv(CAUSAL_RUNS_ENV, "1")
+    assert causal_runs()
+    _check([5, 0, 40, 17, 33], [5, 0, 40, 17, 33], causal=True, block=16, kv_tiles=False,
+           same=True)  # fmt: skip
+    _check([5, 0, 40, 17, 33], [5, 0, 40, 17, 33], causal=True, block=16, kv_tiles=True,
+           same=True)  # fmt: skip
+    _check([3, 30, 1], [20, 2, 0, 9], causal=True, block=16, kv_tiles=False, kv_index=[0, 3, 1])
 
 
 @settings(max_examples=30, deadline=None)

@@ -10,7 +10,9 @@ one single-program kernel:
 2. a histogram of the tiles' costs in :data:`_BINS` buckets, heaviest first
    (longest-processing-time order, as the PyTorch builder; ties and tiles whose costs
    share a bucket come in arbitrary order, which changes which program computes a tile,
-   never what it computes);
+   never what it computes; without a causal mask a sequence's tiles all cost the same
+   and take consecutive positions, in tile order, as in the PyTorch builder: programs
+   running side by side share its keys and values in L2);
 3. the buckets' start positions (a prefix sum), then every tile placed by an atomic
    increment of its bucket's cursor.
 
@@ -29,6 +31,7 @@ caller's ``torch._assert_async`` fires.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -38,7 +41,21 @@ import triton.language as tl
 from hyperrec.jagged_attn._triton._checks import CHECK_BLOCK, check_constexprs, values_bad
 from hyperrec.jagged_attn._triton._direct import launch
 
-__all__ = ["tile_schedule"]
+__all__ = ["CAUSAL_RUNS_ENV", "causal_runs", "tile_schedule"]
+
+#: Experiment switch (read at every schedule build): ``1`` lays out a causal call's tiles
+#: as runs per sequence too (see :func:`causal_runs`); unset or ``0``: per tile.
+CAUSAL_RUNS_ENV = "JAGGED_ATTN_CAUSAL_RUNS"
+
+
+def causal_runs() -> bool:
+    """Whether causal schedules place each sequence's tiles as one run (heaviest tile
+    first, sequences by their heaviest tile) instead of every tile by its own cost. Runs
+    share keys and values in L2 between programs running side by side; per-tile order
+    balances the persistent grid's last rounds better. Without a causal mask the tiles of
+    a sequence cost the same and always form a run."""
+    return os.environ.get(CAUSAL_RUNS_ENV, "0") == "1"
+
 
 # Cost buckets of the counting sort, and sequences per step of the kernel's loops.
 _BINS = 4096
@@ -99,6 +116,17 @@ def _tile_bucket(t, lq, lk, gran, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     return tl.minimum((work + BLOCK) // gran, BINS - 1)
 
 
+@triton.jit
+def _run_bucket(tiles, lq, lk, gran, BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+                KV_TILES: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
+    """Bucket of a sequence whose tiles form one run: its heaviest tile's (the first key
+    tile, or the last query tile under a causal mask; every tile alike without one)."""
+    t = 0
+    if CAUSAL and not KV_TILES:
+        t = tl.maximum(tiles - 1, 0)
+    return _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+
+
 @triton.jit(do_not_specialize=["n_seq", "n_q_off", "n_kv_off", "upper", "gran", "c_total_q",
                                "c_total_k", "c_max_q", "c_max_kv"])  # fmt: skip
 def _tile_schedule_kernel(
@@ -106,6 +134,7 @@ def _tile_schedule_kernel(
     n_seq, n_q_off, n_kv_off, upper, gran,
     KIC, NTC, OK, c_total_q, c_total_k, c_max_q, c_max_kv,
     BLOCK: tl.constexpr, CAUSAL: tl.constexpr, KV_TILES: tl.constexpr, HAS_MAP: tl.constexpr,
+    RUNS: tl.constexpr,
     WRITE_Q32: tl.constexpr, WRITE_KV32: tl.constexpr, BINS: tl.constexpr, SEQS: tl.constexpr,
     CHECK: tl.constexpr, C_SAME: tl.constexpr, C_HAS_MAP: tl.constexpr,
     C_HAS_TARGETS: tl.constexpr, C_BLOCK: tl.constexpr, C_ASSERT: tl.constexpr,
@@ -141,9 +170,13 @@ def _tile_schedule_kernel(
         length = lk if KV_TILES else lq
         tiles = tl.where(m, (length + BLOCK - 1) // BLOCK, 0)
         total += tl.sum(tiles, 0)
-        for t in range(0, tl.max(tiles, 0)):
-            b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
-            tl.atomic_add(CURSOR + b, 1, mask=t < tiles)
+        if RUNS:  # one bucket per sequence, one atomic
+            b = _run_bucket(tiles, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+            tl.atomic_add(CURSOR + b, tiles, mask=tiles > 0)
+        else:
+            for t in range(0, tl.max(tiles, 0)):
+                b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+                tl.atomic_add(CURSOR + b, 1, mask=t < tiles)
     tl.debug_barrier()
     # 2. each bucket's first position, heaviest bucket first
     counts = tl.atomic_add(CURSOR + bins, bins * 0)  # read where the atomics landed (L2)
@@ -158,12 +191,29 @@ def _tile_schedule_kernel(
         lq, lk = _tile_geometry(QO, KO, KI, s, m, HAS_MAP)
         length = lk if KV_TILES else lq
         tiles = tl.where(m, (length + BLOCK - 1) // BLOCK, 0)
-        for t in range(0, tl.max(tiles, 0)):
-            b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
-            valid = t < tiles
-            pos = tl.atomic_add(CURSOR + b, 1, mask=valid)
-            tl.store(TILE_SEQ + pos, s, mask=valid)
-            tl.store(TILE_IDX + pos, t + lanes * 0, mask=valid)
+        if RUNS:
+            # A sequence's tiles take one run of consecutive positions, heaviest first: the
+            # programs that run side by side then share its keys and values in L2. Placed
+            # one tile at a time, the tiles of all sequences interleaved (t = 0 of every
+            # sequence, then t = 1, ...), and on batches of equal lengths no two programs
+            # running together read the same keys: the H200's forward fell to ~480 TFLOP/s,
+            # the HBM bound of 128 FLOP per byte read.
+            b = _run_bucket(tiles, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+            start = tl.atomic_add(CURSOR + b, tiles, mask=tiles > 0)
+            for j in range(0, tl.max(tiles, 0)):
+                valid = j < tiles
+                t = j + lanes * 0
+                if CAUSAL and not KV_TILES:  # query tiles: the last one is the heaviest
+                    t = tiles - 1 - j
+                tl.store(TILE_SEQ + start + j, s, mask=valid)
+                tl.store(TILE_IDX + start + j, t, mask=valid)
+        else:
+            for t in range(0, tl.max(tiles, 0)):
+                b = _tile_bucket(t, lq, lk, gran, BLOCK, CAUSAL, KV_TILES, BINS)
+                valid = t < tiles
+                pos = tl.atomic_add(CURSOR + b, 1, mask=valid)
+                tl.store(TILE_SEQ + pos, s, mask=valid)
+                tl.store(TILE_IDX + pos, t + lanes * 0, mask=valid)
     # entries past the real tiles: a valid tile (never run)
     last = tl.maximum(n_seq - 1, 0)
     for start in range(total, upper, SEQS):
@@ -244,6 +294,7 @@ def tile_schedule(
             tile_seq, tile_idx, total, cursor, n_seq, q_offsets.numel(), kv_offsets.numel(),
             upper, gran, c_map, c_targets, ok, *c_args[2:])  # fmt: skip
     kw = dict(BLOCK=block, CAUSAL=causal, KV_TILES=kv_tiles, HAS_MAP=kv_index is not None,
+              RUNS=not causal or causal_runs(),
               WRITE_Q32=write_q, WRITE_KV32=write_kv, BINS=_BINS, SEQS=_SEQS,
               CHECK=check is not None, **flags, C_BLOCK=CHECK_BLOCK,
               C_ASSERT=in_kernel)  # fmt: skip
