@@ -17,8 +17,10 @@
    in plain bf16 PyTorch; LSE (base 2) within ``2e-3 * max(1, |ref|)``. The report lists
    max errors and the first mismatching (sequence, row, head, dim) entries. The package's
    Triton forward runs through the same harness as a control.
-2. **Speed**: the Gluon forward against the package's Triton forward
-   (``hyperrec.jagged_attn.jagged_attention(..., backend="triton")``), FlexAttention
+2. **Speed**: the Gluon forward against the package's public forward
+   (``hyperrec.jagged_attn.jagged_attention(..., backend="triton")``, reported as
+   ``triton``: since 0.2.14 that call takes the Gluon forward itself on a Hopper GPU
+   for sequences longer than 256 tokens, so the row is the public default), FlexAttention
    (compiled, document mask over the packed tokens, mask built outside the timing) and
    dense ``scaled_dot_product_attention`` on the same tokens viewed as ``(B, H, L, D)``
    (the lengths are equal, so the dense call does exactly the jagged work): bf16, H=8,
@@ -322,7 +324,8 @@ def gluon_impl(q, k, v, qo, ko, max_q, max_k, causal, scale, act, coef, pingpong
 
 def triton_impl(q, k, v, qo, ko, max_q, max_k, causal, scale, act, coef, pingpong):
     """The package's public API with ``backend="triton"`` (only the public API: the
-    internal layout of the Triton subpackage may change)."""
+    internal layout of the Triton subpackage may change). Since 0.2.14 this dispatches
+    to the Gluon forward where that is the default (Hopper, sequences over 256 tokens)."""
     import hyperrec.jagged_attn as ja
 
     del pingpong
