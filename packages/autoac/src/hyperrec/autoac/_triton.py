@@ -15,10 +15,16 @@ _BLOCKS = 64  # 2,048 elements a program
 
 
 @triton.jit
-def _pack_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
+def _program_blocks(n_blocks, BLOCKS: tl.constexpr):
+    """This program's block indices, their elements' offsets ``(BLOCKS, 32)`` and which
+    blocks exist."""
     b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    inside = b < n_blocks
+    return b, b[:, None] * 32 + tl.arange(0, 32)[None, :], b < n_blocks
+
+
+@triton.jit
+def _pack_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
+    b, offs, inside = _program_blocks(n_blocks, BLOCKS)
     x = tl.load(x_ptr + offs, mask=inside[:, None], other=0.0).to(tl.float32)
     ax = tl.abs(x)
     # max() may drop NaN (fmaxf semantics): detect non-finite elements separately.
@@ -40,9 +46,7 @@ def _pack_kernel(x_ptr, q_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def _unpack_kernel(q_ptr, s_ptr, out_ptr, n_blocks, BLOCKS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    offs = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    inside = b < n_blocks
+    b, offs, inside = _program_blocks(n_blocks, BLOCKS)
     q = tl.load(q_ptr + offs, mask=inside[:, None], other=0).to(tl.float32)
     s = tl.load(s_ptr + b, mask=inside, other=127).to(tl.int32)
     # 2**(s - 127 - 6): biased exponent s - 6 (s >= 7 for every finite block)
