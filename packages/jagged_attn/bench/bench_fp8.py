@@ -15,7 +15,9 @@ only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementa
   ``fp8_bwd_transposed``: the same reading the token-reducing products' B operands from
   K-major transposed copies instead of the rows copies (``FP8_BWD_TRANSPOSED_B``);
 * ``fp8_kernel``: the FP8 forward kernel alone on operands quantized beforehand (what a
-  producer that emits FP8 would pay), and ``fp8_quantize``: the quantization alone (ms;
+  producer that emits FP8 would pay); the default dispatch picks the Gluon FP8 forward
+  where it serves the call (``JAGGED_ATTN_GLUON_FP8``), and ``fp8_triton`` /
+  ``fp8_kernel_triton`` are the same two with the Triton FP8 forward; and ``fp8_quantize``: the quantization alone (ms;
   also without the Hadamard rotation, ``fp8_quantize_no_hadamard``);
 * ``mxfp8``: ``precision="mxfp8"`` (Hopper: MX scales folded into bf16 operands; no speedup
   is expected, the row shows its cost);
@@ -36,7 +38,7 @@ one common vector per head, 3x the keys' own spread: a projection bias). Gradien
 backward from the FP8 forward's output and log-sum-exp) and of ``bf16`` against the
 float64 reference backward, on one case.
 
-    python bench/bench_fp8.py --out bench/results            # 7 cases, <= 4 min on one H200
+    python bench/bench_fp8.py --out bench/results            # 8 cases, <= 5 min on one H200
     python bench/bench_fp8.py --quick --out /tmp/b            # 2 cases, no Flex, <= 2 min
     python bench/bench_fp8.py --smoke --out /tmp/b            # CPU interpreter, tiny
     python bench/bench_fp8.py --cpu-accuracy --out bench/results   # accuracy table on the
@@ -91,6 +93,7 @@ CASES = [
     Case("p-B256-L2048", "powerlaw", 256, 2048),
     Case("u-B16-L8192", "uniform", 16, 8192),
     Case("fixed-B16-L4096-causal", "fixed", 16, 4096, causal=True),
+    Case("p-B256-L2048-causal", "powerlaw", 256, 2048, causal=True),
 ]
 QUICK = [Case("fixed-B32-L2048", "fixed", 32, 2048), Case("fixed-B8-L8192", "fixed", 8, 8192)]
 SMOKE = [
@@ -109,6 +112,8 @@ SWEEP = [(128, 8, 3, 128, True), (128, 8, 2, 128, True), (128, 8, 4, 128, True),
          (128, 4, 3, 128, True), (64, 4, 3, 128, True), (64, 4, 2, 128, True),
          (64, 4, 4, 128, True), (64, 4, 3, 64, True), (128, 8, 3, 64, True),
          (128, 8, 3, 128, False)]  # fmt: skip
+# Gluon FP8 forward configurations timed by --sweep: (num_stages, pingpong).
+GLUON_SWEEP = [(2, True), (3, True), (4, True), (3, False)]
 
 
 def _ba():
@@ -162,6 +167,30 @@ def _with_transposed_operands(fn):
             _fp8_launch.FP8_BWD_TRANSPOSED_B = saved
 
     return run
+
+
+def _with_env(fn, name: str, value: str):
+    """``fn`` run with environment variable ``name`` set to ``value`` (read per call)."""
+
+    def run():
+        saved = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = saved
+
+    return run
+
+
+def _triton_fp8(pair):
+    """An implementation pair with the Gluon FP8 forward switched off (the Triton kernel)."""
+    from hyperrec.jagged_attn._triton._fp8_launch import GLUON_FP8_ENV
+
+    return tuple(None if fn is None else _with_env(fn, GLUON_FP8_ENV, "0") for fn in pair)
 
 
 def _spec(case: Case):
@@ -236,6 +265,9 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         }
         kernel, quantize = impl_fp8_parts(case, q, k, v, offsets, FP8Config())
         impls["fp8_kernel"] = (kernel, None)
+        # the Triton FP8 forward, whichever forward the default dispatch picks above
+        impls["fp8_triton"] = _triton_fp8(impls["fp8"])
+        impls["fp8_kernel_triton"] = _triton_fp8((kernel, None))
         if flex_compiled is not None:
             try:
                 fwd, fwd_bwd, _ = ba.impl_flex(case_for_flex(case), q, k, v, do, offsets, lens,
@@ -281,11 +313,15 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
             info["results"].setdefault(name, {})[f"{key}_tflops"] = ba._stats(values)
     for name, values in extra_ms.items():
         info["results"][name] = ba._stats(values)
-    for ours in ("fp8", "fp8_bwd", "fp8_bwd_transposed", "fp8_kernel", "mxfp8"):
-        for peer in ("bf16", "flex"):
+    for ours in ("fp8", "fp8_bwd", "fp8_bwd_transposed", "fp8_kernel", "mxfp8", "fp8_triton",
+                 "fp8_kernel_triton"):  # fmt: skip
+        peers = ["bf16", "flex"]
+        if ours in ("fp8", "fp8_kernel"):  # Gluon (where it serves the call) over Triton
+            peers.append({"fp8": "fp8_triton", "fp8_kernel": "fp8_kernel_triton"}[ours])
+        for peer in peers:
             for key in ("fwd", "fwd_bwd"):
                 a, b = timings.get(ours, {}).get(key), timings.get(peer, {}).get(key)
-                if a and b and len(a) == len(b):
+                if a and b and len(a) == len(b) and ours in info["results"]:
                     info["results"][ours][f"{key}_ratio_over_{peer}"] = ba._stats(
                         [x / y for x, y in zip(a, b)]
                     )
@@ -455,7 +491,41 @@ def run_sweep(args, device: str) -> list[dict]:
                 entry["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(entry)
             print(entry, flush=True)
+        for stages, pingpong in GLUON_SWEEP:
+            entry = dict(case=case.name, gluon=True, num_stages=stages, pingpong=pingpong)
+            try:
+                fn = _gluon_fp8_kernel(case, q, k, v, offsets, stages, pingpong)
+                fn()
+                entry["kernel_tflops"] = flops / ba.bench_ms(fn, device) * 1e-9
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(entry)
+            print(entry, flush=True)
     return rows
+
+
+def _gluon_fp8_kernel(case, q, k, v, offsets, stages: int, pingpong: bool):
+    """The Gluon FP8 forward alone with a pinned pipeline configuration."""
+    from hyperrec.jagged_attn import FP8Config
+    from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
+    from hyperrec.jagged_attn._gluon._launch import _schedule
+    from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv
+    from hyperrec.jagged_attn.fp8 import hadamard_scale
+
+    config = FP8Config()
+    qkv = quantize_qkv(q, k, v, offsets, offsets, config)
+    total = q.shape[0]
+    schedule = _schedule(offsets, offsets, case.causal, total, case.max_len)
+    qk_scale = math.log2(math.e) / math.sqrt(case.head_dim) / hadamard_scale(config, case.head_dim)
+    gcfg = gluon_fp8.GluonFP8Config(num_stages=stages, pingpong=pingpong)
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], total), dtype=torch.float32, device=q.device)
+
+    def run():
+        return gluon_fp8.run(qkv, causal=case.causal, qk_scale=qk_scale, coef=1.0, softmax=True,
+                             schedule=schedule, out=out, lse=lse, config=gcfg)[0]  # fmt: skip
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------

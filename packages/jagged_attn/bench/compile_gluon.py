@@ -8,10 +8,11 @@ bare venv::
     /tmp/t36/bin/python bench/compile_gluon.py [--out results/compile_gluon.json] [--dump DIR]
 
 For every configuration of the forward (head dim x causal x activation x ping-pong x ring
-depth) and of the backward's dK/dV and dQ kernels (head dim x causal x activation x ring
-depth) it
+depth), of the backward's dK/dV and dQ kernels (head dim x causal x activation x ring
+depth) and of the FP8 forward (head dim x causal x activation, two variants) it
 compiles Gluon -> TTGIR -> LLVM -> PTX -> cubin for ``GPUTarget("cuda", 90, 32)`` and
 reports: the kernel's register cap and what ptxas used, spill stores/loads and stack,
+SASS instruction counts by kind (byte permutes, shuffles, ``exp2``, FP8 conversions),
 the ``setmaxnreg`` values of the partitions, wgmma instructions, dynamic shared memory,
 warps and compile time. A failure is reported with the compiler's message and the script
 goes on; the exit status is 1 if any configuration failed.
@@ -35,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 GLUON = HERE.parent / "src" / "hyperrec" / "jagged_attn" / "_gluon"
 KERNEL = GLUON / "_kernel.py"
 BWD_KERNEL = GLUON / "_bwd_kernel.py"
+FP8_KERNEL = GLUON / "_fp8_kernel.py"
+FP8_CONSTANTS = GLUON.parent / "fp8.py"
 
 # Must match _gluon/_launch.py.
 WG_ROWS = 64
@@ -60,6 +63,22 @@ def load_kernel_module():
 def load_bwd_module():
     load_kernel_module()
     return _load("hyperrec.jagged_attn._gluon._bwd_kernel", BWD_KERNEL)
+
+
+def load_fp8_module():
+    """The FP8 forward, whose two constants of ``fp8.py`` come from that file's source
+    (importing it would import PyTorch)."""
+    import math
+    import types
+
+    load_kernel_module()
+    consts = types.ModuleType("hyperrec.jagged_attn.fp8")
+    text = FP8_CONSTANTS.read_text()
+    for name in ("P_LOG2_MAX", "P_EXP_MAX"):
+        expr = re.search(rf"^{name} = (.+)$", text, re.M).group(1)
+        setattr(consts, name, eval(expr, {"math": math}))  # a literal or math.log2(...)
+    sys.modules[consts.__name__] = consts
+    return _load("hyperrec.jagged_attn._gluon._fp8_kernel", FP8_KERNEL)
 
 
 def configs() -> list[dict]:
@@ -92,6 +111,19 @@ def configs() -> list[dict]:
                                 pingpong=False, stages=3, block_n=64))  # fmt: skip
     out.append(dict(kernel="dq", head_dim=128, causal=False, act=0, pingpong=False, stages=2,
                     block_n=128))  # fmt: skip
+    # the FP8 forward (``_fp8_kernel.py``): 128-key tiles, E4M3 operands, V transposed
+    for head_dim in (128, 64):
+        for causal in (False, True):
+            for act in (0, 1):
+                out.append(dict(kernel="fp8", head_dim=head_dim, causal=causal, act=act,
+                                pingpong=True, stages=3, block_n=128))  # fmt: skip
+    out.append(dict(kernel="fp8", head_dim=128, causal=False, act=0, pingpong=False, stages=4,
+                    block_n=128))  # fmt: skip
+    out.append(dict(kernel="fp8", head_dim=128, causal=False, act=0, pingpong=False, stages=3,
+                    block_n=128))  # fmt: skip
+    for permuted in (True, False):  # V in mma_order or token order, same pipeline
+        out.append(dict(kernel="fp8", head_dim=128, causal=True, act=0, pingpong=False,
+                        stages=3, block_n=128, permuted_p=permuted))  # fmt: skip
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
         out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
                         stages=3, block_n=128, early_dv=False))  # fmt: skip
@@ -124,6 +156,27 @@ def ptxas_report(ptx: str, ptxas: str) -> dict:
     }
 
 
+def sass_counts(cubin: bytes, ptxas: str) -> dict:
+    """Instructions of the compiled kernel by kind (``cuobjdump -sass``, shipped next to
+    ptxas in Triton's wheel): byte permutes and shuffles (what converting P into the
+    FP8 operand costs), ``exp2`` and FP8 conversions. Empty if cuobjdump is missing."""
+    tool = Path(ptxas).with_name("cuobjdump")
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    res = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    sass = res.stdout
+    return {
+        "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
+        "sass_prmt": len(re.findall(r"\bPRMT\b", sass)),
+        "sass_shfl": len(re.findall(r"\bSHFL\.", sass)),
+        "sass_mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+        "sass_f2fp": len(re.findall(r"\bF2FP\.", sass)),
+    }
+
+
 def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
     import triton.language as tl
     from triton.experimental.gluon import language as gl
@@ -139,6 +192,31 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             TensorDescriptor(base, [4096, heads * d], [heads * d, 1], [rows, d], layout)
         )
 
+    if cfg.get("kernel") == "fp8":
+
+        def desc8(rows: int, cols: int, width: int) -> str:
+            layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float8e4nv)
+            base = MockTensor(tl.float8e4nv, shape=[4096, width])
+            return mangle_type(TensorDescriptor(base, [4096, width], [width, 1], [rows, cols],
+                                                layout))  # fmt: skip
+
+        fn = mod.jagged_fp8_fwd_kernel
+        signature = {
+            "q_desc": desc8(WG_ROWS, d, heads * d), "k_desc": desc8(bn, d, heads * d),
+            "v_desc": desc8(d, bn, 4096), "o_desc": desc(WG_ROWS), "O": "*bf16", "LSE": "*fp32",
+            "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "tile_seq": "*i32",
+            "tile_idx": "*i32", "q_off": "*i32", "kv_off": "*i32", "v_off": "*i32",
+            "total_ptr": "*i32", "stride_ot": "i32", "stride_lh": "i32", "stride_st": "i32",
+            "qk_scale": "fp32", "coef": "fp32",
+        }  # fmt: skip
+        constexprs = {
+            "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
+            "CAUSAL": cfg["causal"], "ACT": cfg["act"], "PINGPONG": cfg["pingpong"],
+            "PERMUTED_P": cfg.get("permuted_p", True),
+        }  # fmt: skip
+        aligned = ("O", "LSE", "QS", "KS", "VS", "tile_seq", "tile_idx", "q_off", "kv_off",
+                   "v_off", "total_ptr", "stride_ot")  # fmt: skip
+        return _compile(fn, signature, constexprs, aligned, cfg, dump, "fp8")
     if cfg.get("kernel") == "dkdv":
         fn = mod.jagged_bwd_dkdv_kernel
         # _gluon/_bwd_launch.py: block_m (head dim 128: 64 rows for softmax, 32 for SiLU)
@@ -222,6 +300,7 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
         "tma_loads": ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
         "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
         **ptxas_report(ptx, knobs.nvidia.ptxas.path),
+        **sass_counts(kernel.asm["cubin"], knobs.nvidia.ptxas.path),
     }
     if dump is not None:
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
@@ -246,14 +325,19 @@ def main() -> int:
     print(f"triton {triton.__version__}, target cuda sm_90 (compile only, no device)")
     mod = load_kernel_module()
     bwd = load_bwd_module()
+    fp8 = load_fp8_module()
+    modules = {"dkdv": bwd, "dq": bwd, "fp8": fp8}
     rows, failed = [], 0
+    only = os.environ.get("COMPILE_ONLY")
     for cfg in configs():
+        if only and cfg.get("kernel", "fwd") != only:
+            continue
         label = cfg.get("kernel", "fwd") + (
             " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
             "BN={block_n} isolate={isolate:d}"
         ).format(**{"isolate": True, **cfg})
         try:
-            rep = compile_one(bwd if cfg.get("kernel") in ("dkdv", "dq") else mod, cfg, args.dump)
+            rep = compile_one(modules.get(cfg.get("kernel"), mod), cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
             failed += not ok
             print(

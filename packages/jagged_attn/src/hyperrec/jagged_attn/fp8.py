@@ -81,6 +81,7 @@ __all__ = [
     "QuantizedJagged",
     "QuantizedQKV",
     "key_shift",
+    "mma_column",
     "quantize_qkv",
     "resolve_precision",
 ]
@@ -328,6 +329,20 @@ class QuantizedJagged:
     """``"rows"`` or ``"cols"``."""
     pad_offsets: torch.Tensor | None = None
     """``"cols"``: ``(B + 1,)`` int32 column offsets of the sequences."""
+    mma_order: bool = False
+    """``"cols"`` only: within every 16 columns of a sequence, token ``j`` is stored at
+    column :func:`mma_column` ``(j)`` instead of ``j``: the order in which the Gluon FP8
+    forward's threads hold P's columns after the ``Q K^T`` product, so P becomes the
+    ``P V`` operand without moving values between threads."""
+
+
+def mma_column(pos: torch.Tensor) -> torch.Tensor:
+    """Column of token position ``pos`` (int tensor, within its sequence) in the
+    ``mma_order`` layout: in each group of 16, token ``8a + 2t + b`` (``a``, ``b`` in
+    {0, 1}, ``t`` in 0..3) goes to column ``4t + 2a + b`` (a transpose of the group viewed
+    as 2 x 4 x 2)."""
+    group, u = pos // 16 * 16, pos % 16
+    return group + 4 * ((u >> 1) & 3) + 2 * ((u >> 3) & 1) + (u & 1)
 
 
 @dataclass(frozen=True, kw_only=True)

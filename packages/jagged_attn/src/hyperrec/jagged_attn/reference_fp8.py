@@ -69,6 +69,7 @@ from hyperrec.jagged_attn.fp8 import (
     QuantizedJagged,
     QuantizedQKV,
     hadamard_scale,
+    mma_column,
     mxfp8_module,
 )
 from hyperrec.jagged_attn.masks import allowed
@@ -343,7 +344,7 @@ def dequantize(
     if t.pad_offsets is None:
         raise ValueError("t.pad_offsets must be given for layout='cols', got None")
     seq, pos = _positions(offsets, total)
-    col = t.pad_offsets.long()[seq] + pos
+    col = t.pad_offsets.long()[seq] + (mma_column(pos) if t.mma_order else pos)
     vals = t.data.float()[:, :, col].permute(2, 0, 1)  # (T, H, Dv)
     if config.mx:
         s = _e8m0(t.scale)[:, :, col // MX_BLOCK].permute(2, 0, 1)

@@ -22,6 +22,11 @@ consumer partitions (``_bwd_kernel.py``), launched by the package's backward thr
 ``_bwd_launch.run_dkdv`` / ``run_dq``; checked on the GPU by
 ``tests/test_gluon_backward.py`` and timed by ``bench/bench_gluon_bwd.py``.
 
+The FP8 forward (since 0.2.17, ``JAGGED_ATTN_GLUON_FP8``): the same structure with E4M3
+operands and the FP8 path's scales (``_fp8_kernel.py``), launched by the package's FP8
+launcher through ``_fp8_launch.run`` (the default for causal ``precision="fp8"`` calls
+longer than 256 tokens); checked on the GPU by ``tests/test_gluon_fp8.py``.
+
 Importing this subpackage imports neither Triton nor the kernels.
 
 * :func:`jagged_attention_fwd_gluon`: ``(out, lse)`` for softmax (causal or not) or

@@ -200,7 +200,7 @@ def _quant_tile(
     D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
     MODE: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, TINY: tl.constexpr,
-    SHIFT, HAS_SHIFT: tl.constexpr,
+    SHIFT, HAS_SHIFT: tl.constexpr, MMA_ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Quantize token rows [t * TILE, (t + 1) * TILE) of work item ``w``'s sequence, head h.
 
@@ -208,7 +208,8 @@ def _quant_tile(
     2: MX blocks of 32 along the tokens (TILE a multiple of 32). ``COLS`` writes the data
     transposed at the sequence's padded column offset (V). Strides: data ``(row, head)``
     for rows, ``(head dim, head)`` for ``COLS``; scales ``(row, head)``, or for MODE 2
-    ``(head dim, head)`` with one byte per 32 columns.
+    ``(head dim, head)`` with one byte per 32 columns. ``MMA_ORDER`` (``COLS``, TILE a
+    multiple of 16): tokens in ``fp8.mma_column`` order within every 16 columns.
     """
     if w < tl.load(tile_total):
         b = tl.load(tile_seq + w)
@@ -265,6 +266,14 @@ def _quant_tile(
                      mask=(t * TILE + blk * 32 < n_rows)[:, None] & (c < D)[None, :])  # fmt: skip
         if COLS:
             col0 = tl.multiple_of(tl.load(poffsets + b), 16)  # sequences start 16-aligned
+            if MMA_ORDER:
+                # row 16g + 4t + 2a + b of the stored tile holds token 16g + 8a + 2t + b:
+                # permute the registers, then store contiguous columns as before
+                codes = tl.reshape(codes, (TILE // 16, 2, 4, 2, BD))
+                codes = tl.reshape(tl.permute(codes, (0, 2, 1, 3, 4)), (TILE, BD))
+                u = r % 16
+                tok = r - u + 8 * ((u >> 1) & 1) + 2 * ((u >> 2) & 3) + (u & 1)
+                ok = (tok < n_rows)[:, None] & (c < D)[None, :]
             cols64 = (col0 + r).to(tl.int64)
             ptrs = DATA + h * stride_dh + c[None, :].to(tl.int64) * stride_dt + cols64[:, None]
             if t * TILE + TILE <= n_rows:
@@ -293,6 +302,7 @@ def _quant_qkv_kernel(
     TILE_Q: tl.constexpr, GROUP_Q: tl.constexpr, TILE_KV: tl.constexpr, GROUP_KV: tl.constexpr,
     MODE_QK: tl.constexpr, MODE_V: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
     LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    V_MMA_ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (tiles, H, 3): axis 2 = 0 quantizes Q, 1 K, 2 V (see ``_quant_tile``; MODE_QK
     is 0 or 1, MODE_V 0 or 2). ``HAS_SHIFT``: subtract ``SHIFT`` (B, H, D) from the keys of
@@ -319,7 +329,7 @@ def _quant_qkv_kernel(
             V, VD, VS, SIGNS, kv_offsets, v_poffsets, kv_seq, kv_idx, kv_total, w, h,
             stride_vt, stride_vh, stride_vdd, stride_vdh, stride_vst, stride_vsh,
             DV, BDV, TILE_KV, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD, _TINY_AMAX,
-            SHIFT, False,
+            SHIFT, False, V_MMA_ORDER,
         )  # fmt: skip
 
 

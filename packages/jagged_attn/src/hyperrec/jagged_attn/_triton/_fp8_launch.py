@@ -19,6 +19,7 @@ from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _fp8_bwd_kernels, _fp8_kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
 from hyperrec.jagged_attn._triton._launch import (
+    GLUON_MIN_SEQLEN,
     _arch,
     _check_inputs,
     _common,
@@ -30,7 +31,9 @@ from hyperrec.jagged_attn._triton._launch import (
     _Mask,
     _pick,
     _qk_scale,
+    _switch,
     _tma_ready,
+    gluon_unsupported,
     occupancy_estimate,
 )
 from hyperrec.jagged_attn._triton._probe import hopper_features
@@ -60,9 +63,12 @@ __all__ = [
     "FP8_BWD_TRANSPOSED_B",
     "FP8_TMA",
     "FP8_TUNED",
+    "GLUON_FP8_DEFAULT",
+    "GLUON_FP8_ENV",
     "QUANT_NUM_WARPS",
     "attention_backward_fp8",
     "attention_forward_fp8",
+    "gluon_fp8_unsupported",
     "key_mean",
     "quantize_grad_operands",
     "quantize_qkv",
@@ -127,16 +133,19 @@ def quantize_qkv(
     config: FP8Config,
     *,
     key_shift: torch.Tensor | None = None,
+    v_mma_order: bool = False,
 ) -> QuantizedQKV:
     """Q, K, V in the FP8 layout of :class:`~hyperrec.jagged_attn.fp8.QuantizedJagged`, one
     kernel launch; bit-exact against :func:`hyperrec.jagged_attn.reference_fp8.quantize_qkv`
     (columns between V's sequences are left unwritten). ``key_shift`` ``(Bk, H, D)``: row
-    ``b`` is subtracted from kv sequence ``b``'s keys first."""
+    ``b`` is subtracted from kv sequence ``b``'s keys first. ``v_mma_order`` (``"fp8"``
+    only): V's tokens in the Gluon FP8 forward's order (``QuantizedJagged.mma_order``)."""
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     total_q, heads, dim = q.shape
     total_kv, dim_v = k.shape[0], v.shape[2]
     device = q.device
     mx = config.mx
+    assert not (mx and v_mma_order), "v_mma_order is for format 'fp8' only"
     n_kv = kv_offsets.numel() - 1
     width = cols_width(total_kv, n_kv, config.v_pad)
     qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
@@ -163,7 +172,11 @@ def quantize_qkv(
         q=QuantizedJagged(data=qd.view(torch.float8_e4m3fn), scale=qs, layout="rows"),
         k=QuantizedJagged(data=kd.view(torch.float8_e4m3fn), scale=ks, layout="rows"),
         v=QuantizedJagged(
-            data=vd.view(torch.float8_e4m3fn), scale=vs, layout="cols", pad_offsets=poff
+            data=vd.view(torch.float8_e4m3fn),
+            scale=vs,
+            layout="cols",
+            pad_offsets=poff,
+            mma_order=v_mma_order,
         ),  # fmt: skip
         config=config,
     )
@@ -188,7 +201,7 @@ def quantize_qkv(
         TILE_Q=tile_q, GROUP_Q=group_q, TILE_KV=tile_kv, GROUP_KV=group_kv,
         MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=config.scale_rule == "pow2",
         HADAMARD=rotate, LOG2D=max(dim.bit_length() - 1, 0), ADD=add, ODD=odd,
-        HAS_SHIFT=key_shift is not None,
+        HAS_SHIFT=key_shift is not None, V_MMA_ORDER=v_mma_order,
         num_warps=QUANT_NUM_WARPS or (4 if tile_q * dim <= 16384 else 8),
     )  # fmt: skip
     return out
@@ -248,6 +261,51 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
     return KernelConfig(block_m=bm, block_n=n, num_warps=warps, num_stages=stages, tma=tma)
 
 
+#: Environment variable that chooses the Gluon FP8 forward (``_gluon/_fp8_kernel.py``) for
+#: the ``"fp8"`` calls it serves (:func:`gluon_fp8_unsupported`): ``1`` every such call,
+#: ``0`` never; unset (or ``auto``): when :data:`GLUON_FP8_DEFAULT` is on, for such causal
+#: calls whose longest sequence exceeds ``_launch.GLUON_MIN_SEQLEN`` tokens.
+GLUON_FP8_ENV = "JAGGED_ATTN_GLUON_FP8"
+#: Whether the Gluon FP8 forward runs by default (causal calls only: on an H200 its kernel
+#: ran at 1.16x the Triton FP8 kernel on causal 16 x 4,096 and 0.96x on non-causal
+#: 32 x 2,048 and 8 x 8,192; ``bench/results/probe_gluon_fp8_h200_2026-12-04.json``).
+GLUON_FP8_DEFAULT = True
+
+
+def gluon_fp8_unsupported(
+    call: AttentionCall, config: FP8Config, qkv: QuantizedQKV | None, qk_scale: float,
+    fast_math: bool = True, *, check_device: bool = True,
+) -> str | None:  # fmt: skip
+    """Why the Gluon FP8 forward cannot serve ``call``, or None: the Gluon bf16 forward's
+    calls (:func:`~hyperrec.jagged_attn._triton._launch.gluon_unsupported`, whatever the
+    layout of the unquantized inputs), ``"fp8"`` with 128-key P tiles and a positive
+    scale, packed quantized operands, and fast math for SiLU (the kernel's tanh is the
+    approximate instruction)."""
+    why = gluon_unsupported(call, check_device=check_device, check_layout=False)
+    if why is None and call.spec.activation != "softmax" and not fast_math:
+        why = "fast_math=False with SiLU"
+    if why is None:
+        from hyperrec.jagged_attn._gluon._fp8_launch import fp8_unsupported
+
+        why = fp8_unsupported(config, qkv, qk_scale)
+    return why
+
+
+def _use_gluon_fp8(
+    call: AttentionCall,
+    config: FP8Config,
+    qkv: QuantizedQKV | None,
+    qk_scale: float,
+    fast_math: bool,
+) -> bool:
+    asked = _switch(GLUON_FP8_ENV)
+    if asked is False or gluon_fp8_unsupported(call, config, qkv, qk_scale, fast_math):
+        return False
+    spec = call.spec
+    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
+    return True if asked else GLUON_FP8_DEFAULT and long and spec.mask.causal
+
+
 _SMS: dict[int, int] = {}
 _OCCUPANCY: dict[tuple[object, ...], int] = {}
 
@@ -288,11 +346,25 @@ def attention_forward_fp8(
     lse = torch.empty((heads, total_q) if softmax else (0,), dtype=torch.float32, device=q.device)
     if total_q == 0 or n_seq == 0:
         return out, lse
+    coef, ce = _common(call, fast_math)
+    qk_scale = spec.scale / hadamard_scale(config, dim)
+    if softmax:
+        qk_scale *= math.log2(math.e)
+    gluon = kernel_config is None and _use_gluon_fp8(call, config, qkv, qk_scale, fast_math)
     if qkv is None:
         shift = smoothing_shift(call.k, call.kv_offsets, spec, config)
         qkv = quantize_qkv(q, call.k, call.v, call.q_offsets, call.kv_offsets, config,
-                           key_shift=shift)  # fmt: skip
-    coef, ce = _common(call, fast_math)
+                           key_shift=shift, v_mma_order=gluon)  # fmt: skip
+    elif qkv.v.mma_order and not gluon:
+        raise ValueError("qkv.v is in mma_order, which only the Gluon FP8 forward reads")
+    if gluon:
+        from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
+        from hyperrec.jagged_attn._gluon._launch import _schedule
+
+        schedule = _schedule(call.q_offsets, call.kv_offsets, spec.mask.causal, total_q,
+                             spec.max_seqlen_kv)  # fmt: skip
+        return gluon_fp8.run(qkv, causal=spec.mask.causal, qk_scale=qk_scale, coef=coef,
+                             softmax=softmax, schedule=schedule, out=out, lse=lse)  # fmt: skip
     cfg = kernel_config or select_fp8_config(
         _arch(q.device), dim, config, max(spec.max_seqlen_q, spec.max_seqlen_kv)
     )
@@ -302,9 +374,6 @@ def attention_forward_fp8(
     tile_seq, tile_idx, total = q_tile_schedule(
         q_offsets, kv_offsets, kv_index, cfg.block_m, spec.mask.causal, total_q
     )
-    qk_scale = spec.scale / hadamard_scale(config, dim)
-    if softmax:
-        qk_scale *= math.log2(math.e)
     q8, k8, v8 = qkv.q, qkv.k, qkv.v
     if config.mx:
         qs_strides = (q8.scale.stride(0), q8.scale.stride(1))

@@ -491,14 +491,17 @@ def gluon_eligible(call: AttentionCall) -> bool:
     return gluon_unsupported(call) is None
 
 
-def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str | None:
+def gluon_unsupported(
+    call: AttentionCall, *, check_device: bool = True, check_layout: bool = True
+) -> str | None:
     """Why the experimental Gluon forward cannot serve ``call``, or None if it can.
 
     It computes softmax, or SiLU with no normalisation or HSTU's ``1 / max_seqlen``; no
     mask but causal (no window, targets, contextual tokens or blocks), no query -> kv map;
     bf16/fp16; one head dim of 64 or 128 for q, k and v; non-empty q and k with packed
     heads and 16-byte aligned rows (TMA); on an sm_90 GPU with the Triton its API was
-    written for (``_gluon.gluon_supported``; skipped with ``check_device=False``).
+    written for (``_gluon.gluon_supported``; skipped with ``check_device=False``). The FP8
+    forward reads quantized copies, not ``q``/``k``/``v``: it passes ``check_layout=False``.
     """
     q, k, v, spec = call.q, call.k, call.v, call.spec
     softmax = spec.activation == "softmax"
@@ -514,7 +517,7 @@ def gluon_unsupported(call: AttentionCall, *, check_device: bool = True) -> str 
         return f"dtype {q.dtype}"
     if q.shape[2] not in (64, 128) or k.shape[1:] != q.shape[1:] or v.shape[1:] != q.shape[1:]:
         return f"head dims {q.shape[2]}/{v.shape[2]} (one of 64 or 128 for q, k and v)"
-    if q.shape[0] == 0 or k.shape[0] == 0 or not _tma_ready(q, k, v):
+    if q.shape[0] == 0 or k.shape[0] == 0 or (check_layout and not _tma_ready(q, k, v)):
         return "empty inputs, or heads not packed / rows not 16-byte aligned (TMA)"
     if check_device:
         if q.device.type != "cuda" or interpreting():
