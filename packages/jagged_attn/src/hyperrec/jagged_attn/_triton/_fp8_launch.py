@@ -267,8 +267,9 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
 #: calls whose longest sequence exceeds ``_launch.GLUON_MIN_SEQLEN`` tokens.
 GLUON_FP8_ENV = "JAGGED_ATTN_GLUON_FP8"
 #: Whether the Gluon FP8 forward runs by default (causal calls only: on an H200 its kernel
-#: ran at 1.16x the Triton FP8 kernel on causal 16 x 4,096 and 0.96x on non-causal
-#: 32 x 2,048 and 8 x 8,192; ``bench/results/probe_gluon_fp8_h200_2026-12-04.json``).
+#: ran at 1.44x the Triton FP8 kernel on causal power-law lengths up to 2,048, 0.99-1.16x
+#: on causal 16 x 4,096 and 0.96x on non-causal 32 x 2,048 and 8 x 8,192;
+#: ``bench/results/probe_gluon_fp8_h200_2026-12-04.json``, ``fp8_h200_2026-12-04.json``).
 GLUON_FP8_DEFAULT = True
 
 
