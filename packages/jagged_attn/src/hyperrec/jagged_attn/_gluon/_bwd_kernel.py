@@ -52,7 +52,7 @@ from hyperrec.jagged_attn._gluon._kernel import (
     WG_ROWS,
     _clear_rows,
     _item,
-    _n_kv_tiles,
+    _item_tiles,
     _snake,
     _tanh_approx,
 )
@@ -377,8 +377,7 @@ def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
                 mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
                 _load_pair(q_desc, do_desc, q_start + m0 + c * WG_ROWS, h * HEAD_DIM,
                            q_ready.index(c), q_smem.index(c), do_smem.index(c))  # fmt: skip
-            n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
-                                 _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             for j in range(n_tiles):
                 st = kv_it % NUM_STAGES
                 ph = (kv_it // NUM_STAGES) & 1
@@ -424,8 +423,7 @@ def _dq_consumer(
         if w < n_items:
             h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
             r0 = m0 + WG * WG_ROWS  # this warpgroup's first query row
-            n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
-                                 _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
             if ACT == 0:
                 # rows past the sequence get LSE = +inf, hence P = 0

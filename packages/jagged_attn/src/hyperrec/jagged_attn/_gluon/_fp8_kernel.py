@@ -54,10 +54,12 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
+    _fwd_barriers,
     _item,
-    _n_kv_tiles,
+    _item_tiles,
     _pass_turn,
     _snake,
+    _store_out,
     _take_turn,
     _tanh_approx,
 )
@@ -106,8 +108,7 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
                     q_smem.index(c),
                 )  # fmt: skip
-            n_tiles = gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
-                                 _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             for j in range(n_tiles):
                 st = kv_it % NUM_STAGES
                 ph = (kv_it // NUM_STAGES) & 1
@@ -265,10 +266,7 @@ def _consumer(
         if w < n_items:
             h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
             r0 = m0 + WG * WG_ROWS
-            n_tiles = gl.maximum(
-                _n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
-                _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N),
-            )
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             rows_s = r0 + gl.arange(0, WG_ROWS, layout=srow)
             sq = gl.load(QS + (q_start + rows_s).to(gl.int64) * stride_st + h,
                          mask=rows_s < Lq, other=1.0)  # fmt: skip
@@ -372,16 +370,7 @@ def _consumer(
             else:
                 o = acc * unit[:, None]
             o = o.to(out_dtype)
-            if r0 + WG_ROWS <= Lq:
-                tma.store_wait(0)
-                o_buf.store(o)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [q_start + r0, h * HEAD_DIM], o_buf)
-            elif r0 < Lq:
-                cols = gl.arange(0, HEAD_DIM, layout=ocol)
-                o_rows = (q_start + rows).to(gl.int64) * stride_ot + h * HEAD_DIM
-                o_ptrs = O + o_rows[:, None] + cols[None, :]
-                gl.store(o_ptrs, o, mask=(rows < Lq)[:, None])
+            _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
     tma.store_wait(0)
 
 
@@ -409,27 +398,9 @@ def jagged_fp8_fwd_kernel(
     k_smem = gl.allocate_shared_memory(fp8, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(fp8, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, WG_ROWS, HEAD_DIM], o_desc.layout)
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    for c in gl.static_range(2):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(q_empty.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)
-        mbarrier.init(v_empty.index(s), count=2)
-    fence_async_shared()
+    bars, turn = _fwd_barriers(NUM_STAGES)
 
     smem = (q_smem, k_smem, v_smem, o_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
     shared = (o_desc, smem, bars, turn, O, LSE, (QS, KS, VS), meta, total_ptr,
               (stride_ot, stride_lh, stride_st))  # fmt: skip

@@ -106,6 +106,58 @@ def _n_kv_tiles(r0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _item_tiles(m0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key tiles of the work item with query rows ``[m0, m0 + 2 * WG_ROWS)``: what either
+    of its two warpgroups needs (both visit them all, see ``_consumer``)."""
+    return gl.maximum(_n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
+                      _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N))  # fmt: skip
+
+
+@gluon.jit
+def _fwd_barriers(NUM_STAGES: gl.constexpr):
+    """The forward's mbarriers, initialised: ``(q_ready, q_empty, k_ready, k_empty,
+    v_ready, v_empty)`` (two query buffers, a ``NUM_STAGES`` K/V ring whose ``empty``
+    barriers take one arrival per consumer warpgroup) and the ping-pong ``turn`` pair."""
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=2)
+    fence_async_shared()
+    return (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty), turn
+
+
+@gluon.jit
+def _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot,
+               HEAD_DIM: gl.constexpr, ocol: gl.constexpr):  # fmt: skip
+    """Store a warpgroup's output rows ``rows`` (query rows ``[r0, r0 + WG_ROWS)``): a TMA
+    store through ``o_buf`` when all lie in the sequence, else a masked store (a bulk
+    store would overwrite the next sequence's rows)."""
+    if r0 + WG_ROWS <= Lq:
+        tma.store_wait(0)  # the previous item's store has read o_buf
+        o_buf.store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_start + r0, h * HEAD_DIM], o_buf)
+    elif r0 < Lq:
+        cols = gl.arange(0, HEAD_DIM, layout=ocol)
+        o_rows = (q_start + rows).to(gl.int64) * stride_ot + h * HEAD_DIM
+        o_ptrs = O + o_rows[:, None] + cols[None, :]
+        gl.store(o_ptrs, o, mask=(rows < Lq)[:, None])
+
+
+@gluon.jit
 def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
     q_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
@@ -128,9 +180,7 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                     q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
                     q_smem.index(c),
                 )  # fmt: skip
-            n0 = _n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            n1 = _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N)
-            n_tiles = gl.maximum(n0, n1)
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             for j in range(n_tiles):
                 st = kv_it % NUM_STAGES
                 ph = (kv_it // NUM_STAGES) & 1
@@ -303,10 +353,7 @@ def _consumer(
             # masked or never-stored rows for those. Visiting the same tiles keeps the
             # K/V ring and the turn order identical in both, which is what makes the
             # protocol deadlock-free (see tests/test_gluon_protocol.py).
-            n_tiles = gl.maximum(
-                _n_kv_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N),
-                _n_kv_tiles(m0 + WG_ROWS, Lq, Lk, CAUSAL, BLOCK_N),
-            )
+            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
             acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
             m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, srow)
             l_i = gl.zeros([WG_ROWS], gl.float32, srow)
@@ -388,16 +435,7 @@ def _consumer(
             else:
                 o = acc * coef
             o = o.to(dtype)
-            if r0 + WG_ROWS <= Lq:
-                tma.store_wait(0)  # the previous item's store has read o_buf
-                o_buf.store(o)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [q_start + r0, h * HEAD_DIM], o_buf)
-            elif r0 < Lq:
-                cols = gl.arange(0, HEAD_DIM, layout=ocol)
-                o_rows = (q_start + rows).to(gl.int64) * stride_ot + h * HEAD_DIM
-                o_ptrs = O + o_rows[:, None] + cols[None, :]
-                gl.store(o_ptrs, o, mask=(rows < Lq)[:, None])
+            _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
     tma.store_wait(0)
 
 
@@ -426,28 +464,9 @@ def jagged_fwd_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], o_desc.layout)
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar)
-    for c in gl.static_range(2):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(q_empty.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        # one arrival per consumer warpgroup
-        mbarrier.init(k_empty.index(s), count=2)
-        mbarrier.init(v_empty.index(s), count=2)
-    fence_async_shared()
+    bars, turn = _fwd_barriers(NUM_STAGES)
 
     smem = (q_smem, k_smem, v_smem, o_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
     shared = (o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh)
     consts = (qk_scale, coef)
