@@ -112,8 +112,6 @@ SWEEP = [(128, 8, 3, 128, True), (128, 8, 2, 128, True), (128, 8, 4, 128, True),
          (128, 4, 3, 128, True), (64, 4, 3, 128, True), (64, 4, 2, 128, True),
          (64, 4, 4, 128, True), (64, 4, 3, 64, True), (128, 8, 3, 64, True),
          (128, 8, 3, 128, False)]  # fmt: skip
-# Gluon FP8 forward configurations timed by --sweep: (num_stages, pingpong).
-GLUON_SWEEP = [(2, True), (3, True), (4, True), (3, False)]
 
 
 def _ba():
@@ -494,41 +492,7 @@ def run_sweep(args, device: str) -> list[dict]:
                 entry["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(entry)
             print(entry, flush=True)
-        for stages, pingpong in GLUON_SWEEP:
-            entry = dict(case=case.name, gluon=True, num_stages=stages, pingpong=pingpong)
-            try:
-                fn = _gluon_fp8_kernel(case, q, k, v, offsets, stages, pingpong)
-                fn()
-                entry["kernel_tflops"] = flops / ba.bench_ms(fn, device) * 1e-9
-            except Exception as e:
-                entry["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(entry)
-            print(entry, flush=True)
     return rows
-
-
-def _gluon_fp8_kernel(case, q, k, v, offsets, stages: int, pingpong: bool):
-    """The Gluon FP8 forward alone with a pinned pipeline configuration."""
-    from hyperrec.jagged_attn import FP8Config
-    from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
-    from hyperrec.jagged_attn._gluon._launch import _schedule
-    from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv
-    from hyperrec.jagged_attn.fp8 import hadamard_scale
-
-    config = FP8Config()
-    qkv = quantize_qkv(q, k, v, offsets, offsets, config)
-    total = q.shape[0]
-    schedule = _schedule(offsets, offsets, case.causal, total, case.max_len)
-    qk_scale = math.log2(math.e) / math.sqrt(case.head_dim) / hadamard_scale(config, case.head_dim)
-    gcfg = gluon_fp8.GluonFP8Config(num_stages=stages, pingpong=pingpong)
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], total), dtype=torch.float32, device=q.device)
-
-    def run():
-        return gluon_fp8.run(qkv, causal=case.causal, qk_scale=qk_scale, coef=1.0, softmax=True,
-                             schedule=schedule, out=out, lse=lse, config=gcfg)[0]  # fmt: skip
-
-    return run
 
 
 # ---------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from hyperrec.jagged_attn._gluon._kernel import (
     _item,
     _item_tiles,
     _pass_turn,
+    _scores,
     _snake,
     _store_out,
     _take_turn,
@@ -126,28 +127,6 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
                 )  # fmt: skip
                 kv_it += 1
             item_i += 1
-
-
-@gluon.jit
-def _masked(s, j, r0, Lq, Lk, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-            BLOCK_N: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
-    """Raw scores of key tile ``j`` with disallowed entries set to -inf (softmax) or to a
-    value whose SiLU is exactly 0 (``cr > 0`` scales it to at most -1e30 * cr)."""
-    n_lo = j * BLOCK_N
-    need_mask = n_lo + BLOCK_N > Lk
-    if CAUSAL:
-        need_mask = need_mask | (n_lo + BLOCK_N - 1 > r0 + (Lk - Lq))
-    if need_mask:
-        rows = r0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, s_layout))
-        cols = n_lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        ok = cols[None, :] < Lk
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= rows[:, None] + (Lk - Lq))
-        if ACT == 0:
-            s = gl.where(ok, s, float("-inf"))
-        else:
-            s = gl.where(ok, s, -1.0e30)
-    return s
 
 
 @gluon.jit
@@ -298,7 +277,9 @@ def _consumer(
                 slot += 1
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
                 mbarrier.arrive(k_empty.index(st), count=1)
-                s = _masked(s, 0, r0, Lq, Lk, CAUSAL, ACT, BLOCK_N, s_layout)
+                # raw scores, masked (SCALE_IN_EXP: _fp8_weights applies the scales; a
+                # masked SiLU score stays far enough below 0 for silu to be exactly 0)
+                s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
                 # acc is zero: the first tile's factor is not applied
                 p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT)
                 sv_prev = sv
@@ -327,7 +308,7 @@ def _consumer(
                     slot += 1
                     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
                     mbarrier.arrive(k_empty.index(st), count=1)
-                    s = _masked(s, j, r0, Lq, Lk, CAUSAL, ACT, BLOCK_N, s_layout)
+                    s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
                     p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i,
                                                            sv_prev / sv, ACT)  # fmt: skip
                     sv_prev = sv

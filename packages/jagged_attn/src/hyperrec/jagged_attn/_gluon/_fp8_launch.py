@@ -9,17 +9,22 @@ a device value.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _SMEM_LIMIT, _WG_ROWS, BLOCK_M, _num_sms
+from hyperrec.jagged_attn._gluon._launch import (
+    _MAXNREG,
+    _SMEM_LIMIT,
+    _WG_ROWS,
+    BLOCK_M,
+    _num_sms,
+    _smem_layout,
+)
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
-__all__ = ["GluonFP8Config", "default_fp8_config", "fp8_shared_memory_bytes", "fp8_unsupported",
-           "run"]  # fmt: skip
+__all__ = ["GluonFP8Config", "fp8_shared_memory_bytes", "fp8_unsupported", "run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,12 +48,6 @@ class GluonFP8Config:
 
 
 _BLOCK_N = 128
-
-
-@functools.cache
-def default_fp8_config(head_dim: int) -> GluonFP8Config:
-    """The configuration used when none is given."""
-    return GluonFP8Config()
 
 
 def fp8_shared_memory_bytes(head_dim: int, config: GluonFP8Config, out_size: int = 2) -> int:
@@ -109,14 +108,13 @@ def run(
     tiles (``_gluon._launch._schedule``). ``out``: ``(Tq, H, D)`` bf16/fp16 contiguous;
     ``lse``: ``(H, Tq)`` float32 (softmax) or empty.
     """
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from hyperrec.jagged_attn._gluon._fp8_kernel import jagged_fp8_fwd_kernel
     from hyperrec.jagged_attn._triton import _direct
     from hyperrec.jagged_attn._triton._schedule import work_upper_bound
 
-    config = default_fp8_config(out.shape[2]) if config is None else config
+    config = GluonFP8Config() if config is None else config
     q8, k8, v8 = qkv.q, qkv.k, qkv.v
     total_q, heads, dim = q8.data.shape
     n_seq = schedule[0].numel() - 1
@@ -131,10 +129,8 @@ def run(
         return out, lse
 
     def desc(t: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
-        layout = _smem_layout(tuple(block), gl.float8e4nv if t.element_size() == 1 else (
-            gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16))  # fmt: skip
         return TensorDescriptor(t, shape=[rows, cols], strides=[cols, 1], block_shape=block,
-                                layout=layout)  # fmt: skip
+                                layout=_smem_layout(*block, t.dtype))  # fmt: skip
 
     hd = heads * dim
     q_desc = desc(q8.data, total_q, hd, [_WG_ROWS, dim])
@@ -157,10 +153,3 @@ def run(
 
 
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
-
-
-@functools.cache
-def _smem_layout(block: tuple[int, ...], gl_dtype: object) -> object:
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)

@@ -386,10 +386,12 @@ def _schedule(
 
 
 @functools.cache
-def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype) -> object:
-    """The shared-memory layout of a ``[rows, head_dim]`` box (built once: a Python object
-    Triton derives from the swizzle rules, worth caching on a path that runs every call)."""
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype) -> object:
+    """The shared-memory layout of a ``[rows, cols]`` box of bf16, fp16 or E4M3 elements
+    (built once: a Python object Triton derives from the swizzle rules, worth caching on a
+    path that runs every call)."""
     from triton.experimental.gluon import language as gl
 
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl_dtype)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float8_e4m3fn: gl.float8e4nv}[dtype]  # fmt: skip
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
