@@ -19,7 +19,6 @@ from hyperrec.jagged_attn._opschema import AttentionCall
 from hyperrec.jagged_attn._triton import _fp8_bwd_kernels, _fp8_kernels, interpreting
 from hyperrec.jagged_attn._triton._configs import KernelConfig
 from hyperrec.jagged_attn._triton._launch import (
-    GLUON_MIN_SEQLEN,
     _arch,
     _check_inputs,
     _common,
@@ -28,6 +27,7 @@ from hyperrec.jagged_attn._triton._launch import (
     _Key,
     _kv_schedule,
     _launch_persistent,
+    _long,
     _Mask,
     _pick,
     _qk_scale,
@@ -300,11 +300,9 @@ def _use_gluon_fp8(
     fast_math: bool,
 ) -> bool:
     asked = _switch(GLUON_FP8_ENV)
-    if asked is False or gluon_fp8_unsupported(call, config, qkv, qk_scale, fast_math):
-        return False
-    spec = call.spec
-    long = max(spec.max_seqlen_q, spec.max_seqlen_kv) > GLUON_MIN_SEQLEN
-    return True if asked else GLUON_FP8_DEFAULT and long and spec.mask.causal
+    if asked is None:  # the default policy first: it is free, eligibility is not
+        asked = GLUON_FP8_DEFAULT and call.spec.mask.causal and _long(call.spec)
+    return asked and gluon_fp8_unsupported(call, config, qkv, qk_scale, fast_math) is None
 
 
 _SMS: dict[int, int] = {}
