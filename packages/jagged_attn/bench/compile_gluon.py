@@ -124,6 +124,13 @@ def configs() -> list[dict]:
     for permuted in (True, False):  # V in mma_order or token order, same pipeline
         out.append(dict(kernel="fp8", head_dim=128, causal=True, act=0, pingpong=False,
                         stages=3, block_n=128, permuted_p=permuted))  # fmt: skip
+    # the static snake schedule (GluonConfig(dynamic=False), _bwd_launch.DYNAMIC = False)
+    out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=2, block_n=128,
+                    dynamic=False))  # fmt: skip
+    out.append(dict(kernel="dkdv", head_dim=128, causal=True, act=0, pingpong=False, stages=3,
+                    block_n=128, dynamic=False))  # fmt: skip
+    out.append(dict(kernel="dq", head_dim=128, causal=True, act=0, pingpong=False, stages=3,
+                    block_n=64, dynamic=False))  # fmt: skip
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
         out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
                         stages=3, block_n=128, early_dv=False))  # fmt: skip
@@ -206,16 +213,16 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "v_desc": desc8(d, bn, 4096), "o_desc": desc(WG_ROWS), "O": "*bf16", "LSE": "*fp32",
             "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "tile_seq": "*i32",
             "tile_idx": "*i32", "q_off": "*i32", "kv_off": "*i32", "v_off": "*i32",
-            "total_ptr": "*i32", "stride_ot": "i32", "stride_lh": "i32", "stride_st": "i32",
-            "qk_scale": "fp32", "coef": "fp32",
+            "total_ptr": "*i32", "work": "*i32", "stride_ot": "i32", "stride_lh": "i32",
+            "stride_st": "i32", "qk_scale": "fp32", "coef": "fp32",
         }  # fmt: skip
         constexprs = {
             "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"], "ACT": cfg["act"], "PINGPONG": cfg["pingpong"],
-            "PERMUTED_P": cfg.get("permuted_p", True),
+            "PERMUTED_P": cfg.get("permuted_p", True), "DYNAMIC": cfg.get("dynamic", True),
         }  # fmt: skip
         aligned = ("O", "LSE", "QS", "KS", "VS", "tile_seq", "tile_idx", "q_off", "kv_off",
-                   "v_off", "total_ptr", "stride_ot")  # fmt: skip
+                   "v_off", "total_ptr", "work", "stride_ot")  # fmt: skip
         return _compile(fn, signature, constexprs, aligned, cfg, dump, "fp8")
     if cfg.get("kernel") == "dkdv":
         fn = mod.jagged_bwd_dkdv_kernel
@@ -226,17 +233,17 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "v_desc": desc(WG_ROWS), "dk_desc": desc(WG_ROWS), "dv_desc": desc(WG_ROWS),
             "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
-            "kv_off": "*i32", "total_ptr": "*i32", "stride_kt": "i32", "stride_lh": "i32",
-            "qk_scale": "fp32", "coef": "fp32", "dk_scale": "fp32",
+            "kv_off": "*i32", "total_ptr": "*i32", "work": "*i32", "stride_kt": "i32",
+            "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32", "dk_scale": "fp32",
         }  # fmt: skip
         constexprs = {
             "H": heads, "HEAD_DIM": d, "BLOCK_M": bm, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"],
             "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
-            "EARLY_DV": cfg.get("early_dv", True),
+            "EARLY_DV": cfg.get("early_dv", True), "DYNAMIC": cfg.get("dynamic", True),
         }  # fmt: skip
         aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
-                   "total_ptr", "stride_kt")  # fmt: skip
+                   "total_ptr", "work", "stride_kt")  # fmt: skip
         return _compile(fn, signature, constexprs, aligned, cfg, dump, "dkdv")
     if cfg.get("kernel") == "dq":
         fn = mod.jagged_bwd_dq_kernel
@@ -244,29 +251,32 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "q_desc": desc(WG_ROWS), "do_desc": desc(WG_ROWS), "k_desc": desc(bn),
             "v_desc": desc(bn), "dq_desc": desc(WG_ROWS), "DQ": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
-            "kv_off": "*i32", "total_ptr": "*i32", "stride_qt": "i32", "stride_lh": "i32",
-            "qk_scale": "fp32", "coef": "fp32", "dq_scale": "fp32",
+            "kv_off": "*i32", "total_ptr": "*i32", "work": "*i32", "stride_qt": "i32",
+            "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32", "dq_scale": "fp32",
         }  # fmt: skip
         constexprs = {
             "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"], "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
+            "DYNAMIC": cfg.get("dynamic", True),
         }  # fmt: skip
         aligned = ("DQ", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
-                   "total_ptr", "stride_qt")  # fmt: skip
+                   "total_ptr", "work", "stride_qt")  # fmt: skip
         return _compile(fn, signature, constexprs, aligned, cfg, dump, "dq")
     fn = mod.jagged_fwd_kernel
     signature = {
         "q_desc": desc(WG_ROWS), "k_desc": desc(bn), "v_desc": desc(bn), "o_desc": desc(WG_ROWS),
         "O": "*bf16", "LSE": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
-        "kv_off": "*i32", "total_ptr": "*i32",
+        "kv_off": "*i32", "total_ptr": "*i32", "work": "*i32",
         "stride_ot": "i32", "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32",
     }  # fmt: skip
     constexprs = {
         "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
         "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
         "PINGPONG": cfg["pingpong"], "ISOLATE_VALUES": cfg.get("isolate", True),
+        "DYNAMIC": cfg.get("dynamic", True),
     }  # fmt: skip
-    aligned = ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "stride_ot")
+    aligned = ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "work",
+               "stride_ot")  # fmt: skip
     return _compile(fn, signature, constexprs, aligned, cfg, dump, "fwd")
 
 
@@ -304,8 +314,8 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
     }
     if dump is not None:
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
-        name += "_n{block_n}_i{isolate:d}"
-        name = name.format(**{"isolate": True, **cfg})
+        name += "_n{block_n}_i{isolate:d}_dyn{dynamic:d}"
+        name = name.format(**{"isolate": True, "dynamic": True, **cfg})
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
@@ -334,8 +344,8 @@ def main() -> int:
             continue
         label = cfg.get("kernel", "fwd") + (
             " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
-            "BN={block_n} isolate={isolate:d}"
-        ).format(**{"isolate": True, **cfg})
+            "BN={block_n} isolate={isolate:d} dynamic={dynamic:d}"
+        ).format(**{"isolate": True, "dynamic": True, **cfg})
         try:
             rep = compile_one(modules.get(cfg.get("kernel"), mod), cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]

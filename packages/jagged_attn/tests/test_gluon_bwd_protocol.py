@@ -19,7 +19,17 @@ import random
 
 import pytest
 import torch
-from test_gluon_protocol import Barrier, Buffer, Race, Sim, n_kv_tiles, snake
+from test_gluon_protocol import (
+    Barrier,
+    Buffer,
+    DynamicSource,
+    Race,
+    Sim,
+    StaticSource,
+    n_kv_tiles,
+    run_all,
+    snake,
+)
 
 from hyperrec.jagged_attn._gluon._bwd_launch import BLOCK_N, block_m
 
@@ -31,9 +41,13 @@ class BwdSim(Sim):
     """Buffers and barriers of either backward kernel: ``fixed`` (two halves, one per
     consumer: K/V in dK/dV, Q/dO in dQ) and a ``ring`` of ``stages`` streamed tiles."""
 
-    def __init__(self, stages: int, ring_count: int, rng: random.Random):
+    def __init__(self, stages: int, ring_count: int, rng: random.Random, depth: int = 4):
         self.rng = rng
         self.inflight = []
+        # the dynamic schedule's item-index ring (``Sim.publish``)
+        self.item_ready = [Barrier(1) for _ in range(depth)]
+        self.item_slots: list = [None] * depth
+        self.item_unread: list[set] = [set() for _ in range(depth)]
         self.fixed_ready = [Barrier(1) for _ in range(2)]
         self.fixed_empty = [Barrier(1) for _ in range(2)]
         self.ring_ready = [Barrier(1) for _ in range(stages)]
@@ -73,13 +87,17 @@ def key_tiles(qo, ko, causal) -> list[tuple[int, int]]:
     return [(b, t) for b, n in enumerate(lk) for t in range(-(-n // BLOCK_N))]
 
 
-def dkdv_producer(sim, work, causal, bm, stages, softmax):
+def dkdv_producer(sim, source, causal, bm, stages, softmax):
     it = 0
-    for item_i, (_h, _qs, lq, _ks, lk, n0) in enumerate(work):
+    item_i = 0
+    item = source.claim(sim, 0)
+    while item is not None:
+        (_h, _qs, lq, _ks, lk, n0) = item
         for c in range(2):
             yield lambda c=c, i=item_i: sim.fixed_empty[c].passed((i & 1) ^ 1)
             sim.fixed_ready[c].expect(1)
             sim.tma_load(sim.fixed_ready[c], sim.fixed[c], ("kv", item_i, c))
+        item_next = source.claim(sim, item_i + 1)
         for i in q_tiles(n0, lq, lk, causal, bm):
             st, ph = it % stages, (it // stages) & 1
             yield lambda st=st, ph=ph: sim.ring_empty[st].passed(ph ^ 1)
@@ -88,11 +106,15 @@ def dkdv_producer(sim, work, causal, bm, stages, softmax):
             sim.ring_ready[st].expect(1)
             sim.tma_load(sim.ring_ready[st], sim.ring[st], ("q", item_i, i))
             it += 1
+        item_i += 1
+        item = item_next
 
 
-def dkdv_consumer(sim, wg, work, causal, bm, stages, softmax, written, visited):
-    me, it = f"wg{wg}", 0
-    for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(work):
+def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited):
+    me, it, item_i = f"wg{wg}", 0, 0
+    item = yield from source.take(sim, me, 0)
+    while item is not None:
+        h, _qs, lq, k_start, lk, n0 = item
         r0 = n0 + wg * WG_ROWS
         yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
         sim.read(me, sim.fixed[wg], ("kv", item_i, wg))
@@ -108,20 +130,27 @@ def dkdv_consumer(sim, wg, work, causal, bm, stages, softmax, written, visited):
             sim.release(me, sim.ring[st])
             sim.ring_empty[st].arrive()
             it += 1
+        item_next = yield from source.take(sim, me, item_i + 1)
         # epilogue: dK/dV staged through this warpgroup's K/V buffers
         sim.store(me, sim.fixed[wg], ("dkdv", item_i, wg))
         written.extend((k_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lk)))
         sim.release(me, sim.fixed[wg])
         sim.fixed_empty[wg].arrive()
+        item_i += 1
+        item = item_next
 
 
-def dq_producer(sim, work, causal, block_n, stages):
+def dq_producer(sim, source, causal, block_n, stages):
     it = 0
-    for item_i, (_h, _qs, lq, _ks, lk, m0) in enumerate(work):
+    item_i = 0
+    item = source.claim(sim, 0)
+    while item is not None:
+        (_h, _qs, lq, _ks, lk, m0) = item
         for c in range(2):
             yield lambda c=c, i=item_i: sim.fixed_empty[c].passed((i & 1) ^ 1)
             sim.fixed_ready[c].expect(1)
             sim.tma_load(sim.fixed_ready[c], sim.fixed[c], ("q", item_i, c))
+        item_next = source.claim(sim, item_i + 1)
         n = max(n_kv_tiles(m0, lq, lk, causal, block_n),
                 n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
         for j in range(n):
@@ -130,11 +159,15 @@ def dq_producer(sim, work, causal, block_n, stages):
             sim.ring_ready[st].expect(1)
             sim.tma_load(sim.ring_ready[st], sim.ring[st], ("kv", item_i, j))
             it += 1
+        item_i += 1
+        item = item_next
 
 
-def dq_consumer(sim, wg, work, causal, block_n, stages, written, visited):
-    me, it = f"wg{wg}", 0
-    for item_i, (h, q_start, lq, _ks, lk, m0) in enumerate(work):
+def dq_consumer(sim, wg, source, causal, block_n, stages, written, visited):
+    me, it, item_i = f"wg{wg}", 0, 0
+    item = yield from source.take(sim, me, 0)
+    while item is not None:
+        h, q_start, lq, _ks, lk, m0 = item
         r0 = m0 + wg * WG_ROWS
         n = max(n_kv_tiles(m0, lq, lk, causal, block_n),
                 n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
@@ -148,14 +181,18 @@ def dq_consumer(sim, wg, work, causal, block_n, stages, written, visited):
             sim.release(me, sim.ring[st])
             sim.ring_empty[st].arrive()
             it += 1
+        item_next = yield from source.take(sim, me, item_i + 1)
         # epilogue: dQ staged through this warpgroup's Q buffer
         sim.store(me, sim.fixed[wg], ("dq", item_i, wg))
         written.extend((q_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lq)))
         sim.release(me, sim.fixed[wg])
         sim.fixed_empty[wg].arrive()
+        item_i += 1
+        item = item_next
 
 
-def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softmax=True):
+def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softmax=True,
+               dynamic=True, depth=4):  # fmt: skip
     rng = random.Random(seed)
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
@@ -170,25 +207,35 @@ def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softma
     n_items = len(meta) * heads
     written, visited = [], set()
     bm = block_m(128, softmax)
+    ctas = []
+    counter = [0]  # the dynamic schedule's item counter, shared by every CTA
     for pid in range(nprog):
-        work = []
-        for r in range((n_items + nprog - 1) // nprog):
-            w = snake(r, pid, nprog)
-            if w < n_items:
-                work.append((w % heads, *meta[w // heads]))
+        if dynamic:
+            source = DynamicSource(meta, n_items, heads, counter)
+        else:
+            work = []
+            for r in range((n_items + nprog - 1) // nprog):
+                w = snake(r, pid, nprog)
+                if w < n_items:
+                    work.append((w % heads, *meta[w // heads]))
+            source = StaticSource(work)
+        sim = BwdSim(stages, 2, rng, depth)
         if kind == "dkdv":
-            sim = BwdSim(stages, 2, rng)
-            procs = {"producer": dkdv_producer(sim, work, causal, bm, stages, softmax)}
+            procs = {"producer": dkdv_producer(sim, source, causal, bm, stages, softmax)}
             for wg in range(2):
-                procs[f"wg{wg}"] = dkdv_consumer(sim, wg, work, causal, bm, stages, softmax,
+                procs[f"wg{wg}"] = dkdv_consumer(sim, wg, source, causal, bm, stages, softmax,
                                                  written, visited)  # fmt: skip
         else:
-            sim = BwdSim(stages, 2, rng)
-            procs = {"producer": dq_producer(sim, work, causal, 64, stages)}
+            procs = {"producer": dq_producer(sim, source, causal, 64, stages)}
             for wg in range(2):
-                procs[f"wg{wg}"] = dq_consumer(sim, wg, work, causal, 64, stages, written,
+                procs[f"wg{wg}"] = dq_consumer(sim, wg, source, causal, 64, stages, written,
                                                visited)  # fmt: skip
-        sim.run(procs)
+        ctas.append((sim, procs))
+    if dynamic:
+        run_all(ctas, rng)  # the CTAs compete for items
+    else:
+        for cta in ctas:
+            run_all([cta], rng)
     tokens = int(ko[-1]) if kind == "dkdv" else int(qo[-1])
     assert sorted(written) == sorted((t, h) for t in range(tokens) for h in range(heads))
     # every allowed (query i, key j) entry lies in a visited tile pair
@@ -221,9 +268,23 @@ CASES = [
 def test_backward_protocols_have_no_deadlock_race_or_gap(case, causal, kind, softmax):
     q_lens, kv_lens = case
     kv_lens = q_lens if kv_lens is None else kv_lens
-    for seed, stages in ((0, 1), (1, 3)):
+    for seed, stages, dynamic in ((0, 1, True), (1, 3, True), (2, 3, False)):
         run_kernel(kind, q_lens, kv_lens, causal, heads=2, nprog=3, stages=stages, seed=seed,
-                   softmax=softmax)  # fmt: skip
+                   softmax=softmax, dynamic=dynamic)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
+def test_dynamic_ring_of_one_races(kind):
+    """The item-index ring: the kernels' four slots are safe (above); with one the producer
+    publishes over an index a consumer has not read (the check can fail)."""
+    lens = (300, 700, 5, 129, 1000, 64)
+
+    def one_slot():
+        for seed in range(30):
+            run_kernel(kind, lens, lens, True, 2, 2, stages=2, seed=seed, depth=1)
+
+    with pytest.raises(Race, match="published over"):
+        one_slot()
 
 
 def test_model_detects_an_early_release(monkeypatch):
@@ -231,9 +292,9 @@ def test_model_detects_an_early_release(monkeypatch):
     output there lets the next item's load race with the epilogue."""
     import test_gluon_bwd_protocol as me
 
-    def early(sim, wg, work, causal, bm, stages, softmax, written, visited):
+    def early(sim, wg, source, causal, bm, stages, softmax, written, visited):
         me_, it = f"wg{wg}", 0
-        for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(work):
+        for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(source.work):
             r0 = n0 + wg * WG_ROWS
             yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
             sim.read(me_, sim.fixed[wg], ("kv", item_i, wg))
@@ -258,7 +319,7 @@ def test_model_detects_an_early_release(monkeypatch):
     def run_seeds():
         for seed in range(20):
             run_kernel("dkdv", (300, 300, 300), (300, 300, 300), False, 1, 1, stages=2,
-                       seed=seed)  # fmt: skip
+                       seed=seed, dynamic=False)  # fmt: skip
 
     with pytest.raises(Race):
         run_seeds()

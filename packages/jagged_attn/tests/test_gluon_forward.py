@@ -75,7 +75,8 @@ def _reference(q, k, v, qo, ko, causal, scale, act, coef, dtype):
     return out, lse
 
 
-def _check(lens, kv_lens=None, *, causal, head_dim=128, act="softmax", pingpong=True, seed=0):
+def _check(lens, kv_lens=None, *, causal, head_dim=128, act="softmax", pingpong=True, seed=0,
+           dynamic=True):  # fmt: skip
     kv_lens = lens if kv_lens is None else kv_lens
     torch.manual_seed(seed)
     heads = 4
@@ -86,7 +87,8 @@ def _check(lens, kv_lens=None, *, causal, head_dim=128, act="softmax", pingpong=
     scale = 1.0 / math.sqrt(head_dim)
     coef = 1.0 / max(max(kv_lens), 1)
     base_cfg = default_config(head_dim)
-    cfg = GluonConfig(block_n=base_cfg.block_n, num_stages=base_cfg.num_stages, pingpong=pingpong)
+    cfg = GluonConfig(block_n=base_cfg.block_n, num_stages=base_cfg.num_stages, pingpong=pingpong,
+                      dynamic=dynamic)  # fmt: skip
     kw = dict(kv_offsets=ko, max_seqlen_kv=max(kv_lens), causal=causal, scale=scale, config=cfg)
     if act == "silu":
         kw.update(activation="silu", normalization="max_seqlen")
@@ -123,6 +125,24 @@ RAGGED = [0, 1, 63, 64, 65, 127, 128, 129, 300, 0, 1000, 17]
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_ragged_batch(head_dim, causal, pingpong):
     _check(RAGGED, causal=causal, head_dim=head_dim, pingpong=pingpong)
+
+
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_static_snake_schedule(causal, act):
+    """``GluonConfig(dynamic=False)``: CTAs take items in snake order, no counter."""
+    _check(RAGGED, causal=causal, act=act, dynamic=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dynamic_schedule_many_items_per_cta(causal):
+    """Far more items than CTAs, of very different costs: every CTA claims many, the ring
+    of item indices wraps many times, and every row is written once (NaN-poisoned
+    output, compared in full)."""
+    g = torch.Generator().manual_seed(11)
+    lens = [int(x) for x in torch.randint(0, 700, (300,), generator=g)]
+    lens[5] = 4000
+    _check(lens, causal=causal, seed=3)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -6,11 +6,14 @@ a race on a shared-memory buffer, a key tile skipped or a row written twice) is 
 here on a *model*: the three partitions of ``_gluon/_kernel.py`` re-written as Python
 generators that perform the same mbarrier operations in the same order (the kernel's
 control flow, line for line, minus the arithmetic), run under a random scheduler with
-asynchronous TMA completions. The model flags
+asynchronous TMA completions. With the dynamic schedule (``GluonConfig.dynamic``) all CTAs
+run interleaved, claim items from one shared counter, and the producer hands each index to
+the consumers through the ring of ``_publish``/``_take``. The model flags
 
 * a deadlock (nobody can make progress),
 * a TMA load into a buffer that a consumer may still read, or a consumer reading a buffer
-  whose load has not landed or holds another tile,
+  whose load has not landed or holds another tile; an item index published into a ring
+  slot that a consumer has not read yet,
 * rows of a sequence not written exactly once per head, a key tile that a row needs but
   its warpgroup never visits, and a tile run without the mask although it needs one.
 
@@ -100,8 +103,11 @@ class Buffer:
 class Sim:
     """One CTA: producer + two consumers + in-flight TMA loads, randomly interleaved."""
 
-    def __init__(self, stages: int, rng: random.Random):
+    def __init__(self, stages: int, rng: random.Random, depth: int = 4):
         self.rng = rng
+        self.item_ready = [Barrier(1) for _ in range(depth)]
+        self.item_slots: list = [None] * depth
+        self.item_unread: list[set] = [set() for _ in range(depth)]
         self.q_ready = [Barrier(1) for _ in range(2)]
         self.q_empty = [Barrier(1) for _ in range(2)]
         self.turn = [Barrier(1) for _ in range(2)]
@@ -128,26 +134,47 @@ class Sim:
     def release(self, who: str, buf: Buffer) -> None:
         buf.readers.discard(who)
 
+    def publish(self, r: int, item) -> None:
+        """``_publish``: item ``r`` into slot ``r % depth``, then its barrier."""
+        slot = r % len(self.item_slots)
+        if self.item_unread[slot]:
+            raise Race(f"item {r} published over an index {sorted(self.item_unread[slot])} "
+                       "not read")  # fmt: skip
+        self.item_slots[slot] = item
+        self.item_unread[slot] = {"wg0", "wg1"}
+        self.item_ready[slot].arrive()
+
     def run(self, procs: dict) -> None:
-        waiting = {}
+        run_all([(self, procs)], self.rng)
+
+
+def run_all(ctas: list, rng: random.Random) -> None:
+    """Run the partitions of several CTAs (``(sim, procs)`` pairs) randomly interleaved."""
+    waiting = {}
+    gens = {}
+    for c, (_sim, procs) in enumerate(ctas):
         for name, gen in procs.items():
+            gens[c, name] = gen
             with contextlib.suppress(StopIteration):  # a CTA may have no work
-                waiting[name] = next(gen)
-        while waiting or self.inflight:
-            ready = [n for n, cond in waiting.items() if cond()]
-            choices = [("proc", n) for n in ready] + [("tma", i) for i in range(len(self.inflight))]
-            if not choices:
-                raise Deadlock(f"blocked: {sorted(waiting)}")
-            kind, pick = self.rng.choice(choices)
-            if kind == "tma":
-                bar, buf = self.inflight.pop(pick)
-                buf.landed = True
-                bar.complete_tx(1)
-                continue
-            try:
-                waiting[pick] = procs[pick].send(None)
-            except StopIteration:
-                del waiting[pick]
+                waiting[c, name] = next(gen)
+    while waiting or any(sim.inflight for sim, _ in ctas):
+        ready = [n for n, cond in waiting.items() if cond()]
+        choices = [("proc", n) for n in ready] + [
+            ("tma", (c, i)) for c, (sim, _) in enumerate(ctas) for i in range(len(sim.inflight))
+        ]
+        if not choices:
+            raise Deadlock(f"blocked: {sorted(waiting)}")
+        kind, pick = rng.choice(choices)
+        if kind == "tma":
+            c, i = pick
+            bar, buf = ctas[c][0].inflight.pop(i)
+            buf.landed = True
+            bar.complete_tx(1)
+            continue
+        try:
+            waiting[pick] = gens[pick].send(None)
+        except StopIteration:
+            del waiting[pick]
 
 
 def snake(r: int, pid: int, nprog: int) -> int:
@@ -162,13 +189,56 @@ def items(meta, n_items: int, pid: int, nprog: int, heads: int):
             yield (w % heads, *row[:5])
 
 
-def producer(sim: Sim, work: list, causal: bool, block_n: int, stages: int):
+class StaticSource:
+    """The snake order: every partition computes the same items, nothing is handed over."""
+
+    def __init__(self, work: list):
+        self.work = work
+
+    def claim(self, sim, r: int):
+        item = self.work[r] if r < len(self.work) else None
+        return item
+
+    def take(self, sim, me: str, r: int):
+        return self.work[r] if r < len(self.work) else None
+        yield  # a generator without waits
+
+
+class DynamicSource:
+    """``_claim`` / ``_publish`` / ``_take``: one counter shared by every CTA."""
+
+    def __init__(self, meta, n_items: int, heads: int, counter: list):
+        self.meta, self.n_items, self.heads, self.counter = meta, n_items, heads, counter
+
+    def claim(self, sim, r: int):
+        w = self.counter[0]
+        self.counter[0] += 1
+        item = None
+        if w < self.n_items:
+            item = (w % self.heads, *self.meta[w // self.heads][:5])
+        sim.publish(r, item)
+        return item
+
+    def take(self, sim, me: str, r: int):
+        slot = r % len(sim.item_slots)
+        yield lambda: sim.item_ready[slot].passed((r // len(sim.item_slots)) & 1)
+        if me not in sim.item_unread[slot]:
+            raise Race(f"{me} reads item {r} from a slot it already read")
+        sim.item_unread[slot].discard(me)
+        return sim.item_slots[slot]
+
+
+def producer(sim: Sim, source, causal: bool, block_n: int, stages: int):
     kv_it = 0
-    for item_i, (_h, _qs, lq, _ks, lk, m0) in enumerate(work):
+    item_i = 0
+    item = source.claim(sim, 0)
+    while item is not None:
+        _h, _qs, lq, _ks, lk, m0 = item
         for c in range(2):
             yield lambda c=c, i=item_i: sim.q_empty[c].passed((i & 1) ^ 1)
             sim.q_ready[c].expect(1)
             sim.tma_load(sim.q_ready[c], sim.q_buf[c], ("q", item_i, c))
+        item_next = source.claim(sim, item_i + 1)
         n_tiles = max(n_kv_tiles(m0, lq, lk, causal, block_n),
                       n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
         for j in range(n_tiles):
@@ -180,9 +250,11 @@ def producer(sim: Sim, work: list, causal: bool, block_n: int, stages: int):
             sim.v_ready[st].expect(1)
             sim.tma_load(sim.v_ready[st], sim.v_buf[st], ("v", item_i, j))
             kv_it += 1
+        item_i += 1
+        item = item_next
 
 
-def consumer(sim, wg, work, causal, block_n, stages, pingpong, written, visited, masked):
+def consumer(sim, wg, source, causal, block_n, stages, pingpong, written, visited, masked):
     me = f"wg{wg}"
     kv_it = slot = 0
 
@@ -197,7 +269,10 @@ def consumer(sim, wg, work, causal, block_n, stages, pingpong, written, visited,
         if pingpong:
             sim.turn[1 - wg].arrive()
 
-    for item_i, (h, q_start, lq, _ks, lk, m0) in enumerate(work):
+    item_i = 0
+    item = yield from source.take(sim, me, 0)
+    while item is not None:
+        h, q_start, lq, _ks, lk, m0 = item
         r0 = m0 + wg * WG_ROWS
         n_tiles = max(n_kv_tiles(m0, lq, lk, causal, block_n),
                       n_kv_tiles(m0 + WG_ROWS, lq, lk, causal, block_n))  # fmt: skip
@@ -245,9 +320,12 @@ def consumer(sim, wg, work, causal, block_n, stages, pingpong, written, visited,
             sim.release(me, sim.q_buf[wg])
             sim.q_empty[wg].arrive()
         kv_it += n_tiles
+        item_i += 1
+        item_next = yield from source.take(sim, me, item_i)
         if r0 < lq:
             for r in range(r0, min(r0 + WG_ROWS, lq)):
                 written.append((q_start + r, h))
+        item = item_next
 
 
 def allowed_keys_hi(i: int, lq: int, lk: int, causal: bool) -> int:
@@ -279,7 +357,8 @@ def work_rows(qo, ko, causal: bool, total_q: int, max_kv: int) -> tuple[list, in
     return rows, total
 
 
-def simulate(q_lens, kv_lens, causal, heads, nprog, config: GluonConfig, seed: int):
+def simulate(q_lens, kv_lens, causal, heads, nprog, config: GluonConfig, seed: int,
+             depth: int = 4):  # fmt: skip
     rng = random.Random(seed)
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
@@ -289,37 +368,24 @@ def simulate(q_lens, kv_lens, causal, heads, nprog, config: GluonConfig, seed: i
     written: list = []
     visited: list = []
     masked: list = []
+    ctas = []
+    counter = [0]  # the dynamic schedule's item counter, shared by every CTA
     for pid in range(nprog):
-        work = list(items(meta, n_items, pid, nprog, heads))
-        sim = Sim(config.num_stages, rng)
-        procs = {
-            "producer": producer(sim, work, causal, config.block_n, config.num_stages),
-            "wg0": consumer(
-                sim,
-                0,
-                work,
-                causal,
-                config.block_n,
-                config.num_stages,
-                config.pingpong,
-                written,
-                visited,
-                masked,
-            ),  # fmt: skip
-            "wg1": consumer(
-                sim,
-                1,
-                work,
-                causal,
-                config.block_n,
-                config.num_stages,
-                config.pingpong,
-                written,
-                visited,
-                masked,
-            ),  # fmt: skip
-        }
-        sim.run(procs)
+        if config.dynamic:
+            source = DynamicSource(meta, n_items, heads, counter)
+        else:
+            source = StaticSource(list(items(meta, n_items, pid, nprog, heads)))
+        sim = Sim(config.num_stages, rng, depth)
+        args = (source, causal, config.block_n, config.num_stages)
+        procs = {"producer": producer(sim, *args)}
+        for wg in (0, 1):
+            procs[f"wg{wg}"] = consumer(sim, wg, *args, config.pingpong, written, visited, masked)
+        ctas.append((sim, procs))
+    if config.dynamic:
+        run_all(ctas, rng)  # the CTAs compete for items
+    else:
+        for cta in ctas:
+            run_all([cta], rng)
     # every (token, head) written exactly once
     expected = sorted((t, h) for t in range(total_q) for h in range(heads))
     assert sorted(written) == expected
@@ -356,8 +422,9 @@ CASES = [
         GluonConfig(block_n=128, num_stages=2, pingpong=True),
         GluonConfig(block_n=64, num_stages=3, pingpong=False),
         GluonConfig(block_n=128, num_stages=1, pingpong=True),
+        GluonConfig(block_n=128, num_stages=2, pingpong=True, dynamic=False),
     ],
-    ids=["n128-s2-pp", "n64-s3", "n128-s1-pp"],
+    ids=["n128-s2-pp", "n64-s3", "n128-s1-pp", "n128-s2-pp-static"],
 )
 def test_protocol_has_no_deadlock_race_or_gap(case, causal, config):
     q_lens, kv_lens = case
@@ -366,12 +433,29 @@ def test_protocol_has_no_deadlock_race_or_gap(case, causal, config):
         simulate(q_lens, kv_lens, causal, heads=2, nprog=3, config=config, seed=seed)
 
 
+def test_dynamic_ring_of_two_suffices_and_one_races():
+    """Two slots are the least the publish-after-``q_empty`` order needs (the kernel has
+    four); with one, the producer overwrites an index a consumer has not read."""
+    lens = (300, 700, 5, 129, 1000, 64)
+    for seed in range(4):
+        simulate(lens, lens, True, heads=2, nprog=2, config=GluonConfig(), seed=seed, depth=2)
+
+    def one_slot():
+        for seed in range(20):
+            simulate(lens, lens, True, 2, 2, GluonConfig(), seed, depth=1)
+
+    with pytest.raises(Race, match="published over"):
+        one_slot()
+
+
 def test_model_detects_a_protocol_bug(monkeypatch):
     """The checks can fail: a producer that skips waiting for an empty buffer races."""
 
-    def eager_producer(sim, work, causal, block_n, stages):
+    def eager_producer(sim, source, causal, block_n, stages):
         kv_it = 0
-        for item_i, (_h, _qs, lq, _ks, lk, m0) in enumerate(work):
+        item_i = 0
+        while (item := source.claim(sim, item_i)) is not None:
+            _h, _qs, lq, _ks, lk, m0 = item
             for c in range(2):
                 yield lambda c=c, i=item_i: sim.q_empty[c].passed((i & 1) ^ 1)
                 sim.q_ready[c].expect(1)
@@ -386,12 +470,13 @@ def test_model_detects_a_protocol_bug(monkeypatch):
                 sim.tma_load(sim.v_ready[st], sim.v_buf[st], ("v", item_i, j))
                 kv_it += 1
                 yield lambda: True
+            item_i += 1
 
     monkeypatch.setattr(sys.modules[__name__], "producer", eager_producer)
 
     def run_seeds():
         for seed in range(5):
-            simulate((700,), (700,), False, 1, 1, GluonConfig(num_stages=2), seed)
+            simulate((700,), (700,), False, 1, 1, GluonConfig(num_stages=2, dynamic=False), seed)
 
     with pytest.raises((Race, Deadlock)):
         run_seeds()

@@ -50,10 +50,13 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
+    _claim,
     _clear_rows,
     _item,
+    _item_barriers,
     _item_tiles,
-    _snake,
+    _publish,
+    _take,
     _tanh_approx,
 )
 
@@ -92,8 +95,9 @@ def _load_pair(a_desc, b_desc, row, col, bar, a_dst, b_dst):
 
 @gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr):  # fmt: skip
-    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats = loads
+                  NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
+                  DYNAMIC: gl.constexpr):  # fmt: skip
+    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats, work, item_ready = loads
     k_smem, v_smem, q_smem, do_smem, stat_smem = smem
     LSE, DELTA, stride_lh = stats
     # one warp: BLOCK_M // 32 statistics per thread
@@ -104,42 +108,46 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
     n_items = gl.load(total_ptr) * H
     q_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
-            for c in gl.static_range(2):
-                # the consumer's previous item has retired its last GEMM on these buffers
-                mbarrier.wait(kv_empty.index(c), (item_i & 1) ^ 1)
-                _load_pair(k_desc, v_desc, k_start + n0 + c * WG_ROWS, h * HEAD_DIM,
-                           kv_ready.index(c), k_smem.index(c), v_smem.index(c))  # fmt: skip
-            lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
-            for i in range(lo, hi):
-                st = q_it % NUM_STAGES
-                ph = (q_it // NUM_STAGES) & 1
-                mbarrier.wait(q_empty.index(st), ph ^ 1)
-                if ACT == 0:
-                    # The tile's LSE and delta go through shared memory with it: loaded by
-                    # the consumers, their latency was exposed at every tile. The arrival
-                    # below (release) orders these stores before the consumers' wait.
-                    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
-                    ok = cols < Lq
-                    base = h * stride_lh + q_start + cols
-                    stat_smem.index(2 * st).store(gl.load(LSE + base, mask=ok, other=float("inf")))
-                    stat_smem.index(2 * st + 1).store(gl.load(DELTA + base, mask=ok, other=0.0))
-                _load_pair(q_desc, do_desc, q_start + i * BLOCK_M, h * HEAD_DIM,
-                           q_ready.index(st), q_smem.index(st), do_smem.index(st))  # fmt: skip
-                q_it += 1
-            item_i += 1
+    w = _claim(work, 0, pid, nprog, DYNAMIC)
+    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
+        for c in gl.static_range(2):
+            # the consumer's previous item has retired its last GEMM on these buffers
+            mbarrier.wait(kv_empty.index(c), (item_i & 1) ^ 1)
+            _load_pair(k_desc, v_desc, k_start + n0 + c * WG_ROWS, h * HEAD_DIM,
+                       kv_ready.index(c), k_smem.index(c), v_smem.index(c))  # fmt: skip
+        # the next item (or the end marker), published before this item's tiles
+        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
+        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
+        for i in range(lo, hi):
+            st = q_it % NUM_STAGES
+            ph = (q_it // NUM_STAGES) & 1
+            mbarrier.wait(q_empty.index(st), ph ^ 1)
+            if ACT == 0:
+                # The tile's LSE and delta go through shared memory with it: loaded by
+                # the consumers, their latency was exposed at every tile. The arrival
+                # below (release) orders these stores before the consumers' wait.
+                cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
+                ok = cols < Lq
+                base = h * stride_lh + q_start + cols
+                stat_smem.index(2 * st).store(gl.load(LSE + base, mask=ok, other=float("inf")))
+                stat_smem.index(2 * st + 1).store(gl.load(DELTA + base, mask=ok, other=0.0))
+            _load_pair(q_desc, do_desc, q_start + i * BLOCK_M, h * HEAD_DIM,
+                       q_ready.index(st), q_smem.index(st), do_smem.index(st))  # fmt: skip
+            q_it += 1
+        item_i += 1
+        w = w_next
 
 
 @gluon.jit
 def _bwd_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
+    ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
-    out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh = shared
+    out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work, item_ready = shared
     dk_desc, dv_desc, DK, DV = out
     qk_scale, coef, dk_scale = consts
     # S^T / dP^T: [64 keys, 64 queries]; dK / dV: [64 keys, HEAD_DIM]
@@ -163,98 +171,100 @@ def _bwd_consumer(
     v_buf = v_smem.index(WG)
     q_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
-            r0 = n0 + WG * WG_ROWS  # this warpgroup's first key
-            # Both warpgroups visit the query tiles either needs (the producer loads them
-            # once for both): the ring and its barriers stay in step.
-            lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
-            dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
-            dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
-            mbarrier.wait(kv_ready.index(WG), item_i & 1)
-            for i in range(lo, hi):
-                it = q_it + (i - lo)
-                st = it % NUM_STAGES
-                ph = (it // NUM_STAGES) & 1
-                q_buf = q_smem.index(st)
-                do_buf = do_smem.index(st)
-                mbarrier.wait(q_ready.index(st), ph)
-                s = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)  # fmt: skip
-                dp = warpgroup_mma(v_buf, do_buf.permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)  # fmt: skip
-                m0 = i * BLOCK_M
-                # A tile crossing the end of either sequence or the causal diagonal selects
-                # 0 for disallowed entries (select, not multiply: a NaN computed from
-                # another sequence's rows, or from -inf - inf, is dropped).
-                need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
-                if CAUSAL:
-                    need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
-                # Column vectors cost 8-16 registers each in the accumulator layout: read
-                # from shared memory one at a time, each just before its use (the
-                # consumers run at their register cap with dK and dV resident).
-                if ACT == 0:
-                    lse = stat_smem.index(2 * st).load(scol)
-                # groups retire in order: S^T is done, dP^T may still run
-                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-                if ACT == 0:
-                    p = gl.exp2(s * qk_scale - lse[None, :])
-                else:
-                    x = s * qk_scale
-                    sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
-                    p = x * sg  # silu(x)
-                if need_mask:
-                    p = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), p, 0.0)
-                if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
-                    # rows past the query sequence are the next sequence's: zero them
-                    # before dV += P^T dO and dK += dS^T Q read them
-                    if m0 + BLOCK_M > Lq:
-                        _clear_rows(q_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
-                        _clear_rows(do_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
-                p_op = gl.convert_layout(p.to(dtype), op_layout)
-                if EARLY_DV:
-                    # dV += P^T dO runs on the tensor cores while dS^T is computed
-                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-                if ACT == 0:
-                    delta = stat_smem.index(2 * st + 1).load(scol)
-                if EARLY_DV:
-                    dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
-                else:
-                    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-                if ACT == 0:
-                    ds = p * (dp * coef - delta[None, :])
-                else:
-                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
-                if need_mask:
-                    ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                if not EARLY_DV:
-                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-                dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
-                                                         deps=[dv, dk, p_op, ds_op])  # fmt: skip
-                mbarrier.arrive(q_empty.index(st), count=1)
-            q_it += hi - lo
-            item_i += 1
-            # Epilogue: dK = scale * dS^T Q (times coef for SiLU), dV = coef * W^T dO, staged
-            # through this warpgroup's K/V buffers (every GEMM on them has retired). A
-            # register-side masked store would need a 64-bit pointer per element.
-            k_buf.store((dk * dk_scale).to(dtype))
-            v_buf.store((dv * coef).to(dtype))
-            fence_async_shared()
-            if r0 + WG_ROWS <= Lk:
-                tma.async_copy_shared_to_global(dk_desc, [k_start + r0, h * HEAD_DIM], k_buf)
-                tma.async_copy_shared_to_global(dv_desc, [k_start + r0, h * HEAD_DIM], v_buf)
-                tma.store_wait(0)
+    w = _take(work, item_ready, 0, pid, nprog, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
+        r0 = n0 + WG * WG_ROWS  # this warpgroup's first key
+        # Both warpgroups visit the query tiles either needs (the producer loads them
+        # once for both): the ring and its barriers stay in step.
+        lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
+        dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+        dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+        mbarrier.wait(kv_ready.index(WG), item_i & 1)
+        for i in range(lo, hi):
+            it = q_it + (i - lo)
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            q_buf = q_smem.index(st)
+            do_buf = do_smem.index(st)
+            mbarrier.wait(q_ready.index(st), ph)
+            s = warpgroup_mma(k_buf, q_buf.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            dp = warpgroup_mma(v_buf, do_buf.permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)  # fmt: skip
+            m0 = i * BLOCK_M
+            # A tile crossing the end of either sequence or the causal diagonal selects
+            # 0 for disallowed entries (select, not multiply: a NaN computed from
+            # another sequence's rows, or from -inf - inf, is dropped).
+            need_mask = (m0 + BLOCK_M > Lq) | (r0 + WG_ROWS > Lk)
+            if CAUSAL:
+                need_mask = need_mask | (r0 + WG_ROWS - 1 > m0 + (Lk - Lq))
+            # Column vectors cost 8-16 registers each in the accumulator layout: read
+            # from shared memory one at a time, each just before its use (the
+            # consumers run at their register cap with dK and dV resident).
+            if ACT == 0:
+                lse = stat_smem.index(2 * st).load(scol)
+            # groups retire in order: S^T is done, dP^T may still run
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+            if ACT == 0:
+                p = gl.exp2(s * qk_scale - lse[None, :])
             else:
-                # the tile's rows past the key sequence are the next sequence's: a bulk
-                # store would overwrite them
-                _store_rows(k_smem, WG, Lk - r0, DK, k_start + r0, h, stride_kt, HEAD_DIM)
-                _store_rows(v_smem, WG, Lk - r0, DV, k_start + r0, h, stride_kt, HEAD_DIM)
-            # the producer may reload this warpgroup's K/V half
-            mbarrier.arrive(kv_empty.index(WG), count=1)
+                x = s * qk_scale
+                sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
+                p = x * sg  # silu(x)
+            if need_mask:
+                p = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), p, 0.0)
+            if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
+                # rows past the query sequence are the next sequence's: zero them
+                # before dV += P^T dO and dK += dS^T Q read them
+                if m0 + BLOCK_M > Lq:
+                    _clear_rows(q_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
+                    _clear_rows(do_smem, st, Lq - m0, NUM_STAGES, BLOCK_M, HEAD_DIM)
+            p_op = gl.convert_layout(p.to(dtype), op_layout)
+            if EARLY_DV:
+                # dV += P^T dO runs on the tensor cores while dS^T is computed
+                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+            if ACT == 0:
+                delta = stat_smem.index(2 * st + 1).load(scol)
+            if EARLY_DV:
+                dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])
+            else:
+                dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+            if ACT == 0:
+                ds = p * (dp * coef - delta[None, :])
+            else:
+                ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+            if need_mask:
+                ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            if not EARLY_DV:
+                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                     deps=[dv, dk, p_op, ds_op])  # fmt: skip
+            mbarrier.arrive(q_empty.index(st), count=1)
+        q_it += hi - lo
+        item_i += 1
+        # read before the epilogue, which hides the load's latency
+        w_next = _take(work, item_ready, item_i, pid, nprog, DYNAMIC)
+        # Epilogue: dK = scale * dS^T Q (times coef for SiLU), dV = coef * W^T dO, staged
+        # through this warpgroup's K/V buffers (every GEMM on them has retired). A
+        # register-side masked store would need a 64-bit pointer per element.
+        k_buf.store((dk * dk_scale).to(dtype))
+        v_buf.store((dv * coef).to(dtype))
+        fence_async_shared()
+        if r0 + WG_ROWS <= Lk:
+            tma.async_copy_shared_to_global(dk_desc, [k_start + r0, h * HEAD_DIM], k_buf)
+            tma.async_copy_shared_to_global(dv_desc, [k_start + r0, h * HEAD_DIM], v_buf)
+            tma.store_wait(0)
+        else:
+            # the tile's rows past the key sequence are the next sequence's: a bulk
+            # store would overwrite them
+            _store_rows(k_smem, WG, Lk - r0, DK, k_start + r0, h, stride_kt, HEAD_DIM)
+            _store_rows(v_smem, WG, Lk - r0, DV, k_start + r0, h, stride_kt, HEAD_DIM)
+        # the producer may reload this warpgroup's K/V half
+        mbarrier.arrive(kv_empty.index(WG), count=1)
+        w = w_next
 
 
 @gluon.jit
@@ -288,9 +298,10 @@ def _store_rows(bufs, idx, valid, OUT, row0, h, stride_t, HEAD_DIM: gl.constexpr
 @gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_bwd_dkdv_kernel(
     q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, tile_seq, tile_idx,
-    q_off, kv_off, total_ptr, stride_kt, stride_lh, qk_scale, coef, dk_scale,
+    q_off, kv_off, total_ptr, work, stride_kt, stride_lh, qk_scale, coef, dk_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dK/dV; see the module docstring.
 
@@ -303,7 +314,8 @@ def jagged_bwd_dkdv_kernel(
     the key-tile schedule (128-key tiles) of the package's dK/dV kernel, ``total_ptr``: how
     many entries are real tiles. ``qk_scale``: ``scale * log2(e)`` for softmax, ``scale``
     for SiLU; ``coef``: the output multiplier; ``dk_scale``: dK's (``scale``, times
-    ``coef`` for SiLU).
+    ``coef`` for SiLU). ``work``: the dynamic schedule's counter and item rings (see
+    ``_kernel.jagged_fwd_kernel``).
     """
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], k_desc.layout)
@@ -331,18 +343,20 @@ def jagged_bwd_dkdv_kernel(
     bars = (kv_ready, kv_empty, q_ready, q_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
     out = (dk_desc, dv_desc, DK, DV)
-    shared = (out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh)
+    item_ready = _item_barriers()
+    shared = (out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work,
+              item_ready)  # fmt: skip
     consts = (qk_scale, coef, dk_scale)
     # fmt: off
     gl.warp_specialize(
         [
             (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
             (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
-                              (LSE, DELTA, stride_lh)), H, HEAD_DIM, BLOCK_M, NUM_STAGES,
-                             CAUSAL, ACT)),
+                              (LSE, DELTA, stride_lh), work, item_ready), H, HEAD_DIM, BLOCK_M,
+                             NUM_STAGES, CAUSAL, ACT, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -359,8 +373,9 @@ def jagged_bwd_dkdv_kernel(
 
 @gluon.jit
 def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
+                 NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 DYNAMIC: gl.constexpr):  # fmt: skip
+    q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work, item_ready = loads
     q_smem, do_smem, k_smem, v_smem = smem
     q_ready, q_empty, kv_ready, kv_empty = bars
     pid = gl.program_id(0)
@@ -368,33 +383,39 @@ def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            for c in gl.static_range(2):
-                # the consumer has stored its previous dQ tile out of its Q buffer
-                mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-                _load_pair(q_desc, do_desc, q_start + m0 + c * WG_ROWS, h * HEAD_DIM,
-                           q_ready.index(c), q_smem.index(c), do_smem.index(c))  # fmt: skip
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            for j in range(n_tiles):
-                st = kv_it % NUM_STAGES
-                ph = (kv_it // NUM_STAGES) & 1
-                mbarrier.wait(kv_empty.index(st), ph ^ 1)
-                _load_pair(k_desc, v_desc, k_start + j * BLOCK_N, h * HEAD_DIM,
-                           kv_ready.index(st), k_smem.index(st), v_smem.index(st))  # fmt: skip
-                kv_it += 1
-            item_i += 1
+    w = _claim(work, 0, pid, nprog, DYNAMIC)
+    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        for c in gl.static_range(2):
+            # the consumer has stored its previous dQ tile out of its Q buffer
+            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
+            _load_pair(q_desc, do_desc, q_start + m0 + c * WG_ROWS, h * HEAD_DIM,
+                       q_ready.index(c), q_smem.index(c), do_smem.index(c))  # fmt: skip
+        # the next item (or the end marker), published before this item's tiles
+        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
+        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        for j in range(n_tiles):
+            st = kv_it % NUM_STAGES
+            ph = (kv_it // NUM_STAGES) & 1
+            mbarrier.wait(kv_empty.index(st), ph ^ 1)
+            _load_pair(k_desc, v_desc, k_start + j * BLOCK_N, h * HEAD_DIM,
+                       kv_ready.index(st), k_smem.index(st), v_smem.index(st))  # fmt: skip
+            kv_it += 1
+        item_i += 1
+        w = w_next
 
 
 @gluon.jit
 def _dq_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    ISOLATE_ROWS: gl.constexpr,
+    ISOLATE_ROWS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
-    dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh = shared
+    dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh, work, item_ready = (
+        shared
+    )
     qk_scale, coef, dq_scale = consts
     # S / dP: [64 queries, BLOCK_N keys]; dQ: [64 queries, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -418,84 +439,86 @@ def _dq_consumer(
     do_buf = do_smem.index(WG)
     kv_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            r0 = m0 + WG * WG_ROWS  # this warpgroup's first query row
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
+    w = _take(work, item_ready, 0, pid, nprog, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        r0 = m0 + WG * WG_ROWS  # this warpgroup's first query row
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        rows = r0 + gl.arange(0, WG_ROWS, layout=srow)
+        if ACT == 0:
+            # rows past the sequence get LSE = +inf, hence P = 0
+            lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=rows < Lq,
+                          other=float("inf"))  # fmt: skip
+            delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=rows < Lq,
+                            other=0.0)  # fmt: skip
+        dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
+        mbarrier.wait(q_ready.index(WG), item_i & 1)
+        for j in range(n_tiles):
+            it = kv_it + j
+            st = it % NUM_STAGES
+            ph = (it // NUM_STAGES) & 1
+            k_buf = k_smem.index(st)
+            mbarrier.wait(kv_ready.index(st), ph)
+            s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)  # fmt: skip
+            dp = warpgroup_mma(do_buf, v_smem.index(st).permute((1, 0)), s_zero,
+                               use_acc=False, is_async=True)  # fmt: skip
+            n_lo = j * BLOCK_N
+            need_mask = n_lo + BLOCK_N > Lk
+            if CAUSAL:
+                need_mask = need_mask | (n_lo + BLOCK_N - 1 > r0 + (Lk - Lq))
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             if ACT == 0:
-                # rows past the sequence get LSE = +inf, hence P = 0
-                lse = gl.load(LSE + h * stride_lh + q_start + rows, mask=rows < Lq,
-                              other=float("inf"))  # fmt: skip
-                delta = gl.load(DELTA + h * stride_lh + q_start + rows, mask=rows < Lq,
-                                other=0.0)  # fmt: skip
-            dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
-            mbarrier.wait(q_ready.index(WG), item_i & 1)
-            for j in range(n_tiles):
-                it = kv_it + j
-                st = it % NUM_STAGES
-                ph = (it // NUM_STAGES) & 1
-                k_buf = k_smem.index(st)
-                mbarrier.wait(kv_ready.index(st), ph)
-                s = warpgroup_mma(q_buf, k_buf.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)  # fmt: skip
-                dp = warpgroup_mma(do_buf, v_smem.index(st).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)  # fmt: skip
-                n_lo = j * BLOCK_N
-                need_mask = n_lo + BLOCK_N > Lk
-                if CAUSAL:
-                    need_mask = need_mask | (n_lo + BLOCK_N - 1 > r0 + (Lk - Lq))
-                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-                if ACT == 0:
-                    p = gl.exp2(s * qk_scale - lse[:, None])
-                else:
-                    x = s * qk_scale
-                    sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
-                dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
-                if ACT == 0:
-                    ds = p * (dp * coef - delta[:, None])
-                else:
-                    ds = dp * (sg * (1.0 + x * (1.0 - sg)))
-                if need_mask:
-                    # select, not multiply (a NaN from another sequence's keys is dropped);
-                    # rows past the query sequence are never stored
-                    cols = n_lo + gl.arange(0, BLOCK_N, layout=scol)
-                    ok = cols[None, :] < Lk
-                    if CAUSAL:
-                        ok = ok & (cols[None, :] <= rows[:, None] + (Lk - Lq))
-                    ds = gl.where(ok, ds, 0.0)
-                if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
-                    # the last key tile's rows past the sequence are the next sequence's:
-                    # zero them before dQ += dS K reads them (0 * NaN is NaN)
-                    if n_lo + BLOCK_N > Lk:
-                        _clear_rows(k_smem, st, Lk - n_lo, NUM_STAGES, BLOCK_N, HEAD_DIM)
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                dq = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
-                dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=[dq, ds_op])
-                mbarrier.arrive(kv_empty.index(st), count=1)
-            kv_it += n_tiles
-            item_i += 1
-            # Epilogue: dQ = scale * dS K (times coef for SiLU), staged through this
-            # warpgroup's Q buffer (every GEMM on it has retired).
-            q_buf.store((dq * dq_scale).to(dtype))
-            fence_async_shared()
-            if r0 + WG_ROWS <= Lq:
-                tma.async_copy_shared_to_global(dq_desc, [q_start + r0, h * HEAD_DIM], q_buf)
-                tma.store_wait(0)
+                p = gl.exp2(s * qk_scale - lse[:, None])
             else:
-                _store_rows(q_smem, WG, Lq - r0, DQ, q_start + r0, h, stride_qt, HEAD_DIM)
-            # the producer may reload this warpgroup's Q and dO
-            mbarrier.arrive(q_empty.index(WG), count=1)
+                x = s * qk_scale
+                sg = 0.5 + 0.5 * _tanh_approx(0.5 * x)  # sigmoid(x)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+            if ACT == 0:
+                ds = p * (dp * coef - delta[:, None])
+            else:
+                ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+            if need_mask:
+                # select, not multiply (a NaN from another sequence's keys is dropped);
+                # rows past the query sequence are never stored
+                cols = n_lo + gl.arange(0, BLOCK_N, layout=scol)
+                ok = cols[None, :] < Lk
+                if CAUSAL:
+                    ok = ok & (cols[None, :] <= rows[:, None] + (Lk - Lq))
+                ds = gl.where(ok, ds, 0.0)
+            if ISOLATE_ROWS:  # noqa: SIM102 (a constexpr, then a run-time condition)
+                # the last key tile's rows past the sequence are the next sequence's:
+                # zero them before dQ += dS K reads them (0 * NaN is NaN)
+                if n_lo + BLOCK_N > Lk:
+                    _clear_rows(k_smem, st, Lk - n_lo, NUM_STAGES, BLOCK_N, HEAD_DIM)
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            dq = warpgroup_mma(ds_op, k_buf, dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=[dq, ds_op])
+            mbarrier.arrive(kv_empty.index(st), count=1)
+        kv_it += n_tiles
+        item_i += 1
+        # read before the epilogue, which hides the load's latency
+        w_next = _take(work, item_ready, item_i, pid, nprog, DYNAMIC)
+        # Epilogue: dQ = scale * dS K (times coef for SiLU), staged through this
+        # warpgroup's Q buffer (every GEMM on it has retired).
+        q_buf.store((dq * dq_scale).to(dtype))
+        fence_async_shared()
+        if r0 + WG_ROWS <= Lq:
+            tma.async_copy_shared_to_global(dq_desc, [q_start + r0, h * HEAD_DIM], q_buf)
+            tma.store_wait(0)
+        else:
+            _store_rows(q_smem, WG, Lq - r0, DQ, q_start + r0, h, stride_qt, HEAD_DIM)
+        # the producer may reload this warpgroup's Q and dO
+        mbarrier.arrive(q_empty.index(WG), count=1)
+        w = w_next
 
 
 @gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_bwd_dq_kernel(
     q_desc, do_desc, k_desc, v_desc, dq_desc, DQ, LSE, DELTA, tile_seq, tile_idx, q_off,
-    kv_off, total_ptr, stride_qt, stride_lh, qk_scale, coef, dq_scale,
+    kv_off, total_ptr, work, stride_qt, stride_lh, qk_scale, coef, dq_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr,
+    CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dQ over the forward's 128-row query-tile schedule.
 
@@ -503,7 +526,8 @@ def jagged_bwd_dq_kernel(
     HEAD_DIM]`` boxes; ``k_desc``/``v_desc``: ``(Tk, H * HEAD_DIM)`` with ``[BLOCK_N,
     HEAD_DIM]`` boxes. ``DQ``: the same output as a pointer (a sequence's partial last
     tile), row stride ``stride_qt``. ``LSE``/``DELTA``, ``qk_scale``, ``coef``: as for
-    :func:`jagged_bwd_dkdv_kernel`; ``dq_scale``: ``scale`` (softmax) or ``scale * coef``.
+    :func:`jagged_bwd_dkdv_kernel`; ``dq_scale``: ``scale`` (softmax) or ``scale * coef``;
+    ``work``: as for :func:`jagged_bwd_dkdv_kernel`.
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
@@ -527,17 +551,19 @@ def jagged_bwd_dq_kernel(
     smem = (q_smem, do_smem, k_smem, v_smem)
     bars = (q_ready, q_empty, kv_ready, kv_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
-    shared = (dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh)
+    item_ready = _item_barriers()
+    shared = (dq_desc, DQ, LSE, DELTA, smem, bars, meta, total_ptr, stride_qt, stride_lh, work,
+              item_ready)  # fmt: skip
     consts = (qk_scale, coef, dq_scale)
     # fmt: off
     gl.warp_specialize(
         [
             (_dq_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                            ISOLATE_ROWS)),
+                            ISOLATE_ROWS, DYNAMIC)),
             (_dq_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                            ISOLATE_ROWS)),
-            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H,
-                            HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL)),
+                            ISOLATE_ROWS, DYNAMIC)),
+            (_dq_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work,
+                             item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _num_sms, _smem_layout
+from hyperrec.jagged_attn._gluon._launch import (
+    _MAXNREG,
+    _num_sms,
+    _smem_layout,
+    _work_buffer,
+    dynamic_allowed,
+)
 
 __all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq"]
 
@@ -44,6 +50,10 @@ DQ_STAGES = 3
 #: Issue ``dV += P^T dO`` before ``dS^T`` is computed (``EARLY_DV`` in the kernel); read at
 #: every launch, a switch for benchmarks.
 EARLY_DV = True
+#: Both kernels claim work items from a global counter (``GluonConfig.dynamic`` of the
+#: forward); off: the static snake order. Read at every launch, a switch for benchmarks;
+#: ``JAGGED_ATTN_GLUON_DYNAMIC=0`` turns it off too.
+DYNAMIC = True
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
 
 
@@ -98,15 +108,17 @@ def run_dkdv(
 
     if not softmax:
         lse = delta = dk  # never read
-    work = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
-    grid = (max(1, min(work, _num_sms(q.device))),)
+    items = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
+    grid = (max(1, min(items, _num_sms(q.device))),)
+    dynamic = DYNAMIC and dynamic_allowed()
+    work = _work_buffer(grid[0], q.device) if dynamic else total
     args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), desc(dk, 64), desc(dv, 64),
             dk, dv, lse, delta, tile_seq, tile_idx,
-            q32, kv32, total, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
+            q32, kv32, total, work, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
               ACT=0 if softmax else 1, ISOLATE_ROWS=True,
-              EARLY_DV=EARLY_DV)  # fmt: skip
+              EARLY_DV=EARLY_DV, DYNAMIC=dynamic)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)
 
@@ -150,12 +162,15 @@ def run_dq(
 
     if not softmax:
         lse = delta = dq  # never read
-    work = work_upper_bound(q.shape[0], q32.numel() - 1, 2 * 64) * n_heads
-    grid = (max(1, min(work, _num_sms(q.device))),)
+    items = work_upper_bound(q.shape[0], q32.numel() - 1, 2 * 64) * n_heads
+    grid = (max(1, min(items, _num_sms(q.device))),)
+    dynamic = DYNAMIC and dynamic_allowed()
+    work = _work_buffer(grid[0], q.device) if dynamic else total
     args = (desc(q, 64), desc(grad_out, 64), desc(k, block_n), desc(v, block_n), desc(dq, 64),
-            dq, lse, delta, tile_seq, tile_idx, q32, kv32, total, dq.stride(0),
+            dq, lse, delta, tile_seq, tile_idx, q32, kv32, total, work, dq.stride(0),
             lse.stride(0) if softmax else 0, qk_scale, coef, dq_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=num_stages,
-              CAUSAL=causal, ACT=0 if softmax else 1, ISOLATE_ROWS=True)  # fmt: skip
+              CAUSAL=causal, ACT=0 if softmax else 1, ISOLATE_ROWS=True,
+              DYNAMIC=dynamic)  # fmt: skip
     key = ("gluon_dq", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dq_kernel, grid, key, args, kw, _OPTIONS)

@@ -54,13 +54,16 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
+    _claim,
     _fwd_barriers,
     _item,
+    _item_barriers,
     _item_tiles,
     _pass_turn,
+    _publish,
     _scores,
-    _snake,
     _store_out,
+    _take,
     _take_turn,
     _tanh_approx,
 )
@@ -88,8 +91,9 @@ def _v_col(meta, v_off, w, n_items, H: gl.constexpr):
 
 @gluon.jit
 def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr = loads
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              DYNAMIC: gl.constexpr):  # fmt: skip
+    q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr, work, item_ready = loads
     q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     pid = gl.program_id(0)
@@ -97,36 +101,40 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            v_col = _v_col(meta, v_off, w, n_items, H)
-            for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
-                    q_smem.index(c),
-                )  # fmt: skip
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            for j in range(n_tiles):
-                st = kv_it % NUM_STAGES
-                ph = (kv_it // NUM_STAGES) & 1
-                mbarrier.wait(k_empty.index(st), ph ^ 1)
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    k_desc, [k_start + j * BLOCK_N, h * HEAD_DIM], k_ready.index(st),
-                    k_smem.index(st),
-                )  # fmt: skip
-                mbarrier.wait(v_empty.index(st), ph ^ 1)
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    v_desc, [h * HEAD_DIM, v_col + j * BLOCK_N], v_ready.index(st),
-                    v_smem.index(st),
-                )  # fmt: skip
-                kv_it += 1
-            item_i += 1
+    w = _claim(work, 0, pid, nprog, DYNAMIC)
+    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        v_col = _v_col(meta, v_off, w, n_items, H)
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
+                q_smem.index(c),
+            )  # fmt: skip
+        # the next item (or the end marker), published before this item's key tiles
+        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
+        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        for j in range(n_tiles):
+            st = kv_it % NUM_STAGES
+            ph = (kv_it // NUM_STAGES) & 1
+            mbarrier.wait(k_empty.index(st), ph ^ 1)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [k_start + j * BLOCK_N, h * HEAD_DIM], k_ready.index(st),
+                k_smem.index(st),
+            )  # fmt: skip
+            mbarrier.wait(v_empty.index(st), ph ^ 1)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [h * HEAD_DIM, v_col + j * BLOCK_N], v_ready.index(st),
+                v_smem.index(st),
+            )  # fmt: skip
+            kv_it += 1
+        item_i += 1
+        w = w_next
 
 
 @gluon.jit
@@ -211,9 +219,9 @@ def _clear_cols(v_smem, st, valid, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constex
 def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr,
+    PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
-    o_desc, smem, bars, turn, O, LSE, scales, meta, total_ptr, strides = shared
+    o_desc, smem, bars, turn, O, LSE, scales, meta, total_ptr, strides, work, item_ready = shared
     QS, KS, VS = scales
     stride_ot, stride_lh, stride_st = strides
     qk_scale, coef = consts
@@ -240,128 +248,130 @@ def _consumer(
     kv_it = 0
     item_i = 0
     slot = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            r0 = m0 + WG * WG_ROWS
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            rows_s = r0 + gl.arange(0, WG_ROWS, layout=srow)
-            sq = gl.load(QS + (q_start + rows_s).to(gl.int64) * stride_st + h,
-                         mask=rows_s < Lq, other=1.0)  # fmt: skip
-            c_row = sq * qk_scale
-            # Scales of this item's key tiles (the same row of K's and V's scale tables).
-            ks_ptr = KS + k_start.to(gl.int64) * stride_st + h
-            vs_ptr = VS + k_start.to(gl.int64) * stride_st + h
-            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-            m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, srow)
-            l_i = gl.zeros([WG_ROWS], gl.float32, srow)
-            k_i = gl.zeros([WG_ROWS], gl.float32, srow)
-            sv_prev = qk_scale * 0.0 + 1.0
-            mbarrier.wait(q_ready.index(WG), item_i & 1)
-            if n_tiles > 0:
-                st = kv_it % NUM_STAGES
-                ph = (kv_it // NUM_STAGES) & 1
-                sk = gl.load(ks_ptr)
-                sv = gl.load(vs_ptr)
-                # The next tile's scales are loaded one tile ahead: a global load's latency
-                # is about one tile's GEMM time, and the softmax waits for them.
-                more = n_tiles > 1
-                sk_next = gl.load(ks_ptr + BLOCK_N * stride_st, mask=more, other=1.0)
-                sv_next = gl.load(vs_ptr + BLOCK_N * stride_st, mask=more, other=1.0)
+    w = _take(work, item_ready, 0, pid, nprog, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        r0 = m0 + WG * WG_ROWS
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        rows_s = r0 + gl.arange(0, WG_ROWS, layout=srow)
+        sq = gl.load(QS + (q_start + rows_s).to(gl.int64) * stride_st + h,
+                     mask=rows_s < Lq, other=1.0)  # fmt: skip
+        c_row = sq * qk_scale
+        # Scales of this item's key tiles (the same row of K's and V's scale tables).
+        ks_ptr = KS + k_start.to(gl.int64) * stride_st + h
+        vs_ptr = VS + k_start.to(gl.int64) * stride_st + h
+        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, srow)
+        l_i = gl.zeros([WG_ROWS], gl.float32, srow)
+        k_i = gl.zeros([WG_ROWS], gl.float32, srow)
+        sv_prev = qk_scale * 0.0 + 1.0
+        mbarrier.wait(q_ready.index(WG), item_i & 1)
+        if n_tiles > 0:
+            st = kv_it % NUM_STAGES
+            ph = (kv_it // NUM_STAGES) & 1
+            sk = gl.load(ks_ptr)
+            sv = gl.load(vs_ptr)
+            # The next tile's scales are loaded one tile ahead: a global load's latency
+            # is about one tile's GEMM time, and the softmax waits for them.
+            more = n_tiles > 1
+            sk_next = gl.load(ks_ptr + BLOCK_N * stride_st, mask=more, other=1.0)
+            sv_next = gl.load(vs_ptr + BLOCK_N * stride_st, mask=more, other=1.0)
+            _take_turn(turn, slot, WG, PINGPONG)
+            mbarrier.wait(k_ready.index(st), ph)
+            s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)  # fmt: skip
+            _pass_turn(turn, WG, PINGPONG)
+            slot += 1
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+            mbarrier.arrive(k_empty.index(st), count=1)
+            # raw scores, masked (SCALE_IN_EXP: _fp8_weights applies the scales; a
+            # masked SiLU score stays far enough below 0 for silu to be exactly 0)
+            s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
+            # acc is zero: the first tile's factor is not applied
+            p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT)
+            sv_prev = sv
+            p_op = _p_operand(p, p_layout, PERMUTED_P)
+            st_prev = st
+            ph_prev = ph
+            for j in range(1, n_tiles):
+                it = kv_it + j
+                st = it % NUM_STAGES
+                ph = (it // NUM_STAGES) & 1
+                sk = sk_next
+                sv = sv_next
+                more = j + 1 < n_tiles
+                sk_next = gl.load(ks_ptr + (j + 1) * BLOCK_N * stride_st, mask=more,
+                                  other=1.0)  # fmt: skip
+                sv_next = gl.load(vs_ptr + (j + 1) * BLOCK_N * stride_st, mask=more,
+                                  other=1.0)  # fmt: skip
                 _take_turn(turn, slot, WG, PINGPONG)
                 mbarrier.wait(k_ready.index(st), ph)
                 s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)  # fmt: skip
-                _pass_turn(turn, WG, PINGPONG)
-                slot += 1
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                mbarrier.arrive(k_empty.index(st), count=1)
-                # raw scores, masked (SCALE_IN_EXP: _fp8_weights applies the scales; a
-                # masked SiLU score stays far enough below 0 for silu to be exactly 0)
-                s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
-                # acc is zero: the first tile's factor is not applied
-                p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT)
-                sv_prev = sv
-                p_op = _p_operand(p, p_layout, PERMUTED_P)
-                st_prev = st
-                ph_prev = ph
-                for j in range(1, n_tiles):
-                    it = kv_it + j
-                    st = it % NUM_STAGES
-                    ph = (it // NUM_STAGES) & 1
-                    sk = sk_next
-                    sv = sv_next
-                    more = j + 1 < n_tiles
-                    sk_next = gl.load(ks_ptr + (j + 1) * BLOCK_N * stride_st, mask=more,
-                                      other=1.0)  # fmt: skip
-                    sv_next = gl.load(vs_ptr + (j + 1) * BLOCK_N * stride_st, mask=more,
-                                      other=1.0)  # fmt: skip
-                    _take_turn(turn, slot, WG, PINGPONG)
-                    mbarrier.wait(k_ready.index(st), ph)
-                    s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                    mbarrier.wait(v_ready.index(st_prev), ph_prev)
-                    acc = warpgroup_mma(p_op, v_smem.index(st_prev).permute((1, 0)), acc,
-                                        is_async=True)  # fmt: skip
-                    _pass_turn(turn, WG, PINGPONG)
-                    slot += 1
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                    s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
-                    p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i,
-                                                           sv_prev / sv, ACT)  # fmt: skip
-                    sv_prev = sv
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-                    mbarrier.arrive(v_empty.index(st_prev), count=1)
-                    acc = acc * gl.convert_layout(ratio, orow)[:, None]
-                    p_op = _p_operand(p, p_layout, PERMUTED_P)
-                    st_prev = st
-                    ph_prev = ph
-                mbarrier.arrive(q_empty.index(WG), count=1)
                 mbarrier.wait(v_ready.index(st_prev), ph_prev)
-                tail = Lk - (n_tiles - 1) * BLOCK_N
-                if tail < BLOCK_N:
-                    _clear_cols(v_smem, st_prev, tail, NUM_STAGES, BLOCK_N, HEAD_DIM,
-                                PERMUTED_P)  # fmt: skip
-                _take_turn(turn, slot, WG, PINGPONG)
                 acc = warpgroup_mma(p_op, v_smem.index(st_prev).permute((1, 0)), acc,
                                     is_async=True)  # fmt: skip
                 _pass_turn(turn, WG, PINGPONG)
                 slot += 1
+                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+                mbarrier.arrive(k_empty.index(st), count=1)
+                s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
+                p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i,
+                                                       sv_prev / sv, ACT)  # fmt: skip
+                sv_prev = sv
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(v_empty.index(st_prev), count=1)
-            else:
-                mbarrier.arrive(q_empty.index(WG), count=1)
-            kv_it += n_tiles
-            item_i += 1
+                acc = acc * gl.convert_layout(ratio, orow)[:, None]
+                p_op = _p_operand(p, p_layout, PERMUTED_P)
+                st_prev = st
+                ph_prev = ph
+            mbarrier.arrive(q_empty.index(WG), count=1)
+            mbarrier.wait(v_ready.index(st_prev), ph_prev)
+            tail = Lk - (n_tiles - 1) * BLOCK_N
+            if tail < BLOCK_N:
+                _clear_cols(v_smem, st_prev, tail, NUM_STAGES, BLOCK_N, HEAD_DIM,
+                            PERMUTED_P)  # fmt: skip
+            _take_turn(turn, slot, WG, PINGPONG)
+            acc = warpgroup_mma(p_op, v_smem.index(st_prev).permute((1, 0)), acc,
+                                is_async=True)  # fmt: skip
+            _pass_turn(turn, WG, PINGPONG)
+            slot += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            mbarrier.arrive(v_empty.index(st_prev), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        kv_it += n_tiles
+        item_i += 1
+        # read before the epilogue, which hides the load's latency
+        w_next = _take(work, item_ready, item_i, pid, nprog, DYNAMIC)
 
-            # Epilogue: back from units of 2**k / sv.
-            rows = r0 + gl.arange(0, WG_ROWS, layout=orow)
-            unit = gl.convert_layout(_pow2(0.0 - k_i), orow) * (coef * sv_prev)
-            if ACT == 0:
-                l_o = gl.convert_layout(l_i, orow)
-                m_o = gl.convert_layout(m_i, orow)
-                has_key = l_o > 0.0
-                l_safe = gl.where(has_key, l_o, 1.0)
-                o = acc * (unit / l_safe)[:, None]
-                lse = gl.where(has_key, m_o + gl.log2(l_safe), float("inf"))
-                lse = gl.where(l_o != l_o, l_o, lse)  # NaN inputs: NaN, for the backward
-                gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < Lq)
-            else:
-                o = acc * unit[:, None]
-            o = o.to(out_dtype)
-            _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
+        # Epilogue: back from units of 2**k / sv.
+        rows = r0 + gl.arange(0, WG_ROWS, layout=orow)
+        unit = gl.convert_layout(_pow2(0.0 - k_i), orow) * (coef * sv_prev)
+        if ACT == 0:
+            l_o = gl.convert_layout(l_i, orow)
+            m_o = gl.convert_layout(m_i, orow)
+            has_key = l_o > 0.0
+            l_safe = gl.where(has_key, l_o, 1.0)
+            o = acc * (unit / l_safe)[:, None]
+            lse = gl.where(has_key, m_o + gl.log2(l_safe), float("inf"))
+            lse = gl.where(l_o != l_o, l_o, lse)  # NaN inputs: NaN, for the backward
+            gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < Lq)
+        else:
+            o = acc * unit[:, None]
+        o = o.to(out_dtype)
+        _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
+        w = w_next
     tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_fp8_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, O, LSE, QS, KS, VS, tile_seq, tile_idx, q_off, kv_off,
-    v_off, total_ptr, stride_ot, stride_lh, stride_st, qk_scale, coef,
+    v_off, total_ptr, work, stride_ot, stride_lh, stride_st, qk_scale, coef,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-    PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr,
+    PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """Persistent FP8 jagged attention forward; see the module docstring.
 
@@ -372,7 +382,7 @@ def jagged_fp8_fwd_kernel(
     output, ``[64, HEAD_DIM]`` boxes. ``QS``/``KS``/``VS``: ``(tokens, H)`` float32 block
     scales (row stride ``stride_st``, head stride 1); ``v_off``: ``(B + 1,)`` int32 column
     offsets of V's sequences. The schedule arguments, ``LSE``, ``qk_scale`` (> 0, with
-    ``log2(e)`` for softmax) and ``coef`` are the bf16 kernel's.
+    ``log2(e)`` for softmax), ``coef`` and ``work`` are the bf16 kernel's.
     """
     fp8: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(fp8, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
@@ -380,21 +390,22 @@ def jagged_fp8_fwd_kernel(
     v_smem = gl.allocate_shared_memory(fp8, [NUM_STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2, WG_ROWS, HEAD_DIM], o_desc.layout)
     bars, turn = _fwd_barriers(NUM_STAGES)
+    item_ready = _item_barriers()
 
     smem = (q_smem, k_smem, v_smem, o_smem)
     meta = (tile_seq, tile_idx, q_off, kv_off)
     shared = (o_desc, smem, bars, turn, O, LSE, (QS, KS, VS), meta, total_ptr,
-              (stride_ot, stride_lh, stride_st))  # fmt: skip
+              (stride_ot, stride_lh, stride_st), work, item_ready)  # fmt: skip
     consts = (qk_scale, coef)
     # fmt: off
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P)),
+                         PINGPONG, PERMUTED_P, DYNAMIC)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P)),
-            (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr), H,
-                         HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL)),
+                         PINGPONG, PERMUTED_P, DYNAMIC)),
+            (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr, work,
+                          item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -21,6 +21,8 @@ from hyperrec.jagged_attn._gluon._launch import (
     BLOCK_M,
     _num_sms,
     _smem_layout,
+    _work_buffer,
+    dynamic_allowed,
 )
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
@@ -37,14 +39,18 @@ class GluonFP8Config:
     """The consumers take turns issuing their GEMMs (see ``GluonConfig.pingpong``). With V
     in ``mma_order``, 3-5% faster than without turns on an H200
     (``bench/results/probe_gluon_fp8_h200_2026-12-04.json``)."""
+    dynamic: bool = True
+    """CTAs claim work items from a counter (see ``GluonConfig.dynamic``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool):
             raise TypeError(f"num_stages must be an int, got {type(self.num_stages).__name__}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        if not isinstance(self.pingpong, bool):
-            raise TypeError(f"pingpong must be a bool, got {type(self.pingpong).__name__}")
+        for name in ("pingpong", "dynamic"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 _BLOCK_N = 128
@@ -139,14 +145,16 @@ def run(
     o_desc = desc(out, total_q, hd, [_WG_ROWS, dim])
     q32, kv32, tile_seq, tile_idx, total = schedule
     lse_arg = lse if softmax else torch.empty(1, dtype=torch.float32, device=out.device)
-    work = work_upper_bound(total_q, n_seq, BLOCK_M) * heads
-    grid = (max(1, min(work, _num_sms(out.device))),)
+    items = work_upper_bound(total_q, n_seq, BLOCK_M) * heads
+    grid = (max(1, min(items, _num_sms(out.device))),)
+    dynamic = config.dynamic and dynamic_allowed()
+    work = _work_buffer(grid[0], out.device) if dynamic else total
     args = (q_desc, k_desc, v_desc, o_desc, out, lse_arg, q8.scale, k8.scale, v8.scale,
-            tile_seq, tile_idx, q32, kv32, v8.pad_offsets, total, out.stride(0), total_q,
+            tile_seq, tile_idx, q32, kv32, v8.pad_offsets, total, work, out.stride(0), total_q,
             q8.scale.stride(0), qk_scale, coef)  # fmt: skip
     kw = dict(H=heads, HEAD_DIM=dim, BLOCK_N=_BLOCK_N, NUM_STAGES=config.num_stages,
               CAUSAL=causal, ACT=0 if softmax else 1, PINGPONG=config.pingpong,
-              PERMUTED_P=v8.mma_order)  # fmt: skip
+              PERMUTED_P=v8.mma_order, DYNAMIC=dynamic)  # fmt: skip
     key = ("gluon_fp8_fwd", out.dtype, out.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_fp8_fwd_kernel, grid, key, args, kw, _OPTIONS)
     return out, lse

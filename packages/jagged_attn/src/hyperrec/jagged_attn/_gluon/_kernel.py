@@ -25,10 +25,12 @@ Structure of one CTA (FlashAttention-3's forward, adapted to jagged work items):
   The base-2 log-sum-exp is written per row in fp32.
 
 Work items are (128-row query tile, head) pairs from the package forward's query-tile
-schedule, sorted by cost (``_triton/_tiles.py``); the grid is persistent and each CTA takes
-items in "snake" order.
-Every partition reads the same table and so agrees on the item sequence and on the number
-of key tiles per item without talking to the others.
+schedule, sorted by cost (``_triton/_tiles.py``); the grid is persistent. With ``DYNAMIC``
+(the default) the producer claims each CTA's next item from a global counter and hands its
+index to the consumers through a small ring (``_claim``/``_publish``/``_take``), so a CTA
+that drew cheap items takes more; otherwise each CTA takes items in a fixed "snake" order
+that every partition computes alike. All partitions read the same table and so agree on the
+number of key tiles per item without talking to each other.
 
 Masking: key tiles that cross the end of the key sequence or the causal diagonal
 (bottom-right aligned: query ``i`` sees keys ``j <= i + Lk - Lq``) set disallowed scores to
@@ -92,6 +94,64 @@ def _snake(r, pid, nprog):
     # Round r of the persistent loop; odd rounds run backwards so that no program always
     # takes the most expensive item of its round (items are sorted by cost).
     return r * nprog + gl.where(r % 2 == 0, pid, nprog - 1 - pid)
+
+
+# Depth of the item-index ring of the dynamic schedule (see ``_claim``).
+ITEM_DEPTH = gl.constexpr(4)
+
+
+@gluon.jit
+def _claim(work, r, pid, nprog, DYNAMIC: gl.constexpr):
+    """The producer's ``r``-th work item: the next unclaimed item of the whole grid
+    (``DYNAMIC``: one atomic increment of ``work[0]``) or round ``r`` of the snake order."""
+    if DYNAMIC:
+        w = gl.atomic_add(work, 1, sem="relaxed")
+    else:
+        w = _snake(r, pid, nprog)
+    return w
+
+
+@gluon.jit
+def _publish(work, item_ready, w, r, pid, DYNAMIC: gl.constexpr):
+    """Hand item ``w`` (the CTA's ``r``-th) to the consumers: slot ``r % ITEM_DEPTH`` of the
+    CTA's ring in global memory, then its ``item_ready`` barrier (release: the store is
+    visible to a consumer that has waited on it).
+
+    No ``empty`` barrier guards the slot: the producer publishes item ``r`` while loading
+    item ``r - 1``, after both consumers released the buffers it reloads for item ``r - 1``
+    (the forward's ``q_empty``, arrived once a warpgroup's last ``Q K^T`` of item ``r - 2``
+    retired; the backward's K/V or Q/dO halves, after an item's epilogue), so all their
+    warps have read index ``r - 2``; with four slots item ``r`` overwrites item ``r - 4``'s.
+    The protocol models (``tests/test_gluon_protocol.py``, ``test_gluon_bwd_protocol.py``)
+    check this, and that one slot would not do."""
+    if DYNAMIC:
+        slot = r % ITEM_DEPTH
+        gl.store(work + 1 + pid * ITEM_DEPTH + slot, w)
+        mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take(work, item_ready, r, pid, nprog, DYNAMIC: gl.constexpr):
+    """A consumer's ``r``-th work item: what the producer published (``DYNAMIC``), else
+    round ``r`` of the snake order (every partition computes the same)."""
+    if DYNAMIC:
+        slot = r % ITEM_DEPTH
+        mbarrier.wait(item_ready.index(slot), (r // ITEM_DEPTH) & 1)
+        w = gl.load(work + 1 + pid * ITEM_DEPTH + slot, volatile=True)
+    else:
+        w = _snake(r, pid, nprog)
+    return w
+
+
+@gluon.jit
+def _item_barriers():
+    """The dynamic schedule's ``item_ready`` ring (one arrival: the producer's)."""
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    item_ready = gl.allocate_shared_memory(gl.int64, [ITEM_DEPTH, 1], bar)
+    for s in gl.static_range(ITEM_DEPTH):
+        mbarrier.init(item_ready.index(s), count=1)
+    fence_async_shared()
+    return item_ready
 
 
 @gluon.jit
@@ -159,8 +219,9 @@ def _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot,
 
 @gluon.jit
 def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    q_desc, k_desc, v_desc, smem, bars, meta, total_ptr = loads
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              DYNAMIC: gl.constexpr):  # fmt: skip
+    q_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work, item_ready = loads
     q_smem, k_smem, v_smem, o_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     pid = gl.program_id(0)
@@ -168,35 +229,40 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            # Both query halves; a buffer is reused once its consumer's last Q K^T retired.
-            for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
-                    q_smem.index(c),
-                )  # fmt: skip
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            for j in range(n_tiles):
-                st = kv_it % NUM_STAGES
-                ph = (kv_it // NUM_STAGES) & 1
-                row = k_start + j * BLOCK_N
-                mbarrier.wait(k_empty.index(st), ph ^ 1)
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    k_desc, [row, h * HEAD_DIM], k_ready.index(st), k_smem.index(st)
-                )
-                mbarrier.wait(v_empty.index(st), ph ^ 1)
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    v_desc, [row, h * HEAD_DIM], v_ready.index(st), v_smem.index(st)
-                )
-                kv_it += 1
-            item_i += 1
+    w = _claim(work, 0, pid, nprog, DYNAMIC)
+    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        # Both query halves; a buffer is reused once its consumer's last Q K^T retired.
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
+                q_smem.index(c),
+            )  # fmt: skip
+        # The next item (or the end marker, an index >= n_items), published before this
+        # item's key tiles: the consumers find it ready when they finish this one.
+        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
+        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        for j in range(n_tiles):
+            st = kv_it % NUM_STAGES
+            ph = (kv_it // NUM_STAGES) & 1
+            row = k_start + j * BLOCK_N
+            mbarrier.wait(k_empty.index(st), ph ^ 1)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [row, h * HEAD_DIM], k_ready.index(st), k_smem.index(st)
+            )
+            mbarrier.wait(v_empty.index(st), ph ^ 1)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [row, h * HEAD_DIM], v_ready.index(st), v_smem.index(st)
+            )
+            kv_it += 1
+        item_i += 1
+        w = w_next
 
 
 @gluon.jit
@@ -316,8 +382,11 @@ def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):  # fmt: skip
-    o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh = shared
+    o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh, work, item_ready = (
+        shared
+    )
     qk_scale, coef = consts
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -342,100 +411,102 @@ def _consumer(
     kv_it = 0
     item_i = 0
     slot = 0
-    for r in range(gl.cdiv(n_items, nprog)):
-        w = _snake(r, pid, nprog)
-        if w < n_items:
-            h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-            r0 = m0 + WG * WG_ROWS
-            # Both warpgroups visit the key tiles either one needs (the producer loads
-            # them once for both): a warpgroup whose rows need fewer (one tile less near
-            # a causal diagonal, none for rows past the sequence end) computes fully
-            # masked or never-stored rows for those. Visiting the same tiles keeps the
-            # K/V ring and the turn order identical in both, which is what makes the
-            # protocol deadlock-free (see tests/test_gluon_protocol.py).
-            n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
-            acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-            m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, srow)
-            l_i = gl.zeros([WG_ROWS], gl.float32, srow)
-            mbarrier.wait(q_ready.index(WG), item_i & 1)
-            if n_tiles > 0:
-                # Prologue: S_0 = Q K_0^T, its weights P_0.
-                st = kv_it % NUM_STAGES
-                ph = (kv_it // NUM_STAGES) & 1
+    w = _take(work, item_ready, 0, pid, nprog, DYNAMIC)
+    while w < n_items:
+        h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
+        r0 = m0 + WG * WG_ROWS
+        # Both warpgroups visit the key tiles either one needs (the producer loads
+        # them once for both): a warpgroup whose rows need fewer (one tile less near
+        # a causal diagonal, none for rows past the sequence end) computes fully
+        # masked or never-stored rows for those. Visiting the same tiles keeps the
+        # K/V ring and the turn order identical in both, which is what makes the
+        # protocol deadlock-free (see tests/test_gluon_protocol.py).
+        n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
+        acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+        m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, srow)
+        l_i = gl.zeros([WG_ROWS], gl.float32, srow)
+        mbarrier.wait(q_ready.index(WG), item_i & 1)
+        if n_tiles > 0:
+            # Prologue: S_0 = Q K_0^T, its weights P_0.
+            st = kv_it % NUM_STAGES
+            ph = (kv_it // NUM_STAGES) & 1
+            _take_turn(turn, slot, WG, PINGPONG)
+            mbarrier.wait(k_ready.index(st), ph)
+            s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)  # fmt: skip
+            _pass_turn(turn, WG, PINGPONG)
+            slot += 1
+            s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+            mbarrier.arrive(k_empty.index(st), count=1)
+            s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
+                        s_layout)  # fmt: skip
+            p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            st_prev = st
+            ph_prev = ph
+            # Steady state: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then compute
+            # P_j on the CUDA cores while the PV GEMM runs on the tensor cores.
+            for j in range(1, n_tiles):
+                it = kv_it + j
+                st = it % NUM_STAGES
+                ph = (it // NUM_STAGES) & 1
                 _take_turn(turn, slot, WG, PINGPONG)
                 mbarrier.wait(k_ready.index(st), ph)
                 s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
                                   use_acc=False, is_async=True)  # fmt: skip
-                _pass_turn(turn, WG, PINGPONG)
-                slot += 1
-                s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-                mbarrier.arrive(k_empty.index(st), count=1)
-                s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
-                            s_layout)  # fmt: skip
-                p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                st_prev = st
-                ph_prev = ph
-                # Steady state: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then compute
-                # P_j on the CUDA cores while the PV GEMM runs on the tensor cores.
-                for j in range(1, n_tiles):
-                    it = kv_it + j
-                    st = it % NUM_STAGES
-                    ph = (it // NUM_STAGES) & 1
-                    _take_turn(turn, slot, WG, PINGPONG)
-                    mbarrier.wait(k_ready.index(st), ph)
-                    s = warpgroup_mma(q_buf, k_smem.index(st).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)  # fmt: skip
-                    mbarrier.wait(v_ready.index(st_prev), ph_prev)
-                    acc = warpgroup_mma(p_op, v_smem.index(st_prev), acc, is_async=True)
-                    _pass_turn(turn, WG, PINGPONG)
-                    slot += 1
-                    # wgmma groups retire in order: S_j is done, the PV GEMM may still run.
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                    s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
-                                s_layout)  # fmt: skip
-                    p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
-                    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
-                    mbarrier.arrive(v_empty.index(st_prev), count=1)
-                    if ACT == 0:
-                        acc = acc * gl.convert_layout(alpha, orow)[:, None]
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    st_prev = st
-                    ph_prev = ph
-                # Every Q K^T of this item has retired: the producer may reload Q.
-                mbarrier.arrive(q_empty.index(WG), count=1)
-                # Tail: O += P_last V_last. Only the last key tile can cross the end of
-                # the key sequence; its rows past the end are the next sequence's values.
                 mbarrier.wait(v_ready.index(st_prev), ph_prev)
-                tail_rows = Lk - (n_tiles - 1) * BLOCK_N
-                if ISOLATE_VALUES and tail_rows < BLOCK_N:
-                    _clear_rows(v_smem, st_prev, tail_rows, NUM_STAGES, BLOCK_N, HEAD_DIM)
-                _take_turn(turn, slot, WG, PINGPONG)
                 acc = warpgroup_mma(p_op, v_smem.index(st_prev), acc, is_async=True)
                 _pass_turn(turn, WG, PINGPONG)
                 slot += 1
+                # wgmma groups retire in order: S_j is done, the PV GEMM may still run.
+                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+                mbarrier.arrive(k_empty.index(st), count=1)
+                s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
+                            s_layout)  # fmt: skip
+                p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(st_prev), count=1)
-            else:
-                mbarrier.arrive(q_empty.index(WG), count=1)
-            kv_it += n_tiles
-            item_i += 1
+                if ACT == 0:
+                    acc = acc * gl.convert_layout(alpha, orow)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                st_prev = st
+                ph_prev = ph
+            # Every Q K^T of this item has retired: the producer may reload Q.
+            mbarrier.arrive(q_empty.index(WG), count=1)
+            # Tail: O += P_last V_last. Only the last key tile can cross the end of
+            # the key sequence; its rows past the end are the next sequence's values.
+            mbarrier.wait(v_ready.index(st_prev), ph_prev)
+            tail_rows = Lk - (n_tiles - 1) * BLOCK_N
+            if ISOLATE_VALUES and tail_rows < BLOCK_N:
+                _clear_rows(v_smem, st_prev, tail_rows, NUM_STAGES, BLOCK_N, HEAD_DIM)
+            _take_turn(turn, slot, WG, PINGPONG)
+            acc = warpgroup_mma(p_op, v_smem.index(st_prev), acc, is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
+            slot += 1
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
+            mbarrier.arrive(v_empty.index(st_prev), count=1)
+        else:
+            mbarrier.arrive(q_empty.index(WG), count=1)
+        kv_it += n_tiles
+        item_i += 1
+        # read before the epilogue, which hides the load's latency
+        w_next = _take(work, item_ready, item_i, pid, nprog, DYNAMIC)
 
-            # Epilogue.
-            rows = r0 + gl.arange(0, WG_ROWS, layout=orow)
-            if ACT == 0:
-                l_o = gl.convert_layout(l_i, orow)
-                m_o = gl.convert_layout(m_i, orow)
-                has_key = l_o > 0.0
-                l_safe = gl.where(has_key, l_o, 1.0)
-                o = acc * (coef / l_safe)[:, None]
-                lse = gl.where(has_key, m_o + gl.log2(l_safe), float("inf"))
-                gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < Lq)
-            else:
-                o = acc * coef
-            o = o.to(dtype)
-            _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
+        # Epilogue.
+        rows = r0 + gl.arange(0, WG_ROWS, layout=orow)
+        if ACT == 0:
+            l_o = gl.convert_layout(l_i, orow)
+            m_o = gl.convert_layout(m_i, orow)
+            has_key = l_o > 0.0
+            l_safe = gl.where(has_key, l_o, 1.0)
+            o = acc * (coef / l_safe)[:, None]
+            lse = gl.where(has_key, m_o + gl.log2(l_safe), float("inf"))
+            gl.store(LSE + h * stride_lh + q_start + rows, lse, mask=rows < Lq)
+        else:
+            o = acc * coef
+        o = o.to(dtype)
+        _store_out(o, o_buf, o_desc, O, q_start, r0, rows, Lq, h, stride_ot, HEAD_DIM, ocol)
+        w = w_next
     tma.store_wait(0)
 
 
@@ -444,10 +515,11 @@ def _consumer(
 @gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_fwd_kernel(
     q_desc, k_desc, v_desc, o_desc, O, LSE, tile_seq, tile_idx, q_off, kv_off, total_ptr,
-    stride_ot, stride_lh, qk_scale, coef,
+    work, stride_ot, stride_lh, qk_scale, coef,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
+    DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention forward; see the module docstring.
 
@@ -457,7 +529,9 @@ def jagged_fwd_kernel(
     each 128-row tile's sequence and index in it, heaviest first), ``total_ptr``: how many
     entries are real tiles (device); ``q_off``/``kv_off``: int32 ``(B + 1,)`` offsets.
     ``LSE``: ``(H, Tq)`` fp32 (softmax only). ``qk_scale``: ``scale * log2(e)`` for
-    softmax, ``scale`` for SiLU; ``coef``: output multiplier.
+    softmax, ``scale`` for SiLU; ``coef``: output multiplier. ``work``: int32, ``1 +
+    ITEM_DEPTH * grid`` entries, entry 0 zero at launch (``DYNAMIC``: the item counter,
+    then each CTA's item ring; unused otherwise).
     """
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], q_desc.layout)
@@ -465,10 +539,12 @@ def jagged_fwd_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], o_desc.layout)
     bars, turn = _fwd_barriers(NUM_STAGES)
+    item_ready = _item_barriers()
 
     smem = (q_smem, k_smem, v_smem, o_smem)
     meta = (tile_seq, tile_idx, q_off, kv_off)
-    shared = (o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh)
+    shared = (o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh, work,
+              item_ready)  # fmt: skip
     consts = (qk_scale, coef)
     # Consumer 0 is the default partition (the kernel's 4 warps); consumer 1 (4 warps) and
     # the producer (1 warp) are workers; setmaxnreg re-balances the registers. (The tuples
@@ -477,11 +553,11 @@ def jagged_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES)),
-            (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr), H, HEAD_DIM,
-                         BLOCK_N, NUM_STAGES, CAUSAL)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC)),
+            (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work,
+                          item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,7 @@ from hyperrec.jagged_attn._gluon._probe import gluon_supported, unsupported_reas
 
 __all__ = [
     "ACTIVATIONS",
+    "DYNAMIC_ENV",
     "NORMALIZATIONS",
     "GluonConfig",
     "default_config",
@@ -43,6 +45,21 @@ _MAXNREG = 168
 # Hopper: 227 KiB of shared memory per block, minus what Triton reserves for barriers.
 _SMEM_LIMIT = 232448 - 1024
 _HEAD_DIMS = (64, 128)
+
+#: ``0`` makes every Gluon kernel take its items in the static snake order whatever its
+#: configuration says; ``1`` or unset: as configured (dynamic by default). Read at every
+#: launch; other values are a ValueError.
+DYNAMIC_ENV = "JAGGED_ATTN_GLUON_DYNAMIC"
+
+
+def dynamic_allowed() -> bool:
+    """False when :data:`DYNAMIC_ENV` is ``0``."""
+    value = os.environ.get(DYNAMIC_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DYNAMIC_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -64,6 +81,11 @@ class GluonConfig:
     ``0 * NaN`` is NaN). Off: a non-finite value in one sequence's first rows reaches the
     previous sequence's output (FlashAttention-3's varlen forward and FlexAttention's
     document masks behave that way); for benchmarks of what the guard costs."""
+    dynamic: bool = True
+    """Each CTA claims its next work item from a global counter when it starts one (the
+    producer warp hands the index to the consumers), so CTAs that drew cheap items take
+    more of them. Off: CTA ``p`` takes items ``p``, ``2P - 1 - p``, ... of the
+    cost-sorted list ("snake" order), which balances only lists sorted heaviest first."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_stages"):
@@ -74,7 +96,7 @@ class GluonConfig:
             raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        for name in ("pingpong", "isolate_values"):
+        for name in ("pingpong", "isolate_values", "dynamic"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -350,16 +372,18 @@ def _run(
         qk_scale = scale
         coef = output_scale / max(max_seqlen_kv, 1) if hstu_norm else output_scale
         lse_arg = torch.empty(1, dtype=torch.float32, device=q.device)  # never written
-    work = work_upper_bound(total_q, n_seq, BLOCK_M) * n_heads
-    grid = (max(1, min(work, _num_sms(q.device))),)
+    items = work_upper_bound(total_q, n_seq, BLOCK_M) * n_heads
+    grid = (max(1, min(items, _num_sms(q.device))),)
+    dynamic = config.dynamic and dynamic_allowed()
+    work = _work_buffer(grid[0], q.device) if dynamic else total
     args = (desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n),
-            desc(out, _WG_ROWS), out, lse_arg, tile_seq, tile_idx, q32, kv32, total, out.stride(0),
-            total_q, qk_scale,
+            desc(out, _WG_ROWS), out, lse_arg, tile_seq, tile_idx, q32, kv32, total, work,
+            out.stride(0), total_q, qk_scale,
             coef)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n,
               NUM_STAGES=config.num_stages, CAUSAL=causal, ACT=0 if softmax else 1,
               SCALE_IN_EXP=softmax and scale > 0, PINGPONG=config.pingpong,
-              ISOLATE_VALUES=config.isolate_values)  # fmt: skip
+              ISOLATE_VALUES=config.isolate_values, DYNAMIC=dynamic)  # fmt: skip
     # The launch key fixes everything but the arguments (``_direct.launch``'s contract):
     # the descriptors' dtype, boxes and layouts follow from (dtype, head dim, config).
     key = ("gluon_fwd", q.dtype, q.device, tuple(sorted(kw.items())))
@@ -368,6 +392,15 @@ def _run(
 
 
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
+# Slots of each CTA's item ring (the kernel's ``ITEM_DEPTH``).
+_ITEM_DEPTH = 4
+
+
+def _work_buffer(grid: int, device: torch.device) -> torch.Tensor:
+    """The dynamic schedule's int32 buffer: the item counter (zero) and each CTA's ring.
+    A new one per launch: a counter shared between launches would need resetting, and
+    kernels on two streams would take each other's items."""
+    return torch.zeros(1 + _ITEM_DEPTH * grid, dtype=torch.int32, device=device)
 
 
 def _schedule(
