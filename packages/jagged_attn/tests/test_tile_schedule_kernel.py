@@ -108,6 +108,18 @@ def test_examples():
 
 
 def test_causal_runs_switch(monkeypatch):
+    monkeypatch.delenv(CAUSAL_RUNS_ENV, raising=False)
+    assert causal_runs()  # the default since 0.2.18
+    monkeypatch.setenv(CAUSAL_RUNS_ENV, "x")
+    with pytest.raises(ValueError, match=CAUSAL_RUNS_ENV):
+        causal_runs()
+    monkeypatch.setenv(CAUSAL_RUNS_ENV, "0")
+    assert not causal_runs()
+    # per tile: costs never increase along the table (checked by _check)
+    _check([5, 0, 40, 17, 33], [5, 0, 40, 17, 33], causal=True, block=16, kv_tiles=False,
+           same=True)  # fmt: skip
+    _check([5, 0, 40, 17, 33], [5, 0, 40, 17, 33], causal=True, block=16, kv_tiles=True,
+           same=True)  # fmt: skip
     monkeypatch.setenv(CAUSAL_RUNS_ENV, "1")
     assert causal_runs()
     _check([5, 0, 40, 17, 33], [5, 0, 40, 17, 33], causal=True, block=16, kv_tiles=False,

@@ -12,7 +12,8 @@ one single-program kernel:
    share a bucket come in arbitrary order, which changes which program computes a tile,
    never what it computes; without a causal mask a sequence's tiles all cost the same
    and take consecutive positions, in tile order, as in the PyTorch builder: programs
-   running side by side share its keys and values in L2);
+   running side by side share its keys and values in L2; by default a causal call's
+   tiles form such runs too, heaviest tile first, see :func:`causal_runs`);
 3. the buckets' start positions (a prefix sum), then every tile placed by an atomic
    increment of its bucket's cursor.
 
@@ -43,18 +44,24 @@ from hyperrec.jagged_attn._triton._direct import launch
 
 __all__ = ["CAUSAL_RUNS_ENV", "causal_runs", "tile_schedule"]
 
-#: Experiment switch (read at every schedule build): ``1`` lays out a causal call's tiles
-#: as runs per sequence too (see :func:`causal_runs`); unset or ``0``: per tile.
+#: Switch read at every schedule build: ``0`` places a causal call's tiles one by one by
+#: cost; ``1`` or unset (the default since 0.2.18): as runs per sequence (see
+#: :func:`causal_runs`); anything else is a ValueError.
 CAUSAL_RUNS_ENV = "JAGGED_ATTN_CAUSAL_RUNS"
 
 
 def causal_runs() -> bool:
     """Whether causal schedules place each sequence's tiles as one run (heaviest tile
     first, sequences by their heaviest tile) instead of every tile by its own cost. Runs
-    share keys and values in L2 between programs running side by side; per-tile order
-    balances the persistent grid's last rounds better. Without a causal mask the tiles of
-    a sequence cost the same and always form a run."""
-    return os.environ.get(CAUSAL_RUNS_ENV, "0") == "1"
+    share keys and values in L2 between programs running side by side. Placed by their
+    own cost, tiles balance a persistent grid whose programs take items in a fixed order
+    better; since 0.2.18 the Gluon kernels claim items as they go (``GluonConfig.dynamic``)
+    and runs are the default (``bench/results/probe_dynamic_h200_2026-12-04.json``).
+    Without a causal mask the tiles of a sequence cost the same and always form a run."""
+    value = os.environ.get(CAUSAL_RUNS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{CAUSAL_RUNS_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
 
 
 # Cost buckets of the counting sort, and sequences per step of the kernel's loops.
