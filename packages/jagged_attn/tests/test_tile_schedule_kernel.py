@@ -109,7 +109,13 @@ def test_examples():
 
 def test_causal_runs_switch(monkeypatch):
     monkeypatch.delenv(CAUSAL_RUNS_ENV, raising=False)
+    monkeypatch.delenv("JAGGED_ATTN_GLUON_DYNAMIC", raising=False)
     assert causal_runs()  # the default since 0.2.18
+    monkeypatch.setenv("JAGGED_ATTN_GLUON_DYNAMIC", "0")  # the fixed order: per tile
+    assert not causal_runs()
+    monkeypatch.setenv(CAUSAL_RUNS_ENV, "1")  # unless asked for
+    assert causal_runs()
+    monkeypatch.delenv("JAGGED_ATTN_GLUON_DYNAMIC")
     monkeypatch.setenv(CAUSAL_RUNS_ENV, "x")
     with pytest.raises(ValueError, match=CAUSAL_RUNS_ENV):
         causal_runs()

@@ -45,9 +45,13 @@ from hyperrec.jagged_attn._triton._direct import launch
 __all__ = ["CAUSAL_RUNS_ENV", "causal_runs", "tile_schedule"]
 
 #: Switch read at every schedule build: ``0`` places a causal call's tiles one by one by
-#: cost; ``1`` or unset (the default since 0.2.18): as runs per sequence (see
-#: :func:`causal_runs`); anything else is a ValueError.
+#: cost; ``1``: as runs per sequence (see :func:`causal_runs`); unset: runs unless
+#: ``JAGGED_ATTN_GLUON_DYNAMIC=0`` (the Gluon kernels' fixed order balances runs badly);
+#: anything else is a ValueError.
 CAUSAL_RUNS_ENV = "JAGGED_ATTN_CAUSAL_RUNS"
+# The Gluon kernels' switch (``_gluon._launch.DYNAMIC_ENV``; named here, not imported: the
+# Triton schedules do not import the Gluon modules).
+_GLUON_DYNAMIC_ENV = "JAGGED_ATTN_GLUON_DYNAMIC"
 
 
 def causal_runs() -> bool:
@@ -56,9 +60,13 @@ def causal_runs() -> bool:
     share keys and values in L2 between programs running side by side. Placed by their
     own cost, tiles balance a persistent grid whose programs take items in a fixed order
     better; since 0.2.18 the Gluon kernels claim items as they go (``GluonConfig.dynamic``)
-    and runs are the default (``bench/results/probe_dynamic_h200_2026-12-04.json``).
+    and runs are the default (``bench/results/probe_dynamic_h200_2026-12-04.json``); with
+    those claims off (``JAGGED_ATTN_GLUON_DYNAMIC=0``) the default is the per-tile order
+    again (runs with the fixed order: 0.69-0.92x on causal calls, same file and
+    ``probe_gluon_fp8_h200_2026-12-04_static.json``).
     Without a causal mask the tiles of a sequence cost the same and always form a run."""
-    value = os.environ.get(CAUSAL_RUNS_ENV, "1")
+    default = "0" if os.environ.get(_GLUON_DYNAMIC_ENV) == "0" else "1"
+    value = os.environ.get(CAUSAL_RUNS_ENV, default)
     if value not in ("0", "1"):
         raise ValueError(f"{CAUSAL_RUNS_ENV} must be '0' or '1', got {value!r}")
     return value == "1"
