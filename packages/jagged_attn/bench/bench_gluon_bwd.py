@@ -62,7 +62,8 @@ def set_env(setting: str) -> None:
     ``"1-late"``: the same with both dK/dV products issued after dS
     (``_bwd_launch.EARLY_DV = False``); ``"1-tdq"``: Gluon dK/dV, Triton dQ; ``"1-m64"`` /
     ``"1-m32"``: 64- / 32-row query tiles in the dK/dV kernel at head dim 128 for both
-    activations (the defaults: 64 for softmax, 32 for SiLU)."""
+    activations (the defaults: 64 for softmax, 32 for SiLU); ``"1-dq128"``: the dQ kernel
+    with 128-key tiles and a two-stage ring (default: 64 keys, three stages)."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
     from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
 
@@ -71,6 +72,7 @@ def set_env(setting: str) -> None:
     _bwd_launch.DQ_KERNEL = "triton" if setting == "1-tdq" else "gluon"
     _bwd_launch.BLOCK_M_D128_SOFTMAX = 32 if setting == "1-m32" else 64
     _bwd_launch.BLOCK_M_D128_SILU = 64 if setting == "1-m64" else 32
+    _bwd_launch.DQ_BLOCK_N, _bwd_launch.DQ_STAGES = (128, 2) if setting == "1-dq128" else (64, 3)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -192,6 +194,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting instances after")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--settings", nargs="+", default=None, help=f"default {SETTINGS}")
+    ap.add_argument("--dists", nargs="+", default=None, help="length laws by name (default all)")
+    ap.add_argument("--kinds", nargs="+", default=None, help=f"of {KINDS} (default all)")
     args = ap.parse_args()
     t_end = time.time() + args.budget_s
     device = "cpu" if args.smoke else "cuda"
@@ -209,7 +213,9 @@ def main() -> int:
     rows, skipped, flex_cache = [], [], {}
     for inst in range(args.instances):
         for dist in SMOKE_DISTS if args.smoke else DISTS:
-            for kind in KINDS:
+            if args.dists and dist["name"] not in args.dists:
+                continue
+            for kind in args.kinds or KINDS:
                 if time.time() > t_end:
                     skipped.append(f"{dist['name']} {kind} #{inst}")
                     continue
