@@ -50,12 +50,11 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
-    _claim,
     _clear_rows,
     _item,
     _item_barriers,
     _item_tiles,
-    _publish,
+    _next_item,
     _take,
     _tanh_approx,
 )
@@ -94,6 +93,16 @@ def _load_pair(a_desc, b_desc, row, col, bar, a_dst, b_dst):
 
 
 @gluon.jit
+def _load_halves(a_desc, b_desc, a_smem, b_smem, ready, empty, item_i, row0, col):
+    """The two 64-row halves of a work item's fixed tiles (``a`` and ``b`` at rows ``row0``
+    and ``row0 + 64``, one half per consumer), each once its consumer released it."""
+    for c in gl.static_range(2):
+        mbarrier.wait(empty.index(c), (item_i & 1) ^ 1)
+        _load_pair(a_desc, b_desc, row0 + c * WG_ROWS, col, ready.index(c), a_smem.index(c),
+                   b_smem.index(c))  # fmt: skip
+
+
+@gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
                   DYNAMIC: gl.constexpr):  # fmt: skip
@@ -108,18 +117,14 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
     n_items = gl.load(total_ptr) * H
     q_it = 0
     item_i = 0
-    w = _claim(work, 0, pid, nprog, DYNAMIC)
-    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    w = _next_item(work, item_ready, 0, pid, nprog, DYNAMIC)
     while w < n_items:
         h, q_start, Lq, k_start, Lk, n0 = _item(meta, w, n_items, H)
-        for c in gl.static_range(2):
-            # the consumer's previous item has retired its last GEMM on these buffers
-            mbarrier.wait(kv_empty.index(c), (item_i & 1) ^ 1)
-            _load_pair(k_desc, v_desc, k_start + n0 + c * WG_ROWS, h * HEAD_DIM,
-                       kv_ready.index(c), k_smem.index(c), v_smem.index(c))  # fmt: skip
+        # the consumers' previous item has retired its last GEMM on these buffers
+        _load_halves(k_desc, v_desc, k_smem, v_smem, kv_ready, kv_empty, item_i,
+                     k_start + n0, h * HEAD_DIM)  # fmt: skip
         # the next item (or the end marker), published before this item's tiles
-        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
-        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
         for i in range(lo, hi):
             st = q_it % NUM_STAGES
@@ -383,18 +388,14 @@ def _dq_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.con
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    w = _claim(work, 0, pid, nprog, DYNAMIC)
-    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    w = _next_item(work, item_ready, 0, pid, nprog, DYNAMIC)
     while w < n_items:
         h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-        for c in gl.static_range(2):
-            # the consumer has stored its previous dQ tile out of its Q buffer
-            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-            _load_pair(q_desc, do_desc, q_start + m0 + c * WG_ROWS, h * HEAD_DIM,
-                       q_ready.index(c), q_smem.index(c), do_smem.index(c))  # fmt: skip
+        # the consumers have stored their previous dQ tiles out of their Q buffers
+        _load_halves(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, item_i, q_start + m0,
+                     h * HEAD_DIM)  # fmt: skip
         # the next item (or the end marker), published before this item's tiles
-        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
-        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
         for j in range(n_tiles):
             st = kv_it % NUM_STAGES

@@ -54,13 +54,13 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
-    _claim,
     _fwd_barriers,
     _item,
     _item_barriers,
     _item_tiles,
+    _load_q_halves,
+    _next_item,
     _pass_turn,
-    _publish,
     _scores,
     _store_out,
     _take,
@@ -101,21 +101,13 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    w = _claim(work, 0, pid, nprog, DYNAMIC)
-    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    w = _next_item(work, item_ready, 0, pid, nprog, DYNAMIC)
     while w < n_items:
         h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
         v_col = _v_col(meta, v_off, w, n_items, H)
-        for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
-                q_smem.index(c),
-            )  # fmt: skip
+        _load_q_halves(q_desc, q_smem, q_ready, q_empty, item_i, q_start + m0, h * HEAD_DIM)
         # the next item (or the end marker), published before this item's key tiles
-        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
-        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
         for j in range(n_tiles):
             st = kv_it % NUM_STAGES

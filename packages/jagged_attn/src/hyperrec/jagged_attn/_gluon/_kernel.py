@@ -144,6 +144,27 @@ def _take(work, item_ready, r, pid, nprog, DYNAMIC: gl.constexpr):
 
 
 @gluon.jit
+def _next_item(work, item_ready, r, pid, nprog, DYNAMIC: gl.constexpr):
+    """The producer's ``r``-th work item (``_claim``), handed to the consumers
+    (``_publish``)."""
+    w = _claim(work, r, pid, nprog, DYNAMIC)
+    _publish(work, item_ready, w, r, pid, DYNAMIC)
+    return w
+
+
+@gluon.jit
+def _load_q_halves(q_desc, q_smem, q_ready, q_empty, item_i, row0, col):
+    """TMA loads of a work item's two 64-row query halves (rows ``row0`` and ``row0 + 64``),
+    each once its consumer has released the buffer (its last ``Q K^T`` of the previous
+    item retired)."""
+    for c in gl.static_range(2):
+        mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + c * WG_ROWS, col], q_ready.index(c),
+                                        q_smem.index(c))  # fmt: skip
+
+
+@gluon.jit
 def _item_barriers():
     """The dynamic schedule's ``item_ready`` ring (one arrival: the producer's)."""
     bar: gl.constexpr = mbarrier.MBarrierLayout()
@@ -229,22 +250,13 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
     n_items = gl.load(total_ptr) * H
     kv_it = 0
     item_i = 0
-    w = _claim(work, 0, pid, nprog, DYNAMIC)
-    _publish(work, item_ready, w, 0, pid, DYNAMIC)
+    w = _next_item(work, item_ready, 0, pid, nprog, DYNAMIC)
     while w < n_items:
         h, q_start, Lq, k_start, Lk, m0 = _item(meta, w, n_items, H)
-        # Both query halves; a buffer is reused once its consumer's last Q K^T retired.
-        for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (item_i & 1) ^ 1)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [q_start + m0 + c * WG_ROWS, h * HEAD_DIM], q_ready.index(c),
-                q_smem.index(c),
-            )  # fmt: skip
+        _load_q_halves(q_desc, q_smem, q_ready, q_empty, item_i, q_start + m0, h * HEAD_DIM)
         # The next item (or the end marker, an index >= n_items), published before this
         # item's key tiles: the consumers find it ready when they finish this one.
-        w_next = _claim(work, item_i + 1, pid, nprog, DYNAMIC)
-        _publish(work, item_ready, w_next, item_i + 1, pid, DYNAMIC)
+        w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         n_tiles = _item_tiles(m0, Lq, Lk, CAUSAL, BLOCK_N)
         for j in range(n_tiles):
             st = kv_it % NUM_STAGES
