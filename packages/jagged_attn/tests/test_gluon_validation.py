@@ -99,6 +99,8 @@ def test_config_checks_and_shared_memory():
         GluonConfig(pingpong="yes")
     with pytest.raises(TypeError, match="num_stages must be an int"):
         GluonConfig(num_stages=2.0)
+    with pytest.raises(TypeError, match="dynamic must be a bool"):
+        GluonConfig(dynamic=1)
     # the defaults fit Hopper's 227 KiB; three 128x128 stages at head dim 128 do not
     for d in (64, 128):
         assert shared_memory_bytes(d, default_config(d)) <= 232448 - 1024
@@ -151,3 +153,15 @@ def test_schedule_cache_follows_the_offsets_object():
 def test_schedule_empty_sequences_only():
     qo, ko, schedule = _table([0, 0, 0])
     assert int(schedule[-1]) == 0 and schedule[2].shape[0] >= 1
+
+
+def test_dynamic_switch(monkeypatch):
+    """``JAGGED_ATTN_GLUON_DYNAMIC``: unset or 1 keeps the configured order, 0 forces the
+    fixed one, anything else names the variable."""
+    monkeypatch.delenv(gluon_launch.DYNAMIC_ENV, raising=False)
+    assert gluon_launch.dynamic_allowed()
+    monkeypatch.setenv(gluon_launch.DYNAMIC_ENV, "0")
+    assert not gluon_launch.dynamic_allowed()
+    monkeypatch.setenv(gluon_launch.DYNAMIC_ENV, "yes")
+    with pytest.raises(ValueError, match=gluon_launch.DYNAMIC_ENV):
+        gluon_launch.dynamic_allowed()
