@@ -165,3 +165,27 @@ def test_dynamic_switch(monkeypatch):
     monkeypatch.setenv(gluon_launch.DYNAMIC_ENV, "yes")
     with pytest.raises(ValueError, match=gluon_launch.DYNAMIC_ENV):
         gluon_launch.dynamic_allowed()
+
+
+def test_persistent_grid_and_work_buffer(monkeypatch):
+    """One CTA per SM at most; the dynamic schedule's buffer is zeroed, sized for the item
+    counter and four ring slots per CTA, and new at every launch; the switch at 0 passes
+    the unused argument through."""
+    monkeypatch.setattr(gluon_launch, "_num_sms", lambda device: 4)
+    monkeypatch.delenv(gluon_launch.DYNAMIC_ENV, raising=False)
+    unused = torch.empty(1, dtype=torch.int32)
+    grid, work, dynamic = gluon_launch._persistent_grid(10, torch.device("cpu"), True, unused)
+    assert grid == (4,) and dynamic and work.dtype == torch.int32
+    assert work.shape == (1 + 4 * 4,) and not bool(work.any())
+    assert gluon_launch._persistent_grid(10, torch.device("cpu"), True, unused)[1] is not work
+    assert gluon_launch._persistent_grid(0, torch.device("cpu"), False, unused) == (
+        (1,),
+        unused,
+        False,
+    )
+    monkeypatch.setenv(gluon_launch.DYNAMIC_ENV, "0")
+    assert gluon_launch._persistent_grid(3, torch.device("cpu"), True, unused) == (
+        (3,),
+        unused,
+        False,
+    )

@@ -8,13 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperrec.jagged_attn._gluon._launch import (
-    _MAXNREG,
-    _num_sms,
-    _smem_layout,
-    _work_buffer,
-    dynamic_allowed,
-)
+from hyperrec.jagged_attn._gluon._launch import _MAXNREG, _persistent_grid, _smem_layout
 
 __all__ = ["BLOCK_N", "DEFAULT_STAGES", "block_m", "run_dkdv", "run_dq"]
 
@@ -109,9 +103,7 @@ def run_dkdv(
     if not softmax:
         lse = delta = dk  # never read
     items = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
-    grid = (max(1, min(items, _num_sms(q.device))),)
-    dynamic = DYNAMIC and dynamic_allowed()
-    work = _work_buffer(grid[0], q.device) if dynamic else total
+    grid, work, dynamic = _persistent_grid(items, q.device, DYNAMIC, total)
     args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), desc(dk, 64), desc(dv, 64),
             dk, dv, lse, delta, tile_seq, tile_idx,
             q32, kv32, total, work, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
@@ -163,9 +155,7 @@ def run_dq(
     if not softmax:
         lse = delta = dq  # never read
     items = work_upper_bound(q.shape[0], q32.numel() - 1, 2 * 64) * n_heads
-    grid = (max(1, min(items, _num_sms(q.device))),)
-    dynamic = DYNAMIC and dynamic_allowed()
-    work = _work_buffer(grid[0], q.device) if dynamic else total
+    grid, work, dynamic = _persistent_grid(items, q.device, DYNAMIC, total)
     args = (desc(q, 64), desc(grad_out, 64), desc(k, block_n), desc(v, block_n), desc(dq, 64),
             dq, lse, delta, tile_seq, tile_idx, q32, kv32, total, work, dq.stride(0),
             lse.stride(0) if softmax else 0, qk_scale, coef, dq_scale)  # fmt: skip

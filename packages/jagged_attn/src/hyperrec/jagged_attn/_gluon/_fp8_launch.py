@@ -19,10 +19,8 @@ from hyperrec.jagged_attn._gluon._launch import (
     _SMEM_LIMIT,
     _WG_ROWS,
     BLOCK_M,
-    _num_sms,
+    _persistent_grid,
     _smem_layout,
-    _work_buffer,
-    dynamic_allowed,
 )
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
@@ -146,9 +144,7 @@ def run(
     q32, kv32, tile_seq, tile_idx, total = schedule
     lse_arg = lse if softmax else torch.empty(1, dtype=torch.float32, device=out.device)
     items = work_upper_bound(total_q, n_seq, BLOCK_M) * heads
-    grid = (max(1, min(items, _num_sms(out.device))),)
-    dynamic = config.dynamic and dynamic_allowed()
-    work = _work_buffer(grid[0], out.device) if dynamic else total
+    grid, work, dynamic = _persistent_grid(items, out.device, config.dynamic, total)
     args = (q_desc, k_desc, v_desc, o_desc, out, lse_arg, q8.scale, k8.scale, v8.scale,
             tile_seq, tile_idx, q32, kv32, v8.pad_offsets, total, work, out.stride(0), total_q,
             q8.scale.stride(0), qk_scale, coef)  # fmt: skip

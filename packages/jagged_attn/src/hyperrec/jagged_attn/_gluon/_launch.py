@@ -373,9 +373,7 @@ def _run(
         coef = output_scale / max(max_seqlen_kv, 1) if hstu_norm else output_scale
         lse_arg = torch.empty(1, dtype=torch.float32, device=q.device)  # never written
     items = work_upper_bound(total_q, n_seq, BLOCK_M) * n_heads
-    grid = (max(1, min(items, _num_sms(q.device))),)
-    dynamic = config.dynamic and dynamic_allowed()
-    work = _work_buffer(grid[0], q.device) if dynamic else total
+    grid, work, dynamic = _persistent_grid(items, q.device, config.dynamic, total)
     args = (desc(q, _WG_ROWS), desc(k, config.block_n), desc(v, config.block_n),
             desc(out, _WG_ROWS), out, lse_arg, tile_seq, tile_idx, q32, kv32, total, work,
             out.stride(0), total_q, qk_scale,
@@ -396,11 +394,19 @@ _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
 _ITEM_DEPTH = 4
 
 
-def _work_buffer(grid: int, device: torch.device) -> torch.Tensor:
-    """The dynamic schedule's int32 buffer: the item counter (zero) and each CTA's ring.
-    A new one per launch: a counter shared between launches would need resetting, and
-    kernels on two streams would take each other's items."""
-    return torch.zeros(1 + _ITEM_DEPTH * grid, dtype=torch.int32, device=device)
+def _persistent_grid(
+    items: int, device: torch.device, dynamic: bool, unused: torch.Tensor
+) -> tuple[tuple[int], torch.Tensor, bool]:
+    """``(grid, work, dynamic)`` of a persistent Gluon kernel over at most ``items`` work
+    items: at most one CTA per SM; with ``dynamic`` (unless :data:`DYNAMIC_ENV` is ``0``)
+    ``work`` is a new zeroed int32 buffer, the item counter and each CTA's ring, else
+    ``unused`` (never read). A new buffer per launch: a counter shared between launches
+    would need resetting, and kernels on two streams would take each other's items."""
+    grid = (max(1, min(items, _num_sms(device))),)
+    dynamic = dynamic and dynamic_allowed()
+    if not dynamic:
+        return grid, unused, False
+    return grid, torch.zeros(1 + _ITEM_DEPTH * grid[0], dtype=torch.int32, device=device), True
 
 
 def _schedule(
