@@ -63,9 +63,7 @@ def set_env(setting: str) -> None:
     (``_bwd_launch.EARLY_DV = False``); ``"1-tdq"``: Gluon dK/dV, Triton dQ; ``"1-m64"`` /
     ``"1-m32"``: 64- / 32-row query tiles in the dK/dV kernel at head dim 128 for both
     activations (the defaults: 64 for softmax, 32 for SiLU); ``"1-dq128"``: the dQ kernel
-    with 128-key tiles and a two-stage ring (default: 64 keys, three stages); ``"1-defer"``:
-    the dK/dV kernel with ``DEFER_DK`` (each tile's dK GEMM left in flight across the next
-    tile's issue)."""
+    with 128-key tiles and a two-stage ring (default: 64 keys, three stages)."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
     from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
 
@@ -75,7 +73,6 @@ def set_env(setting: str) -> None:
     _bwd_launch.BLOCK_M_D128_SOFTMAX = 32 if setting == "1-m32" else 64
     _bwd_launch.BLOCK_M_D128_SILU = 64 if setting == "1-m64" else 32
     _bwd_launch.DQ_BLOCK_N, _bwd_launch.DQ_STAGES = (128, 2) if setting == "1-dq128" else (64, 3)
-    _bwd_launch.DEFER_DK = setting == "1-defer"
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -117,9 +114,6 @@ def instance(dist, kind, inst, device, heads, dim, tokens, flex_cache, settings)
             del out
         except Exception as e:  # record and go on
             row["errors"][f"gluon_bwd={setting}"] = bg._error(e)
-    if "1" in grads and "1-defer" in grads:
-        row["rel_diff_defer"] = {n: rel_diff(a, b) for n, a, b in
-                                 zip("qkv", grads["1-defer"], grads["1"])}  # fmt: skip
     if "0" in grads and "1" in grads:
         row["rel_diff"] = {n: rel_diff(a, b) for n, a, b in zip("qkv", grads["1"], grads["0"])}
         row["non_finite"] = int(sum((~torch.isfinite(g)).sum().item() for g in grads["1"]))
@@ -155,14 +149,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (dist, kind), rs in by.items():
         s: dict = {"dist": dist, "kind": kind, "instances": len(rs),
                    "errors": sorted({e for r in rs for e in r["errors"]})}  # fmt: skip
-        for path in (
-            "gluon_bwd=0",
-            "gluon_bwd=1",
-            "gluon_bwd=1-late",
-            "gluon_bwd=1-tdq",
-            "gluon_bwd=1-defer",
-            "flex",
-        ):
+        for path in ("gluon_bwd=0", "gluon_bwd=1", "gluon_bwd=1-late", "gluon_bwd=1-tdq", "flex"):
             for pass_ in ("bwd", "fwd_bwd"):
                 ts = [r["timings"].get(path, {}).get(pass_) for r in rs]
                 ts = [t for t in ts if t]
@@ -184,11 +171,6 @@ def summarise(rows: list[dict]) -> list[dict]:
                                                           "bwd", "bwd", key)  # fmt: skip
             s[f"tdq_over_triton/bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1-tdq", "bwd",
                                                     "bwd", key)  # fmt: skip
-            s[f"defer_over_default/bwd/{key}"] = ratio("gluon_bwd=1", "gluon_bwd=1-defer", "bwd",
-                                                      "bwd", key)  # fmt: skip
-            s[f"over_flex/gluon_bwd=1-defer/fwd_bwd/{key}"] = ratio(
-                "flex", "gluon_bwd=1-defer", "fwd_bwd", "fwd_bwd", key
-            )
             s[f"late_dv_over_triton/bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1-late", "bwd",
                                                         "bwd", key)  # fmt: skip
             s[f"gluon_over_triton/fwd_bwd/{key}"] = ratio("gluon_bwd=0", "gluon_bwd=1", "fwd_bwd",

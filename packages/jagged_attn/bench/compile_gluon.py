@@ -134,12 +134,6 @@ def configs() -> list[dict]:
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
         out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
                         stages=3, block_n=128, early_dv=False))  # fmt: skip
-    # the previous tile's dK GEMM left in flight across the next tile's issue (DEFER_DK)
-    for head_dim in (128, 64):
-        for causal in (False, True):
-            for act in (0, 1):
-                out.append(dict(kernel="dkdv", head_dim=head_dim, causal=causal, act=act,
-                                pingpong=False, stages=3, block_n=128, defer_dk=True))  # fmt: skip
     return out
 
 
@@ -247,7 +241,6 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "CAUSAL": cfg["causal"],
             "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
             "EARLY_DV": cfg.get("early_dv", True), "DYNAMIC": cfg.get("dynamic", True),
-            "DEFER_DK": cfg.get("defer_dk", False),
         }  # fmt: skip
         aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "total_ptr", "work", "stride_kt")  # fmt: skip
@@ -323,7 +316,6 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
         name += "_n{block_n}_i{isolate:d}_dyn{dynamic:d}"
         name = name.format(**{"isolate": True, "dynamic": True, **cfg})
-        name += "_defer" if cfg.get("defer_dk") else ""
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])

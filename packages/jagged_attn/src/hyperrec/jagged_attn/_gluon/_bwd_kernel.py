@@ -151,11 +151,9 @@ def _bwd_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr, DYNAMIC: gl.constexpr,
-    DEFER_DK: gl.constexpr,
 ):  # fmt: skip
     out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work, item_ready = shared
     dk_desc, dv_desc, DK, DV = out
-    smem, ds_smem = smem
     qk_scale, coef, dk_scale = consts
     # S^T / dP^T: [64 keys, 64 queries]; dK / dV: [64 keys, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -212,13 +210,7 @@ def _bwd_consumer(
             if ACT == 0:
                 lse = stat_smem.index(2 * st).load(scol)
             # groups retire in order: S^T is done, dP^T may still run
-            if DEFER_DK:
-                # ... and so is the previous tile's dK, the last reader of its Q tile
-                s, dk = warpgroup_mma_wait(num_outstanding=1, deps=[s, dk])
-                if i > lo:
-                    mbarrier.arrive(q_empty.index((it + NUM_STAGES - 1) % NUM_STAGES), count=1)
-            else:
-                s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
             if ACT == 0:
                 p = gl.exp2(s * qk_scale - lse[None, :])
             else:
@@ -249,31 +241,13 @@ def _bwd_consumer(
                 ds = dp * (sg * (1.0 + x * (1.0 - sg)))
             if need_mask:
                 ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
-            if DEFER_DK:
-                # dS^T through shared memory: a register operand of a GEMM still in
-                # flight across the loop's back edge makes ptxas serialise every wgmma
-                ds_buf = ds_smem.index(WG)
-                ds_buf.store(ds.to(dtype))
-                fence_async_shared()
-                if not EARLY_DV:
-                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-                dk = warpgroup_mma(ds_buf, q_buf, dk, is_async=True)
-                # dV is done; dK keeps the tensor cores busy while the next tile's S^T and
-                # dP^T are issued (its Q tile and dS^T buffer are released by the next
-                # S^T wait, which retires it)
-                dv, p_op, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, p_op, dk])
-            else:
-                ds_op = gl.convert_layout(ds.to(dtype), op_layout)
-                if not EARLY_DV:
-                    dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
-                dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
-                dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
-                                                         deps=[dv, dk, p_op, ds_op])  # fmt: skip
-                mbarrier.arrive(q_empty.index(st), count=1)
-        if DEFER_DK:
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk])
-            if hi > lo:
-                mbarrier.arrive(q_empty.index((q_it + hi - lo - 1) % NUM_STAGES), count=1)
+            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            if not EARLY_DV:
+                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+            dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                     deps=[dv, dk, p_op, ds_op])  # fmt: skip
+            mbarrier.arrive(q_empty.index(st), count=1)
         q_it += hi - lo
         item_i += 1
         # read before the epilogue, which hides the load's latency
@@ -332,7 +306,7 @@ def jagged_bwd_dkdv_kernel(
     q_off, kv_off, total_ptr, work, stride_kt, stride_lh, qk_scale, coef, dk_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
-    DYNAMIC: gl.constexpr, DEFER_DK: gl.constexpr = False,
+    DYNAMIC: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dK/dV; see the module docstring.
 
@@ -356,12 +330,6 @@ def jagged_bwd_dkdv_kernel(
     # per stage: the query tile's LSE and delta (softmax)
     stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     stat_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, BLOCK_M], stat_layout)
-    # DEFER_DK: each consumer's dS^T tile, the A operand of its dK GEMM
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128 if BLOCK_M >= 64 else 64, element_bitwidth=16, rank=2
-    )
-    ds_smem = gl.allocate_shared_memory(dtype, [2 if DEFER_DK else 1, WG_ROWS, BLOCK_M],
-                                        ds_layout)  # fmt: skip
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
@@ -381,16 +349,16 @@ def jagged_bwd_dkdv_kernel(
     meta = (tile_seq, tile_idx, q_off, kv_off)
     out = (dk_desc, dv_desc, DK, DV)
     item_ready = _item_barriers()
-    shared = (out, LSE, DELTA, (smem, ds_smem), bars, meta, total_ptr, stride_kt, stride_lh,
-              work, item_ready)  # fmt: skip
+    shared = (out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work,
+              item_ready)  # fmt: skip
     consts = (qk_scale, coef, dk_scale)
     # fmt: off
     gl.warp_specialize(
         [
             (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, DEFER_DK)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, DEFER_DK)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
             (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
                               (LSE, DELTA, stride_lh), work, item_ready), H, HEAD_DIM, BLOCK_M,
                              NUM_STAGES, CAUSAL, ACT, DYNAMIC)),

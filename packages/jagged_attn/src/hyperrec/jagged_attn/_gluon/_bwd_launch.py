@@ -44,11 +44,6 @@ DQ_STAGES = 3
 #: Issue ``dV += P^T dO`` before ``dS^T`` is computed (``EARLY_DV`` in the kernel); read at
 #: every launch, a switch for benchmarks.
 EARLY_DV = True
-#: Leave each query tile's dK GEMM in flight while the next tile's two GEMMs are issued
-#: (``DEFER_DK`` in the kernel: dS^T goes through shared memory, the Q tile is released one
-#: tile later; needs a ring of at least two stages); read at every launch, a switch for
-#: benchmarks.
-DEFER_DK = False
 #: Both kernels claim work items from a global counter (``GluonConfig.dynamic`` of the
 #: forward); off: the static snake order. Read at every launch, a switch for benchmarks;
 #: ``JAGGED_ATTN_GLUON_DYNAMIC=0`` turns it off too.
@@ -115,8 +110,7 @@ def run_dkdv(
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
               ACT=0 if softmax else 1, ISOLATE_ROWS=True,
-              EARLY_DV=EARLY_DV, DYNAMIC=dynamic,
-              DEFER_DK=DEFER_DK and num_stages >= 2)  # fmt: skip
+              EARLY_DV=EARLY_DV, DYNAMIC=dynamic)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)
 
