@@ -181,6 +181,37 @@ def sass_counts(cubin: bytes, ptxas: str) -> dict:
         "sass_shfl": len(re.findall(r"\bSHFL\.", sass)),
         "sass_mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
         "sass_f2fp": len(re.findall(r"\bF2FP\.", sass)),
+        **main_loop_counts(sass),
+    }
+
+
+def main_loop_counts(sass: str) -> dict:
+    """The static body of the kernel's tile loop: the smallest range closed by a backward
+    branch that holds at least 32 MUFU operations (a tile's ``exp2`` or ``tanh`` per
+    thread) and a GEMM. Static: a block skipped at run time (masking of edge tiles)
+    counts too. Empty if no such loop."""
+    ins = [(int(a, 16), t.strip()) for a, t in
+           re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass, re.M)]  # fmt: skip
+    best = None
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        lo = int(m.group(1), 16)
+        body = [t for a, t in ins if lo <= a <= addr]
+        if (sum("MUFU." in t for t in body) >= 32 and any("GMMA" in t for t in body)
+                and (best is None or addr - lo < best[1] - best[0])):  # fmt: skip
+            best = (lo, addr)
+    if best is None:
+        return {}
+    body = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t) for a, t in ins if best[0] <= a <= best[1]]
+    ops = [t.split()[0] for t in body]
+    return {
+        "loop_instructions": len(ops),
+        "loop_prmt": ops.count("PRMT"),
+        "loop_lop3": sum(o.startswith("LOP3") for o in ops),
+        "loop_shf": sum(o.startswith("SHF") for o in ops),
+        "loop_mufu_ex2": ops.count("MUFU.EX2"),
     }
 
 
