@@ -168,14 +168,17 @@ def _p_operand(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
     """E4M3 ``P`` as the A operand of ``P V``. ``PERMUTED`` (V stored in
     ``fp8.mma_column`` order): relabel the reduction index the same way, so that every
     thread keeps the values it holds (no shuffles, fewer byte permutes)."""
-    p8 = p.to(gl.float8e4nv)
     if PERMUTED:
+        # relabelling and layout change move no values between threads: done on the fp32
+        # values, the conversion then packs each operand register in place
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
-        p8 = gl.reshape(p8, [M, N // 16, 2, 4, 2])
-        p8 = gl.permute(p8, (0, 1, 3, 2, 4))
-        p8 = gl.reshape(p8, [M, N])
-    return gl.convert_layout(p8, p_layout)
+        p = gl.reshape(p, [M, N // 16, 2, 4, 2])
+        p = gl.permute(p, (0, 1, 3, 2, 4))
+        p = gl.reshape(p, [M, N])
+        return gl.convert_layout(p, p_layout).to(gl.float8e4nv)
+    # the layout change moves values between threads: a quarter of the bytes as E4M3
+    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
 
 
 @gluon.jit
@@ -282,10 +285,14 @@ def _consumer(
             # acc is zero: the first tile's factor is not applied
             p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT)
             sv_prev = sv
-            p_op = _p_operand(p, p_layout, PERMUTED_P)
             st_prev = st
             ph_prev = ph
             for j in range(1, n_tiles):
+                # P of the previous tile becomes the E4M3 operand here, on this side of
+                # the loop's back edge: carried across it, the 8-bit operand was split
+                # into one register per byte and repacked (~3 integer instructions per
+                # value); carried as fp32 it is converted and packed in place.
+                p_op = _p_operand(p, p_layout, PERMUTED_P)
                 it = kv_it + j
                 st = it % NUM_STAGES
                 ph = (it // NUM_STAGES) & 1
@@ -314,7 +321,6 @@ def _consumer(
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(v_empty.index(st_prev), count=1)
                 acc = acc * gl.convert_layout(ratio, orow)[:, None]
-                p_op = _p_operand(p, p_layout, PERMUTED_P)
                 st_prev = st
                 ph_prev = ph
             mbarrier.arrive(q_empty.index(WG), count=1)
@@ -323,6 +329,7 @@ def _consumer(
             if tail < BLOCK_N:
                 _clear_cols(v_smem, st_prev, tail, NUM_STAGES, BLOCK_N, HEAD_DIM,
                             PERMUTED_P)  # fmt: skip
+            p_op = _p_operand(p, p_layout, PERMUTED_P)
             _take_turn(turn, slot, WG, PINGPONG)
             acc = warpgroup_mma(p_op, v_smem.index(st_prev).permute((1, 0)), acc,
                                 is_async=True)  # fmt: skip
