@@ -243,9 +243,11 @@ def test_eligibility():
 @pytest.mark.parametrize("default", [False, True])
 @pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dispatch(monkeypatch, env, default, long, causal):
-    """The launcher takes the Gluon FP8 forward iff asked (or by default for long causal
-    calls) and eligible; an invalid switch value is a ValueError naming the variable."""
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_dispatch(monkeypatch, env, default, long, causal, activation):
+    """The launcher takes the Gluon FP8 forward iff asked (or by default for long calls,
+    causal or softmax) and eligible; an invalid switch value is a ValueError naming the
+    variable."""
     from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
 
     if env is None:
@@ -260,7 +262,8 @@ def test_dispatch(monkeypatch, env, default, long, causal):
     )
     monkeypatch.setattr("hyperrec.jagged_attn._gluon._launch._schedule", lambda *a: ("schedule",))
     n = 300 if long else 100
-    case = Case((n, 0, 7), heads=2, head_dim=64, mask=dict(causal=causal))
+    spec = {} if activation == "softmax" else dict(activation="silu", normalization="none")
+    case = Case((n, 0, 7), heads=2, head_dim=64, mask=dict(causal=causal), spec=spec)
     q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0, device="cpu")
     call = call_of(q, k, v, qo, ko, kvi, nt, spec)
     qkv = reference_fp8.quantize_qkv(q, k, v, qo, ko, FP8Config())
@@ -282,9 +285,10 @@ def test_dispatch(monkeypatch, env, default, long, causal):
         _fp8_launch.attention_forward_fp8(call, FP8Config(), qkv=qkv)
     except TritonPath:
         took_triton = True
-    want = env == "1" or (env in (None, "auto") and default and long and causal)
+    by_default = default and long and (causal or activation == "softmax")
+    want = env == "1" or (env in (None, "auto") and by_default)
     assert bool(ran) == want and took_triton != want
     if ran:
-        assert ran[0]["causal"] == causal and ran[0]["softmax"]
+        assert ran[0]["causal"] == causal and ran[0]["softmax"] == (activation == "softmax")
         assert ran[0]["schedule"] == ("schedule",)
         assert ran[0]["qk_scale"] > 0
