@@ -144,9 +144,6 @@ class Sim:
         self.item_unread[slot] = {"wg0", "wg1"}
         self.item_ready[slot].arrive()
 
-    def run(self, procs: dict) -> None:
-        run_all([(self, procs)], self.rng)
-
 
 def run_all(ctas: list, rng: random.Random) -> None:
     """Run the partitions of several CTAs (``(sim, procs)`` pairs) randomly interleaved."""
