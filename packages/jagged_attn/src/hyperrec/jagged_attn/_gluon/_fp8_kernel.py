@@ -168,17 +168,14 @@ def _p_operand(p, p_layout: gl.constexpr, PERMUTED: gl.constexpr):
     """E4M3 ``P`` as the A operand of ``P V``. ``PERMUTED`` (V stored in
     ``fp8.mma_column`` order): relabel the reduction index the same way, so that every
     thread keeps the values it holds (no shuffles, fewer byte permutes)."""
+    p8 = p.to(gl.float8e4nv)
     if PERMUTED:
-        # relabelling and layout change move no values between threads: done on the fp32
-        # values, the conversion then packs each operand register in place
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
-        p = gl.reshape(p, [M, N // 16, 2, 4, 2])
-        p = gl.permute(p, (0, 1, 3, 2, 4))
-        p = gl.reshape(p, [M, N])
-        return gl.convert_layout(p, p_layout).to(gl.float8e4nv)
-    # the layout change moves values between threads: a quarter of the bytes as E4M3
-    return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8 = gl.reshape(p8, [M, N // 16, 2, 4, 2])
+        p8 = gl.permute(p8, (0, 1, 3, 2, 4))
+        p8 = gl.reshape(p8, [M, N])
+    return gl.convert_layout(p8, p_layout)
 
 
 @gluon.jit
