@@ -54,7 +54,6 @@ cases left out are listed under ``skipped_for_time``. ``--quick`` leaves FlexAtt
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import os
 import sys
@@ -185,12 +184,6 @@ def _with_env(fn, name: str, value: str):
     return run
 
 
-def _gluon_fp8_env() -> str:
-    from hyperrec.jagged_attn._triton._fp8_launch import GLUON_FP8_ENV
-
-    return GLUON_FP8_ENV
-
-
 def _triton_fp8(pair):
     """An implementation pair with the Gluon FP8 forward switched off (the Triton kernel)."""
     from hyperrec.jagged_attn._triton._fp8_launch import GLUON_FP8_ENV
@@ -205,19 +198,20 @@ def _spec(case: Case):
                          max_seqlen_kv=case.max_len, mask=MaskSpec(causal=case.causal))  # fmt: skip
 
 
-def impl_fp8_parts(case, q, k, v, offsets, config, kernel_config=None):
+def impl_fp8_parts(case, q, k, v, offsets, config, kernel_config=None, triton=False):
     """(kernel-only forward on pre-quantized operands, quantization alone). The operands are
     quantized in the layout the call's forward reads (V in ``mma_order`` where the Gluon
     FP8 forward takes it, as the public call quantizes them; before 2026-12-04 token order
-    always, which made the Gluon kernel take its slower unpermuted path)."""
+    always, which made the Gluon kernel take its slower unpermuted path). ``triton``: for
+    the Triton FP8 kernel (token order)."""
     from hyperrec.jagged_attn._opschema import AttentionCall
     from hyperrec.jagged_attn._triton import _fp8_launch
     from hyperrec.jagged_attn._triton._fp8_launch import attention_forward_fp8, quantize_qkv
 
     call = AttentionCall(q=q, k=k, v=v, q_offsets=offsets, kv_offsets=offsets, kv_index=None,
                          num_targets=None, spec=_spec(case))  # fmt: skip
-    scale = call.spec.scale if call.spec.scale is not None else 1 / math.sqrt(case.head_dim)
-    gluon = q.is_cuda and _fp8_launch._use_gluon_fp8(call, config, None, scale, True)
+    gluon = (not triton and kernel_config is None and q.is_cuda
+             and _fp8_launch._use_gluon_fp8(call, config, None, call.spec.scale, True))  # fmt: skip
     qkv = quantize_qkv(q, k, v, offsets, offsets, config, v_mma_order=gluon)
 
     def kernel():
@@ -278,9 +272,7 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         impls["fp8_kernel"] = (kernel, None)
         # the Triton FP8 forward, whichever forward the default dispatch picks above
         impls["fp8_triton"] = _triton_fp8(impls["fp8"])
-        # operands quantized for the Triton kernel (V in token order)
-        parts = functools.partial(impl_fp8_parts, case, q, k, v, offsets, FP8Config())
-        triton_kernel = _with_env(parts, _gluon_fp8_env(), "0")()[0]
+        triton_kernel, _ = impl_fp8_parts(case, q, k, v, offsets, FP8Config(), triton=True)
         impls["fp8_kernel_triton"] = _triton_fp8((triton_kernel, None))
         if flex_compiled is not None:
             try:

@@ -188,8 +188,8 @@ def sass_counts(cubin: bytes, ptxas: str) -> dict:
 def main_loop_counts(sass: str) -> dict:
     """The static body of the kernel's tile loop: the smallest range closed by a backward
     branch that holds at least 16 MUFU operations (a tile's ``exp2`` or ``tanh`` per
-    thread: 16 in the dK/dV kernel's 32-row SiLU tiles) and a GEMM. Static: a block skipped at run time (masking of edge tiles)
-    counts too. Empty if no such loop."""
+    thread: 16 in the dK/dV kernel's 32-row SiLU tiles) and a GEMM. Static: a block
+    skipped at run time (masking of edge tiles) counts too. Empty if no such loop."""
     ins = [(int(a, 16), t.strip()) for a, t in
            re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass, re.M)]  # fmt: skip
     best = None
