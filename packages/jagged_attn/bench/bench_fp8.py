@@ -9,8 +9,10 @@ over instances of the useful TFLOP/s (``4 * sum(Lq * Lk) * H * D`` forward, allo
 only when causal; fwd+bwd counted 3.5x), and the ratios per instance. Implementations:
 
 * ``fp8``: ``jagged_attention(..., precision="fp8")`` (quantization of Q/K/V included;
-  Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward (which
-  recomputes its softmax statistics since 0.2.4: one more pass over the keys);
+  Hadamard on, the default for D = 128); fwd+bwd = FP8 forward + the bf16 backward, which
+  recomputes its softmax statistics (since 0.2.20, where the Gluon backward serves the
+  call, by a bf16 forward; ``fp8_stats_pass``: the same call with the Triton dQ kernel's
+  statistics pass and Triton backward kernels, what ran from 0.2.4 to 0.2.19);
 * ``fp8_bwd``: fwd+bwd with ``FP8Config(backward="fp8")`` (the FP8 backward), and
   ``fp8_bwd_transposed``: the same reading the token-reducing products' B operands from
   K-major transposed copies instead of the rows copies (``FP8_BWD_TRANSPOSED_B``);
@@ -184,6 +186,22 @@ def _with_env(fn, name: str, value: str):
     return run
 
 
+def _with_stats_pass(fn):
+    """``fn`` with ``recompute_stats`` served by the Triton kernels' statistics pass
+    (``_launch.STATS_BY_FORWARD = False``)."""
+    from hyperrec.jagged_attn._triton import _launch
+
+    def run():
+        saved = _launch.STATS_BY_FORWARD
+        _launch.STATS_BY_FORWARD = False
+        try:
+            return fn()
+        finally:
+            _launch.STATS_BY_FORWARD = saved
+
+    return run
+
+
 def _triton_fp8(pair):
     """An implementation pair with the Gluon FP8 forward switched off (the Triton kernel)."""
     from hyperrec.jagged_attn._triton._fp8_launch import GLUON_FP8_ENV
@@ -257,6 +275,10 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         fp8_bwd = FP8Config(backward="fp8")
         impls = {
             "fp8": impl_public(case, q, k, v, do, offsets, "fp8", backend),
+            "fp8_stats_pass": (
+                None,
+                _with_stats_pass(impl_public(case, q, k, v, do, offsets, "fp8", backend)[1]),
+            ),
             "fp8_bwd": (None, impl_public(case, q, k, v, do, offsets, fp8_bwd, backend)[1]),
             # the same with the token-reducing products on K-major transposed copies
             "fp8_bwd_transposed": (
@@ -274,6 +296,8 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
         impls["fp8_triton"] = _triton_fp8(impls["fp8"])
         triton_kernel, _ = impl_fp8_parts(case, q, k, v, offsets, FP8Config(), triton=True)
         impls["fp8_kernel_triton"] = _triton_fp8((triton_kernel, None))
+        for name in args.skip:
+            impls.pop(name, None)
         if flex_compiled is not None:
             try:
                 fwd, fwd_bwd, _ = ba.impl_flex(case_for_flex(case), q, k, v, do, offsets, lens,
@@ -322,9 +346,9 @@ def run_speed(case: Case, args, device: str, flex_compiled) -> dict:
             info["results"].setdefault(name, {})[f"{key}_tflops"] = ba._stats(values)
     for name, values in extra_ms.items():
         info["results"][name] = ba._stats(values)
-    for ours in ("fp8", "fp8_bwd", "fp8_bwd_transposed", "fp8_kernel", "mxfp8", "fp8_triton",
-                 "fp8_kernel_triton"):  # fmt: skip
-        peers = ["bf16", "flex"]
+    for ours in ("fp8", "fp8_stats_pass", "fp8_bwd", "fp8_bwd_transposed", "fp8_kernel", "mxfp8",
+                 "fp8_triton", "fp8_kernel_triton"):  # fmt: skip
+        peers = ["bf16", "flex"] + (["fp8_stats_pass"] if ours == "fp8" else [])
         if ours in ("fp8", "fp8_kernel"):  # Gluon (where it serves the call) over Triton
             peers.append({"fp8": "fp8_triton", "fp8_kernel": "fp8_kernel_triton"}[ours])
         for peer in peers:
@@ -533,6 +557,10 @@ def print_tables(speed: list[dict], acc: list[dict], ceilings: dict) -> None:
                   f"{ratio(r, 'fp8_kernel', key, 'bf16')}    "
                   f"{'' if qms is None else f'{qms:.3f}'}"
                   f"{'' if qplain is None else f' ({qplain:.3f})'}")  # fmt: skip
+            if key == "fwd_bwd" and r.get("fp8_stats_pass"):
+                print(f"       statistics pass (<= 0.2.19): {cell(r, 'fp8_stats_pass', key)} = "
+                      f"{ratio(r, 'fp8_stats_pass', key, 'bf16')}x bf16; now "
+                      f"{ratio(r, 'fp8', key, 'fp8_stats_pass')}x that")  # fmt: skip
             if key == "fwd_bwd" and r.get("fp8_bwd"):
                 print(f"       FP8 backward: {cell(r, 'fp8_bwd', key)} = "
                       f"{ratio(r, 'fp8_bwd', key, 'bf16')}x bf16; transposed operands "
@@ -560,7 +588,15 @@ def main() -> None:
     parser.add_argument("--acc-tokens", type=int, default=16384,
                         help="token budget of the accuracy inputs")  # fmt: skip
     parser.add_argument("--mx-bwd", action="store_true", help="also time mxfp8 fwd+bwd")
-    parser.add_argument("--only", default=None, help="run cases whose name contains this")
+    parser.add_argument(
+        "--only", default=None, help="run cases whose name contains one of these (comma-separated)"
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        type=lambda s: [x for x in s.split(",") if x],
+        help="implementations to leave out (comma-separated), e.g. fp8_bwd_transposed,mxfp8",
+    )
     parser.add_argument("--budget-min", type=float, default=None)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
@@ -599,8 +635,9 @@ def main() -> None:
         ceilings["bf16_mm"] = _ba().matmul_ceiling()
         ceilings["fp8_scaled_mm"] = fp8_gemm_ceiling()
     if args.only:
-        cases = [c for c in cases if args.only in c.name]
-        acc_cases = [c for c in acc_cases if args.only in c.name]
+        wanted = args.only.split(",")
+        cases = [c for c in cases if any(w in c.name for w in wanted)]
+        acc_cases = [c for c in acc_cases if any(w in c.name for w in wanted)]
     if device == "cuda" and not args.sweep and cases:
         import concurrent.futures as cf
         import multiprocessing as mp

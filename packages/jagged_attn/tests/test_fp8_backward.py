@@ -216,18 +216,31 @@ def _outlier_inputs(lens=(120, 9, 60), heads=1, dim=64, seed=0):
 
 
 @needs_kernels
-def test_default_fp8_forward_gradients_on_outlier_channels():
+@pytest.mark.parametrize("by_forward", [False, True], ids=["stats_pass", "bf16_forward"])
+def test_default_fp8_forward_gradients_on_outlier_channels(by_forward, monkeypatch):
     """``precision="fp8"`` with the default bf16 backward: the backward recomputes the
-    softmax statistics from its own scores, so its gradients are the bf16 backward's
-    (SNR > 30 dB against float64). Reading the FP8 forward's log-sum-exp and output (what
-    it did before) gave dQ 9 dB, dK 16 dB, dV 16 dB here."""
+    softmax statistics from the unquantized inputs, so its gradients are the bf16
+    backward's (SNR > 30 dB against float64). Reading the FP8 forward's log-sum-exp and
+    output (what it did before) gave dQ 9 dB, dK 16 dB, dV 16 dB here. Both ways of
+    recomputing (``_launch.STATS_BY_FORWARD``: the dQ kernel's stats pass, or a bf16
+    forward, what runs where the Gluon backward serves the call); with the forward, the
+    gradients are bit for bit those of the bf16 call's backward."""
+    from hyperrec.jagged_attn._triton import _launch
+
+    monkeypatch.setattr(_launch, "STATS_BY_FORWARD", by_forward)
     (q, k, v, do), offsets, spec = _outlier_inputs()
     exact, _ = _exact_grads(q, k, v, do, offsets, offsets, None, None, spec)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ja.jagged_attention(*leaves, offsets, 120, backend="triton", precision="fp8")
-    for name, got, e in zip("qkv", torch.autograd.grad(out, leaves, do), exact):
-        snr = reference_fp8.error_metrics(got.double().cpu(), e)["snr_db"]
+    got = torch.autograd.grad(out, leaves, do)
+    for name, g, e in zip("qkv", got, exact):
+        snr = reference_fp8.error_metrics(g.double().cpu(), e)["snr_db"]
         assert snr > 30, f"d{name}: {snr:.1f} dB"
+    if by_forward:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ja.jagged_attention(*leaves, offsets, 120, backend="triton")
+        for g, b in zip(got, torch.autograd.grad(out, leaves, do)):
+            torch.testing.assert_close(g, b, rtol=0, atol=0)
 
 
 @needs_kernels
@@ -389,3 +402,32 @@ def test_gpu_kernels_against_the_specification(name):
         err_spec, err = _rms(s - e), _rms(g - e)
         assert _rms(g - s) <= 0.15 * err_spec
         assert abs(err / err_spec - 1) <= 0.01
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_default_backward_takes_the_gluon_kernels(causal):
+    """Sequences past the Gluon threshold: the FP8 forward's default bf16 backward gets its
+    statistics from a bf16 forward and runs the Gluon backward kernels, so its gradients are
+    bit for bit the bf16 call's (and accurate on outlier channels)."""
+    from hyperrec.jagged_attn._gluon import gluon_supported
+    from hyperrec.jagged_attn._triton import _launch
+
+    if not torch.cuda.is_available() or not gluon_supported("cuda"):
+        pytest.skip("needs a GPU the Gluon kernels support")
+    lens = (300, 0, 517, 64)
+    (q, k, v, do), offsets, spec = _outlier_inputs(lens, heads=2, dim=128, seed=3)
+    spec = AttentionSpec(scale=spec.scale, max_seqlen_q=517, max_seqlen_kv=517,
+                         mask=ja.MaskSpec(causal=causal))  # fmt: skip
+    call = call_of(q, k, v, offsets, offsets, None, None, spec)
+    assert _launch.gluon_eligible(call) and _launch.gluon_bwd_requested(spec)
+    exact, _ = _exact_grads(q, k, v, do, offsets, offsets, None, None, spec)
+    grads = []
+    for precision in ("fp8", "bf16"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ja.jagged_attention(*leaves, offsets, 517, causal=causal, precision=precision)
+        grads.append(torch.autograd.grad(out, leaves, do))
+    for name, g, b, e in zip("qkv", *grads, exact):
+        torch.testing.assert_close(g, b, rtol=0, atol=0)
+        snr = reference_fp8.error_metrics(g.double().cpu(), e)["snr_db"]
+        assert snr > 30, f"d{name}: {snr:.1f} dB"

@@ -32,9 +32,11 @@ float32 accumulation:
   maxima of ``|act(s)|``. Softmax and activations run in float32.
 
 **Backward.** ``FP8Config(backward="bf16")`` (the default) runs the package's bf16
-backward on the original inputs (autograd keeps them): only the forward output and, for
-softmax, its log-sum-exp come from the FP8 pass. ``backward="fp8"`` runs every backward
-product on FP8 operands with float32 accumulation, whatever the forward's format:
+backward on the original inputs (autograd keeps them); for softmax it recomputes the
+log-sum-exp and ``delta`` from those inputs (by a bf16 forward where the Gluon backward
+serves the call, else in the Triton dQ kernel), never reading the FP8 forward's.
+``backward="fp8"`` runs every backward product on FP8 operands with float32 accumulation,
+whatever the forward's format:
 
 * Q and K (rotated as in the forward), V and dO are quantized to E4M3 **per token and
   head** (one power-of-two scale per row of the head dim), in one pass. Per-token scales

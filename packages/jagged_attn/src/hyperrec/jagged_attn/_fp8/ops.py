@@ -6,9 +6,10 @@ Two forward ops with the package's argument list
 
 * ``hyperrec_jagged_attn::attention_fp8_triton_fwd`` -> ``(out, lse)``: the quantization
   kernel and the FP8 forward kernel. Its backward is ``attention_fp8_triton_bwd`` on the
-  saved bf16 inputs: with ``backward="bf16"`` the bf16 Triton backward kernels, with
-  ``"fp8"`` the FP8 backward kernels; both recompute the softmax statistics (log-sum-exp,
-  ``rowsum(P * dP)``) from their own scores instead of reading the FP8 forward's.
+  saved bf16 inputs: with ``backward="bf16"`` the package's bf16 backward (the Gluon
+  kernels where they serve the call, after a bf16 forward that supplies the softmax
+  statistics; else the Triton kernels with their statistics pass), with ``"fp8"`` the FP8
+  backward kernels; neither reads the FP8 forward's log-sum-exp or output.
 * ``hyperrec_jagged_attn::attention_fp8_torch`` -> ``out``: the pure-PyTorch emulation
   (:func:`hyperrec.jagged_attn.reference_fp8.attention_forward`). Its backward is the
   reference backward of the unquantized attention (``attention_torch_backward``), or with
@@ -119,9 +120,9 @@ def attention_fp8_triton_bwd(*args: Any) -> tuple[torch.Tensor, torch.Tensor, to
     """Backward of ``attention_fp8_triton_fwd``: ``(dq, dk, dv)``. ``backward="fp8"``: the
     FP8 backward kernels; ``"bf16"``: the bf16 backward kernels. Neither uses the FP8
     forward's ``out`` / ``lse`` (kept in the schema for the op's history): both recompute
-    the softmax statistics from their own scores, so that ``P``, ``lse`` and
-    ``rowsum(P * dP)`` agree (mixing the FP8 forward's made dQ wrong on inputs with outlier
-    channels)."""
+    the softmax statistics from the inputs they differentiate (``recompute_stats``), so
+    that ``P``, ``lse`` and ``rowsum(P * dP)`` agree (mixing the FP8 forward's made dQ
+    wrong on inputs with outlier channels)."""
     from hyperrec.jagged_attn._triton._fp8_launch import attention_backward_fp8
     from hyperrec.jagged_attn._triton._launch import attention_backward
 

@@ -787,10 +787,12 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`attention_forward`: ``(dq, dk, dv)`` in the input dtype.
 
-    ``recompute_stats`` (softmax): do not read ``out`` and ``lse``; the dQ kernel first
+    ``recompute_stats`` (softmax): do not read ``out`` and ``lse``; recompute them from
+    these inputs (:data:`STATS_BY_FORWARD`): by running :func:`attention_forward` first
+    (where the Gluon backward serves the call), or in the dQ kernel, which first
     recomputes each row's log-sum-exp and ``delta = rowsum(P * dP)`` from the backward's
-    own scores (one more pass over the keys: two more GEMMs per tile pair) and the dK/dV
-    kernel runs after it. Needed when ``out`` and ``lse`` come from another computation
+    own scores (one more pass over the keys: two more GEMMs per tile pair) with the dK/dV
+    kernel after it. Needed when ``out`` and ``lse`` come from another computation
     than these inputs' scores (the FP8 forward): the softmax gradient is only right when
     its ``P``, ``lse`` and ``delta`` agree; with the FP8 forward's on inputs with outlier
     channels, dQ's SNR fell to 9 dB.
@@ -839,6 +841,12 @@ def attention_backward(
     coef = _coef(spec)
     mask_ints = _Mask(call).ints()
     qk_scale = _qk_scale(spec.activation, scale)
+    if softmax and recompute_stats and _stats_by_forward(plan, spec):
+        # The forward on these inputs gives the backward a consistent lse and out (two
+        # GEMMs per tile pair, like the dQ kernel's ``STATS`` pass, but at the Gluon
+        # forward's rate); then the Gluon dK/dV and dQ kernels, which have no stats pass.
+        out, lse = attention_forward(call, fast_math=fast_math)
+        recompute_stats = False
     if softmax and recompute_stats:
         # The dQ kernel (``STATS``) writes the log-sum-exp and delta it recomputed, then
         # dK/dV (never with atomic dQ) reads them. Rows no query tile covers keep +inf / 0:
@@ -884,6 +892,22 @@ def attention_backward(
         return dqa.mul_(scale).to(q.dtype), dk, dv
     _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key, *rest)
     return dq, dk, dv
+
+
+#: How ``attention_backward(..., recompute_stats=True)`` gets the softmax statistics:
+#: ``True``: a forward on the same inputs (its ``out`` and ``lse``), then the ordinary
+#: backward; ``False``: the Triton dQ kernel's ``STATS`` pass, then the Triton dK/dV
+#: kernel; ``None`` (default): the forward wherever the Gluon backward serves the call
+#: (the Triton kernels' stats pass cost the FP8 forward's training step 0.55-0.68x the
+#: bf16 step, ``bench/results/fp8_h200_2026-12-04_packed_p_partial.json``). Read at every
+#: call; a switch for tests and benchmarks.
+STATS_BY_FORWARD: bool | None = None
+
+
+def _stats_by_forward(plan: _BackwardPlan, spec: AttentionSpec) -> bool:
+    if STATS_BY_FORWARD is not None:
+        return STATS_BY_FORWARD
+    return plan.gluon and gluon_bwd_requested(spec)
 
 
 # what ``_kv_schedule`` reads of a configuration: the Gluon dK/dV kernel's key-tile rows
