@@ -161,6 +161,37 @@ def test_gluon_fp8_agrees_with_triton(monkeypatch):
     assert torch.allclose(glu_lse[fin], tri_lse[fin], rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_default_silu_takes_gluon(monkeypatch):
+    """Non-causal HSTU SiLU through the public ``gdpa`` (the default's last addition,
+    0.2.21): the default takes the Gluon FP8 forward, whose output agrees with the Triton
+    FP8 forward's within a small fraction of the specification's own FP8 error."""
+    import hyperrec.jagged_attn as ja
+    from hyperrec.jagged_attn import reference
+
+    monkeypatch.delenv(GLUON_FP8_ENV, raising=False)
+    case = Case((700, 0, 333, 1024), heads=2, head_dim=128,
+                spec=dict(activation="silu", normalization="max_seqlen"))  # fmt: skip
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 5)
+    call = call_of(q, k, v, qo, ko, kvi, nt, spec)
+    assert _fp8_launch._use_gluon_fp8(call, FP8Config(), None, spec.scale, True)
+
+    def run():
+        return ja.gdpa(q, k, v, qo, ko, 1024, 1024, activation="silu",
+                       normalization="max_seqlen", precision="fp8")  # fmt: skip
+
+    glu = run()
+    monkeypatch.setenv(GLUON_FP8_ENV, "0")
+    tri = run()
+    args = (q.double(), k.double(), v.double(), qo, ko, spec)
+    spec_out = reference_fp8.attention_forward(*args, FP8Config())
+    quant = (spec_out - reference.attention_forward(*args)).pow(2).mean().sqrt().item()
+    dev = (glu.double() - tri.double()).pow(2).mean().sqrt().item()
+    assert dev <= 0.3 * quant, (dev, quant)
+    assert torch.isfinite(glu).all()
+
+
 # ----------------------------------------------------------------------------------------
 # CPU: V in the Gluon kernel's token order, eligibility and dispatch
 # ----------------------------------------------------------------------------------------
@@ -246,8 +277,8 @@ def test_eligibility():
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_dispatch(monkeypatch, env, default, long, causal, activation):
     """The launcher takes the Gluon FP8 forward iff asked (or by default for long calls,
-    causal or softmax) and eligible; an invalid switch value is a ValueError naming the
-    variable."""
+    since 0.2.21 whatever the mask and activation) and eligible; an invalid switch value is
+    a ValueError naming the variable."""
     from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
 
     if env is None:
@@ -285,7 +316,7 @@ def test_dispatch(monkeypatch, env, default, long, causal, activation):
         _fp8_launch.attention_forward_fp8(call, FP8Config(), qkv=qkv)
     except TritonPath:
         took_triton = True
-    by_default = default and long and (causal or activation == "softmax")
+    by_default = default and long
     want = env == "1" or (env in (None, "auto") and by_default)
     assert bool(ran) == want and took_triton != want
     if ran:

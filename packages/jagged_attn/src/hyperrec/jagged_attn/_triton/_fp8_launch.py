@@ -264,14 +264,15 @@ def select_fp8_config(arch: str, head_dim: int, config: FP8Config, max_seqlen: i
 #: Environment variable that chooses the Gluon FP8 forward (``_gluon/_fp8_kernel.py``) for
 #: the ``"fp8"`` calls it serves (:func:`gluon_fp8_unsupported`): ``1`` every such call,
 #: ``0`` never; unset (or ``auto``): when :data:`GLUON_FP8_DEFAULT` is on, for such calls
-#: whose longest sequence exceeds ``_launch.GLUON_MIN_SEQLEN`` tokens and that are causal
-#: or softmax (non-causal SiLU was not measured against the Triton kernel).
+#: whose longest sequence exceeds ``_launch.GLUON_MIN_SEQLEN`` tokens.
 GLUON_FP8_ENV = "JAGGED_ATTN_GLUON_FP8"
 #: Whether the Gluon FP8 forward runs by default. On an H200 (kernel alone, three fresh
 #: instances, 2026-12-04, ``bench/results/probe_gluon_fp8_h200_2026-12-04_packed_p.json``)
 #: it ran at 1.54x the Triton FP8 kernel on causal 16 x 4,096 and 1.07-1.12x on non-causal
-#: 32 x 2,048 and 8 x 8,192 (before 0.2.19 packed P in place: 0.96x non-causal, hence
-#: causal calls only until then).
+#: 32 x 2,048 and 8 x 8,192 softmax (before 0.2.19 packed P in place: 0.96x non-causal,
+#: hence causal calls only until then); non-causal SiLU with HSTU's normalization
+#: 1.14-1.23x, public call 1.10-1.14x (``probe_fp8_silu_h200_2026-12-04.json``; the
+#: default for it since 0.2.21).
 GLUON_FP8_DEFAULT = True
 
 
@@ -303,9 +304,7 @@ def _use_gluon_fp8(
 ) -> bool:
     asked = _switch(GLUON_FP8_ENV)
     if asked is None:  # the default policy first: it is free, eligibility is not
-        spec = call.spec
-        asked = (GLUON_FP8_DEFAULT and (spec.mask.causal or spec.activation == "softmax")
-                 and _long(spec))  # fmt: skip
+        asked = GLUON_FP8_DEFAULT and _long(call.spec)
     return asked and gluon_fp8_unsupported(call, config, qkv, qk_scale, fast_math) is None
 
 
