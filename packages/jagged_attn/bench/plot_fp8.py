@@ -28,6 +28,7 @@ FORWARD_ROWS = (
 )
 TRAINING_ROWS = (
     ("fp8/fwd_bwd_ms", "FP8 forward, bf16 backward"),
+    ("fp8_stats_pass/fwd_bwd_ms", "same, statistics pass (<= 0.2.19)"),
     ("fp8_bwd/fwd_bwd_ms", "FP8 forward and backward (prototype)"),
     ("flex/fwd_bwd_ms", "FlexAttention"),
 )
