@@ -160,6 +160,7 @@ def test_ablation_resume_runs_only_the_rows_left(tmp_path, monkeypatch):
         ablation.run(bad)
 
 
+@pytest.mark.slow  # tens of seconds; `nox -s lowest` leaves it to the normal session
 def test_ablation_smoke_runs_every_row(tmp_path):
     """Every row of the table trains on the CPU (tiny preset, in process): a combination
     of switches that breaks (autoac + FP8 attention did) fails here, not on the GPU."""

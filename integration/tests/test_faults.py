@@ -72,6 +72,7 @@ def _effective_samples(out):
     return last, attempts
 
 
+@pytest.mark.slow  # tens of seconds; `nox -s lowest` leaves it to the normal session
 def test_killed_ranks_restart_from_the_last_complete_checkpoint(tmp_path):
     # Attempt 0: rank 1 dies in the middle of step 6 (after backward, before the update).
     # Attempt 1 resumes from step 4 and rank 0 dies while the step-8 checkpoint is being

@@ -752,6 +752,7 @@ def test_fsdp2_scenarios_two_ranks():
     _check(_spawn(2, names, (2,), exact=True))
 
 
+@pytest.mark.slow  # tens of seconds; `nox -s lowest` leaves it to the normal session
 def test_fsdp2_scenarios_four_ranks():
     """reshard_after_forward=2, HSDP (reduce-scatter-only accumulation, CPU offload with
     accumulation) and dp_mesh_dims on a named 2x2 mesh; 4 ranks sum in another order

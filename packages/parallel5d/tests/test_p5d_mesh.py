@@ -266,6 +266,7 @@ def _eight_rank_worker() -> dict:
     return seen
 
 
+@pytest.mark.slow  # tens of seconds; `nox -s lowest` leaves it to the normal session
 def test_eight_gloo_ranks_on_two_hosts() -> None:
     """8 gloo ranks, simulated 2 hosts x 4 GPUs: group membership on every named axis
     from real collectives, a misplaced EP axis rejected, and EP + fully_shard parity with

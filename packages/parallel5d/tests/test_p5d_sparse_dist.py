@@ -401,6 +401,7 @@ def _eight_ranks() -> dict:
     return res
 
 
+@pytest.mark.slow  # tens of seconds; `nox -s lowest` leaves it to the normal session
 def test_eight_ranks_two_replicas_of_four():
     runs = run_on_ranks(_eight_ranks, 8)
     for rank_res in runs:
