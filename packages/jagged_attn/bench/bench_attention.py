@@ -143,6 +143,13 @@ def useful_flops(lens: torch.Tensor, heads: int, head_dim: int, causal: bool) ->
     return 4.0 * float(pairs) * heads * head_dim
 
 
+#: Milliseconds ``bench_ms`` keeps the GPU busy per measurement (``do_bench``'s ``rep``). At
+#: 25 ms an H200 stays near its boost clock; at 1 s its 700 W cap lowers the clock of the
+#: power-hungrier kernels (bf16 attention 1,613-1,653 MHz against FP8's ~1,950,
+#: ``results/fp8_timing_window_h200_2026-12-04.json``). ``bench_fp8.py --rep-ms`` sets it.
+REP_MS = 25
+
+
 def bench_ms(fn, device: str = "cuda") -> float:
     if device != "cuda":  # the interpreter: one call, wall clock (a smoke test, not a number)
         t0 = time.perf_counter()
@@ -150,7 +157,7 @@ def bench_ms(fn, device: str = "cuda") -> float:
         return (time.perf_counter() - t0) * 1e3
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+    return do_bench(fn, warmup=5, rep=REP_MS, return_mode="median")
 
 
 _FLUSH: dict[str, torch.Tensor] = {}

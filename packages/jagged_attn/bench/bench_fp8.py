@@ -42,6 +42,7 @@ float64 reference backward, on one case.
 
     python bench/bench_fp8.py --out bench/results            # 8 cases, <= 5 min on one H200
     python bench/bench_fp8.py --quick --out /tmp/b            # 2 cases, no Flex, <= 2 min
+    python bench/bench_fp8.py --rep-ms 1000 --out /tmp/b      # timings under the power cap
     python bench/bench_fp8.py --smoke --out /tmp/b            # CPU interpreter, tiny
     python bench/bench_fp8.py --cpu-accuracy --out bench/results   # accuracy table on the
         CPU with the pure-PyTorch specification in place of the kernels (a few minutes)
@@ -598,8 +599,16 @@ def main() -> None:
         help="implementations to leave out (comma-separated), e.g. fp8_bwd_transposed,mxfp8",
     )
     parser.add_argument("--budget-min", type=float, default=None)
+    parser.add_argument(
+        "--rep-ms",
+        type=int,
+        default=None,
+        help="ms per timing (default 25; 1000 times under the sustained power cap)",
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
+    if args.rep_ms is not None:
+        _ba().REP_MS = args.rep_ms
     from hyperrec.testing import write_result
 
     t_start = time.perf_counter()
@@ -664,6 +673,7 @@ def main() -> None:
             "benchmark": "FP8/MXFP8 jagged attention: speed (useful FLOPs, fwd+bwd = 3.5x fwd, "
                          f"{args.instances} fresh instances per case) and accuracy vs float64",
             "ceilings_tflops": ceilings,
+            "rep_ms": _ba().REP_MS,
             "seconds": time.perf_counter() - t_start,
             "skipped_for_time": skipped,
             "speed": speed,
