@@ -897,10 +897,11 @@ def attention_backward(
 #: How ``attention_backward(..., recompute_stats=True)`` gets the softmax statistics:
 #: ``True``: a forward on the same inputs (its ``out`` and ``lse``), then the ordinary
 #: backward; ``False``: the Triton dQ kernel's ``STATS`` pass, then the Triton dK/dV
-#: kernel; ``None`` (default): the forward wherever the Gluon backward serves the call
-#: (the Triton kernels' stats pass cost the FP8 forward's training step 0.55-0.68x the
-#: bf16 step, ``bench/results/fp8_h200_2026-12-04_packed_p_partial.json``). Read at every
-#: call; a switch for tests and benchmarks.
+#: kernel; ``None`` (default): the forward wherever the Gluon backward serves the call.
+#: One H200, the FP8 forward's training step (2026-12-04, 8 cases,
+#: ``bench/results/fp8_h200_2026-12-04_gluon_bwd_part{1,2}.json``): 0.66-0.84x the bf16
+#: step this way, 0.49-0.69x through the stats pass in the same run. Read at every call;
+#: a switch for tests and benchmarks.
 STATS_BY_FORWARD: bool | None = None
 
 
