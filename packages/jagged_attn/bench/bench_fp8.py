@@ -155,19 +155,25 @@ def impl_public(case, q, k, v, do, offsets, precision, backend):
     return fwd, fwd_bwd
 
 
+def _with_attr(fn, module, name: str, value):
+    """``fn`` run with ``module.name`` set to ``value`` (a switch read per call)."""
+
+    def run():
+        saved = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, saved)
+
+    return run
+
+
 def _with_transposed_operands(fn):
     """``fn`` run with the FP8 backward reading its B operands from transposed copies."""
     from hyperrec.jagged_attn._triton import _fp8_launch
 
-    def run():
-        saved = _fp8_launch.FP8_BWD_TRANSPOSED_B
-        _fp8_launch.FP8_BWD_TRANSPOSED_B = True
-        try:
-            return fn()
-        finally:
-            _fp8_launch.FP8_BWD_TRANSPOSED_B = saved
-
-    return run
+    return _with_attr(fn, _fp8_launch, "FP8_BWD_TRANSPOSED_B", True)
 
 
 def _with_env(fn, name: str, value: str):
@@ -192,15 +198,7 @@ def _with_stats_pass(fn):
     (``_launch.STATS_BY_FORWARD = False``)."""
     from hyperrec.jagged_attn._triton import _launch
 
-    def run():
-        saved = _launch.STATS_BY_FORWARD
-        _launch.STATS_BY_FORWARD = False
-        try:
-            return fn()
-        finally:
-            _launch.STATS_BY_FORWARD = saved
-
-    return run
+    return _with_attr(fn, _launch, "STATS_BY_FORWARD", False)
 
 
 def _triton_fp8(pair):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import triton
+from bench_fp8 import _with_env  # same directory
 
 from hyperrec.jagged_attn import FP8Config, gdpa
 from hyperrec.jagged_attn._opschema import AttentionCall
@@ -37,21 +37,6 @@ def _lengths(dist: str, batch: int, max_len: int, seed: int) -> torch.Tensor:
         return torch.full((batch,), max_len, dtype=torch.int64)
     g = torch.Generator().manual_seed(seed)
     return torch.randint(max_len // 8, max_len + 1, (batch,), generator=g)
-
-
-def _with_env(fn, value: str):
-    def run():
-        saved = os.environ.get(_fp8_launch.GLUON_FP8_ENV)
-        os.environ[_fp8_launch.GLUON_FP8_ENV] = value
-        try:
-            return fn()
-        finally:
-            if saved is None:
-                del os.environ[_fp8_launch.GLUON_FP8_ENV]
-            else:
-                os.environ[_fp8_launch.GLUON_FP8_ENV] = saved
-
-    return run
 
 
 def _impls(dist: str, batch: int, max_len: int, seed: int, config: FP8Config):
@@ -75,11 +60,15 @@ def _impls(dist: str, batch: int, max_len: int, seed: int, config: FP8Config):
         return lambda: gdpa(q, k, v, off, off, max_len, max_len, activation="silu",
                             normalization="max_seqlen", precision=precision)  # fmt: skip
 
+    def kernel(qkv):
+        return lambda: _fp8_launch.attention_forward_fp8(call, config, qkv=qkv)
+
+    env = _fp8_launch.GLUON_FP8_ENV
     fns = {
-        "kernel_gluon": _with_env(lambda: _fp8_launch.attention_forward_fp8(call, config, qkv=mma), "1"),
-        "kernel_triton": _with_env(lambda: _fp8_launch.attention_forward_fp8(call, config, qkv=rows), "0"),
-        "fp8_gluon": _with_env(public("fp8"), "1"),
-        "fp8_triton": _with_env(public("fp8"), "0"),
+        "kernel_gluon": _with_env(kernel(mma), env, "1"),
+        "kernel_triton": _with_env(kernel(rows), env, "0"),
+        "fp8_gluon": _with_env(public("fp8"), env, "1"),
+        "fp8_triton": _with_env(public("fp8"), env, "0"),
         "bf16": public("bf16"),
     }  # fmt: skip
     flops = 4.0 * float((lens.double() ** 2).sum()) * 8 * 128
