@@ -25,6 +25,9 @@ Strategies, per model (each a point: measured peak, step time):
   where the measured gradient error is within the bound).
 * ``autoac_compiled@b``: autoac's keep/recompute plan applied under ``torch.compile``
   of each layer (full run only: each distinct layer plan is its own compile).
+  ``autoac_compiled_quant@b`` (``--compiled`` with ``mxint8`` in ``--formats``): the plan
+  with MXINT8 packed saves, the packing traced into the compiled graphs;
+  ``pack_all_compiled_mxint8``: ``pack_all_mxint8`` compiled the same way.
 * ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
   ``torch_budget@0.5``): the matched-budget comparison.
 * ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
@@ -473,7 +476,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 budget_point(f)
         return {"points": rows, "autoac": {"error": info_err}}
     free = autoac.plan(prof, budget=1e18)
+    compiled_quant = "mxint8" in formats and autoac.compiled_packing_supported()
     info = {
+        "compiled_packing": compiled_quant,
         "profile_s": round(profile_s, 2),
         "floor_predicted": free.floor,
         "no_ac_predicted": free.no_ac_peak,
@@ -535,9 +540,12 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             modes=[r.mode for r in p.regions],
         )
 
-    def autoac_compiled_point(f: float, matched: str | None = None) -> None:
+    def autoac_compiled_point(f: float, matched: str | None = None, quant: bool = False) -> None:
         b = max(lo + f * (hi - lo), free.floor)
-        p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=()))
+        if quant and not compiled_quant:
+            return
+        fmts = ("mxint8",) if quant else ()
+        p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=fmts))
         handle: list = []
 
         def setup():
@@ -552,8 +560,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
             return undo
 
-        point(
-            f"autoac_compiled@{matched or f'{f:g}'}",
+        res = point(
+            f"autoac_compiled{'_quant' if quant else ''}@{matched or f'{f:g}'}",
             setup,
             need_s=COMPILE_S,
             **({"matched": matched} if matched else {}),
@@ -561,7 +569,36 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             budget_bytes=int(b),
             predicted_peak=p.predicted_peak,
             predicted_added_ms=p.added_s * 1e3,
+            packed=p.packed,
         )
+        if res is not None and quant and handle:
+            res["packed_in_graph"] = handle[-1].packed_in_graph
+
+    def pack_all_compiled_point() -> None:
+        """``pack_all_mxint8`` with every layer compiled: the packing traced into the
+        graphs (``autoac.compiled_packing_supported``) instead of one Python call a save."""
+        p = pack_all_plan(prof, free, "mxint8")
+        if p is None or not compiled_quant:
+            return
+        handle: list = []
+
+        def setup():
+            torch._dynamo.reset()
+            handle.append(
+                autoac.apply_plan(case.model, p, compile=True, compile_kwargs={"backend": backend})
+            )
+
+            def undo():
+                handle.pop().remove()
+                torch._dynamo.reset()
+
+            return undo
+
+        res = point("pack_all_compiled_mxint8", setup, need_s=COMPILE_S, format="mxint8")
+        if res is not None and "peak_bytes" in res:
+            act_noac = noac["peak_bytes"] - noac["start_bytes"]
+            res["activation_bytes"] = act = res["peak_bytes"] - res["start_bytes"]
+            res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
 
     def pack_all_point(fmt: str) -> None:
         """Memory of quantized saves: nothing checkpointed, every saved tensor whose
@@ -630,13 +667,18 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     if args.compiled:
         # The compiled comparison alone: autoac's plan under torch.compile against torch's
-        # compiled budget at the same memory and compiled no-AC (eager autoac beside it).
+        # compiled budget at the same memory and compiled no-AC (eager autoac beside it);
+        # with "mxint8" among --formats, autoac's plan with packed saves compiled too.
         autoac_point("autoac", 0.5)
         autoac_compiled_point(0.5)
+        autoac_compiled_point(0.5, quant=True)
         if tb is not None and "peak_bytes" in tb:
             f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
             autoac_compiled_point(f_tb, matched=tb["method"])
+            autoac_compiled_point(f_tb, matched=tb["method"], quant=True)
+        autoac_compiled_point(0.25, quant=True)
         budget_point(1.0)
+        pack_all_compiled_point()
     else:
         _eager_and_other_points()
     for r in rows:  # ratios against the eager baselines of the same run

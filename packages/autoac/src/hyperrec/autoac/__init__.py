@@ -7,7 +7,8 @@
   position of the step; one global budget split across regions by marginal return,
   per-region budgets, exact (branch and bound) or greedy with a certified gap.
 - :func:`apply` (profile + plan + apply in one call) / :func:`apply_plan`: eager
-  selective checkpointing and saved-tensor packing, or per-region ``torch.compile``.
+  selective checkpointing and saved-tensor packing, or per-region ``torch.compile``
+  (MXINT8 packed saves traced into the compiled graphs where torch supports it).
 - Safe by construction: random ops replay with the same numbers; collectives are never
   replayed; packed formats only where the measured gradient error is within a bound.
 """
@@ -31,6 +32,7 @@ from hyperrec.autoac.runtime import (
     apply,
     apply_plan,
     compile_mechanism,
+    compiled_packing_supported,
     measure_step,
     remove,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "apply",
     "apply_plan",
     "compile_mechanism",
+    "compiled_packing_supported",
     "measure_step",
     "plan",
     "profile",

@@ -16,7 +16,12 @@ plans under ``torch.compile``:
   the plan keeps (``torch.autograd.graph.region_activation_memory_budget`` where it
   exists).
 
-Packed saves are eager-only: under compilation those regions run eagerly
+Packed saves under compilation: where this torch inlines ``GraphModule`` saved-tensor
+hooks into AOTAutograd's graphs (:func:`compiled_packing_supported`), a region whose
+packed saves are all ``"mxint8"`` is compiled like the others and called inside
+``saved_tensors_hooks`` that trace the quantization into its forward graph and the
+dequantization into its backward graph (``_compiled_pack``: per op class, so Inductor
+can fuse both into the neighbouring kernels). Other packed regions run eagerly
 (``torch.compiler.disable``), which breaks the graph around them.
 """
 
@@ -33,10 +38,16 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
 from hyperrec.autoac import _exec
 from hyperrec.autoac import regions as _regions
+from hyperrec.autoac._compiled_pack import (
+    COMPILED_FORMATS,
+    compiled_packing_supported,
+    pack_hooks,
+)
 from hyperrec.autoac._exec import RegionDecisions, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
@@ -62,6 +73,7 @@ __all__ = [
     "apply",
     "apply_plan",
     "compile_mechanism",
+    "compiled_packing_supported",
     "measure_step",
     "remove",
 ]
@@ -121,6 +133,22 @@ class _Runner:
         # constants.
         self.ctx = {n: _exec.sac_context_fn(d) for n, d in decisions.items() if d.mode == "sac"}
         self._compiled: dict[str, Callable[..., Any]] = {}
+        # region -> inlineable (pack, unpack) hooks; regions with equal packed classes
+        # share one pair (Dynamo guards on the hooks: one pair, one compiled graph)
+        self.hooks: dict[str, tuple[Any, Any]] = {}
+        self.pack_counts: dict[str, dict[str, int]] = {}
+        if compiled and compiled_packing_supported():
+            shared: dict[Any, tuple[Any, Any, dict[str, int]]] = {}
+            for n, d in decisions.items():
+                classes = _packed_classes(d)
+                if classes is None:
+                    continue
+                key = (tuple(sorted(classes.items())), d.min_pack_bytes)
+                if key not in shared:
+                    shared[key] = pack_hooks(classes, d.min_pack_bytes)
+                pack, unpack, counts = shared[key]
+                self.hooks[n] = (pack, unpack)
+                self.pack_counts[n] = counts
 
     def eager(
         self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -135,15 +163,23 @@ class _Runner:
     def __call__(
         self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if not self.compiled:
+        if not self.compiled or is_in_torch_dispatch_mode(include_infra_modes=False):
+            # Under a dispatch mode (the CPU memory tracker of measure_step and the
+            # profiler) Dynamo does not compile a frame, and it then skips that frame for
+            # good: the regions would never compile afterwards (seen with torch 2.13).
+            # Such a step runs the plan eagerly instead, its packed saves included.
             return self.eager(state, fn, args, kwargs)
         d = self.decisions.get(state.name)
-        if d is not None and d.quantized:
+        hooks = self.hooks.get(state.name)
+        if d is not None and d.quantized and hooks is None:
             return _eager_region(d, fn, args, kwargs)
         c = self._compiled.get(state.name)
         if c is None:
             c = self._build(state.name, fn)
             self._compiled[state.name] = c
+        if hooks is not None:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                return c(*args, **kwargs)
         return c(*args, **kwargs)
 
     def _build(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -171,6 +207,20 @@ class _Runner:
                 return compiled(*args, **kwargs)
 
         return run
+
+
+def _packed_classes(d: RegionDecisions) -> dict[str, str] | None:
+    """Op class -> format of a region's packed saves, if a compiled region can pack them
+    all (one format per class, each in :data:`COMPILED_FORMATS`); else ``None``."""
+    if not d.quantized:
+        return None
+    classes: dict[str, str] = {}
+    for (op, _), f in d.saves.items():
+        if f not in SAVE_FORMATS:
+            continue
+        if f not in COMPILED_FORMATS or classes.setdefault(op, f) != f:
+            return None
+    return classes
 
 
 def _with_region_budget(
@@ -299,6 +349,10 @@ class AutoAC:
             measured gradient error of the plan on the profiled step.
         compiled: regions run compiled.
         mechanism: how compiled regions take the plan (see :func:`compile_mechanism`).
+        packed_in_graph: regions whose packed saves are traced into their compiled
+            graphs (see the module docstring), each with the saved nodes its hooks chose
+            to pack while the graphs were built (empty until the first compiled step).
+            Packed regions not listed run eagerly.
 
     Raises:
         TypeError: ``model`` not a module, ``plan_`` not a :class:`Plan`,
@@ -346,8 +400,13 @@ class AutoAC:
         )
         for s in states:
             s.runner = runner
+        self._runner = runner
         self._modules = mods
         self.plan = plan_
+
+    @property
+    def packed_in_graph(self) -> dict[str, list[str]]:
+        return {n: sorted(c) for n, c in self._runner.pack_counts.items()}
 
     def set_plan(self, plan_: Plan) -> None:
         """Replace the plan in force (same regions or others of the same model).
@@ -485,8 +544,9 @@ def apply(
             optionally ``loss_fn(output) -> loss`` (default: mean of squares of the
             floating outputs).
         formats: packed formats to consider (``"mxfp8"``, ``"fp8_e4m3"``,
-            ``"fp8_e5m2"``, ``"mx4"``, ``"mxint8"``); overrides ``profile_config.formats``. Not with
-            ``compile=True``.
+            ``"fp8_e5m2"``, ``"mx4"``, ``"mxint8"``); overrides ``profile_config.formats``.
+            With ``compile=True`` only ``"mxint8"``, where
+            :func:`compiled_packing_supported`.
         profile_config, plan_config: see :class:`ProfileConfig`, :class:`PlanConfig`.
         verify: run the planned step once: record predicted vs measured peak and the
             gradient error against the exact step in :attr:`AutoAC.verification`. If
@@ -500,7 +560,9 @@ def apply(
     Raises:
         TypeError: bad argument types (each checked before the step is profiled).
         ValueError: no step or no budget given, ``loss_fn`` with ``step_fn``, bad budgets
-            (naming the smallest feasible), bad regions, ``formats`` with ``compile=True``.
+            (naming the smallest feasible), bad regions, ``formats`` other than
+            ``("mxint8",)`` with ``compile=True`` (or any where packing in compiled
+            graphs is not supported).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -545,7 +607,17 @@ def apply(
     for f in formats:
         check_choice("formats entry", f, SAVE_FORMATS)
     if compile and formats:
-        raise ValueError("formats must be () with compile=True: packed saves run eagerly only")
+        if not compiled_packing_supported():
+            raise ValueError(
+                "formats must be () with compile=True on this torch: it does not inline "
+                "saved-tensor hooks into compiled graphs, so packed saves would run eagerly"
+            )
+        eager_only = [f for f in formats if f not in COMPILED_FORMATS]
+        if eager_only:
+            raise ValueError(
+                f"formats with compile=True must be from {COMPILED_FORMATS} (packed inside "
+                f"the compiled graphs), got {eager_only}, which pack eagerly only"
+            )
     pc = ProfileConfig() if profile_config is None else profile_config
     if formats:
         pc = replace(pc, formats=formats)
