@@ -64,7 +64,13 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
         "--out", str(out), "--device", args.device, "--no-plot", "--quiet",
     ]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        # one slow run must not cost the others (nor the record of those already done)
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        return {"status": "timeout", "error": (tail or "")[-1500:],
+                "wall_s": time.perf_counter() - t0}  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"status": "failed", "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:12s} seed {seed}: " + (
                 " ".join(f"{m} {_fmt(r[m])}" for m in ("ctr_auc", "cvr_auc", "ctcvr_auc"))
                 + f" ({r['wall_s']:.0f} s)"
-                if r["status"] == "ok" else f"FAILED: {r['error'][-300:]}"), flush=True)  # fmt: skip
+                if r["status"] == "ok" else f"{r['status'].upper()}: {r['error'][-300:]}"), flush=True)  # fmt: skip
     # per-seed differences against the baseline (paired: same seed, same data); a metric
     # a run could not score (None in metrics.json: an AUC with one class) has no pair
     base = {r["seed"]: r for r in runs if r["variant"] == base_name and r["status"] == "ok"}
