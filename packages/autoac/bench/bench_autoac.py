@@ -545,7 +545,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if quant and not compiled_quant:
             return
         fmts = ("mxint8",) if quant else ()
-        p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=fmts))
+        p = autoac.plan(
+            autoac.for_compiled_packing(prof), budget=b, config=autoac.PlanConfig(formats=fmts)
+        )
         handle: list = []
 
         def setup():

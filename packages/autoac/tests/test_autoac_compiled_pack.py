@@ -235,3 +235,34 @@ def test_a_tracked_step_does_not_stop_the_regions_compiling():
         assert len(graphs) >= 2  # the plain regions share one graph; the packing one has its own
     finally:
         h.remove()
+
+
+def test_compiled_plans_price_packing_without_the_eager_call():
+    model = mlp_tower(n=2, dim=64)
+    step = step_for(torch.randn(128, 64))
+    prof = autoac.profile(
+        model, step, config=autoac.ProfileConfig(cost="time", steps=1, formats=("mxint8", "mxfp8"))
+    )
+    c = autoac.for_compiled_packing(prof).pack_costs
+    assert c["mxint8"]["pack_call_s"] == c["mxint8"]["unpack_call_s"] == 0.0
+    for k in ("pack_per_elem_s", "unpack_per_elem_s"):
+        assert c["mxint8"][k] == prof.pack_costs["mxint8"][k]
+    assert c["mxfp8"] == prof.pack_costs["mxfp8"]  # packs eagerly: its costs stay
+    assert prof.pack_costs["mxint8"]["pack_call_s"] + prof.pack_costs["mxint8"]["unpack_call_s"] > 0
+    with pytest.raises(TypeError, match="profile_"):
+        autoac.for_compiled_packing("profile")
+    h = autoac.apply(
+        model,
+        budget=1e12,
+        step_fn=step,
+        formats=("mxint8",),
+        compile=True,
+        compile_kwargs=BACKEND,
+        profile_config=autoac.ProfileConfig(cost="time", steps=1),
+        verify=False,
+    )
+    try:
+        assert h.profile is not None
+        assert h.profile.pack_costs["mxint8"]["pack_call_s"] == 0.0
+    finally:
+        h.remove()

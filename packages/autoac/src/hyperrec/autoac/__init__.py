@@ -33,6 +33,7 @@ from hyperrec.autoac.runtime import (
     apply_plan,
     compile_mechanism,
     compiled_packing_supported,
+    for_compiled_packing,
     measure_step,
     remove,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "apply_plan",
     "compile_mechanism",
     "compiled_packing_supported",
+    "for_compiled_packing",
     "measure_step",
     "plan",
     "profile",

@@ -74,6 +74,7 @@ __all__ = [
     "apply_plan",
     "compile_mechanism",
     "compiled_packing_supported",
+    "for_compiled_packing",
     "measure_step",
     "remove",
 ]
@@ -622,11 +623,35 @@ def apply(
     if formats:
         pc = replace(pc, formats=formats)
     prof = profile(model, step_fn, regions=regions, config=pc)
+    if compile:
+        prof = for_compiled_packing(prof)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
     if verify:
         _verify(handle, step_fn, budget, region_budgets, plan_config)
     return handle
+
+
+def for_compiled_packing(profile_: Profile) -> Profile:
+    """``profile_`` with the pack costs a compiled region pays, for :func:`plan`.
+
+    The profile times a pack and an unpack as eager calls back to back: a per-call term
+    (the host's Python path, 56-144 us on the H200) plus a per-element one (the device
+    pass). Traced into a compiled graph (:data:`COMPILED_FORMATS`) there is no call: the
+    per-call terms are dropped and the per-element ones kept, the time of a standalone
+    pass, which is an upper bound on what the pack costs fused into its neighbours.
+    Other formats keep their eager costs (those regions run eagerly).
+
+    Raises:
+        TypeError: ``profile_`` not a :class:`~hyperrec.autoac.profiler.Profile`.
+    """
+    if not isinstance(profile_, Profile):
+        raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
+    costs = {
+        f: ({**c, "pack_call_s": 0.0, "unpack_call_s": 0.0} if f in COMPILED_FORMATS else c)
+        for f, c in profile_.pack_costs.items()
+    }
+    return replace(profile_, pack_costs=costs)
 
 
 def _verify(
