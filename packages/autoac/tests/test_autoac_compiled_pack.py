@@ -266,3 +266,22 @@ def test_compiled_plans_price_packing_without_the_eager_call():
         assert h.profile.pack_costs["mxint8"]["pack_call_s"] == 0.0
     finally:
         h.remove()
+
+
+def test_hooks_under_dynamic_shapes_pack_every_batch_size():
+    torch.manual_seed(0)
+    m = _Block()
+    pack, unpack, counts = cp.pack_hooks({"aten.addmm.default": "mxint8"}, 0)
+    cm = torch.compile(m, backend="aot_eager", dynamic=True)
+    for n in (32, 48, 7):  # 7 x 128 elements: still whole blocks of 32
+        x = torch.randn(n, 64)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = cm(x)
+        assert any(t.dtype == torch.int8 for t in y.grad_fn.saved_tensors)
+        y.square().sum().backward()
+        got = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        m(x).square().sum().backward()
+        ref = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        assert 0 < grad_error(ref, got) < 0.01
