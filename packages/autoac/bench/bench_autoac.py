@@ -540,16 +540,10 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             modes=[r.mode for r in p.regions],
         )
 
-    def autoac_compiled_point(f: float, matched: str | None = None, quant: bool = False) -> None:
-        b = max(lo + f * (hi - lo), free.floor)
-        if quant and not compiled_quant:
-            return
-        fmts = ("mxint8",) if quant else ()
-        p = autoac.plan(
-            autoac.for_compiled_packing(prof), budget=b, config=autoac.PlanConfig(formats=fmts)
-        )
+    def compiled_setup(p: Any, seen: dict) -> Any:
+        """``setup`` for :func:`point` of a plan under ``torch.compile``; ``seen`` gets the
+        nodes each region packed in its graphs (read before the plan is removed)."""
         handle: list = []
-        seen: dict = {}
 
         def setup():
             torch._dynamo.reset()
@@ -565,6 +559,18 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
             return undo
 
+        return setup
+
+    def autoac_compiled_point(f: float, matched: str | None = None, quant: bool = False) -> None:
+        b = max(lo + f * (hi - lo), free.floor)
+        if quant and not compiled_quant:
+            return
+        fmts = ("mxint8",) if quant else ()
+        p = autoac.plan(
+            autoac.for_compiled_packing(prof), budget=b, config=autoac.PlanConfig(formats=fmts)
+        )
+        seen: dict = {}
+        setup = compiled_setup(p, seen)
         res = point(
             f"autoac_compiled{'_quant' if quant else ''}@{matched or f'{f:g}'}",
             setup,
@@ -585,23 +591,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         p = pack_all_plan(prof, free, "mxint8")
         if p is None or not compiled_quant:
             return
-        handle: list = []
         seen: dict = {}
-
-        def setup():
-            torch._dynamo.reset()
-            handle.append(
-                autoac.apply_plan(case.model, p, compile=True, compile_kwargs={"backend": backend})
-            )
-
-            def undo():
-                h = handle.pop()
-                seen["packed_in_graph"] = h.packed_in_graph
-                h.remove()
-                torch._dynamo.reset()
-
-            return undo
-
+        setup = compiled_setup(p, seen)
         res = point("pack_all_compiled_mxint8", setup, need_s=COMPILE_S, format="mxint8")
         if res is not None and "packed_in_graph" in seen:
             res["packed_in_graph"] = seen["packed_in_graph"]
