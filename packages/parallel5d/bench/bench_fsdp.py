@@ -503,6 +503,49 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     return result
 
 
+def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
+    """Time several models step by step in turn (model 0's step, model 1's, ..., then
+    model 0's next one): each model's steps sample the same stretch of the host's speed,
+    where :func:`run_variant` times one model's steps after the other's. Per model:
+    ``step_s``/``host_s`` medians and ``step_s_all``/``host_s_all`` (step ``i`` of every
+    model taken back to back). No counting, memory or profile step."""
+    rank = dist.get_rank()
+    runs = []
+    for cfg in cfgs:
+        model = build(cfg, device)
+        shard(model, impl, mesh, mp)
+        runs.append((cfg, model, make_optimizer(model, impl, optim)))
+    for s in range(args.warmup):
+        for cfg, model, opt in runs:
+            train_step(model, opt, make_batch(cfg, device, s, rank))
+    sync(device)
+    times: list[list[float]] = [[] for _ in runs]
+    host: list[list[float]] = [[] for _ in runs]
+    for s in range(args.steps):
+        for i, (cfg, model, opt) in enumerate(runs):
+            batch = make_batch(cfg, device, args.warmup + s, rank)
+            sync(device)
+            t0 = time.perf_counter()
+            train_step(model, opt, batch)
+            host[i].append(time.perf_counter() - t0)
+            sync(device)
+            times[i].append(time.perf_counter() - t0)
+    out = [
+        {
+            "step_s": statistics.median(t),
+            "step_s_all": t,
+            "host_s": statistics.median(h),
+            "host_s_all": h,
+        }
+        for t, h in zip(times, host)
+    ]
+    del runs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def _live_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of every distinct storage reachable from parameters, gradients, optimizer
     states and (hyperrec) the DBuffers: what a step starts with."""

@@ -16,7 +16,10 @@ For each model (Llama-like, GEM-like tower), on the process layout it is launche
 4. the same two with the host term (``ModelConfig.host_s``): the host's issue time per
    step, measured (``bench_fsdp``'s ``host_s``) on a copy of the model with the same
    tensors and collectives but small dims (``host_copy``), same runtime and mesh; the
-   measured step's own ``host_s`` is recorded beside it.
+   measured step's own ``host_s`` is recorded beside it. With ``--interleave`` the model
+   and its copy take their steps in turn (``bench_fsdp.run_interleaved``), so the host
+   term is measured over the same seconds as the step it predicts; without it, each
+   round times the model's steps, then the copy's.
 
     python packages/parallel5d/bench/validate_cost.py --out DIR                 # one GPU
     python packages/parallel5d/bench/validate_cost.py --fake-world-size 8 --out DIR
@@ -172,6 +175,11 @@ def main() -> None:
         default=1,
         help="measure the model and its host copy alternately this many times",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="alternate the model's and the host copy's steps one by one within each round",
+    )
     ap.add_argument("--no-checkpoint", action="store_true")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() before the measured steps (see bench_fsdp.py)")  # fmt: skip
@@ -257,8 +265,13 @@ def main() -> None:
 
         rounds = []
         for _ in range(args.rounds):
-            measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
-            host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
+            if args.interleave:
+                measured, host = bench.run_interleaved(
+                    [cfg, small], "hyperrec", "flat", True, mesh, device, run_args
+                )
+            else:
+                measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
+                host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
             pr = predictions(host["host_s"])
             rounds.append(
                 {
@@ -335,6 +348,8 @@ def main() -> None:
                     "sources": dict(dev.sources),
                 },
                 "topology": topo.describe(),
+                "rounds": args.rounds,
+                "interleaved": bool(args.interleave),
                 "rows": rows,
             },
         )

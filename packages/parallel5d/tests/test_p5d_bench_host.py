@@ -63,3 +63,40 @@ def test_run_variant_records_host_time() -> None:
     assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
     assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
     assert r["host_s"] == sorted(r["host_s_all"])[1]
+
+
+def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
+    """The model and its host copy take their steps alternately: step ``i`` of each is
+    taken back to back, so both sample the same stretch of the host's speed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    bench = _load("bench_fsdp")
+    vc = _load("validate_cost")
+    order = []
+    step = bench.train_step
+
+    def spy(model, opt, batch):
+        order.append(id(model))
+        return step(model, opt, batch)
+
+    monkeypatch.setattr(bench, "train_step", spy)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        cfg = dict(bench.TINY["gem"], checkpoint=True)
+        args = SimpleNamespace(warmup=1, steps=3, profile=None, gc_freeze=False)
+        big, small = bench.run_interleaved(
+            [cfg, vc.host_copy(cfg)], "hyperrec", "flat", True, mesh, torch.device("cpu"), args
+        )
+    finally:
+        if created:
+            dist.destroy_process_group()
+    a, b = order[0], order[1]
+    assert a != b and order == [a, b] * 4  # one warm-up and three timed steps each, in turn
+    for r in (big, small):
+        assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
+        assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
+        assert r["step_s"] == sorted(r["step_s_all"])[1]
