@@ -164,12 +164,19 @@ class _Runner:
     def __call__(
         self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if not self.compiled or is_in_torch_dispatch_mode(include_infra_modes=False):
+        if not self.compiled:
+            return self.eager(state, fn, args, kwargs)
+        if not torch.compiler.is_compiling() and is_in_torch_dispatch_mode(
+            include_infra_modes=False
+        ):
             # Under a dispatch mode (the CPU memory tracker of measure_step and the
             # profiler) Dynamo does not compile a frame, and it then skips that frame for
             # good: the regions would never compile afterwards (seen with torch 2.13).
-            # Such a step runs the plan eagerly instead, its packed saves included.
-            return self.eager(state, fn, args, kwargs)
+            # Such a step runs the plan eagerly instead, its packed saves included, and
+            # the model's own compiled functions inside the region eagerly too
+            # (force_eager does not mark frames skipped).
+            with no_compile():
+                return self.eager(state, fn, args, kwargs)
         d = self.decisions.get(state.name)
         hooks = self.hooks.get(state.name)
         if d is not None and d.quantized and hooks is None:
@@ -278,7 +285,9 @@ def measure_step(
     Args:
         model, step_fn: as for :func:`hyperrec.autoac.profiler`.
         track: count live tensor storages with a tracker (default: on the CPU only;
-            it adds Python work per op, so leave it off when timing on a GPU).
+            it adds Python work per op, so leave it off when timing on a GPU). A
+            tracked step runs ``torch.compile``'d code eagerly (Dynamo cannot compile
+            under the tracker's dispatch mode).
         seed: seed torch's generators first (restored afterwards); ``None``: do not.
         keep_grads: return the gradients. Parameter gradients are restored either way.
 
@@ -311,7 +320,9 @@ def measure_step(
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             if tracker is not None:
-                with tracker:
+                # Eagerly: Dynamo does not compile under the tracker's dispatch mode and
+                # would skip the model's compiled functions for good afterwards.
+                with no_compile(), tracker:
                     loss = step_fn(model)
                     _check_loss(loss)
                     loss.backward()
