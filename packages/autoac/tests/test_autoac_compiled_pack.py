@@ -306,3 +306,51 @@ def test_hooks_under_dynamic_shapes_pack_every_batch_size():
         ref = [p.grad.clone() for p in m.parameters()]
         m.zero_grad()
         assert 0 < grad_error(ref, got) < 0.01
+
+
+def test_eager_packed_regions_leave_the_models_compiled_functions_compiling():
+    """A model whose blocks call a ``torch.compile``d function, with an eager plan that
+    packs saves: the packed regions run under autoac's dispatch modes, and a compiled
+    function first called there was skipped by Dynamo for good (every block then ran it
+    eagerly). Packed regions now run the model's compiled functions under force_eager."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def gelu_mul(h):
+        return torch.nn.functional.gelu(h) * 1.5
+
+    compiled = torch.compile(gelu_mul, backend=counting)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            return x + self.fc2(compiled(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(3)])
+    step = step_for(torch.randn(128, 64))
+    prof = autoac.profile(
+        model, step, config=autoac.ProfileConfig(cost="flops", steps=1, formats=("mxint8",))
+    )
+    free = autoac.plan(prof, budget=1e15)
+    packable = [o.key for o in prof.regions[0].ops if o.needed and "mxint8" in o.formats]
+    assert packable
+    for mode in ("none", "sac"):
+        torch._dynamo.reset()
+        graphs.clear()
+        regions = list(free.regions)
+        regions[0] = dataclasses.replace(
+            regions[0], mode=mode, saves=dict.fromkeys(packable, "mxint8")
+        )
+        h = autoac.apply_plan(model, dataclasses.replace(free, regions=tuple(regions)))
+        try:
+            step(model).backward()  # block 0 first: packed, under autoac's modes
+            assert len(graphs) >= 1  # blocks 1 and 2 still compiled the function
+        finally:
+            h.remove()

@@ -48,7 +48,12 @@ def test_fit_recovers_call_and_element_costs(fake_packer):
 
 
 def test_real_packer_on_cpu_costs_more_for_more_elements():
-    c = profiler._pack_costs(("mxfp8",), torch.device("cpu"), torch.bfloat16)["mxfp8"]
+    # Wall-clock fits on a shared 2-core machine: one descheduling during the small size
+    # can flatten a slope to 0 (seen under a concurrent CI run), so up to three fits.
+    for _ in range(3):
+        c = profiler._pack_costs(("mxfp8",), torch.device("cpu"), torch.bfloat16)["mxfp8"]
+        if c["pack_per_elem_s"] > 0 and c["unpack_per_elem_s"] > 0:
+            break
     assert c["pack_per_elem_s"] > 0 and c["unpack_per_elem_s"] > 0
 
 

@@ -27,6 +27,7 @@ Safety rules, applied here whatever a plan says:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections import defaultdict
@@ -439,7 +440,7 @@ def run_region(
     """
     if decisions.mode == "none":
         if decisions.quantized and torch.is_grad_enabled() and not traced:
-            return _run_none_packed(decisions, fn, args, kwargs)
+            return _run_none_packed(decisions, _eagerly(fn), args, kwargs)
         return fn(*args, **kwargs)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -451,6 +452,8 @@ def run_region(
         # Under torch.compile the compiler applies buffer writes once, outside the
         # recomputed graph.
         fn = keep_module_state(fn)
+    if decisions.quantized and not traced:
+        fn = _eagerly(fn)  # after keep_module_state, which looks for a bound method
     return checkpoint(
         bind_kwargs(fn, kwargs),
         *args,
@@ -458,6 +461,29 @@ def run_region(
         context_fn=ctx,
         preserve_rng_state=_RNG_GUARD,
     )
+
+
+def force_eager() -> contextlib.AbstractContextManager[Any]:
+    """Run ``torch.compile``'d functions eagerly inside the block (torch >= 2.6's
+    ``set_stance("force_eager")``; nothing on older torch)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
+def _eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with the model's compiled functions run eagerly (forward and recomputation).
+
+    Packed saves run the region under autoac's dispatch modes; Dynamo does not compile a
+    frame first called under a dispatch mode and then skips it for good, so a compiled
+    function of the model called there would run eagerly in *every* region from then on.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with force_eager():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def bind_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:

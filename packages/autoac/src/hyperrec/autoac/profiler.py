@@ -13,7 +13,6 @@ predicts its peak at every position of the step.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import statistics
 import time
@@ -34,6 +33,7 @@ from hyperrec.autoac._exec import (
     RegionDecisions,
     bind_kwargs,
     explicit_generator,
+    force_eager,
     keep_module_state,
     op_name,
     run_region,
@@ -792,8 +792,7 @@ def no_compile() -> AbstractContextManager[Any]:
     function runs eagerly for the rest of the process; the training steps after
     profiling would pay for it.
     """
-    stance = getattr(torch.compiler, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+    return force_eager()
 
 
 def profile(
