@@ -22,6 +22,25 @@ def _load(name: str):
     return mod
 
 
+def _on_fake_group(run, bench):
+    """``run(mesh, cfg, args)`` on a 4-rank fake process group (the tiny GEM tower, one
+    warm-up and three timed steps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        cfg = dict(bench.TINY["gem"], checkpoint=True)
+        args = SimpleNamespace(warmup=1, steps=3, profile=None, gc_freeze=False)
+        return run(mesh, cfg, args)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("kind", ["gem", "llama", "moe"])
 def test_host_copy_keeps_structure_and_shrinks_work(kind: str) -> None:
     vc = _load("validate_cost")
@@ -45,21 +64,12 @@ def test_host_copy_keeps_structure_and_shrinks_work(kind: str) -> None:
 def test_run_variant_records_host_time() -> None:
     """``host_s`` is the time until the step returned, before the device sync: on a CPU
     (synchronous) it is the step, and every timed step has one."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     bench = _load("bench_fsdp")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        cfg = dict(bench.TINY["gem"], checkpoint=True)
-        args = SimpleNamespace(warmup=1, steps=3, profile=None, gc_freeze=False)
-        r = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, torch.device("cpu"), args)
-    finally:
-        if created:
-            dist.destroy_process_group()
+
+    def run(mesh, cfg, args):
+        return bench.run_variant(cfg, "hyperrec", "flat", True, mesh, torch.device("cpu"), args)
+
+    r = _on_fake_group(run, bench)
     assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
     assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
     assert r["host_s"] == sorted(r["host_s_all"])[1]
@@ -68,9 +78,6 @@ def test_run_variant_records_host_time() -> None:
 def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
     """The model and its host copy take their steps alternately: step ``i`` of each is
     taken back to back, so both sample the same stretch of the host's speed."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     bench = _load("bench_fsdp")
     vc = _load("validate_cost")
     order = []
@@ -81,19 +88,14 @@ def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
         return step(model, opt, batch)
 
     monkeypatch.setattr(bench, "train_step", spy)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        cfg = dict(bench.TINY["gem"], checkpoint=True)
-        args = SimpleNamespace(warmup=1, steps=3, profile=None, gc_freeze=False)
-        big, small = bench.run_interleaved(
-            [cfg, vc.host_copy(cfg)], "hyperrec", "flat", True, mesh, torch.device("cpu"), args
+
+    def run(mesh, cfg, args):
+        models = [cfg, vc.host_copy(cfg)]
+        return bench.run_interleaved(
+            models, "hyperrec", "flat", True, mesh, torch.device("cpu"), args
         )
-    finally:
-        if created:
-            dist.destroy_process_group()
+
+    big, small = _on_fake_group(run, bench)
     a, b = order[0], order[1]
     assert a != b and order == [a, b] * 4  # one warm-up and three timed steps each, in turn
     for r in (big, small):
