@@ -1,0 +1,34 @@
+"""``bench/bench_autoac.py --smoke``: the benchmark's code paths on the CPU (tiny shapes),
+so a GPU run does not find a broken point. Compiled mode with MXINT8: the compiled
+packed points and their records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyperrec import autoac
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_autoac.py"
+
+
+@pytest.mark.skipif(not autoac.compiled_packing_supported(), reason="no inlined hooks")
+def test_compiled_smoke_run_records_the_packed_points(tmp_path):
+    cmd = [sys.executable, str(BENCH), "--smoke", "--compiled", "--formats", "mxint8",
+           "--models", "hstu", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("*.json")
+    rows = {r["method"]: r for r in json.loads(path.read_text())["models"]["hstu"]["points"]}
+    for name in ("no_ac", "full_ac", "compiled_no_ac", "autoac_compiled@0.5"):
+        assert "time_ms_median" in rows[name], rows.get(name)
+    quant = [r for n, r in rows.items() if n.startswith("autoac_compiled_quant@")]
+    assert quant and all("time_ms_median" in r for r in quant)
+    packed = rows["pack_all_compiled_mxint8"]
+    assert "time_ms_median" in packed and packed["activation_reduction_vs_compiled_no_ac"] > 0
+    # every region of the pack-all plan packed saved nodes inside its graph
+    assert packed["packed_in_graph"] and all(packed["packed_in_graph"].values())
