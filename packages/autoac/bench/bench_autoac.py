@@ -540,6 +540,14 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             modes=[r.mode for r in p.regions],
         )
 
+    def activation(r: dict) -> int:
+        """Activation memory of a point: the step's peak above what was allocated before."""
+        return r["peak_bytes"] - r["start_bytes"]
+
+    def record_activation_cut(res: dict) -> None:
+        res["activation_bytes"] = act = activation(res)
+        res["activation_reduction_vs_no_ac"] = activation(noac) / max(act, 1)
+
     def compiled_setup(p: Any, seen: dict) -> Any:
         """``setup`` for :func:`point` of a plan under ``torch.compile``; ``seen`` gets the
         nodes each region packed in its graphs (read before the plan is removed)."""
@@ -597,14 +605,13 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None and "packed_in_graph" in seen:
             res["packed_in_graph"] = seen["packed_in_graph"]
         if res is not None and "peak_bytes" in res:
-            act_noac = noac["peak_bytes"] - noac["start_bytes"]
-            res["activation_bytes"] = act = res["peak_bytes"] - res["start_bytes"]
-            res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
+            record_activation_cut(res)
             # the like-for-like cut: against the compiled graphs without packing
             cnoac = next((r for r in rows if r.get("method") == "compiled_no_ac"), None)
             if cnoac is not None and "peak_bytes" in cnoac:
-                act_c = cnoac["peak_bytes"] - cnoac["start_bytes"]
-                res["activation_reduction_vs_compiled_no_ac"] = act_c / max(act, 1)
+                res["activation_reduction_vs_compiled_no_ac"] = activation(cnoac) / max(
+                    res["activation_bytes"], 1
+                )
 
     def pack_all_point(fmt: str) -> None:
         """Memory of quantized saves: nothing checkpointed, every saved tensor whose
@@ -641,11 +648,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             regions_packed_fraction=packed / max(needed, 1),
         )
         if res is not None and "peak_bytes" in res:
-            # Activation memory: the step's peak above what was allocated before it.
-            act_noac = noac["peak_bytes"] - noac["start_bytes"]
-            act = res["peak_bytes"] - res["start_bytes"]
-            res["activation_bytes"] = act
-            res["activation_reduction_vs_no_ac"] = act_noac / max(act, 1)
+            record_activation_cut(res)
 
     def _eager_and_other_points() -> None:
         # Most informative points first: the deadline cuts from the end.

@@ -108,8 +108,14 @@ def test_hooks_pack_the_named_classes_inside_the_graph(backend):
     got = [p.grad for p in m.parameters()]
     err = grad_error(ref, got)
     assert 0 < err < 0.01  # packed (not exact), within MXINT8's error
+    # packing does not touch the forward: bit-identical without code generation, and
+    # within Inductor's reassociation with it
     with torch.no_grad():
-        assert torch.equal(cm(x), m(x)) or backend == "inductor"  # the forward is exact
+        out, ref_out = cm(x), m(x)
+    if backend == "inductor":
+        torch.testing.assert_close(out, ref_out)
+    else:
+        assert torch.equal(out, ref_out)
 
 
 def test_hooks_outside_graph_building_leave_saves_alone():

@@ -48,6 +48,7 @@ __all__ = [
 COMPILED_FORMATS: tuple[str, ...] = ("mxint8",)
 
 
+@functools.cache
 def _hook_context_fn() -> Any:
     try:
         from torch._functorch._aot_autograd import graph_compile, utils
@@ -58,7 +59,6 @@ def _hook_context_fn() -> Any:
     return getattr(graph_compile, "_get_saved_tensor_hook_context", None)
 
 
-@functools.cache
 def compiled_packing_supported() -> bool:
     """Whether this torch inlines ``GraphModule`` saved-tensor hooks into compiled graphs
     and shows the hooks the saved node (feature test; without it packed regions run
@@ -118,15 +118,17 @@ class _Pack:
         self.counts = counts
         self.__name__ = "autoac_pack"
 
-    def _wanted(self, x: torch.Tensor) -> bool:
+    def _node_to_pack(self, x: torch.Tensor) -> Any:
+        """The saved node ``x`` stands for, if it is to be packed; else ``None``."""
         ctx = _hook_context_fn()
         state = ctx() if ctx is not None else None
         if not state or "_node" not in state:
             # Called outside graph building: an eager stretch of the region (a graph
             # break) runs with the hooks set; its saves stay as they are.
-            return False
-        op = state["_node"].meta.get("original_aten")
-        return (
+            return None
+        node = state["_node"]
+        op = node.meta.get("original_aten")
+        wanted = (
             op is not None
             and str(op) in self.classes
             and x.dtype in PACKABLE_DTYPES
@@ -134,13 +136,14 @@ class _Pack:
             and x.numel() * x.element_size() >= max(self.min_bytes, 1)
             and x.is_contiguous()
         )
+        return node if wanted else None
 
     def __call__(self, x: torch.Tensor) -> tuple[Any, ...]:
-        if not self._wanted(x):
+        node = self._node_to_pack(x)
+        if node is None:
             return (x,)
         # called twice per node while building (once to see the output, once to trace)
-        name = str(_hook_context_fn()()["_node"].name)
-        self.counts[name] = self.counts.get(name, 0) + 1
+        self.counts[node.name] = self.counts.get(node.name, 0) + 1
         data, scale = mxint8_pack_flat(x)
         return (data, scale, x.dtype, tuple(x.shape))
 
@@ -158,10 +161,6 @@ def _graph_module(fn: Any) -> torch.fx.GraphModule:
     x = g.placeholder("x")
     g.output(g.call_function(fn, (x,)))
     return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
-_UNPACK_NAME = "autoac_unpack"
-_unpack.__name__ = _UNPACK_NAME
 
 
 def pack_hooks(

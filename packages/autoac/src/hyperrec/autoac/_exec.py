@@ -463,9 +463,17 @@ def run_region(
     )
 
 
-def force_eager() -> contextlib.AbstractContextManager[Any]:
+def no_compile() -> contextlib.AbstractContextManager[Any]:
     """Run ``torch.compile``'d functions eagerly inside the block (torch >= 2.6's
-    ``set_stance("force_eager")``; nothing on older torch)."""
+    ``set_stance("force_eager")``; nothing on older torch).
+
+    Profiling runs the model under a dispatch-mode tracker, inside checkpoints, in
+    timing loops: compiled regions of the model would compile a variant for each of
+    these contexts. Each variant counts against Dynamo's recompile limit, past which a
+    function runs eagerly for the rest of the process; the training steps after
+    profiling would pay for it. Under a dispatch mode Dynamo does not compile at all and
+    skips the frame for good; ``force_eager`` does not mark frames skipped.
+    """
     stance = getattr(torch.compiler, "set_stance", None)
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
@@ -480,7 +488,7 @@ def _eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with force_eager():
+        with no_compile():
             return fn(*args, **kwargs)
 
     return run

@@ -18,7 +18,6 @@ import statistics
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,8 +32,8 @@ from hyperrec.autoac._exec import (
     RegionDecisions,
     bind_kwargs,
     explicit_generator,
-    force_eager,
     keep_module_state,
+    no_compile,
     op_name,
     run_region,
     sac_context_fn,
@@ -782,19 +781,6 @@ def _pack_costs(
 
 
 # --------------------------------------------------------------------------- public
-def no_compile() -> AbstractContextManager[Any]:
-    """Run ``torch.compile``'d functions eagerly inside the block (torch >= 2.6's
-    ``set_stance("force_eager")``; nothing on older torch).
-
-    Profiling runs the model under a dispatch-mode tracker, inside checkpoints, in
-    timing loops: compiled regions of the model would compile a variant for each of
-    these contexts. Each variant counts against Dynamo's recompile limit, past which a
-    function runs eagerly for the rest of the process; the training steps after
-    profiling would pay for it.
-    """
-    return force_eager()
-
-
 def profile(
     model: nn.Module,
     step_fn: Callable[[nn.Module], torch.Tensor],

@@ -48,7 +48,7 @@ from hyperrec.autoac._compiled_pack import (
     compiled_packing_supported,
     pack_hooks,
 )
-from hyperrec.autoac._exec import RegionDecisions, run_region
+from hyperrec.autoac._exec import RegionDecisions, no_compile, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
@@ -61,7 +61,6 @@ from hyperrec.autoac.profiler import (
     _seed_all,
     grad_error,
     grads_of,
-    no_compile,
     profile,
     set_grads,
 )
