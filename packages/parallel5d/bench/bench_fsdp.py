@@ -405,6 +405,17 @@ class _GCLog:
         gc.callbacks.remove(self._callback)
 
 
+def timed_step(model, opt, batch, device) -> tuple[torch.Tensor, float, float]:
+    """One training step from a synchronised device: ``(loss, host_s, step_s)``, the
+    seconds until ``train_step`` returned (the host's enqueue time) and until the device
+    finished."""
+    t0 = time.perf_counter()
+    loss = train_step(model, opt, batch)
+    host_s = time.perf_counter() - t0
+    sync(device)
+    return loss, host_s, time.perf_counter() - t0
+
+
 def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     rank = dist.get_rank()
     model = build(cfg, device)
@@ -450,11 +461,10 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
         sync(device)
         gc_log.reset()
-        t0 = time.perf_counter()
-        losses.append(train_step(model, opt, batch))
-        host.append(time.perf_counter() - t0)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        loss, host_s, step_s = timed_step(model, opt, batch, device)
+        losses.append(loss)
+        host.append(host_s)
+        times.append(step_s)
         gc_s.append(gc_log.seconds)
         gc_full.append(gc_log.full)
     gc_log.close()
@@ -525,11 +535,9 @@ def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
         for i, (cfg, model, opt) in enumerate(runs):
             batch = make_batch(cfg, device, args.warmup + s, rank)
             sync(device)
-            t0 = time.perf_counter()
-            train_step(model, opt, batch)
-            host[i].append(time.perf_counter() - t0)
-            sync(device)
-            times[i].append(time.perf_counter() - t0)
+            _, host_s, step_s = timed_step(model, opt, batch, device)
+            host[i].append(host_s)
+            times[i].append(step_s)
     out = [
         {
             "step_s": statistics.median(t),
