@@ -168,15 +168,24 @@ def _plans():
     return model, step, ref, [sac, none]
 
 
-def test_compiled_plans_pack_in_the_graph_not_eagerly(monkeypatch):
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_plans_pack_in_the_graph_not_eagerly(monkeypatch, dynamic):
+    """``dynamic=True``: the selective-checkpoint policy's decisions used to become
+    symbolic ints there, the checkpoint a graph break run eagerly, and the packed saves
+    of a checkpointed region were then never packed (silently: more memory than
+    planned). No graph break is allowed now."""
+    from torch._dynamo.utils import counters
+
     model, step, ref, plans = _plans()
     eager = []
     orig = rt._eager_region
     monkeypatch.setattr(rt, "_eager_region", lambda *a, **k: (eager.append(1), orig(*a, **k))[1])
     modes = set()
+    counters.clear()
     for p in plans:
         torch._dynamo.reset()
-        h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
+        kwargs = BACKEND if dynamic is None else {**BACKEND, "dynamic": dynamic}
+        h = autoac.apply_plan(model, p, compile=True, compile_kwargs=kwargs)
         try:
             got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
             packed = {n for n, nodes in h.packed_in_graph.items() if nodes}
@@ -188,6 +197,7 @@ def test_compiled_plans_pack_in_the_graph_not_eagerly(monkeypatch):
         assert 0 < grad_error(ref, got) < 0.01
     assert modes == {"sac", "none"}
     assert eager == []
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_without_support_packed_regions_run_eagerly(monkeypatch):

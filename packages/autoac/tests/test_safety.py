@@ -203,8 +203,8 @@ def test_policy_answers_the_same_when_asked_during_recomputation():
     for every SAVE answer: the answers must repeat the forward's, op by op."""
     from torch.utils.checkpoint import SelectiveCheckpointContext
 
-    saves = ((("aten.mm.default", 1), "keep"), (("aten.mm.default", 3), "keep"))
-    fwd_mode, _ = _exec._sac_contexts(saves)
+    saves = {("aten.mm.default", 1): "keep", ("aten.mm.default", 3): "keep"}
+    fwd_mode, _ = _exec.sac_context_fn(_exec.RegionDecisions("sac", saves))()
     policy = fwd_mode.policy_fn
     mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
     seq = [mm, add, mm, mm, add, mm, mm]

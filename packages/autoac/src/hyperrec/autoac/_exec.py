@@ -157,10 +157,10 @@ def _policy(
 
 
 def _sac_contexts(
-    saves: tuple[tuple[tuple[str, int], str], ...],
+    saves: tuple[str, ...],
     on_op: Callable[[Any, tuple[Any, ...], dict[str, Any]], None] | None = None,
 ) -> tuple[Any, Any]:
-    decisions = dict(saves)
+    decisions = dict(_decode_save(s) for s in saves)
     fwd, rc = _Counter(), _Counter()
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -183,14 +183,24 @@ def sac_context_fn(
 ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``checkpoint``: torch's selective checkpointing, our policy.
 
-    It is a ``functools.partial`` over the decisions as a tuple of constants: Dynamo
-    guards on them, so two regions with the same code but different decisions get
-    different compiled graphs (and regions with equal decisions share one).
+    It is a ``functools.partial`` over the decisions as a tuple of strings: Dynamo
+    guards on them as constants, so two regions with the same code but different
+    decisions get different compiled graphs (and regions with equal decisions share
+    one). Strings, not ``(op, index)`` tuples: under ``torch.compile(dynamic=True)``
+    Dynamo makes the indices symbolic ints, the tuple is then no constant, and the
+    checkpoint falls back to an eager call (a graph break that also kept packed saves
+    from being traced into the graph).
     ``on_op(func, args, kwargs)`` is called for every op the policy sees in the forward
     (the profiler uses it to number ops); with it, a random op drawing from an explicit
     generator is not an error (the profiler leaves its region un-checkpointed).
     """
-    return functools.partial(_sac_contexts, tuple(sorted(decisions.saves.items())), on_op)
+    saves = tuple(sorted(f"{op}|{i}|{f}" for (op, i), f in decisions.saves.items()))
+    return functools.partial(_sac_contexts, saves, on_op)
+
+
+def _decode_save(text: str) -> tuple[tuple[str, int], str]:
+    op, i, f = text.rsplit("|", 2)
+    return (op, int(i)), f
 
 
 def _detach(x: Any) -> Any:

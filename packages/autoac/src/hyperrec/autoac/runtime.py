@@ -417,6 +417,10 @@ class AutoAC:
 
     @property
     def packed_in_graph(self) -> dict[str, list[str]]:
+        """Compiled regions with packed saves -> names of the saved graph nodes their
+        pack hook packed while graphs were built (empty until a region has run
+        compiled; an empty list after that means nothing was packed in the graph).
+        Regions that pack the same op classes share one hook pair, and so one list."""
         return {n: sorted(c) for n, c in self._runner.pack_counts.items()}
 
     def set_plan(self, plan_: Plan) -> None:
