@@ -163,12 +163,50 @@ def test_autoac_and_ac_config_errors(micro):
         override(micro, ["train.ac_layer_budgets_gb=-1"])
     with pytest.raises(ValueError, match="ac_formats must hold names"):
         override(micro, ["train.ac_formats=fp16"])
-    with pytest.raises(ValueError, match="ac_formats needs TrainConfig.compile='off'"):
-        override(micro, ["train.ac_formats=mxfp8", "train.compile=aot_eager"])
+    with pytest.raises(ValueError, match=r"only 'mxint8' is packed inside compiled .*'mxfp8'"):
+        override(micro, ["train.ac_formats=mxint8,mxfp8", "train.compile=aot_eager"])
+    assert override(micro, ["train.ac_formats=mxint8", "train.compile=aot_eager"])
     with pytest.raises(ValueError, match="TrainConfig.mesh must be one of"):
         override(micro, ["train.mesh=3d"])
     p = override(micro, ["train.ac_layer_budgets_gb=0.5", "train.ac_formats=mxfp8,fp8_e4m3"])
     assert p.train.ac_layer_budgets_gb == (0.5,) and p.train.ac_formats == ("mxfp8", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("scope", ["regions", "layers"])
+def test_autoac_packs_mxint8_inside_the_compiled_layers(micro, scope, monkeypatch):
+    """``ac_formats=mxint8`` with ``compile``: autoac compiles each layer with the packing
+    traced into its graphs (no eager packed region runs). The plan is set by hand (the
+    planner's choice on the CPU follows measured pack rates): layer 0 checkpointed and
+    layer 1 not, each keeping its packable saves as MXINT8. The losses move by the
+    quantization only."""
+    from hyperrec.autoac import runtime
+
+    eager = []
+    orig = runtime._eager_region
+    monkeypatch.setattr(
+        runtime, "_eager_region", lambda *a, **k: (eager.append(1), orig(*a, **k))[1]
+    )
+    base = ["model.seq_layers=2", "train.compile=aot_eager", f"train.compile_scope={scope}"]
+    off = _losses(Trainer(_micro(micro, *base), progress=False))
+    ac = ["train.activation_checkpointing=autoac", "train.ac_budget_gb=1"]
+    t = Trainer(_micro(micro, *base, *ac, "train.ac_formats=mxint8"), progress=False)
+    prof, plan = t.autoac.profile, t.autoac.plan
+    regions = []
+    for i, (r, pr) in enumerate(zip(plan.regions, prof.regions, strict=True)):
+        packable = [o.key for o in pr.ops if o.needed and "mxint8" in o.formats]
+        assert len({op for op, _ in packable}) > 1, packable
+        # layer 0 packs one op class, layer 1 all: different hooks, reported apart
+        mode, packed = ("sac", packable[:1]) if i == 0 else ("none", packable)
+        regions.append(dataclasses.replace(r, mode=mode, saves=dict.fromkeys(packed, "mxint8")))
+    t.autoac.set_plan(dataclasses.replace(plan, regions=tuple(regions)))
+    hooks = t.autoac._runner.hooks
+    assert hooks[regions[0].name] is not hooks[regions[1].name]
+    eager.clear()
+    losses = _losses(t)
+    assert eager == []
+    assert all(t.autoac.packed_in_graph[r.name] for r in regions), t.autoac.packed_in_graph
+    assert losses != off
+    np.testing.assert_allclose(losses, off, rtol=2e-3)
 
 
 def _two_rank_run(preset, out_dir):

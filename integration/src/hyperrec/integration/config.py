@@ -649,7 +649,10 @@ class TrainConfig:
     ac_formats: tuple[str, ...] = ()
     """Packed formats autoac may keep saved activations in (``mxfp8``, ``fp8_e4m3``,
     ``fp8_e5m2``, ``mx4``, ``mxint8``), each only where its measured gradient error is
-    within autoac's bound; empty: keep or recompute only. Packed regions run eagerly."""
+    within autoac's bound; empty: keep or recompute only. With ``compile`` only
+    ``mxint8``: autoac then compiles each sequence layer itself with the packing traced
+    into its graphs (``hyperrec.autoac``'s compiled packing; the trainer raises where the
+    installed torch cannot inline it). Without ``compile`` packed layers run eagerly."""
     attention_precision: str = "bf16"
     """"bf16", "fp8", "mxfp8" or "fp8_bwd": the sequence tower's attention through
     ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
@@ -824,10 +827,12 @@ class TrainConfig:
         bad = [f for f in self.ac_formats if f not in AC_FORMATS]
         if bad:
             raise ValueError(f"TrainConfig.ac_formats must hold names from {AC_FORMATS}, got {bad}")
-        if self.ac_formats and self.compile != "off":
+        eager_only = [f for f in self.ac_formats if f != "mxint8"]
+        if eager_only and self.compile != "off":
             raise ValueError(
-                "TrainConfig.ac_formats needs TrainConfig.compile='off': packed saved "
-                "activations run eagerly"
+                f"TrainConfig.ac_formats={self.ac_formats!r} with TrainConfig.compile="
+                f"{self.compile!r}: only 'mxint8' is packed inside compiled graphs; "
+                f"{eager_only} need TrainConfig.compile='off'"
             )
 
     def sub_batches_per_rank(self, world_size: int) -> int:

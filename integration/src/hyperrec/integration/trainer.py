@@ -239,6 +239,15 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _autoac_compile_kwargs(mode: str) -> dict[str, Any]:
+    """``torch.compile`` arguments for autoac's compiled layers: those the model uses for
+    its own regions (``model._region``), so a layer compiles as it would without autoac."""
+    if mode == "inductor_autotune":
+        options = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+        return {"backend": "inductor", "dynamic": True, "options": options}
+    return {"backend": mode, "dynamic": True}
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Learning-rate multiplier at 1-based ``step``: linear warm-up, cosine to 0.1."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
@@ -965,6 +974,17 @@ class Trainer:
             "flops" if self.ctx.device.type == "cpu" or self.ctx.distributed else "time"
         )
         formats = tuple(cfg.ac_formats)
+        # Packed saves under compilation: autoac compiles each layer itself (the model's
+        # compiled regions inline into it) inside saved-tensor hooks that trace the
+        # MXINT8 packing into its graphs; without formats the model compiles its own
+        # regions and autoac wraps them eagerly, as before.
+        compiled = bool(formats) and cfg.compile != "off"
+        if compiled and not autoac.compiled_packing_supported():
+            raise ValueError(
+                f"TrainConfig.ac_formats={formats!r} with TrainConfig.compile={cfg.compile!r} "
+                f"needs a torch that inlines saved-tensor hooks into compiled graphs "
+                f"(torch {torch.__version__} does not): use TrainConfig.compile='off'"
+            )
         try:
             self.autoac = autoac.apply(
                 self.model,
@@ -978,6 +998,8 @@ class Trainer:
                 # number of steps that could differ between ranks, whose FSDP collectives
                 # must pair.
                 verify=not (formats and self.ctx.distributed),
+                compile=compiled,
+                compile_kwargs=_autoac_compile_kwargs(cfg.compile) if compiled else None,
             )
         except ValueError as err:
             if str(err).startswith(("budget", "region_budgets")):
