@@ -184,6 +184,24 @@ def test_compiles_in_one_graph_and_matches_eager() -> None:
     assert torch.equal(x.grad, xe.grad) and torch.equal(w.grad, we.grad)
 
 
+@pytest.mark.parametrize(("k", "n"), [(0, 32), (64, 0), (0, 0)])
+@pytest.mark.parametrize("fp8_dgrad", [True, False])
+def test_zero_features_give_linear_s_result(k: int, n: int, fp8_dgrad: bool) -> None:
+    """No features in or out (``0 % 16 == 0`` passes the shape check): the exact result
+    (zeros plus the bias, or an empty tensor) and gradients, as ``F.linear`` gives."""
+    x = torch.randn(3, 4, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
+    y = rowwise_linear(x, w, b, fp8_dgrad=fp8_dgrad)
+    ref = F.linear(x, w, b)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(rowwise_linear_reference(x, w, b), ref.double())
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+    assert not x.grad.any() and w.grad.shape == (n, k)
+    assert torch.equal(b.grad, torch.full((n,), 12.0))
+
+
 def test_bad_inputs_name_the_argument() -> None:
     x, w = _rand(4, 32), _rand(16, 32)
     with pytest.raises(TypeError, match="x must be"):

@@ -15,8 +15,9 @@ PyTorch (an ``amax``, a power-of-two scale, a cast), so under ``torch.compile`` 
 compiler fuses it into the kernel that produces the operand (a layer norm, a SiLU
 backward) and the GEMM is one ``torch._scaled_mm`` call: no extra pass over the
 activations and no per-call host work beyond the GEMM's. Scales are powers of two chosen
-so that nothing saturates (the RCEIL rule of the MX recipe, per row instead of per 32
-elements), so scaling is exact and the only rounding is E4M3's.
+as torchao's row-wise recipe does (``ceil(log2(amax / 448))`` in float32, per row), so
+scaling is exact and the only rounding is E4M3's; where that float32 log rounds down
+(``amax`` a hair above ``448 * 2**k``) the row's largest element casts to 448.
 
 On CUDA the FP8 GEMMs are ``torch._scaled_mm`` with row-wise scales (Hopper and newer);
 elsewhere they are emulated in float32 from the same quantized operands (the same
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["quantize_rows", "rowwise_linear", "rowwise_linear_reference"]
 
@@ -50,9 +52,12 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype = _E4M3) -> tuple[torch.Te
 
     Returns:
         ``(q, scale)``: ``q`` ``(M, K)`` in ``dtype`` and ``scale`` ``(M, 1)`` float32 with
-        ``t ~= q * scale``. The scale is the smallest power of two with
-        ``max(amax(row), 1e-12) / scale <= max(dtype)``, so no element saturates (an
-        all-zero row: scale ``2**-48``, zeros). A row with a NaN or Inf gets a NaN scale
+        ``t ~= q * scale``. The scale is ``2**ceil(log2(max(amax(row), 1e-12) / max(dtype)))``
+        in float32 (torchao's rule), the smallest power of two that keeps every element
+        within ``max(dtype)`` except where that float32 division and log2 round down
+        (amax a hair above ``max(dtype) * 2**k``): such an element lands a fraction of an
+        ULP above the largest E4M3 value and casts to it (an all-zero row: scale
+        ``2**-48``, zeros). A row with a NaN or Inf gets a NaN scale
         (its products are NaN, other rows are unaffected). Same bytes as torchao's
         row-wise float8 cast with power-of-two scales.
     """
@@ -162,6 +167,10 @@ def rowwise_linear(
     _check(x, w, b)
     if not isinstance(fp8_dgrad, bool):
         raise TypeError(f"fp8_dgrad must be a bool, got {type(fp8_dgrad).__name__}")
+    if w.numel() == 0:
+        # no features in or out: nothing to quantize (a row amax over no elements has no
+        # value); the exact result is zeros (plus the bias) or an empty tensor
+        return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     y = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w, fp8_dgrad)
     y = y.reshape(*x.shape[:-1], w.shape[0])
     return y if b is None else y + b.to(y.dtype)
@@ -173,6 +182,8 @@ def rowwise_linear_reference(
     """The forward of :func:`rowwise_linear` in float64 from the same quantized operands
     (no autograd through the quantization): the kernel differs only in accumulation."""
     _check(x, w, b)
+    if w.numel() == 0:
+        return F.linear(x.double(), w.double(), None if b is None else b.double())
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2)
     wq, ws = quantize_rows(w)
