@@ -66,6 +66,12 @@ def test_bad_input() -> None:
         m(torch.ones(3, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"w1 must have shape \(2, 4, 4\)"):
         m.load_full_experts_(torch.zeros(3, 4, 4), m.experts.w3, m.experts.w2, torch.zeros(2, 4))
+    # a bad router after good expert weights: nothing is copied (the experts were)
+    before = [t.detach().clone() for t in (m.experts.w1, m.experts.w3, m.experts.w2)]
+    with torch.no_grad(), pytest.raises(ValueError, match="router must have shape"):
+        m.load_full_experts_(*(torch.ones_like(t) for t in before), torch.zeros(3, 4))
+    after = (m.experts.w1, m.experts.w3, m.experts.w2)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     with pytest.raises(ValueError, match="expert_grad_scale must be >= 0.0"):
         RoutedExperts(4, 4, 2, expert_grad_scale=-1.0)
 

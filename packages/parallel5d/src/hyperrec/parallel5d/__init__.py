@@ -32,7 +32,13 @@ from hyperrec.parallel5d._compat import (
 )
 from hyperrec.parallel5d._version import __version__
 from hyperrec.parallel5d.experts import GroupedExperts, RoutedExperts, TopKRouter
-from hyperrec.parallel5d.fsdp import FSDPModule, dbuffers, full_state_dict, fully_shard
+from hyperrec.parallel5d.fsdp import (
+    FSDPModule,
+    dbuffers,
+    full_state_dict,
+    fully_shard,
+    load_full_state_dict,
+)
 from hyperrec.parallel5d.mesh import (
     AXES,
     DEFAULT_AXIS_TIERS,
@@ -83,6 +89,7 @@ __all__ = [
     "dbuffers",
     "full_state_dict",
     "fully_shard",
+    "load_full_state_dict",
     "register_fsdp_forward_method",
     "share_comm_ctx",
 ]

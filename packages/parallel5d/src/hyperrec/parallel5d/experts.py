@@ -283,20 +283,23 @@ class RoutedExperts(nn.Module):
             ValueError: shapes that do not match this layer.
         """
         sl = slice(self.local_experts.start, self.local_experts.stop)
-        for name, full, mine in (
+        pairs = (
             ("w1", w1, self.experts.w1),
             ("w3", w3, self.experts.w3),
             ("w2", w2, self.experts.w2),
-        ):
+        )
+        # every shape first: a bad one must leave the layer as it was
+        for name, full, mine in pairs:
             want = (self.num_experts, *mine.shape[1:])
             if tuple(full.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {tuple(full.shape)}")
-            mine.copy_(full[sl])
         if tuple(router.shape) != tuple(self.router.gate.weight.shape):
             raise ValueError(
                 f"router must have shape {tuple(self.router.gate.weight.shape)}, "
                 f"got {tuple(router.shape)}"
             )
+        for _, full, mine in pairs:
+            mine.copy_(full[sl])
         self.router.gate.weight.copy_(router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

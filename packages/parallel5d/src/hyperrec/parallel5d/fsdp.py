@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hyperrec.dbuffer import DBuffer
 from hyperrec.parallel5d._api import Granularity, MixedPrecisionPolicy, resolve_granularity
@@ -30,9 +31,9 @@ from hyperrec.parallel5d._convert import resync_group
 from hyperrec.parallel5d._group import ParamGroup
 from hyperrec.parallel5d._state import FSDPState, get_state
 from hyperrec.parallel5d._validate import check_bool, check_float, check_int
-from hyperrec.raggedshard import enable_local_ops
+from hyperrec.raggedshard import enable_local_ops, local_piece
 
-__all__ = ["FSDPModule", "fully_shard", "full_state_dict", "dbuffers"]
+__all__ = ["FSDPModule", "fully_shard", "full_state_dict", "load_full_state_dict", "dbuffers"]
 
 _CLASS_CACHE: dict[type, type] = {}
 
@@ -118,9 +119,12 @@ def fully_shard(
 
     Between iterations the module's parameters are ``nn.Parameter`` DTensors with
     ``RaggedShard`` placements (``(Replicate(), RaggedShard)`` on a 2-D HSDP mesh) whose
-    local tensors are views into the shard storage: any ``torch.optim`` optimizer works on
-    them unchanged, and ``module.state_dict()`` returns DTensors that
-    ``torch.distributed.checkpoint`` saves and loads across world sizes.
+    local tensors are views into the shard storage: ``torch.optim`` optimizers whose
+    ops DTensor supports on them (SGD, Adam, AdamW, ... and the fused and foreach
+    variants; not ``Rprop`` or ``Adafactor``, which fail as under FSDP2) work on them
+    unchanged, and ``module.state_dict()`` returns DTensors that
+    ``torch.distributed.checkpoint`` saves and loads across world sizes; full state dicts
+    load with :func:`load_full_state_dict`.
 
     Process-global side effect: for the optimizer step above to run shard-locally this
     calls :func:`hyperrec.raggedshard.enable_local_ops`, which installs raggedshard's
@@ -712,6 +716,129 @@ def _check_module(module: Any) -> None:
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
 
 
+def load_full_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    broadcast_from_rank0: bool = False,
+    strict: bool = True,
+) -> None:
+    """Load full (unsharded) values into a ``fully_shard`` model: each rank copies its own
+    rows of every parameter into its shard (the master values), and buffers whole.
+
+    What ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` does for
+    FSDP2; torch's version cannot cut a ``RaggedShard`` parameter (it takes the unknown
+    placement as replicated and fails on the first parameter split across ranks), so use
+    this one here. Keys are ``module.state_dict()``'s (a tied parameter under any of its
+    names); values any float dtype, cast to each parameter's dtype.
+
+    Args:
+        module: a model sharded with :func:`fully_shard` (parameters left out of it
+            load as plain tensors).
+        state_dict: FQN -> full tensor. With ``broadcast_from_rank0`` only rank 0's is
+            read (other ranks may pass ``{}``).
+        broadcast_from_rank0: rank 0 sends every value to all ranks (collective: every
+            rank of the default group calls it with the same module structure).
+        strict: missing or unexpected keys are an error (as in ``load_state_dict``).
+
+    Raises:
+        TypeError: ``module`` not an ``nn.Module``; a value not a tensor.
+        ValueError: missing/unexpected keys (``strict``) or a value whose shape differs
+            from the parameter's; with ``broadcast_from_rank0`` rank 0 checks and every
+            rank raises the same error before any value is sent.
+    """
+    _check_module(module)
+    check_bool("broadcast_from_rank0", broadcast_from_rank0)
+    check_bool("strict", strict)
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    targets: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    by_id: dict[int, str] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+    for name, t in named:
+        if t is None:
+            continue
+        first = by_id.setdefault(id(t), name)
+        aliases[name] = first
+        targets.setdefault(first, t)
+    sender = not broadcast_from_rank0 or dist.get_rank() == 0
+    error = ""
+    if sender:
+        error = _full_state_dict_error(state_dict, targets, aliases, strict)
+    if broadcast_from_rank0:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ValueError(error)
+    # one source name per distinct tensor (a tied parameter may come under any name)
+    source: dict[str, str] = {}
+    if sender:
+        for name, first in aliases.items():
+            if name in state_dict:
+                source.setdefault(first, name)
+    wanted: list[str] = list(targets)
+    if broadcast_from_rank0:
+        box2: list[Any] = [sorted(source.items())]
+        dist.broadcast_object_list(box2, src=0)
+        source = dict(box2[0])
+    for first in wanted:
+        if first not in source:
+            continue
+        t = targets[first]
+        value = _full_value(t, state_dict.get(source[first]) if sender else None,
+                            broadcast_from_rank0)  # fmt: skip
+        with torch.no_grad():
+            if isinstance(t, DTensor):
+                piece = local_piece(value, t)
+                if piece is None:  # not a single ragged placement: replicated dims only
+                    raise ValueError(f"{first}: cannot place a full value on {t.placements}")
+                t._local_tensor.copy_(piece)
+            else:
+                t.copy_(value)
+
+
+def _full_state_dict_error(
+    state_dict: Mapping[str, torch.Tensor],
+    targets: dict[str, torch.Tensor],
+    aliases: dict[str, str],
+    strict: bool,
+) -> str:
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor):
+            return f"state_dict[{k!r}] must be a tensor, got {type(v).__name__}"
+    if strict:
+        covered = {aliases[k] for k in state_dict if k in aliases}
+        missing = sorted(k for k in targets if k not in covered)
+        unexpected = sorted(k for k in state_dict if k not in aliases)
+        if missing or unexpected:
+            return f"state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
+    for k, v in state_dict.items():
+        if k in aliases and tuple(v.shape) != tuple(targets[aliases[k]].shape):
+            return (f"state_dict[{k!r}] has shape {tuple(v.shape)}, the model's is "
+                    f"{tuple(targets[aliases[k]].shape)}")  # fmt: skip
+    return ""
+
+
+def _full_value(t: torch.Tensor, value: torch.Tensor | None, broadcast: bool) -> torch.Tensor:
+    """``t``'s full value: ``value`` itself, or rank 0's broadcast to every rank (sent
+    on the default group, on the device its backend uses)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if not broadcast:
+        assert value is not None
+        return value.detach().to(device=local.device, dtype=local.dtype)
+    device = local.device
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if value is not None:
+        buf = value.detach().to(device=device, dtype=local.dtype).contiguous()
+    else:
+        buf = torch.empty(tuple(t.shape), dtype=local.dtype, device=device)
+    dist.broadcast(buf, src=0)
+    return buf.to(local.device)
+
+
 def dbuffers(module: nn.Module) -> list[DBuffer]:
     """Every DBuffer of every ``fully_shard`` module in ``module``'s tree, in module order.
 
@@ -759,11 +886,13 @@ def full_state_dict(
         seen.add(id(state))
         gathered = [buf.gather_full() for buf in state.group.buffers]
         for s in state.group.slots:
-            # Named after the module that registers it (grouped calls span modules).
-            owner, pname = s.registrations[0]
-            prefix = prefixes.get(id(owner), "")
-            key = f"{prefix}.{pname}" if prefix else pname
-            out[key] = gathered[s.buffer][s.index].to(device)
+            # Named after the modules that register it (grouped calls span modules; a
+            # tied parameter has several names, as in ``state_dict()``).
+            regs = [r for r in s.registrations if id(r[0]) in prefixes] or s.registrations[:1]
+            value = gathered[s.buffer][s.index].to(device)
+            for owner, pname in regs:
+                prefix = prefixes.get(id(owner), "")
+                out[f"{prefix}.{pname}" if prefix else pname] = value
     for name, p in module.named_parameters():
         if name not in out and not hasattr(p, "placements"):
             out[name] = p.detach().to(device)

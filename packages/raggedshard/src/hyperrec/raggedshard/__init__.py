@@ -19,6 +19,7 @@
 - :mod:`hyperrec.raggedshard.reference`: the single-process spec used by the tests.
 """
 
+from hyperrec.raggedshard._implicit import local_piece
 from hyperrec.raggedshard._version import __version__
 from hyperrec.raggedshard.checkpoint import (
     RaggedLoadPlanner,
@@ -59,6 +60,7 @@ __all__ = [
     "from_local",
     "full_tensor",
     "local_chunks",
+    "local_piece",
     "local_ops",
     "local_ops_enabled",
     "plan_layout",
