@@ -103,6 +103,31 @@ def test_kernel_bit_exact_with_key_shift(fmt):
     assert (kd - shifted).norm() < 0.2 * (kp - exact).norm()
 
 
+@needs_kernels
+@pytest.mark.parametrize(
+    "config", CONFIGS[-2:] + CONFIGS[1:2], ids=["mx", "mx_rotated", "fp8_rows"]
+)
+def test_kernel_bit_exact_on_bf16_subnormals(config):
+    """Blocks of bf16 subnormals (scales at the bottom of E8M0, values the fp8 floor
+    zeroes): the same bytes and key means as the reference. The interpreter's own bf16
+    conversion gets subnormals wrong, which made every byte of such an MX block differ."""
+    lens = (5, 0, 40)
+    (q, k, v), offsets = _inputs(lens, dim_v=32, seed=3)
+    g = torch.Generator().manual_seed(5)
+    tiny = (torch.randn(q.shape, generator=g) * 1e-39).to(torch.bfloat16).to(q.device)
+    assert ((tiny != 0) & (tiny.float().abs() < torch.finfo(torch.float32).tiny)).any()
+    q, v = tiny, tiny.flip(0)
+    k = torch.cat([k[:5], tiny[5:]])  # one sequence normal, one subnormal
+    got = quantize_qkv(q, k, v, offsets, precision=config, backend="triton")
+    want = reference_fp8.quantize_qkv(q, k, v, offsets, offsets, config)
+    _assert_same(got, want, offsets, q.shape[0])
+    shift = key_shift(k, offsets)
+    total = k.float().cpu().double()
+    for b, (s, e) in enumerate(zip(offsets.tolist(), offsets.tolist()[1:], strict=False)):
+        want_mean = total[s:e].mean(0) if e > s else torch.zeros_like(total[0])
+        assert torch.equal(shift[b].cpu(), want_mean.to(torch.bfloat16)), b
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
 def test_key_shift_per_sequence_finite_mean(backend, monkeypatch):
     """The shift: per sequence and head, the mean of its keys over the finite values; zeros

@@ -61,6 +61,17 @@ _NAN_BYTE = tl.constexpr(0x7F)
 
 
 @triton.jit
+def _f32(x):
+    """``x.to(tl.float32)``. Under ``TRITON_INTERPRET`` bf16 moves by its bits: the
+    interpreter's own conversion gets bf16 subnormals wrong (1e-39 -> 4.4e-39), so the
+    quantized bytes would differ from ``reference_fp8``; compiled, the conversion is
+    exact and is left as it was."""
+    if _INTERP and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _pow2(e):
     """2**e as float32 for integer-valued ``e`` (float or int) in [-126, 127]: exact."""
     return ((e.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
@@ -184,8 +195,8 @@ def _key_mean_kernel(
         r = r0 + tl.arange(0, ROWS)
         ok = (r < n_rows)[:, None] & (c < D)[None, :]
         rows64 = (start + r).to(tl.int64)
-        x = tl.load(K + rows64[:, None] * stride_kt + h * stride_kh + c[None, :], mask=ok,
-                    other=0.0).to(tl.float64)  # fmt: skip
+        x = _f32(tl.load(K + rows64[:, None] * stride_kt + h * stride_kh + c[None, :], mask=ok,
+                         other=0.0)).to(tl.float64)  # fmt: skip
         finite = ok & (tl.abs(x) < float("inf"))  # NaN compares false too
         acc += tl.where(finite, x, 0.0)
         cnt += finite.to(tl.int32)
@@ -221,8 +232,8 @@ def _quant_tile(
         row_ok = r < n_rows
         ok = row_ok[:, None] & (c < D)[None, :]
         rows64 = (start + r).to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_xt + h * stride_xh + c[None, :], mask=ok,
-                    other=0.0).to(tl.float32)  # fmt: skip
+        x = _f32(tl.load(X + rows64[:, None] * stride_xt + h * stride_xh + c[None, :], mask=ok,
+                         other=0.0))  # fmt: skip
         if HAS_SHIFT:
             # (B, H, D) contiguous, one row per sequence. Rows past the sequence stay 0:
             # they share block maxima with the sequence's rows (GROUP > 1).
