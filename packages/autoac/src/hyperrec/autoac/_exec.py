@@ -516,52 +516,52 @@ def bind_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[...,
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-def _written_state(
-    module: torch.nn.Module, before: list[tuple[torch.Tensor, int]]
-) -> list[torch.Tensor]:
-    """Buffers of ``module`` its forward wrote: those whose version counter moved, and the
-    running statistics of normalisation layers in training mode (batch norm's kernels
-    write them without bumping the counter)."""
-    out = {id(b): b for b, v in before if b._version != v}
-    for m in module.modules():
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training:
-            for b in (m.running_mean, m.running_var, m.num_batches_tracked):
-                if isinstance(b, torch.Tensor):
-                    out[id(b)] = b
-    return list(out.values())
-
-
 def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a region module's bound ``forward``) for ``checkpoint``: its first call is
-    the forward; on a later call (a recomputation) the buffers the forward wrote are put
-    back afterwards to the values they had before it, without bumping their version
-    counters (autograd nodes of the recomputation saved them at the current version).
-    Other callables are returned as they are."""
+    """``fn`` (a region module's bound ``forward``) for ``checkpoint``, made per call of
+    the region: its first call is the forward; on a later call (a recomputation) every
+    buffer of the module is put back afterwards to the tensor and values it had before
+    the recomputation, without bumping version counters (autograd nodes of the
+    recomputation saved them at the current version). The cost: one copy of the
+    region's buffers per recomputation. Other callables are returned as they are."""
     module = getattr(fn, "__self__", None)
-    if not isinstance(module, torch.nn.Module) or torch.compiler.is_compiling():
+    if not isinstance(module, torch.nn.Module):
         return fn
-    written: list[torch.Tensor] = []
-    calls = 0
+    calls = [0]
+    snapshot: list[Any] = []
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            before = [(b, b._version) for b in module.buffers()]
-            out = fn(*args, **kwargs)
-            written.extend(_written_state(module, before))
-            return out
-        if not written:
+        if torch.compiler.is_compiling():
+            # traced: the compiler applies the buffer writes once, outside the
+            # recomputed graph (if the checkpoint graph-breaks, it calls ``run`` eagerly
+            # and the bookkeeping below applies)
             return fn(*args, **kwargs)
-        # Outside the dispatch modes: the checkpoint's own (selective caching) and the
-        # profiler's must not see these copies as ops of the region.
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*args, **kwargs)
+        # A recomputation: put every buffer back as the forward left it. All of them,
+        # by name and value: forwards also write buffers through ``.data``, by
+        # re-assigning them or inside kernels (batch norm), none of which moves a
+        # version counter. Outside the dispatch modes: the checkpoint's own (selective
+        # caching) and the profiler's must not see these copies as ops of the region.
         with _disable_current_modes(), torch.no_grad():
-            saved = [b.detach().clone() for b in written]
+            snapshot[:] = [(m, n, b, b.detach().clone()) for m, n, b in _named_buffers(module)]
         try:
             return fn(*args, **kwargs)
         finally:
             with _disable_current_modes(), torch.no_grad():
-                for b, old in zip(written, saved):
+                for m, n, b, old in snapshot:
+                    if m._buffers.get(n) is not b:  # re-assigned by the recomputation
+                        m._buffers[n] = b
                     b.data.copy_(old)  # through .data: no version bump
+            snapshot.clear()
 
     return run
+
+
+def _named_buffers(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    return [
+        (m, n, b)
+        for m in module.modules()
+        for n, b in m._buffers.items()
+        if isinstance(b, torch.Tensor)
+    ]

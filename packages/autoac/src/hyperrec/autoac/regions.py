@@ -10,6 +10,7 @@ selective-checkpoint policy, or with packed saved tensors. :func:`remove` restor
 from __future__ import annotations
 
 import fnmatch
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,8 +50,9 @@ class _RegionState:
     def __init__(self, module: nn.Module, name: str, index: int) -> None:
         self.name = name
         self.index = index
-        self.orig_forward = module.forward
-        self.had_instance_forward = "forward" in module.__dict__
+        # A forward set on the instance before autoac (a wrapper), else None: the class's
+        # forward is bound afresh at each call, so a copy of the module runs its own.
+        self.instance_forward: Callable[..., Any] | None = module.__dict__.get("forward")
         # ``runner(state, fn, args, kwargs)`` runs one call of the region.
         self.runner: Callable[..., Any] | None = None
         self.calls = 0
@@ -66,6 +68,21 @@ def _state(module: nn.Module) -> _RegionState | None:
     return st if isinstance(st, _RegionState) else None
 
 
+def _instance_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state = _state(module)
+    assert state is not None and state.instance_forward is not None
+    return state.instance_forward(*args, **kwargs)
+
+
+def region_forward(module: nn.Module, state: _RegionState) -> Callable[..., Any]:
+    """The region's original forward as a method bound to ``module`` (``__self__`` is the
+    module even when the original was an instance-level wrapper: autoac finds the
+    module's buffers through it)."""
+    if state.instance_forward is not None:
+        return types.MethodType(_instance_forward, module)
+    return types.MethodType(type(module).forward, module)
+
+
 def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     state = _state(module)
     if state is None:
@@ -73,9 +90,22 @@ def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"autoac's dispatcher ran on a {type(module).__name__} that has no autoac state"
         )
     state.calls += 1
+    fn = region_forward(module, state)
     if state.runner is None:
-        return state.orig_forward(*args, **kwargs)
-    return state.runner(state, state.orig_forward, args, kwargs)
+        return fn(*args, **kwargs)
+    return state.runner(state, fn, args, kwargs)
+
+
+class _Forward:
+    """The dispatcher installed as ``module.forward``: an object holding its module, so
+    ``copy.deepcopy`` and pickling of the model give the copy a dispatcher of its own
+    (a closure over the module ran the original's weights in a deep copy)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _dispatch(self.module, *args, **kwargs)
 
 
 def install(modules: list[nn.Module], names: list[str]) -> list[_RegionState]:
@@ -86,11 +116,7 @@ def install(modules: list[nn.Module], names: list[str]) -> list[_RegionState]:
         if st is None:
             st = _RegionState(m, n, i)
             m.__dict__["_autoac"] = st
-
-            def fwd(*args: Any, _m: nn.Module = m, **kwargs: Any) -> Any:
-                return _dispatch(_m, *args, **kwargs)
-
-            m.forward = fwd
+            m.forward = _Forward(m)
         st.name, st.index = n, i
         states.append(st)
     return states
@@ -102,8 +128,8 @@ def uninstall(modules: Iterable[nn.Module]) -> None:
         st = _state(m)
         if st is None:
             continue
-        if st.had_instance_forward:
-            m.forward = st.orig_forward
+        if st.instance_forward is not None:
+            m.forward = st.instance_forward
         else:
             del m.forward
         del m.__dict__["_autoac"]

@@ -28,7 +28,6 @@ can fuse both into the neighbouring kernels). Other packed regions run eagerly
 from __future__ import annotations
 
 import contextlib
-import functools
 import numbers
 import time
 from collections.abc import Callable, Mapping
@@ -150,6 +149,11 @@ class _Runner:
                 self.hooks[n] = (pack, unpack)
                 self.pack_counts[n] = counts
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy of the model (deepcopy, pickle) compiles its regions afresh: the compiled
+        # functions are bound to this model's modules.
+        return {**self.__dict__, "_compiled": {}}
+
     def eager(
         self, state: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -194,9 +198,15 @@ class _Runner:
         if d is None or d.mode == "none":
             return torch.compile(fn, **self.compile_kwargs)
         if self.mechanism == "sac":
-            return torch.compile(
-                functools.partial(_ckpt, fn, self.ctx[name]), **self.compile_kwargs
-            )
+            ctx = self.ctx[name]
+
+            def body(*args: Any, **kwargs: Any) -> Any:
+                # keep_module_state per call: traced, it is the forward itself; where the
+                # checkpoint graph-breaks and runs eagerly, it keeps the recomputation
+                # from writing the module's buffers a second time
+                return _ckpt(_exec.keep_module_state(fn), ctx, *args, **kwargs)
+
+            return torch.compile(body, **self.compile_kwargs)
         frac = self.fractions.get(name, 0.0)
         region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
         if region_budget is not None:
