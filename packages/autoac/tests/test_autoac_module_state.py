@@ -10,6 +10,7 @@ failed before 0.1.10):
 - A region whose ``forward`` was wrapped on the instance (accelerate-style wrappers)
   updated its batch-norm statistics twice.
 - ``compile=True`` with a graph break inside a checkpointed region did the same.
+- A region that writes into its own input in place made ``apply`` fail.
 """
 
 from __future__ import annotations
@@ -156,5 +157,47 @@ def test_a_model_with_a_plan_pickles():
             torch.testing.assert_close(back(X), model(X))
         _step(back).backward()
         assert all(p.grad is not None for p in back.layers.parameters())
+    finally:
+        h.remove()
+
+
+class _InputWriter(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(d) * 0.5)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += self.pos  # into the region's input
+        return x + torch.tanh(self.fc(x))
+
+
+class _InputWriterNet(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(d, d)
+        self.layers = nn.ModuleList([_InputWriter(d), Blk(d, "bn_module"), _InputWriter(d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_region_writing_its_input_is_left_unchecked():
+    ref, m = _InputWriterNet(), _InputWriterNet()
+    prof = autoac.profile(m, _step, config=autoac.ProfileConfig(cost="flops", steps=1))
+    floor = autoac.plan(prof, budget=1e15).floor
+    h = autoac.apply(m, budget=floor, step_fn=_step)
+    try:
+        modes = [r.mode for r in h.plan.regions]
+        assert modes[0] == modes[2] == "none" and modes[1] == "sac", modes
+        _step(ref).backward()
+        m.zero_grad()
+        _step(m).backward()
+        for a, b in zip(ref.parameters(), m.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
     finally:
         h.remove()

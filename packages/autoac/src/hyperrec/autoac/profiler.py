@@ -295,6 +295,9 @@ class _ProfilingTracker(MemoryTracker):
         #: regions whose forward draws from an explicit ``torch.Generator``
         #: (replayed unchecked: a checkpoint cannot restore it)
         self.explicit_generator: set[int] = set()
+        #: regions whose forward writes into one of its inputs in place (replayed
+        #: unchecked: the checkpoint saved the input before the write)
+        self.inplace_input: set[int] = set()
         #: region -> bytes of each input the step created
         self.region_inputs: dict[int, list[int]] = {}
 
@@ -362,13 +365,17 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
             fwd, rc = inner()
             return _PhaseContext(tracker, None, j, fwd), _PhaseContext(tracker, "rc", j, rc)
 
-        return checkpoint(
+        versions = [(t, t._version) for t in _regions.flat_tensors((args, kwargs))]
+        out = checkpoint(
             bind_kwargs(keep_module_state(fn), kwargs),
             *args,
             use_reentrant=False,
             context_fn=context_fn,
             preserve_rng_state=True,
         )
+        if any(t._version != v for t, v in versions):
+            tracker.inplace_input.add(j)
+        return out
 
     return runner
 
@@ -847,7 +854,7 @@ def _profile(
     device: torch.device,
 ) -> Profile:
     plain: set[int] = set()
-    for _attempt in range(2):
+    for _attempt in range(3):
         traces: list[_ProfilingTracker] = []
         walls: list[float] = []
         alloc_peak = None
@@ -862,7 +869,15 @@ def _profile(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            walls.append(_run_step(model, step_fn, tracker))
+            try:
+                walls.append(_run_step(model, step_fn, tracker))
+            except RuntimeError:
+                # the backward of a region that wrote into its input (torch's version
+                # error): replay with that region un-checkpointed
+                if not tracker.inplace_input - plain:
+                    raise
+                traces.append(tracker)
+                break
             tracker.finish()
             _number_policy_ops(tracker)
             if device.type == "cuda":
@@ -874,10 +889,13 @@ def _profile(
                         "(make each call its own region)"
                     )
             traces.append(tracker)
-        new_plain = (traces[-1].inplace_collective | traces[-1].explicit_generator) - plain
+        t = traces[-1]
+        new_plain = (t.inplace_collective | t.explicit_generator | t.inplace_input) - plain
         if not new_plain:
             break
-        plain |= new_plain  # replay without checkpointing the regions that cannot be
+        plain |= new_plain  # replay, these regions un-checkpointed
+    else:  # pragma: no cover - every kind is found in the first step's forward
+        raise RuntimeError("autoac: the regions that cannot be checkpointed did not settle")
     last = traces[-1]
     ref_grads = [None if g is None else g.detach().clone() for g in grads_of(model)]
     # Median op times over the steps after the first (same op sequence required).
