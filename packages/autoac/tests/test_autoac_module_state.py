@@ -11,6 +11,7 @@ failed before 0.1.10):
   updated its batch-norm statistics twice.
 - ``compile=True`` with a graph break inside a checkpointed region did the same.
 - A region that writes into its own input in place made ``apply`` fail.
+- autoac's own steps accumulated gradients into input leaves.
 """
 
 from __future__ import annotations
@@ -201,3 +202,21 @@ def test_a_region_writing_its_input_is_left_unchecked():
             assert torch.equal(a.grad, b.grad)
     finally:
         h.remove()
+
+
+def test_autoac_steps_leave_input_gradients_alone():
+    """``apply``, ``profile`` and ``measure_step`` run steps of their own: a leaf input
+    that requires grad (saliency, adversarial training) kept their gradients (5x a
+    step's after ``apply``)."""
+    x = X.clone().requires_grad_(True)
+    x.grad = torch.full_like(x, 7.0)
+
+    def step(m: nn.Module) -> torch.Tensor:
+        return m(x).square().mean()
+
+    model = Net()
+    h = autoac.apply(model, budget=1e12, step_fn=step)
+    autoac.measure_step(model, step)
+    h.remove()
+    assert torch.equal(x.grad, torch.full_like(x, 7.0))
+    assert all(p.grad is None for p in model.parameters())

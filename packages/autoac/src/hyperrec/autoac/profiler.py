@@ -460,11 +460,11 @@ def _run_step(model: nn.Module, step_fn: _StepFn, tracker: MemoryTracker | None)
             loss = step_fn(model)
             _check_loss(loss)
             tracker.phase = "bwd"
-            loss.backward()
+            backward_sparing_inputs(model, loss)
     else:
         loss = step_fn(model)
         _check_loss(loss)
-        loss.backward()
+        backward_sparing_inputs(model, loss)
     dev = loss.device
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -498,6 +498,34 @@ def _check_loss(loss: Any) -> None:
             f"{type(loss).__name__}"
             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
+
+
+def backward_sparing_inputs(model: nn.Module, loss: torch.Tensor) -> None:
+    """``loss.backward()`` that leaves the ``.grad`` of every leaf outside ``model``'s
+    parameters (inputs that require grad, tensors the step closes over) as it was:
+    autoac's own steps must not accumulate into them (parameters are restored by the
+    callers, from :func:`grads_of`)."""
+    params = {id(p) for p in model.parameters()}
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(var, torch.Tensor) and id(var) not in params:
+            leaves[id(var)] = var
+        stack.extend(fn for fn, _ in node.next_functions)
+    saved = [(t, t.grad) for t in leaves.values()]
+    for t in leaves.values():
+        t.grad = None  # else the backward accumulates into the saved tensor in place
+    try:
+        loss.backward()
+    finally:
+        for t, g in saved:
+            t.grad = g
 
 
 def grads_of(model: nn.Module) -> list[torch.Tensor | None]:

@@ -58,6 +58,7 @@ from hyperrec.autoac.profiler import (
     _check_step_fn,
     _device_of,
     _seed_all,
+    backward_sparing_inputs,
     grad_error,
     grads_of,
     profile,
@@ -298,7 +299,8 @@ def measure_step(
             tracked step runs ``torch.compile``'d code eagerly (Dynamo cannot compile
             under the tracker's dispatch mode).
         seed: seed torch's generators first (restored afterwards); ``None``: do not.
-        keep_grads: return the gradients. Parameter gradients are restored either way.
+        keep_grads: return the gradients. Parameter gradients are restored either way;
+            other leaves the step differentiates (inputs) are left as they were.
 
     Returns:
         :class:`StepMeasurement`.
@@ -334,12 +336,12 @@ def measure_step(
                 with no_compile(), tracker:
                     loss = step_fn(model)
                     _check_loss(loss)
-                    loss.backward()
+                    backward_sparing_inputs(model, loss)
                 tracker.finish()
             else:
                 loss = step_fn(model)
                 _check_loss(loss)
-                loss.backward()
+                backward_sparing_inputs(model, loss)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
