@@ -280,7 +280,9 @@ class ShardedEmbeddingCollection(nn.Module):
             groups share the fast tier (the GPUs of a host), where the first hop runs
             and duplicates merge; the other axis holds the replicas of that group.
             Default: the last axis (``(replicate, shard)``, as HSDP meshes are laid
-            out). With ``ParallelMesh``: ``mesh=pm.sparse_mesh,
+            out). Either axis may be named, but the shard groups must be runs of
+            consecutive ranks, replica after replica (else a ``ValueError``). With
+            ``ParallelMesh``: ``mesh=pm.sparse_mesh,
             shard_axis="sparse_replicate"`` (its NVLink axis); its ``sparse_dp`` must be
             1 (copies of the tables would need a weight sync, not implemented).
         routing: ``"hierarchical"`` (default) or ``"flat"`` (see :data:`ROUTINGS`).
@@ -321,8 +323,9 @@ class ShardedEmbeddingCollection(nn.Module):
     Raises:
         TypeError / ValueError: bad configs, repeated names, a feature naming an
             unknown table, a mesh of more than two axes, a 2-D mesh not spanning every
-            rank of the default process group, an unknown ``shard_axis``; ``sync_free=True``
-            with more than one rank.
+            rank of the default process group or whose shard groups are not runs of
+            consecutive ranks, an unknown ``shard_axis``; ``sync_free=True`` with more
+            than one rank.
     """
 
     def __init__(
@@ -457,6 +460,19 @@ class ShardedEmbeddingCollection(nn.Module):
                 raise ValueError(
                     f"a 2-D mesh must span every rank of the default process group "
                     f"({dist.get_world_size()}), got {grid.numel()} ranks"
+                )
+            order = grid.reshape(-1).tolist()
+            if order != sorted(order):
+                # Owners are numbered replica by replica (grid order), but a 1-D mesh
+                # over the whole job takes its ranks' positions from the default group
+                # (rank order), whatever order it is given: rows would be placed by one
+                # numbering and gathered by the other (scrambled full weights and
+                # checkpoints, or a shape error).
+                raise ValueError(
+                    f"the 2-D mesh's shard groups must be runs of consecutive ranks, one "
+                    f"replica after the other (grid (replicate, shard) in rank order); got "
+                    f"{grid.tolist()} with shard_axis={shard_axis!r}: lay the mesh out as "
+                    f"(replicate, shard), e.g. init_device_mesh(..., (replicas, group_size))"
                 )
             device_type = mesh.device_type
             flat = DeviceMesh(device_type, grid.reshape(-1))

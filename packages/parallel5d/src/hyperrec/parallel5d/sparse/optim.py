@@ -146,8 +146,13 @@ class _RowOptimizer(torch.optim.Optimizer):
     _STATES: tuple[tuple[str, str], ...] = ()
     #: Hyperparameters that must agree inside a collection group to update it in one go.
     _HYPER: tuple[str, ...] = ()
-    #: Whether the update depends on the table's step count (Adam's bias correction).
+    #: Whether the update depends on the table's step count (Adam's bias correction)
+    #: and takes a per-row step tensor for tables of one group at different counts.
     _USES_STEP = False
+
+    def _step_dependent(self, hp: dict[str, Any]) -> bool:
+        """Whether an update with hyperparameters ``hp`` depends on the step count."""
+        return self._USES_STEP
 
     def __init__(
         self, collection: ShardedEmbeddingCollection, defaults: dict[str, Any], backend: str
@@ -292,13 +297,19 @@ class _RowOptimizer(torch.optim.Optimizer):
             steps = [int(self._steps[name]) for name in gp.tables]
             used_steps = {int(self._steps[name]) for name in used}
             same = all(all(h[k] == hps[0][k] for k in self._HYPER) for h in hps)
-            if same and (not self._USES_STEP or len(used_steps) <= 1):
+            if same and (not self._step_dependent(hps[0]) or len(used_steps) <= 1):
                 step = used_steps.pop() if used_steps else steps[0]
                 self._update(g, rows, grad, hps[0], step)
-            elif same:
+            elif same and self._USES_STEP:
                 # tables of one group at different step counts: one per row, on the device
                 self._update(g, rows, grad, hps[0], self._row_steps(g, rows, steps))
             else:
+                # one update per table. The sync-free rows hold padding (one past the
+                # end) between real rows: drop it and sort, the split below needs it
+                keep = rows < coll._storage[g].shape[0]
+                rows, grad = rows[keep], grad[keep]
+                order = torch.argsort(rows)
+                rows, grad = rows[order], grad[order]
                 starts = torch.as_tensor(gp.table_local_start[me], device=rows.device)
                 bounds = torch.searchsorted(rows, starts).tolist() + [rows.numel()]
                 for i in range(len(gp.tables)):
@@ -476,6 +487,11 @@ class LazyAdagrad(_RowOptimizer):
 
     _STATES = (("sum", "element"),)
     _HYPER = ("lr", "lr_decay", "eps")
+
+    def _step_dependent(self, hp: dict[str, Any]) -> bool:
+        # lr_t = lr / (1 + (step - 1) * lr_decay): tables of one group at different step
+        # counts update one by one (each with its own count) when lr_decay is set
+        return bool(hp["lr_decay"])
 
     def __init__(
         self,
