@@ -198,3 +198,19 @@ def test_big_presets_keep_the_logistic_baseline_small():
     for name, n in (("h200", 8192), ("gem", 4096)):
         assert get_preset(name).train.baseline_requests == n
     assert get_preset("tiny").train.baseline_requests == 65536
+
+
+def test_seeds_and_threads_have_upper_bounds():
+    """Seeds past 64 bits overflowed in torch.manual_seed / the data hash and
+    ``cpu_threads=100000`` crashed torch; all are config errors naming the field now."""
+    from hyperrec.integration.config import MAX_CPU_THREADS, MAX_SEED
+
+    micro = get_preset("micro")
+    for field, bad in (("train.seed", MAX_SEED + 1), ("data.seed", 2**64),
+                       ("train.cpu_threads", MAX_CPU_THREADS + 1)):  # fmt: skip
+        name = field.split(".")[1]
+        with pytest.raises(ValueError, match=rf"Config\.{name} must be <= "):
+            override(micro, [f"{field}={bad}"])
+    assert override(micro, [f"train.seed={MAX_SEED}", f"data.seed={MAX_SEED}"])
+    with pytest.raises(ValueError, match=r"grad_clip must be in \[0.0, inf\), got inf"):
+        override(micro, ["train.grad_clip=inf"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from test_faults import _params
 from test_faults import _preset as _faults_preset
 
-from hyperrec.integration import NonFiniteError, Trainer
+from hyperrec.integration import NonFiniteError, Trainer, get_preset, override
 from hyperrec.integration.checkpoint import checkpoint_dir
 from hyperrec.integration.faults import FAULT_ENV
 from hyperrec.integration.plot import plot_metrics
@@ -301,3 +301,19 @@ def test_plot_of_a_history_with_gaps_and_nonfinite_values(tmp_path):
         "data": None,
     }
     assert plot_metrics(metrics, tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_that_trains_every_step_is_not_stopped_early(tmp_path):
+    """The validation after the last step met the patience rule and the run was reported
+    as stopped early though it trained every step (an audit found it)."""
+    p = override(
+        get_preset("micro"),
+        ["train.steps=6", "train.eval_every=1", "train.early_stopping_patience=1",
+         "train.early_stopping_metric=ctr_auc", "data.eval_requests=128", "train.seed=0"],
+    )  # fmt: skip
+    t = Trainer(p, out_dir=tmp_path, progress=False)
+    m = t.fit(plot=False).metrics
+    t.close()
+    assert m["steps_completed"] == 6 and not m["stopped_early"]
+    aucs = [e["ctr_auc"] for e in m["eval"]]
+    assert aucs[-1] < max(aucs[:-1])  # the case: the last validation did not improve

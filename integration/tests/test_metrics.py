@@ -147,3 +147,24 @@ def test_gauc_bad_input_and_task_metrics_without_cvr():
     out = task_metrics(s, None, y, None, torch.tensor([3, 3]))
     assert set(out) == {"ctr_auc", "ctr_gauc", "ctr_ne", "ctr_calibration"}
     assert out["ctr_gauc"] == 1.0
+
+
+def test_uint64_scores_rank_above_2_to_63():
+    """Integer scores rank exactly; uint64 ones from 2**63 wrapped to negative int64 and
+    ranked below small ones (an audit found AUC 0.5 where the pairwise count is 1)."""
+    s = torch.tensor([2**63 + 10, 5, 2**63 + 20, 2**63 + 1, 2**64 - 1, 0], dtype=torch.uint64)
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    pairs = [
+        (int(a), int(b))
+        for a, la in zip(s.tolist(), y)
+        if la
+        for b, lb in zip(s.tolist(), y)
+        if not lb
+    ]
+    want = sum((a > b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
+    assert want == 1.0
+    assert auc(s, y) == want
+    assert gauc(s, y, torch.zeros(6, dtype=torch.long)) == want
+    w = WindowedAUC(2)
+    w.update(s, y)
+    assert w.compute() == want

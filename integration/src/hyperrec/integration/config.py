@@ -89,12 +89,21 @@ TASKS = (("ctr",), ("ctr", "cvr"))
 """Task sets a model can train: CTR alone, or CTR and CVR (ESMM)."""
 
 
-def _require_int(obj: Any, name: str, *, minimum: int) -> None:
+#: Largest seed: the trainer seeds torch with ``seed + 1 + rank`` (a signed 64-bit
+#: integer) and the synthetic data hashes it as an unsigned 64-bit one.
+MAX_SEED = 2**62
+#: Largest ``cpu_threads`` (``torch.set_num_threads`` crashes far above any core count).
+MAX_CPU_THREADS = 4096
+
+
+def _require_int(obj: Any, name: str, *, minimum: int, maximum: int | None = None) -> None:
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{type(obj).__name__}.{name} must be <= {maximum}, got {value}")
 
 
 def _require_float(
@@ -105,8 +114,10 @@ def _require_float(
         raise TypeError(f"{type(obj).__name__}.{name} must be a number, got {value!r}")
     if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
         bracket = "(" if open_low else "["
+        # an unbounded range is open at infinity (a finite number is required)
+        close = ")" if high == math.inf else "]"
         raise ValueError(
-            f"{type(obj).__name__}.{name} must be in {bracket}{low}, {high}], got {value}"
+            f"{type(obj).__name__}.{name} must be in {bracket}{low}, {high}{close}, got {value}"
         )
 
 
@@ -285,6 +296,7 @@ class DataConfig:
             ("seed", 0),
         ):
             _require_int(self, name, minimum=minimum)
+        _require_int(self, "seed", minimum=0, maximum=MAX_SEED)
         if self.num_items % self.num_topics:
             raise ValueError(
                 f"DataConfig.num_items ({self.num_items}) must be a multiple of "
@@ -780,6 +792,8 @@ class TrainConfig:
             ("sparse_replicate", 0),
         ):
             _require_int(self, name, minimum=minimum)
+        _require_int(self, "seed", minimum=0, maximum=MAX_SEED)
+        _require_int(self, "cpu_threads", minimum=0, maximum=MAX_CPU_THREADS)
         self._check_tables_and_ac()
         if self.global_batch_size % self.sub_batch_size:
             raise ValueError(

@@ -144,7 +144,8 @@ _CADENCE = {
     # How batches are built, not which: the loader delivers the same batches either way.
     "data_workers",
     "prefetch_batches",
-    # Padding rows that no real row reads: the same outputs and gradients.
+    # Padding rows that no real row reads: the same function, but the padded GEMMs
+    # sum in another order (outputs and gradients equal to rounding, not bit for bit).
     "row_buckets",
 }
 _DATA_EXEMPT = {"path", "cache_dir", "reader", "valid_requests"}
@@ -1786,7 +1787,9 @@ class Trainer:
                 f"validation @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
                 f"({ref}), GAUC {record['ctr_gauc']:.4f}{cvr}, NE {record['ctr_ne']:.4f}"
             )
-            stop = self._should_stop_early()
+            # after the last step there is nothing left to stop: a run that trained
+            # every step was reported as stopped early
+            stop = self.step < self.preset.train.steps and self._should_stop_early()
             if stop:
                 bar.write(
                     f"early stopping at step {self.step}: "
