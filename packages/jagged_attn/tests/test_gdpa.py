@@ -293,3 +293,23 @@ def test_hypothesis_sweep(
         mask=Mask(causal=causal, left=left, right=right, contextual=contextual),
     )
     _compare(p, call, kv_index=kv_index, num_targets=targets)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_poly"])
+def test_fp16_backward_with_a_loss_scaled_gradient(activation):
+    """An activation's dS was rounded to fp16 before the output multiplier (HSTU's
+    ``1 / max_seqlen``) scaled it: a loss-scaled dO (x4096) overflowed dQ and dK to inf
+    while the true gradients are ~1,800x below fp16's maximum (an audit found it). The
+    float64 answer is the reference (a same-dtype one overflows itself here)."""
+    p = make_problem([7, 17], [7, 17], heads=1, dim=64, dim_v=64, dtype=torch.float16, seed=3)
+    q, k, v = p.leaves()
+    call = Call(activation=activation, normalization="max_seqlen", max_seqlen_kv=1024,
+                mask=Mask(causal=True))  # fmt: skip
+    out = gdpa(q, k, v, p.q_offsets_t, p.kv_offsets_t, 17, 1024, activation=activation,
+               normalization="max_seqlen", causal=True, backend="triton")  # fmt: skip
+    exact = oracle_attention(q, k, v, p.q_offsets, p.kv_offsets, call)
+    g = (torch.randn(out.shape, dtype=torch.float64) * 4096).to(torch.float16)
+    for name, a, e in zip("qkv", grads(out, (q, k, v), g), grads(exact, (q, k, v), g)):
+        assert torch.isfinite(a).all(), name
+        err = (a.double() - e).abs().max() / e.abs().max()
+        assert err < 2e-3, (name, float(err))  # fp16 rounding: ~5e-4 measured

@@ -261,3 +261,29 @@ def test_gpu_non_finite_values_stay_in_their_sequence(where, act, monkeypatch):
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x[:100]).all(), f"{name} of sequence 0"
         assert torch.isfinite(x[164:]).all(), f"{name} of sequence 2"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("dtype", "activation", "taken"), [
+    (torch.float16, "silu", False), (torch.bfloat16, "silu", True),
+    (torch.float16, "softmax", True),
+])  # fmt: skip
+def test_fp16_activation_backward_stays_on_triton(dtype, activation, taken, monkeypatch):
+    """The Gluon backward rounds an activation's dS to fp16 before scaling it, which
+    overflows on loss-scaled gradients; fp16 calls with an activation keep the Triton
+    kernels (which fold the scale in first)."""
+    lens = [5, 9]
+    off = torch.tensor([0, 5, 14])
+    q, k, v, do = (torch.randn(14, 2, 64, generator=torch.Generator().manual_seed(i)).to(dtype)
+                   for i in range(4))  # fmt: skip
+    calls = []
+    monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None)
+    monkeypatch.setattr(_launch, "_BWD_PLANS", {})
+    monkeypatch.setattr(_launch, "_gluon_dkdv", lambda *a: calls.append(1))
+    monkeypatch.setattr(_launch, "_gluon_dq", lambda *a: False)
+    monkeypatch.setenv(GLUON_BWD_ENV, "1")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = gdpa(*leaves, off, off, max(lens), max(lens), activation=activation, causal=True,
+               backend="triton")  # fmt: skip
+    torch.autograd.grad(out, leaves, do)
+    assert len(calls) == int(taken)

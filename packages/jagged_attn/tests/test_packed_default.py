@@ -131,3 +131,31 @@ def test_gpu_check_script_runs_as_sm90(tmp_path):
     result = json.loads((tmp_path / "packed_default_check_smoke.json").read_text())
     assert result["cases"] == 8 and result["fails"] == 0
     assert all(row["packed_taken"] for row in result["rows"])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_non_finite_value_stays_in_its_sequence(as_sm90, bad, activation, causal):
+    """A non-finite V row of one sequence reached every sequence of its 64-row span
+    (0 * NaN in the P V product over the span's keys; an audit found it). Outputs and
+    gradients of the other sequences must stay finite and equal the reference."""
+    lens = [5, 7, 3, 9]
+    q, k, v, off = _batch(lens)
+    v[8, 1] = bad  # sequence 1, head 1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(causal=causal, activation=activation, backend="triton")
+    out = gdpa(*leaves, off, off, 9, 9, **kw)
+    assert len(as_sm90) == 1 and as_sm90[0].pack_rows
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = gdpa(*ref_leaves, off, off, 9, 9, causal=causal, activation=activation,
+                backend="torch", validate=False)  # fmt: skip
+    ref_grads = torch.autograd.grad(want, ref_leaves, torch.ones_like(want))
+    other = torch.ones(off[-1], dtype=torch.bool)
+    other[off[1] : off[2]] = False
+    for got, ref in zip((out, *grads), (want, *ref_grads)):
+        assert torch.isfinite(got[other]).all()
+        torch.testing.assert_close(got[other].double(), ref[other], atol=3e-2, rtol=3e-2)
+    # in its own sequence the value shows, as in the reference
+    assert not torch.isfinite(out[off[1] : off[2], 1]).all()

@@ -850,6 +850,7 @@ def _fwd_packed_kernel(
             acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
             for start_n in range(lo, hi, BLOCK_N):
                 offs_n = start_n + tl.arange(0, BLOCK_N)
                 k_rows = offs_n[:, None].to(tl.int64)
@@ -873,7 +874,14 @@ def _fwd_packed_kernel(
                     m_i = m_new
                 else:
                     p = tl.where(ok, _act(s * qk_scale, ACT, FAST), 0.0)
-                acc = _mma(_to(p, v.dtype), v, acc)
+                # A non-finite V row must not reach rows of other sequences through
+                # 0 * NaN in the product: zero it there and mark the rows of its own
+                # sequence that attend to it (NaN below), as a per-sequence tile would.
+                finite = tl.abs(v) < float("inf")  # NaN compares false
+                bad_n = tl.max(tl.where(finite, 0, 1), 1)
+                poisoned = tl.maximum(poisoned, tl.max(tl.where(ok, bad_n[None, :], 0), 1))
+                acc = _mma(_to(p, v.dtype), tl.where(finite, v, 0.0), acc)
+            acc = tl.where(poisoned[:, None] > 0, float("nan"), acc)
             c = coef
             if NORM == 2:
                 first = tl.load(offsets + seq_m, mask=seq_m >= 0, other=0)
@@ -971,7 +979,9 @@ def _bwd_dkdv_tiles(
             ds_t = p_t * (dp_t * c - delta[None, :])
         else:
             p_t, g_t = _act_and_grad(s_t * qk_scale, ACT, FAST)
-            ds_t = dp_t * g_t
+            # c folded in before dS is rounded to the input dtype, as softmax's: fp16
+            # overflowed on an unscaled dS (loss-scaled dO) that c would bring in range
+            ds_t = dp_t * c * g_t
             if MASKED:
                 p_t = tl.where(ok_t, p_t, 0.0)
                 ds_t = tl.where(ok_t, ds_t, 0.0)
@@ -982,8 +992,6 @@ def _bwd_dkdv_tiles(
             # dQ rows of this query tile get this key tile's share, added in fp32 into a
             # zeroed buffer (FlashAttention-2's scheme): 5 GEMMs per tile instead of 7.
             dq_part = _mm(tl.trans(ds_in), k)
-            if ACT != 0:
-                dq_part = dq_part * c
             if TMA_REDUCE:
                 # One bulk reduce-add of the whole tile (FlashAttention-3's dQ
                 # accumulation): the L2 does the adds, no per-element atomics.
@@ -1112,11 +1120,8 @@ def _bwd_dkdv_kernel(
                     HAS_BLOCK, BLOCK_PREV, ACT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
                     BLOCK_M, FAST, DQ_ATOMIC,
                 )  # fmt: skip
-            # dK = scale * dS^T Q (softmax's dS already holds c); dV = c * W^T dO
-            if ACT == 0:
-                dk = dk * scale
-            else:
-                dk = dk * (scale * c)
+            # dK = scale * dS^T Q (dS already holds c); dV = c * W^T dO
+            dk = dk * scale
             dv = dv * c
             _store_rows(DK + h * stride_dkh + k_rows * stride_dkt + offs_d[None, :],
                         dk, offs_n, Lk, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
@@ -1154,7 +1159,7 @@ def _bwd_dq_tiles(
             p = tl.exp2(s * qk_scale - lse[:, None])
             ds = p * (dp * c - delta[:, None])
         else:
-            ds = dp * _act_grad(s * qk_scale, ACT, FAST)
+            ds = dp * c * _act_grad(s * qk_scale, ACT, FAST)
         if MASKED:
             ok = _allowed(offs_m, offs_n, Lq, Lk, n_targets, wl, wr, ctx, bsz,
                           CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT,
@@ -1321,10 +1326,7 @@ def _bwd_dq_kernel(
                 CAUSAL, GENERIC, HAS_TARGETS, HAS_WL, HAS_WR, HAS_CONTEXT, HAS_BLOCK,
                 BLOCK_PREV, ACT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST,
             )  # fmt: skip
-            # dQ = scale * dS K (softmax's dS already holds c)
-            if ACT == 0:
-                dq = dq * scale
-            else:
-                dq = dq * (scale * c)
+            # dQ = scale * dS K (dS already holds c)
+            dq = dq * scale
             _store_rows(DQ + h * stride_dqh + q_rows * stride_dqt + offs_d[None, :],
                         dq, offs_m, Lq, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip

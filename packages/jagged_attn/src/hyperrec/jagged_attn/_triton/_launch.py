@@ -874,7 +874,11 @@ def attention_backward(
         stride_lh = 0
     rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
-    if plan.gluon and gluon_bwd_requested(spec):
+    # Not fp16 with an activation: the Gluon kernels still round dS to fp16 before
+    # scaling it by the output multiplier, which overflows on loss-scaled gradients
+    # (the Triton kernels fold it in first since 0.2.22; the Gluon fold awaits a GPU).
+    gluon_ok = softmax or q.dtype != torch.float16
+    if plan.gluon and gluon_ok and gluon_bwd_requested(spec):
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
