@@ -219,7 +219,7 @@ def test_mxint8_rejects_bad_shapes():
 
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_mxint8(torch.randn(4, 40))
-    with pytest.raises(ValueError, match="2-D float"):
+    with pytest.raises(ValueError, match="2-D bfloat16/float16/float32"):
         quantize_mxint8(torch.ones(4, 32, dtype=torch.int32))
     assert not can_pack(torch.float32, 48, "mxint8")
     assert can_pack(torch.bfloat16, 96, "mxint8")

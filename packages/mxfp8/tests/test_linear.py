@@ -220,3 +220,15 @@ def test_compiles_fullgraph_forward_and_backward():
     y.sum().backward()
     torch.testing.assert_close(y, lin(x))
     assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_double_backward_raises_instead_of_a_silent_wrong_gradient() -> None:
+    """``create_graph=True`` through ``MXLinear`` returned a ``dx`` detached from the
+    weights: a gradient penalty then trained with a wrong gradient, silently (an audit
+    found it). A second derivative of the quantized GEMMs does not exist: it raises."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), MXLinear(64, 32))
+    x = torch.randn(8, 64, requires_grad=True)
+    (dx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        dx.square().sum().backward()

@@ -301,3 +301,11 @@ def test_two_calls_in_one_dynamic_graph() -> None:
     assert torch.equal(y, f(x, w1, w2))
     y.sum().backward()
     assert x.grad is not None and w1.grad is not None
+
+
+def test_double_backward_raises() -> None:
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    (dx,) = torch.autograd.grad(rowwise_linear(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        dx.sum().backward()

@@ -400,9 +400,12 @@ def _run_none_packed(
     kwargs: dict[str, Any],
 ) -> Any:
     marks: _Marks = {}
-    # storage key -> (the storage, its packed copy), both weak: a key may be reused by a
-    # new storage once the old one is freed, so the storage itself is compared.
-    packed: dict[int, tuple[weakref.ref[torch.UntypedStorage], weakref.ref[PackedStorage]]] = {}
+    # storage key -> (the storage, its packed copy, the version it was packed at); weak:
+    # a key may be reused by a new storage once the old one is freed, so the storage
+    # itself is compared, and a copy made before an in-place write is not reused.
+    packed: dict[
+        int, tuple[weakref.ref[torch.UntypedStorage], weakref.ref[PackedStorage], int]
+    ] = {}
 
     def pack(t: torch.Tensor) -> Any:
         st = t.untyped_storage()
@@ -415,10 +418,11 @@ def _run_none_packed(
         if st.nbytes() < max(decisions.min_pack_bytes, 1) or not can_pack(t.dtype, numel, fmt):
             return t
         entry = packed.get(key)
-        p = entry[1]() if entry is not None and entry[0]() is st else None
+        fresh = entry is not None and entry[0]() is st and entry[2] == t._version
+        p = entry[1]() if fresh and entry is not None else None
         if p is None:
             p = pack_storage(t, fmt)
-            packed[key] = (weakref.ref(st), weakref.ref(p))
+            packed[key] = (weakref.ref(st), weakref.ref(p), t._version)
         return _PackedView(p, t.size(), t.stride(), t.storage_offset())
 
     def unpack(x: Any) -> Any:

@@ -18,9 +18,10 @@ block, up to 8192), which keeps the quantizer's launch grid small for any size.
 | ``"mxint8"`` | INT8, value ``q / 64`` | 32, E8M0 (OCP MXINT8) | 1 + 1/32 |
 
 The FP8/FP4 scales are RCEIL (``amax / max_elem`` rounded up to a power of two, nothing
-saturates). Their quantizer is ``hyperrec.mxfp8.to_mx`` (Triton on CUDA, the reference
-on the CPU); dequantization is ``MXTensor.dequantize`` (one Triton pass for the FP8
-formats on CUDA).
+saturates; rounding can still lift an fp16 element from 63,488 up past fp16's maximum,
+so it unpacks as ``inf``: ``"mxint8"`` keeps such values finite). Their quantizer is
+``hyperrec.mxfp8.to_mx`` (Triton on CUDA, the reference on the CPU); dequantization is
+``MXTensor.dequantize`` (one Triton pass for the FP8 formats on CUDA).
 
 ``"mxint8"`` (OCP MX v1.0's MXINT8, see :func:`quantize_mxint8`) spends the byte on 7 bits
 of magnitude instead of E4M3's exponent: a block's elements share its scale, so the
@@ -283,13 +284,14 @@ def quantize_mxint8(x: torch.Tensor, *, backend: str = "auto") -> MXInt8Blocks:
     CUDA (``"torch"``/``"triton"`` force one; the bytes are identical).
 
     Raises:
-        ValueError: ``x`` not 2-D float with a width that is a multiple of 32, or an
-            unknown ``backend``.
+        ValueError: ``x`` not 2-D bf16/fp16/fp32 with a width that is a multiple of
+            32, or an unknown ``backend``.
     """
-    if x.dim() != 2 or not x.is_floating_point() or x.shape[1] % 32:
+    if x.dim() != 2 or x.dtype not in PACKABLE_DTYPES or x.shape[1] % 32:
+        # float64 would be rounded twice (narrowed to fp32 first), float8 has no amax
         raise ValueError(
-            f"x must be a 2-D float tensor whose width is a multiple of 32, got "
-            f"{x.dtype} {tuple(x.shape)}"
+            f"x must be a 2-D bfloat16/float16/float32 tensor whose width is a multiple "
+            f"of 32, got {x.dtype} {tuple(x.shape)}"
         )
     if _use_triton(backend, x.device):
         from hyperrec.autoac import _triton

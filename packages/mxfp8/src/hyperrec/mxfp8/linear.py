@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from hyperrec.mxfp8 import reference as ref
 from hyperrec.mxfp8._dispatch import check_float_tensor, resolve_backend
@@ -166,6 +167,7 @@ class _MXLinearFunction(torch.autograd.Function):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @once_differentiable  # the quantized GEMMs have no derivative: a double backward raises
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, xc_d, xc_s, xc_f, wc_d, wc_s, wc_f = ctx.saved_tensors
         xc_meta, wc_meta, m, pad, h, activation, p, x_shape, w_dtype, impl = ctx.meta

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__ = ["quantize_rows", "rowwise_linear", "rowwise_linear_reference"]
 
@@ -121,6 +122,7 @@ class _RowwiseLinear(torch.autograd.Function):
         return _scaled_mm(xq, xs, wq.t(), ws.t(), x.dtype)
 
     @staticmethod
+    @once_differentiable  # FP8 rounding has no derivative: a double backward raises
     def backward(
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
