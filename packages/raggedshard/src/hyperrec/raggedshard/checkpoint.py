@@ -83,7 +83,7 @@ def local_chunks(dtensor: DTensor) -> list[Chunk]:
     out = []
     for offs, sizes, first in row_range_boxes(shape[:k], r0, r1):
         lo = first - r0
-        view = local[lo : lo + math.prod(sizes)].view(*sizes, *trail_len)
+        view = local[lo : lo + math.prod(sizes)].view((*sizes, *trail_len))  # () for 0-d
         if view.numel():
             out.append(((*offs, *trail_off), (*sizes, *trail_len), view))
     return out

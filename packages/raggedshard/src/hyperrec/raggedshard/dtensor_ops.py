@@ -81,6 +81,16 @@ def _is_ragged(t: DTensor) -> bool:
     return any(isinstance(p, RaggedShard) for p in t.placements)
 
 
+def _check_no_partial(op: object, ref: DTensor) -> None:
+    """A local op on pending-sum pieces computes f(piece) where the value is
+    f(sum of pieces): only right for linear ops, so refuse them all."""
+    if any(p.is_partial() for p in ref.placements):
+        raise NotImplementedError(
+            f"{op} on a ragged DTensor with a Partial axis ({ref.placements}): the local "
+            "pieces are pending sums; redistribute that axis to Replicate() first"
+        )
+
+
 def _wrap(local: torch.Tensor, ref: DTensor) -> DTensor:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -171,6 +181,7 @@ def _local_handler(
     local_ok = any(_is_ragged(d) for d in dts) and layouts_ok
     if not local_ok:
         return _upstream(op, args, kwargs)
+    _check_no_partial(op, dts[0])
     call = (args, kwargs)
     if not foreach and any(p.dim() != 0 for p in plain):
         # Plain operands count as replicated only under implicit_replication().
@@ -215,6 +226,7 @@ def _local_flat(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
             plain = True
     if ref is None or not _is_ragged(ref):
         return _upstream(op, args, kwargs)
+    _check_no_partial(op, ref)
     call_args, call_kwargs = list(args), dict(kwargs)
     if plain:
         # Plain operands count as replicated only under implicit_replication().

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hyperrec.raggedshard._collectives import gather_stacked
 from hyperrec.raggedshard._geometry import contiguous_stride
-from hyperrec.raggedshard.redistribute import redistribute
+from hyperrec.raggedshard.redistribute import dtensor_from_local, redistribute
 
 __all__ = ["full_tensor", "ragged_foreach", "ragged_map", "to_local", "total_norm"]
 
@@ -51,9 +51,7 @@ class _ToLocal(torch.autograd.Function):
         if grad is None:
             return None
         mesh, placements, shape, stride = ctx.meta
-        return DTensor.from_local(
-            grad, mesh, _grad_placements(placements), shape=shape, stride=stride
-        )
+        return dtensor_from_local(grad, mesh, _grad_placements(placements), shape, stride)
 
 
 def to_local(dtensor: DTensor) -> torch.Tensor:
@@ -103,12 +101,8 @@ def _tree_map(fn: Callable[[Any, str], Any], obj: Any, path: str) -> Any:
 
 
 def _wrap(out: torch.Tensor, ref: DTensor) -> DTensor:
-    return DTensor.from_local(
-        out,
-        ref.device_mesh,
-        ref.placements,
-        shape=ref.shape,
-        stride=contiguous_stride(ref.shape),
+    return dtensor_from_local(
+        out, ref.device_mesh, ref.placements, ref.shape, contiguous_stride(ref.shape)
     )
 
 
@@ -150,6 +144,11 @@ def ragged_map(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not refs:
         raise ValueError("ragged_map needs at least one DTensor argument")
     ref = refs[0]
+    if any(p.is_partial() for p in ref.placements):
+        raise ValueError(
+            f"ragged_map on a DTensor with a Partial axis ({ref.placements}): its local "
+            "pieces are pending sums; redistribute that axis to Replicate() first"
+        )
     local_shape = ref.to_local().shape
     out = fn(*local_args, **local_kwargs)
 

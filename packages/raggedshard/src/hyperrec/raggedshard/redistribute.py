@@ -33,6 +33,39 @@ from hyperrec.raggedshard.placement import RaggedShard
 __all__ = ["check_placements", "distribute_tensor", "from_local", "redistribute", "wrap_local"]
 
 
+class _FromLocal0d(torch.autograd.Function):
+    """``DTensor.from_local`` of a 0-d tensor (differentiable): upstream reads an empty
+    global ``shape`` as "not given" and then rejects the ragged placement."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: DeviceMesh, placements: Any) -> DTensor:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = TensorMeta(torch.Size(()), (), local.dtype)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor | None, None, None]:
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None, None
+
+
+def dtensor_from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)``, also for
+    a 0-d global ``shape`` (internal)."""
+    if len(shape) == 0:
+        return cast(DTensor, _FromLocal0d.apply(local, mesh, tuple(placements)))
+    return DTensor.from_local(
+        local, mesh, placements, shape=torch.Size(shape), stride=tuple(stride)
+    )
+
+
 def wrap_local(
     local_tensor: torch.Tensor,
     device_mesh: DeviceMesh,
@@ -219,9 +252,7 @@ def from_local(
             f"{device_mesh.get_coordinate()} of {out} on a global {shape} holds {expected}"
         )
     stride = contiguous_stride(shape) if stride is None else stride
-    return DTensor.from_local(
-        local_tensor, device_mesh, out, shape=torch.Size(shape), stride=stride
-    )
+    return dtensor_from_local(local_tensor, device_mesh, out, shape, stride)
 
 
 def distribute_tensor(
@@ -259,13 +290,10 @@ def distribute_tensor(
         len(p.dims),
         device_mesh.get_local_rank(ragged),
     )
-    return DTensor.from_local(
-        local.requires_grad_(tensor.requires_grad),
-        device_mesh,
-        out,
-        shape=tensor.shape,
-        stride=tensor.stride(),
-    )
+    return dtensor_from_local(
+        local.requires_grad_(tensor.requires_grad), device_mesh, out, tensor.shape,
+        tensor.stride(),
+    )  # fmt: skip
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -370,7 +398,7 @@ def _engine(dt: DTensor, dst: tuple[Placement, ...]) -> DTensor:
             continue
         ax = coll.Axis.of(mesh, axis)
         local = _ragged_step(cur.to_local(), cur.placements[axis], state[axis], shape, ax)
-        cur = DTensor.from_local(local, mesh, state, shape=torch.Size(shape), stride=stride)
+        cur = dtensor_from_local(local, mesh, state, shape, stride)
     return cur
 
 
