@@ -293,7 +293,6 @@ class DataConfig:
             ("max_user_tags", 1),
             ("latent_dim", 1),
             ("eval_requests", 1),
-            ("seed", 0),
         ):
             _require_int(self, name, minimum=minimum)
         _require_int(self, "seed", minimum=0, maximum=MAX_SEED)
@@ -784,8 +783,6 @@ class TrainConfig:
             ("ckpt_every", 0),
             ("log_every", 1),
             ("auc_window", 1),
-            ("cpu_threads", 0),
-            ("seed", 0),
             ("data_workers", 0),
             ("prefetch_batches", 1),
             ("mesh_replicate", 0),

@@ -61,8 +61,7 @@ def _rank_key(scores: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     if scores.dtype == torch.uint64:
         # int64 would wrap the values from 2**63 to negative ones: shift the range
         # down by 2**63 instead (order-preserving, exact)
-        shifted = scores.detach().to("cpu").view(torch.int64) ^ torch.iinfo(torch.int64).min
-        return shifted
+        return scores.detach().to("cpu").view(torch.int64) ^ torch.iinfo(torch.int64).min
     return scores.detach().to("cpu", torch.int64)
 
 

@@ -171,21 +171,22 @@ def sharded_tables(
 _COMPILED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
 
 
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """``torch.compile`` arguments of a compile mode other than "off" (dynamic shapes:
+    the token and candidate counts change every step; one graph serves them all)."""
+    if mode == "inductor_autotune":
+        options = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+        return {"backend": "inductor", "dynamic": True, "options": options}
+    return {"backend": mode, "dynamic": True}
+
+
 def _region(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
-    """``fn`` itself (mode "off") or its ``torch.compile``d form (dynamic shapes: the
-    token and candidate counts change every step; one graph serves them all)."""
+    """``fn`` itself (mode "off") or its ``torch.compile``d form (:func:`compile_kwargs`)."""
     if mode == "off":
         return fn
     key = (fn, mode)
     if key not in _COMPILED:
-        if mode == "inductor_autotune":
-            options: dict[str, Any] = {
-                "max_autotune_gemm": True,
-                "max_autotune_gemm_backends": "ATEN,TRITON",
-            }
-            _COMPILED[key] = torch.compile(fn, backend="inductor", dynamic=True, options=options)
-        else:
-            _COMPILED[key] = torch.compile(fn, backend=mode, dynamic=True)
+        _COMPILED[key] = torch.compile(fn, **compile_kwargs(mode))
     return _COMPILED[key]
 
 

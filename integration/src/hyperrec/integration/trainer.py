@@ -102,7 +102,7 @@ from hyperrec.integration.flops import (
 )
 from hyperrec.integration.loader import LoadedStep, StepLoader, validate_batch
 from hyperrec.integration.metrics import WindowedAUC, task_metrics
-from hyperrec.integration.model import GEMModel, esmm_loss, sharded_tables
+from hyperrec.integration.model import GEMModel, compile_kwargs, esmm_loss, sharded_tables
 from hyperrec.integration.pipeline import (
     RequestOrder,
     TrainStream,
@@ -238,15 +238,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def _autoac_compile_kwargs(mode: str) -> dict[str, Any]:
-    """``torch.compile`` arguments for autoac's compiled layers: those the model uses for
-    its own regions (``model._region``), so a layer compiles as it would without autoac."""
-    if mode == "inductor_autotune":
-        options = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
-        return {"backend": "inductor", "dynamic": True, "options": options}
-    return {"backend": mode, "dynamic": True}
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -1000,7 +991,8 @@ class Trainer:
                 # must pair.
                 verify=not (formats and self.ctx.distributed),
                 compile=compiled,
-                compile_kwargs=_autoac_compile_kwargs(cfg.compile) if compiled else None,
+                # the model's own compile arguments: a layer compiles as it would without
+                compile_kwargs=compile_kwargs(cfg.compile) if compiled else None,
             )
         except ValueError as err:
             if str(err).startswith(("budget", "region_budgets")):

@@ -418,8 +418,9 @@ def _run_none_packed(
         if st.nbytes() < max(decisions.min_pack_bytes, 1) or not can_pack(t.dtype, numel, fmt):
             return t
         entry = packed.get(key)
-        fresh = entry is not None and entry[0]() is st and entry[2] == t._version
-        p = entry[1]() if fresh and entry is not None else None
+        p = None
+        if entry is not None and entry[0]() is st and entry[2] == t._version:
+            p = entry[1]()
         if p is None:
             p = pack_storage(t, fmt)
             packed[key] = (weakref.ref(st), weakref.ref(p), t._version)
@@ -531,7 +532,6 @@ def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
     if not isinstance(module, torch.nn.Module):
         return fn
     calls = [0]
-    snapshot: list[Any] = []
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -548,7 +548,7 @@ def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
         # version counter. Outside the dispatch modes: the checkpoint's own (selective
         # caching) and the profiler's must not see these copies as ops of the region.
         with _disable_current_modes(), torch.no_grad():
-            snapshot[:] = [(m, n, b, b.detach().clone()) for m, n, b in _named_buffers(module)]
+            snapshot = [(m, n, b, b.detach().clone()) for m, n, b in _named_buffers(module)]
         try:
             return fn(*args, **kwargs)
         finally:
@@ -557,7 +557,6 @@ def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
                     if m._buffers.get(n) is not b:  # re-assigned by the recomputation
                         m._buffers[n] = b
                     b.data.copy_(old)  # through .data: no version bump
-            snapshot.clear()
 
     return run
 

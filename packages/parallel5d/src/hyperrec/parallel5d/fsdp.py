@@ -764,29 +764,22 @@ def load_full_state_dict(
         targets.setdefault(first, t)
     sender = not broadcast_from_rank0 or dist.get_rank() == 0
     error = ""
-    if sender:
-        error = _full_state_dict_error(state_dict, targets, aliases, strict)
-    if broadcast_from_rank0:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise ValueError(error)
     # one source name per distinct tensor (a tied parameter may come under any name)
     source: dict[str, str] = {}
     if sender:
+        error = _full_state_dict_error(state_dict, targets, aliases, strict)
         for name, first in aliases.items():
             if name in state_dict:
                 source.setdefault(first, name)
-    wanted: list[str] = list(targets)
-    if broadcast_from_rank0:
-        box2: list[Any] = [sorted(source.items())]
-        dist.broadcast_object_list(box2, src=0)
-        source = dict(box2[0])
-    for first in wanted:
+    if broadcast_from_rank0:  # rank 0's verdict and keys, in one collective
+        box: list[Any] = [(error, source)]
+        dist.broadcast_object_list(box, src=0)
+        error, source = box[0]
+    if error:
+        raise ValueError(error)
+    for first, t in targets.items():
         if first not in source:
             continue
-        t = targets[first]
         value = _full_value(t, state_dict.get(source[first]) if sender else None,
                             broadcast_from_rank0)  # fmt: skip
         with torch.no_grad():

@@ -305,11 +305,9 @@ class _RowOptimizer(torch.optim.Optimizer):
                 self._update(g, rows, grad, hps[0], self._row_steps(g, rows, steps))
             else:
                 # one update per table. The sync-free rows hold padding (one past the
-                # end) between real rows: drop it and sort, the split below needs it
+                # end) between the sorted real rows: drop it, the split below needs order
                 keep = rows < coll._storage[g].shape[0]
                 rows, grad = rows[keep], grad[keep]
-                order = torch.argsort(rows)
-                rows, grad = rows[order], grad[order]
                 starts = torch.as_tensor(gp.table_local_start[me], device=rows.device)
                 bounds = torch.searchsorted(rows, starts).tolist() + [rows.numel()]
                 for i in range(len(gp.tables)):
