@@ -76,8 +76,16 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
         return {"status": "failed", "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": wall}
     doc = json.loads((out / "metrics.json").read_text())
     final = doc.get("final") or {}
+    ac = doc.get("autoac")
+    # memory and speed beside quality: a variant that changes what is saved (packed
+    # activations) is judged on all three
     return {"status": "ok", "wall_s": wall, **{m: final.get(m) for m in METRICS},
-            "steps": doc.get("steps_completed")}  # fmt: skip
+            "steps": doc.get("steps_completed"), "peak_memory_gb": doc.get("peak_memory_gb"),
+            "train_time_s": doc.get("train_time_s"),
+            "autoac": None if ac is None else {
+                k: ac.get(k) for k in ("budget_gb", "predicted_peak_gb", "no_ac_peak_gb",
+                                       "floor_gb", "added_s", "verification")} | {
+                "modes": {n: r.get("mode") for n, r in (ac.get("regions") or {}).items()}}}  # fmt: skip
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
