@@ -264,14 +264,12 @@ def test_gpu_non_finite_values_stay_in_their_sequence(where, act, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize(("dtype", "activation", "taken"), [
-    (torch.float16, "silu", False), (torch.bfloat16, "silu", True),
-    (torch.float16, "softmax", True),
-])  # fmt: skip
-def test_fp16_activation_backward_stays_on_triton(dtype, activation, taken, monkeypatch):
-    """The Gluon backward rounds an activation's dS to fp16 before scaling it, which
-    overflows on loss-scaled gradients; fp16 calls with an activation keep the Triton
-    kernels (which fold the scale in first)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
+def test_every_dtype_and_activation_routes_to_gluon(dtype, activation, monkeypatch):
+    """fp16 activation calls kept the Triton backward in 0.2.22 while the Gluon kernels
+    rounded dS to fp16 before the output multiplier; they fold it in first since 0.2.23
+    (checked on the GPU by ``test_gpu_fp16_activation_with_a_loss_scaled_gradient``)."""
     lens = [5, 9]
     off = torch.tensor([0, 5, 14])
     q, k, v, do = (torch.randn(14, 2, 64, generator=torch.Generator().manual_seed(i)).to(dtype)
@@ -279,11 +277,47 @@ def test_fp16_activation_backward_stays_on_triton(dtype, activation, taken, monk
     calls = []
     monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None)
     monkeypatch.setattr(_launch, "_BWD_PLANS", {})
-    monkeypatch.setattr(_launch, "_gluon_dkdv", lambda *a: calls.append(1))
+    monkeypatch.setattr(_launch, "_gluon_dkdv", lambda *a: calls.append(a))
     monkeypatch.setattr(_launch, "_gluon_dq", lambda *a: False)
     monkeypatch.setenv(GLUON_BWD_ENV, "1")
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out = gdpa(*leaves, off, off, max(lens), max(lens), activation=activation, causal=True,
                backend="triton")  # fmt: skip
     torch.autograd.grad(out, leaves, do)
-    assert len(calls) == int(taken)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_fp16_activation_with_a_loss_scaled_gradient(causal, monkeypatch):
+    """HSTU's ``1 / max_seqlen`` multiplier must scale dS before it is rounded to fp16: a
+    loss-scaled dO (x4096) made dS overflow while the true gradients are far in range."""
+    lens = [7, 300, 129]
+    qo = _offsets(lens)
+    mk = 1024  # normalization by a larger max_seqlen, as a model's configured maximum
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t = sum(lens)
+    q, k, v = (torch.randn(t, 2, 128, device="cuda", generator=g).half() for _ in range(3))
+    do = torch.randn(t, 2, 128, device="cuda", generator=g, dtype=torch.float64) * 4096
+    do = do.half()
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out = _reference(*leaves, qo, qo, causal, 128**-0.5, "silu", 1.0 / mk)
+    ref = torch.autograd.grad(out, leaves, do.double())
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    launches = []
+    real = _bwd_launch.run_dkdv
+    monkeypatch.setattr(
+        _bwd_launch, "run_dkdv", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1]
+    )
+    monkeypatch.setenv(GLUON_BWD_ENV, "1")
+    x = [t_.clone().requires_grad_() for t_ in (q, k, v)]
+    o = gdpa(*x, qo, qo, max(lens), mk, activation="silu", causal=causal,
+             normalization="max_seqlen")  # fmt: skip
+    got = torch.autograd.grad(o, x, do)
+    assert launches == [1]
+    for name, a, e in zip("qkv", got, ref):
+        assert torch.isfinite(a).all(), f"d{name} not finite"
+        err = (a.double() - e).abs().max() / e.abs().max()
+        assert err < 3e-3, (name, float(err))

@@ -238,7 +238,9 @@ def _bwd_consumer(
             if ACT == 0:
                 ds = p * (dp * coef - delta[None, :])
             else:
-                ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+                # coef folded in before dS is rounded to fp16/bf16 (fp16 overflowed on
+                # loss-scaled dO that coef brings back in range), as the Triton kernels
+                ds = dp * coef * (sg * (1.0 + x * (1.0 - sg)))
             if need_mask:
                 ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
             ds_op = gl.convert_layout(ds.to(dtype), op_layout)
@@ -318,8 +320,8 @@ def jagged_bwd_dkdv_kernel(
     ``(H, Tq)`` fp32 (softmax only), row stride ``stride_lh``. ``tile_seq``/``tile_idx``:
     the key-tile schedule (128-key tiles) of the package's dK/dV kernel, ``total_ptr``: how
     many entries are real tiles. ``qk_scale``: ``scale * log2(e)`` for softmax, ``scale``
-    for SiLU; ``coef``: the output multiplier; ``dk_scale``: dK's (``scale``, times
-    ``coef`` for SiLU). ``work``: the dynamic schedule's counter and item rings (see
+    for SiLU; ``coef``: the output multiplier; ``dk_scale``: dK's multiplier, ``scale``
+    (dS already holds ``coef``). ``work``: the dynamic schedule's counter and item rings (see
     ``_kernel.jagged_fwd_kernel``).
     """
     dtype: gl.constexpr = q_desc.dtype
@@ -478,7 +480,9 @@ def _dq_consumer(
             if ACT == 0:
                 ds = p * (dp * coef - delta[:, None])
             else:
-                ds = dp * (sg * (1.0 + x * (1.0 - sg)))
+                # coef folded in before dS is rounded to fp16/bf16 (fp16 overflowed on
+                # loss-scaled dO that coef brings back in range), as the Triton kernels
+                ds = dp * coef * (sg * (1.0 + x * (1.0 - sg)))
             if need_mask:
                 # select, not multiply (a NaN from another sequence's keys is dropped);
                 # rows past the query sequence are never stored
@@ -527,7 +531,7 @@ def jagged_bwd_dq_kernel(
     HEAD_DIM]`` boxes; ``k_desc``/``v_desc``: ``(Tk, H * HEAD_DIM)`` with ``[BLOCK_N,
     HEAD_DIM]`` boxes. ``DQ``: the same output as a pointer (a sequence's partial last
     tile), row stride ``stride_qt``. ``LSE``/``DELTA``, ``qk_scale``, ``coef``: as for
-    :func:`jagged_bwd_dkdv_kernel`; ``dq_scale``: ``scale`` (softmax) or ``scale * coef``;
+    :func:`jagged_bwd_dkdv_kernel`; ``dq_scale``: ``scale`` (dS already holds ``coef``);
     ``work``: as for :func:`jagged_bwd_dkdv_kernel`.
     """
     dtype: gl.constexpr = q_desc.dtype

@@ -752,8 +752,11 @@ def _forward_packed(call, cfg, coef, ce, out, lse) -> None:
     offsets = as_int32(call.q_offsets)
     rows = row_sequence(offsets, total_q)
     softmax = spec.activation == "softmax"
+    # one read of V, on the device (no sync): the kernel guards against non-finite V rows
+    # only where this is not finite
+    v_amax = torch.linalg.vector_norm(v, float("inf")) if v.numel() else v.new_zeros(())
     args = (
-        q, k, v, out, lse if softmax else out,
+        q, k, v, v_amax, out, lse if softmax else out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), total_q, total_q, offsets, rows,
         _qk_scale(spec.activation, spec.scale), coef,
@@ -874,11 +877,7 @@ def attention_backward(
         stride_lh = 0
     rest = (stride_lh, qk_scale, scale, coef, mask_ints)
 
-    # Not fp16 with an activation: the Gluon kernels still round dS to fp16 before
-    # scaling it by the output multiplier, which overflows on loss-scaled gradients
-    # (the Triton kernels fold it in first since 0.2.22; the Gluon fold awaits a GPU).
-    gluon_ok = softmax or q.dtype != torch.float16
-    if plan.gluon and gluon_ok and gluon_bwd_requested(spec):
+    if plan.gluon and gluon_bwd_requested(spec):
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
@@ -928,7 +927,7 @@ def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> No
     run_dkdv(
         call.q, call.k, call.v, grad_out, lse, delta, dk, dv,
         _kv_schedule(call, _GLUON_KEY_TILES), causal=call.spec.mask.causal, softmax=softmax,
-        qk_scale=qk_scale, coef=coef, dk_scale=scale if softmax else scale * coef,
+        qk_scale=qk_scale, coef=coef, dk_scale=scale,
     )  # fmt: skip
 
 
@@ -944,7 +943,7 @@ def _gluon_dq(call, grad_out, lse, delta, dq, qk_scale, scale, coef) -> bool:
         call.q, call.k, call.v, grad_out, lse, delta, dq,
         _fwd_schedule(call, GLUON_BLOCK_M, "cost"), causal=call.spec.mask.causal,
         softmax=softmax, qk_scale=qk_scale, coef=coef,
-        dq_scale=scale if softmax else scale * coef,
+        dq_scale=scale,
     )  # fmt: skip
     return True
 
