@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from autoac_cases import mlp_tower
 
@@ -104,3 +105,27 @@ def test_region_budgets_alone_are_not_replanned(monkeypatch):
         assert h.verification["peak_replans"] == 0
     finally:
         h.remove()
+
+
+def test_no_peak_replans_when_asked_or_on_several_ranks(monkeypatch):
+    """Ranks measure different peaks: replanning by measurement on one rank and not on
+    another would unpair their steps' collectives, so it is off there by default."""
+    model, x, floor, noac = _case()
+    budget = floor + 0.6 * (noac - floor)
+    _inflate(monkeypatch, int(0.15 * (noac - floor)))
+    h = autoac.apply(
+        model, budget=budget, step_fn=_step(x), profile_config=FLOPS, replan_peak=False
+    )
+    assert h.verification["peak_replans"] == 0 and h.verification["within_budget"] is False
+    h.remove()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **kw: 2)
+    h = autoac.apply(model, budget=budget, step_fn=_step(x), profile_config=FLOPS)
+    assert h.verification["peak_replans"] == 0
+    h.remove()
+
+
+def test_replan_peak_must_be_a_bool():
+    model, x, _, _ = _case()
+    with pytest.raises(TypeError, match="replan_peak"):
+        autoac.apply(model, budget=1e9, step_fn=_step(x), replan_peak="yes")

@@ -555,6 +555,7 @@ def apply(
     profile_config: ProfileConfig | None = None,
     plan_config: PlanConfig | None = None,
     verify: bool = True,
+    replan_peak: bool | None = None,
     compile: bool = False,
     compile_kwargs: Mapping[str, Any] | None = None,
 ) -> AutoAC:
@@ -581,8 +582,14 @@ def apply(
             tensor class is excluded and the step replanned until it does not. If the
             measured peak exceeds ``budget`` by more than :data:`PEAK_TOLERANCE`, the
             step is replanned with the budget lowered by the overshoot (at most
-            :data:`MAX_PEAK_REPLANS` times, never below the floor); the verification
-            records ``planned_budget``, ``peak_replans`` and ``within_budget``.
+            :data:`MAX_PEAK_REPLANS` times, never below the floor; see
+            ``replan_peak``); the verification records ``planned_budget``,
+            ``peak_replans`` and ``within_budget``.
+        replan_peak: whether ``verify`` replans on a measured peak over the budget.
+            Default (``None``): yes, except with ``torch.distributed`` initialised on
+            more than one rank, where ranks measure different peaks and would replan a
+            different number of times (their steps' collectives would not pair); pass
+            ``True`` there only if every rank's step measures the same.
         compile: compile each region (see :func:`apply_plan`).
 
     Returns:
@@ -598,6 +605,11 @@ def apply(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_bool("verify", verify)
+    if replan_peak is None:
+        dist = torch.distributed
+        replan_peak = not (dist.is_available() and dist.is_initialized()
+                           and dist.get_world_size() > 1)  # fmt: skip
+    check_bool("replan_peak", replan_peak)
     check_bool("compile", compile)
     # Everything that can be checked before the (expensive) profiled step.
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Real)):
@@ -658,7 +670,7 @@ def apply(
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
     if verify:
-        _verify(handle, step_fn, budget, region_budgets, plan_config)
+        _verify(handle, step_fn, budget, region_budgets, plan_config, replan_peak)
     return handle
 
 
@@ -702,6 +714,7 @@ def _verify(
     budget: float | None,
     region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
+    replan_peak: bool = True,
 ) -> None:
     prof = handle.profile
     assert prof is not None
@@ -744,7 +757,7 @@ def _verify(
         ):
             # Lower the planner's budget by the overshoot, while a plan can meet it.
             lowered = planned - (m.peak_bytes - budget)
-            if peak_replans < MAX_PEAK_REPLANS and lowered >= handle.plan.floor:
+            if replan_peak and peak_replans < MAX_PEAK_REPLANS and lowered >= handle.plan.floor:
                 planned = lowered
                 peak_replans += 1
                 handle.set_plan(
