@@ -27,7 +27,9 @@ Strategies, per model (each a point: measured peak, step time):
   of each layer (full run only: each distinct layer plan is its own compile).
   ``autoac_compiled_quant@b`` (``--compiled`` with ``mxint8`` in ``--formats``): the plan
   with MXINT8 packed saves, the packing traced into the compiled graphs;
-  ``pack_all_compiled_mxint8``: ``pack_all_mxint8`` compiled the same way.
+  ``pack_all_compiled_mxint8``: ``pack_all_mxint8`` compiled the same way;
+  ``autoac_apply_compiled_quant@b``: the public ``autoac.apply`` with those settings,
+  whose verification replans while the measured peak exceeds the budget.
 * ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
   ``torch_budget@0.5``): the matched-budget comparison.
 * ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
@@ -593,6 +595,46 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None and quant and "packed_in_graph" in seen:
             res["packed_in_graph"] = seen["packed_in_graph"]
 
+    def apply_compiled_quant_point(f: float) -> None:
+        """``autoac.apply(..., formats=("mxint8",), compile=True)``, the public call: it
+        profiles again, plans, compiles and verifies, replanning while the measured peak
+        is over the budget by more than ``PEAK_TOLERANCE`` (the bare plan's points above
+        are not verified)."""
+        if not compiled_quant:
+            return
+        b = max(lo + f * (hi - lo), free.floor)
+        seen: dict = {}
+        handle: list = []
+
+        def setup():
+            torch._dynamo.reset()
+            handle.append(
+                autoac.apply(
+                    case.model,
+                    budget=b,
+                    regions=list(case.model.layers),
+                    step_fn=case.step_fn(0),
+                    formats=("mxint8",),
+                    profile_config=pcfg,
+                    compile=True,
+                    compile_kwargs={"backend": backend},
+                )  # fmt: skip
+            )
+
+            def undo():
+                h = handle.pop()
+                seen.update(verification=h.verification, packed_in_graph=h.packed_in_graph,
+                            predicted_peak=h.plan.predicted_peak)  # fmt: skip
+                h.remove()
+                torch._dynamo.reset()
+
+            return undo
+
+        res = point(f"autoac_apply_compiled_quant@{f:g}", setup, need_s=2 * COMPILE_S,
+                    budget_fraction=f, budget_bytes=int(b))  # fmt: skip
+        if res is not None:
+            res.update(seen)
+
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the
         graphs (``autoac.compiled_packing_supported``) instead of one Python call a save."""
@@ -681,6 +723,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         autoac_point("autoac", 0.5)
         autoac_compiled_point(0.5)
         autoac_compiled_point(0.5, quant=True)
+        apply_compiled_quant_point(0.5)
         if tb is not None and "peak_bytes" in tb:
             f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
             autoac_compiled_point(f_tb, matched=tb["method"])

@@ -28,6 +28,9 @@ def test_compiled_smoke_run_records_the_packed_points(tmp_path):
         assert "time_ms_median" in rows[name], rows.get(name)
     quant = [r for n, r in rows.items() if n.startswith("autoac_compiled_quant@")]
     assert quant and all("time_ms_median" in r for r in quant)
+    applied = rows["autoac_apply_compiled_quant@0.5"]
+    assert "time_ms_median" in applied, applied
+    assert applied["verification"]["within_budget"] is not None
     packed = rows["pack_all_compiled_mxint8"]
     assert "time_ms_median" in packed and packed["activation_reduction_vs_compiled_no_ac"] > 0
     # every region of the pack-all plan packed saved nodes inside its graph
