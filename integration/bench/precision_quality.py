@@ -79,7 +79,9 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
     ac = doc.get("autoac")
     # memory and speed beside quality: a variant that changes what is saved (packed
     # activations) is judged on all three
+    # a collapsed run (one prediction for everything) reads as chance AUC: say which
     return {"status": "ok", "wall_s": wall, **{m: final.get(m) for m in METRICS},
+            "ctr_logit_std": final.get("ctr_logit_std"), "collapsed": final.get("collapsed"),
             "steps": doc.get("steps_completed"), "peak_memory_gb": doc.get("peak_memory_gb"),
             "train_time_s": doc.get("train_time_s"),
             "autoac": None if ac is None else {
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"variant": name, "seed": seed, **r})
             print(f"{name:12s} seed {seed}: " + (
                 " ".join(f"{m} {_fmt(r[m])}" for m in ("ctr_auc", "cvr_auc", "ctcvr_auc"))
-                + f" ({r['wall_s']:.0f} s)"
+                + f" ({r['wall_s']:.0f} s)" + (" COLLAPSED (constant predictions)" if r.get("collapsed") else "")
                 if r["status"] == "ok" else f"{r['status'].upper()}: {r['error'][-300:]}"), flush=True)  # fmt: skip
     # per-seed differences against the baseline (paired: same seed, same data); a metric
     # a run could not score (None in metrics.json: an AUC with one class) has no pair

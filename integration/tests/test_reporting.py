@@ -123,3 +123,48 @@ def test_logistic_regression_baseline_learns_ids_and_round_trips(micro_data):
         LogisticRegressionBaseline(micro_data.schema).fit([])
     with pytest.raises(TypeError, match="DataSchema"):
         LogisticRegressionBaseline(micro_data.config)  # type: ignore[arg-type]
+
+
+def _eval_preset(micro):
+    return dataclasses.replace(
+        micro,
+        data=dataclasses.replace(micro.data, eval_requests=64),
+        train=dataclasses.replace(
+            micro.train, steps=2, eval_every=0, ckpt_every=0, global_batch_size=16,
+            sub_batch_size=8,
+        ),
+    )  # fmt: skip
+
+
+def test_evaluation_reports_the_logit_spread_and_flags_a_collapsed_model(micro, tmp_path):
+    """A model that predicts one value for every impression scores ~0.5 AUC like one that
+    has not learned yet; the record tells them apart (logit std, ``collapsed``) and the
+    trainer says so in its log."""
+    from hyperrec.integration import TEST, VALID, Trainer
+    from hyperrec.integration.trainer import COLLAPSED_LOGIT_STD
+
+    trainer = Trainer(_eval_preset(micro), out_dir=tmp_path, progress=False)
+    trainer.train_step()
+    record = trainer.evaluate(VALID)
+    assert record["ctr_logit_std"] > 10 * COLLAPSED_LOGIT_STD
+    assert record["cvr_logit_std"] > 0 and record["collapsed"] is False
+
+    forward = trainer.model.forward
+
+    def constant(batch):
+        ctr, cvr = forward(batch)
+        # the same logit everywhere, still a function of the parameters
+        return ctr.mean().expand_as(ctr) * 0 + 0.3, cvr
+
+    trainer.model.forward = constant
+    flat = trainer.evaluate(TEST)
+    assert flat["ctr_logit_std"] < COLLAPSED_LOGIT_STD and flat["collapsed"] is True
+    assert flat["ctr_auc"] == 0.5  # every pair tied
+    out = io.StringIO()
+    bar = ProgressBar(2, stream=out, log_interval_s=0.0)
+    trainer._eval_and_log(bar)
+    assert "collapsed" in out.getvalue() and "logit std" in out.getvalue()
+    trainer.model.forward = forward
+    out2 = io.StringIO()
+    trainer._eval_and_log(ProgressBar(2, stream=out2, log_interval_s=0.0))
+    assert "collapsed" not in out2.getvalue()

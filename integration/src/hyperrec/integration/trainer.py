@@ -129,6 +129,11 @@ __all__ = [
 
 _EVAL_CHUNK = 1024  # requests per eval forward
 _EVAL_PADDED_TOKENS = 1 << 21  # ... and at most this many requests x history cap
+# A CTR logit spread (standard deviation over a split's impressions) below this means the
+# model predicts one value for everything: it collapsed (or never left its start), and
+# its ~0.5 AUC is not "needs more steps". A model at initialisation spreads its logits by
+# ~1e-2 and more; a trained one by ~0.5.
+COLLAPSED_LOGIT_STD = 1e-3
 _EMA_BETA = 0.95
 # Fields a resumed run may change: how long and how often, not what is trained.
 _CADENCE = {
@@ -618,6 +623,17 @@ def prefer_expandable_segments(device: str) -> bool:
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF
     return True
+
+
+def _warn_if_collapsed(record: dict[str, Any], bar: ProgressBar) -> None:
+    """Say so when an evaluation's CTR predictions are (nearly) one constant."""
+    if record.get("collapsed"):
+        bar.write(
+            f"warning: the model's CTR predictions on the {record['split']} split are "
+            f"constant (logit std {record['ctr_logit_std']:.2e} < {COLLAPSED_LOGIT_STD:g}) "
+            f"at step {record['step']}: it has collapsed, and its AUC is chance by "
+            f"construction; look at the grad-norm history and the learning rate"
+        )
 
 
 class Trainer:
@@ -1380,6 +1396,7 @@ class Trainer:
                     torch.arange(batch.num_requests), batch.candidate_offsets.diff()
                 )
                 values = {
+                    "ctr_logit": ctr_logit.double(),
                     "p_ctr": torch.sigmoid(ctr_logit),
                     "click": batch.click,
                     "user": batch.user_ids[owner],
@@ -1392,6 +1409,7 @@ class Trainer:
                             "the model gave no conversion logits for a schema with conversions"
                         )
                     values.update(
+                        cvr_logit=cvr_logit.double(),
                         p_cvr=torch.sigmoid(cvr_logit),
                         conversion=batch.conversion,
                         pop_cvr=pop_cvr[items],
@@ -1426,11 +1444,20 @@ class Trainer:
             baselines["logistic_regression"] = metrics("lr_ctr", None)
         if "true_ctr" in allp:
             baselines["ground_truth"] = metrics("true_ctr", "true_cvr")
+        # The logits' spread tells a collapsed model (one prediction for every impression)
+        # from one that has not learned yet; both score ~0.5 AUC.
+        spread = {
+            f"{task}_logit_std": float(allp[f"{task}_logit"].std(correction=0))
+            for task in ("ctr", "cvr")
+            if f"{task}_logit" in allp
+        }
         return {
             "split": SPLITS[split],
             "step": self.step,
             "loss": float(allp["loss_sum"].sum() / click.numel()),
             **metrics("p_ctr", "p_cvr"),
+            **spread,
+            "collapsed": click.numel() > 1 and spread["ctr_logit_std"] < COLLAPSED_LOGIT_STD,
             "baselines": baselines,
             "requests": int(ids_all.size),
             "impressions": int(click.numel()),
@@ -1747,6 +1774,8 @@ class Trainer:
             record = self.evaluate(TEST, logistic=logistic)
             if self.ctx.is_main:
                 self.test_record = record or None
+                if record:
+                    _warn_if_collapsed(record, bar)
         result = self._report(interrupted=interrupted, plot=plot)
         # Every rank past its last collective before any of them can tear the group down
         # (CI once saw rank 1 abort in the gloo teardown after a run had trained every
@@ -1779,6 +1808,7 @@ class Trainer:
                 f"validation @ step {record['step']}: CTR AUC {record['ctr_auc']:.4f} "
                 f"({ref}), GAUC {record['ctr_gauc']:.4f}{cvr}, NE {record['ctr_ne']:.4f}"
             )
+            _warn_if_collapsed(record, bar)
             # after the last step there is nothing left to stop: a run that trained
             # every step was reported as stopped early
             stop = self.step < self.preset.train.steps and self._should_stop_early()
