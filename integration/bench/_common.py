@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +31,10 @@ def single_rank_group(device: str) -> bool:
 
     if dist.is_initialized():
         return False
-    path = os.path.join(tempfile.mkdtemp(prefix="hyperrec-bench-store-"), "store")
+    store_dir = tempfile.mkdtemp(prefix="hyperrec-bench-store-")
+    # the store's directory outlives the group; without this every call leaves one behind
+    atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
+    path = os.path.join(store_dir, "store")
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
     return True
