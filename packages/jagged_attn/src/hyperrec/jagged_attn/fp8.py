@@ -82,7 +82,9 @@ __all__ = [
     "Precision",
     "QuantizedJagged",
     "QuantizedQKV",
+    "PROJECTION_ACTIVATIONS",
     "key_shift",
+    "linear_quantize_qkv",
     "mma_column",
     "quantize_qkv",
     "resolve_precision",
@@ -421,6 +423,122 @@ def quantize_qkv(
                          f"got {key_shift!r:.80}")  # fmt: skip
     return _impl(q, k, v, q_offsets, q_offsets if kv_offsets is None else kv_offsets, config,
                  backend, key_shift)  # fmt: skip
+
+
+#: ``activation=`` values of :func:`linear_quantize_qkv`.
+PROJECTION_ACTIVATIONS: tuple[str, ...] = ("none", "silu")
+
+
+def linear_quantize_qkv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    *,
+    heads: int,
+    chunks: str = "qkv",
+    activation: str = "none",
+    precision: str | FP8Config = "fp8",
+    backend: str = "auto",
+    v_mma_order: bool = False,
+) -> tuple[torch.Tensor, QuantizedQKV]:
+    """The projection that produces Q/K/V, with their FP8 quantization in its epilogue.
+
+    ``y = act(x @ weight^T + bias)``, and the chunks of ``y`` named ``q``, ``k`` and ``v``
+    quantized as :func:`quantize_qkv` quantizes them, by one kernel that reads ``x`` once
+    and writes ``y`` and the E4M3 operands together (no second pass over Q/K/V). Pass the
+    result to the attention as ``quantized=`` with the same ``precision``; the attention
+    then skips its own quantization. For an HSTU layer's ``silu(W x)`` split into
+    ``u, v, q, k``: ``chunks="uvqk", activation="silu"``.
+
+    Args:
+        x: ``(T, K)`` float16/bfloat16/float32: the rows of all sequences.
+        weight: ``(N, K)`` (an ``nn.Linear``'s weight), same dtype and device;
+            ``N = len(chunks) * heads * D``.
+        bias: ``(N,)`` or None.
+        offsets: ``(B + 1,)`` int32/int64 sequence offsets of the rows (the attention's
+            ``offsets``; self-attention: Q, K and V share them). Values are trusted here
+            (no host sync); the attention checks them.
+        heads: heads per chunk (>= 1).
+        chunks: one letter per chunk of ``weight``'s rows, in order; ``q``, ``k`` and ``v``
+            exactly once each, any other letters pass through unquantized (default
+            ``"qkv"``).
+        activation: ``"none"`` (default) or ``"silu"``, applied to every chunk.
+        precision: ``"fp8"`` (default), ``"mxfp8"`` or an :class:`FP8Config`; it must be
+            the attention's. Softmax attention with ``smooth_k`` (FP8Config's default)
+            cannot take operands quantized here (its key shift needs every key first):
+            use ``FP8Config(smooth_k=False)`` there, or GDPA, which never smooths.
+        backend: ``"auto"`` (the fused Triton kernel on CUDA GPUs of compute capability
+            >= 8.9, else PyTorch's linear followed by the reference quantizer),
+            ``"torch"`` or ``"triton"`` (also CPU tensors under ``TRITON_INTERPRET=1``).
+        v_mma_order: write V in the Gluon FP8 forward's column order
+            (:attr:`QuantizedJagged.mma_order`, ``"fp8"`` only; only that kernel reads it:
+            the attention then raises where it would run the Triton FP8 kernel).
+
+    Returns:
+        ``(y, qkv)``: ``y`` ``(T, N)`` in ``x.dtype``, differentiable in ``x``, ``weight``
+        and ``bias`` (the chunks' ``(T, H, D)`` views are the attention's ``q``/``k``/``v``:
+        :func:`~hyperrec.jagged_attn.reference_fp8.projection_chunks`); ``qkv`` a
+        :class:`QuantizedQKV` equal bit for bit to :func:`quantize_qkv` of ``y``'s chunks.
+        The kernel's ``y`` differs from PyTorch's linear by accumulation order only.
+
+    Raises:
+        TypeError: non-tensor inputs, dtypes that are not float16/bfloat16/float32 or
+            differ, offsets that are not int32/int64, a non-str ``chunks``/``activation``,
+            a non-int ``heads``, a bad ``precision`` type.
+        ValueError: wrong ranks or shapes (``weight.shape[1] != x.shape[1]``, ``N`` not a
+            multiple of ``len(chunks) * heads``, a bias of another length), tensors on
+            several devices, ``chunks`` without exactly one each of ``q``/``k``/``v``, an
+            unknown ``activation``/``backend``/``precision``, ``"bf16"``, a head dim the
+            config cannot quantize, ``v_mma_order`` with ``"mxfp8"``, or
+            ``backend="triton"`` where the kernel cannot run.
+    """
+    from hyperrec.jagged_attn._fp8.projection import linear_quantize_qkv as _impl
+    from hyperrec.jagged_attn._validate import _dense, check_index_tensor
+
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    _dense("x", x, dtypes)
+    _dense("weight", weight, dtypes)
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x and weight must be 2-D, got shapes {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight.shape[1] must equal x.shape[1] = {x.shape[1]}, got "
+                         f"weight of shape {tuple(weight.shape)}")  # fmt: skip
+    if bias is not None:
+        _dense("bias", bias, dtypes)
+        if bias.dtype != x.dtype or bias.device != x.device:
+            raise TypeError(f"bias must have x's dtype and device ({x.dtype}, {x.device}), "
+                            f"got {bias.dtype} on {bias.device}")  # fmt: skip
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")  # fmt: skip
+    check_index_tensor("offsets", offsets, x.device, what="(B + 1 sequence offsets)", like="x")
+    check_int("heads", heads, minimum=1)
+    if not isinstance(chunks, str):
+        raise TypeError(f"chunks must be a str, got {type(chunks).__name__}")
+    if any(chunks.count(c) != 1 for c in "qkv"):
+        raise ValueError(f"chunks must name 'q', 'k' and 'v' exactly once each, got {chunks!r}")
+    check_choice("activation", activation, PROJECTION_ACTIVATIONS)
+    check_choice("backend", backend, ("auto", "torch", "triton"))
+    check_bool("v_mma_order", v_mma_order)
+    per = len(chunks) * heads
+    if weight.shape[0] % per or weight.shape[0] == 0:
+        raise ValueError(f"weight.shape[0] must be a positive multiple of len(chunks) * heads "
+                         f"= {per}, got {weight.shape[0]}")  # fmt: skip
+    config = resolve_precision(precision)
+    if config is None:
+        raise ValueError("precision must be 'fp8', 'mxfp8' or an FP8Config, got 'bf16'")
+    dim = weight.shape[0] // per
+    config.check_shapes(dim, dim)
+    if v_mma_order and config.mx:
+        raise ValueError("v_mma_order applies to format 'fp8' only, got precision 'mxfp8'")
+    return _impl(x, weight, bias, offsets, heads=heads, chunks=chunks, activation=activation,
+                 config=config, backend=backend, v_mma_order=v_mma_order)  # fmt: skip
 
 
 def key_shift(k: torch.Tensor, kv_offsets: torch.Tensor) -> torch.Tensor:

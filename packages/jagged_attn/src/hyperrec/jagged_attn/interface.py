@@ -31,7 +31,7 @@ from hyperrec.jagged_attn._validate import (
     value_check_mode,
 )
 from hyperrec.jagged_attn.activations import ACTIVATIONS
-from hyperrec.jagged_attn.fp8 import FP8Config, Precision
+from hyperrec.jagged_attn.fp8 import FP8Config, Precision, QuantizedQKV
 from hyperrec.jagged_attn.spec import NORMALIZATIONS, AttentionSpec
 
 __all__ = ["block_attention", "gdpa", "jagged_attention"]
@@ -66,6 +66,7 @@ def _dispatch(
     validate: Validate,
     names: Names,
     precision: Precision | FP8Config = "bf16",
+    quantized: QuantizedQKV | None = None,
 ) -> torch.Tensor:
     check_choice("backend", backend, BACKENDS)
     # The Triton kernels (attention, schedules, the device value check) index the offsets,
@@ -79,6 +80,10 @@ def _dispatch(
     num_targets = None if num_targets is None else num_targets.contiguous()
     mode = value_check_mode(check_validate(validate), q.device)
     op = resolve_backend(backend, q, v, precision=precision)
+    if quantized is not None:
+        from hyperrec.jagged_attn._fp8.ops import bind_quantized
+
+        op = bind_quantized(op, quantized, precision, q, k, v, kv_offsets, spec)
     # The Triton forward takes the device check over (one launch fewer: it runs inside the
     # tile-schedule kernel of a new offsets object, else before the attention kernel).
     check = run_value_checks(
@@ -125,6 +130,7 @@ def jagged_attention(
     backend: Backend = "auto",
     validate: Validate = True,
     precision: Precision | FP8Config = "bf16",
+    quantized: QuantizedQKV | None = None,
 ) -> torch.Tensor:
     """Softmax attention over jagged sequences, without padding.
 
@@ -162,6 +168,14 @@ def jagged_attention(
             ``"mxfp8"`` (an FP8 forward: Q/K/V block-quantized to E4M3, P quantized
             online, float32 accumulation; the backward stays bf16), or an
             :class:`~hyperrec.jagged_attn.fp8.FP8Config`. See :mod:`hyperrec.jagged_attn.fp8`.
+        quantized: Q/K/V already quantized with this ``precision`` (by
+            :func:`~hyperrec.jagged_attn.fp8.linear_quantize_qkv`, the projection with the
+            quantization in its epilogue, or :func:`~hyperrec.jagged_attn.fp8.quantize_qkv`;
+            softmax only with ``FP8Config(smooth_k=False)``): the FP8 kernels read them instead of
+            quantizing ``q``/``k``/``v`` again. They must be the quantization of these
+            ``q``/``k``/``v`` (not checked value by value: the backward differentiates
+            ``q``/``k``/``v``, and the ``"torch"`` emulation re-quantizes them). Default
+            None.
 
     Returns:
         ``(Tq, H, Dv)`` in ``q.dtype``. A query with no visible key (empty key sequence,
@@ -180,6 +194,10 @@ def jagged_attention(
             dim not a multiple of 32; ``hadamard=True``: not a power of two), or
             ``backend="triton"`` with FP8 and head dims outside [16, 256].
         ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
+        TypeError, ValueError: a ``quantized`` that is not a ``QuantizedQKV``, was made
+            with another config, does not match the shapes or device of ``q``/``k``/``v``,
+            or softmax with ``smooth_k`` (its key shift is not in operands quantized by a
+            projection: pass ``FP8Config(smooth_k=False)``).
     """
     check_qkv(q, k, v)
     offsets = check_index_tensor("offsets", offsets, q.device, what="(B + 1 offsets)")
@@ -231,6 +249,7 @@ def jagged_attention(
         validate=validate,
         names=names,
         precision=precision,
+        quantized=quantized,
     )
 
 
@@ -255,6 +274,7 @@ def gdpa(
     backend: Backend = "auto",
     validate: Validate = True,
     precision: Precision | FP8Config = "bf16",
+    quantized: QuantizedQKV | None = None,
 ) -> torch.Tensor:
     """Generalized Dot-Product Attention: an activation in place of the softmax.
 
@@ -305,6 +325,14 @@ def gdpa(
             ``"mxfp8"`` (an FP8 forward: Q/K/V block-quantized to E4M3, P quantized
             online, float32 accumulation; the backward stays bf16), or an
             :class:`~hyperrec.jagged_attn.fp8.FP8Config`. See :mod:`hyperrec.jagged_attn.fp8`.
+        quantized: Q/K/V already quantized with this ``precision`` (by
+            :func:`~hyperrec.jagged_attn.fp8.linear_quantize_qkv`, the projection with the
+            quantization in its epilogue, or :func:`~hyperrec.jagged_attn.fp8.quantize_qkv`;
+            softmax only with ``FP8Config(smooth_k=False)``): the FP8 kernels read them instead of
+            quantizing ``q``/``k``/``v`` again. They must be the quantization of these
+            ``q``/``k``/``v`` (not checked value by value: the backward differentiates
+            ``q``/``k``/``v``, and the ``"torch"`` emulation re-quantizes them). Default
+            None.
 
     The mask composition is given in :mod:`hyperrec.jagged_attn.masks`. It equals HSTU's
     for causal masks with targets and contextual tokens; unlike HSTU, contextual keys stay
@@ -328,6 +356,10 @@ def gdpa(
             dim not a multiple of 32; ``hadamard=True``: not a power of two), or
             ``backend="triton"`` with FP8 and head dims outside [16, 256].
         ModuleNotFoundError: ``precision="mxfp8"`` without hyperrec-mxfp8 installed.
+        TypeError, ValueError: a ``quantized`` that is not a ``QuantizedQKV``, was made
+            with another config, does not match the shapes or device of ``q``/``k``/``v``,
+            or softmax with ``smooth_k`` (its key shift is not in operands quantized by a
+            projection: pass ``FP8Config(smooth_k=False)``).
     """
     check_qkv(q, k, v)
     q_offsets = check_index_tensor("q_offsets", q_offsets, q.device, what="(Bq + 1 offsets)")
@@ -386,6 +418,7 @@ def gdpa(
         validate=validate,
         names=Names(),
         precision=precision,
+        quantized=quantized,
     )
 
 
@@ -404,6 +437,7 @@ def block_attention(
     backend: Backend = "auto",
     validate: Validate = True,
     precision: Precision | FP8Config = "bf16",
+    quantized: QuantizedQKV | None = None,
 ) -> torch.Tensor:
     """Softmax self-attention within fixed-size blocks of each sequence: O(L) work.
 
@@ -424,7 +458,7 @@ def block_attention(
         num_global: number of leading global tokens per sequence (default 0).
         causal: additionally restrict to keys at or before the query.
         scale: default ``1 / sqrt(D)``.
-        backend, validate, precision: as in :func:`jagged_attention`.
+        backend, validate, precision, quantized: as in :func:`jagged_attention`.
 
     Returns:
         ``(T, H, Dv)`` in ``q.dtype``, differentiable in ``q``, ``k``, ``v``.
@@ -433,6 +467,7 @@ def block_attention(
         TypeError, ValueError: as in :func:`jagged_attention`, plus
             ``block_size < 1`` or ``num_global < 0``.
         ModuleNotFoundError: as in :func:`jagged_attention`.
+        TypeError, ValueError: a bad ``quantized``, as in :func:`jagged_attention`.
     """
     check_qkv(q, k, v)
     offsets = check_index_tensor("offsets", offsets, q.device, what="(B + 1 offsets)")
@@ -475,4 +510,5 @@ def block_attention(
         validate=validate,
         names=names,
         precision=precision,
+        quantized=quantized,
     )

@@ -87,8 +87,10 @@ __all__ = [
     "fwht",
     "group_quantize",
     "hadamard_signs",
+    "linear_quantize_qkv",
     "naive_attention_forward",
     "pad_offsets",
+    "projection_chunks",
     "quantize_cols",
     "quantize_qkv",
     "quantize_rows",
@@ -316,6 +318,44 @@ def quantize_qkv(
         v=quantize_cols(v, kv_offsets, config),
         config=config,
     )
+
+
+def projection_chunks(y: torch.Tensor, heads: int, chunks: str) -> dict[str, torch.Tensor]:
+    """The ``(T, H, D)`` views of the chunks of a projection output ``y`` ``(T, N)``
+    (``N = len(chunks) * H * D``), by their letter in ``chunks``."""
+    total, width = y.shape
+    dim = width // (len(chunks) * heads)
+    return {
+        name: y[:, i * heads * dim : (i + 1) * heads * dim].unflatten(1, (heads, dim))
+        for i, name in enumerate(chunks)
+    }
+
+
+def linear_quantize_qkv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    config: FP8Config,
+    *,
+    heads: int,
+    chunks: str,
+    activation: str,
+) -> tuple[torch.Tensor, QuantizedQKV]:
+    """Reference of :func:`hyperrec.jagged_attn.fp8.linear_quantize_qkv`: ``y`` from a
+    float32 product (``act(x @ W^T + b)``, SiLU as ``z * sigmoid(z)``) rounded to
+    ``x.dtype``, and :func:`quantize_qkv` of its ``q``/``k``/``v`` chunks (no key shift).
+    The kernel's ``y`` differs from this one by its accumulation order only; its quantized
+    operands equal :func:`quantize_qkv` of its own ``y`` bit for bit."""
+    z = x.float() @ weight.float().T
+    if bias is not None:
+        z = z + bias.float()
+    if activation == "silu":
+        z = z * torch.sigmoid(z)
+    y = z.to(x.dtype)
+    parts = projection_chunks(y, heads, chunks)
+    qkv = quantize_qkv(parts["q"], parts["k"], parts["v"], offsets, offsets, config)
+    return y, qkv
 
 
 def _e8m0(scale: torch.Tensor) -> torch.Tensor:

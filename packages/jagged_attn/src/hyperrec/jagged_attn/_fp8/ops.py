@@ -33,7 +33,8 @@ from hyperrec.jagged_attn._fp8.quantize import fp8_kernels_supported
 from hyperrec.jagged_attn._opschema import NAMESPACE, AttentionCall, activation_of, schema
 from hyperrec.jagged_attn._torch.ops import attention_torch_backward
 from hyperrec.jagged_attn._triton.ops import _spec_flops
-from hyperrec.jagged_attn.fp8 import FP8Config
+from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV
+from hyperrec.jagged_attn.spec import AttentionSpec
 
 __all__ = [
     "attention_fp8_torch",
@@ -41,6 +42,9 @@ __all__ = [
     "attention_fp8_triton",
     "attention_fp8_triton_bwd",
     "attention_fp8_triton_fwd",
+    "attention_fp8_triton_fwd_quantized",
+    "attention_fp8_triton_quantized",
+    "bind_quantized",
     "resolve_fp8_backend",
     "unsupported_reason_fp8",
 ]
@@ -203,6 +207,137 @@ def _fp8_bwd_flop_formula(
     **kwargs: Any,
 ) -> int:
     return _spec_flops(q_shape, k_shape, v_shape, args, "bwd")
+
+
+# ----------------------------------------------------------------------------------------
+# Triton, with operands quantized beforehand (``quantized=``)
+# ----------------------------------------------------------------------------------------
+
+_QUANTIZED = ("Tensor q8, Tensor qs, Tensor k8, Tensor ks, Tensor v8, Tensor vs, "
+              "Tensor v_pad_offsets, bool v_mma_order, ")  # fmt: skip
+_N_QUANTIZED = 8
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::attention_fp8_triton_fwd_quantized",
+    mutates_args=(),
+    schema=schema(before=_PRECISION + _QUANTIZED, returns="(Tensor, Tensor)"),
+)
+def attention_fp8_triton_fwd_quantized(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_fp8_triton_fwd` on operands quantized beforehand (the call's
+    ``q``/``k``/``v`` are what the backward differentiates)."""
+    from hyperrec.jagged_attn._triton._fp8_launch import attention_forward_fp8
+
+    q8, qs, k8, ks, v8, vs, poff, mma = args[1 : 1 + _N_QUANTIZED]
+    config = FP8Config.decode(args[0])
+    qkv = QuantizedQKV(
+        q=QuantizedJagged(data=q8, scale=qs, layout="rows"),
+        k=QuantizedJagged(data=k8, scale=ks, layout="rows"),
+        v=QuantizedJagged(data=v8, scale=vs, layout="cols", pad_offsets=poff, mma_order=mma),
+        config=config,
+    )
+    call = _contiguous(AttentionCall.from_op_args(args[1 + _N_QUANTIZED :]))
+    return attention_forward_fp8(call, config, qkv=qkv)
+
+
+@attention_fp8_triton_fwd_quantized.register_fake
+def _fp8_quantized_fake(precision: str, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fp8_triton_fwd_fake(precision, *args[_N_QUANTIZED:])
+
+
+def _quantized_setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    _triton_setup_context(ctx, (inputs[0], *inputs[1 + _N_QUANTIZED :]), output)
+
+
+def _quantized_backward(
+    ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    grads = _triton_backward(ctx, grad_out, grad_lse)
+    return (grads[0], *(None,) * _N_QUANTIZED, *grads[1:])
+
+
+attention_fp8_triton_fwd_quantized.register_autograd(
+    _quantized_backward, setup_context=_quantized_setup_context
+)
+
+
+@register_flop_formula(torch.ops.hyperrec_jagged_attn.attention_fp8_triton_fwd_quantized)
+def _fp8_quantized_flop_formula(precision: str, *args: Any, out_shape: Any = None,
+                                **kwargs: Any) -> int:  # fmt: skip
+    q_shape, k_shape, v_shape, *rest = args[_N_QUANTIZED:]
+    return _spec_flops(q_shape, k_shape, v_shape, tuple(rest), "fwd")
+
+
+def bind_quantized(
+    op: Callable[..., torch.Tensor],
+    quantized: object,
+    precision: object,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    spec: AttentionSpec,
+) -> Callable[..., torch.Tensor]:
+    """The forward ``op`` (from :func:`resolve_fp8_backend`) reading ``quantized`` instead
+    of quantizing ``q``/``k``/``v``: the Triton op gets the operands bound; the emulation
+    is returned as is (it re-quantizes ``q``/``k``/``v``, which gives the same operands
+    when ``quantized`` is their quantization, the contract of ``quantized=``).
+
+    Raises:
+        TypeError: ``quantized`` is not a :class:`QuantizedQKV`.
+        ValueError: ``precision`` is ``"bf16"`` or not ``quantized.config``; softmax with
+            ``smooth_k``; shapes, layouts or devices that do not match ``q``/``k``/``v``.
+    """
+    from hyperrec.jagged_attn.fp8 import resolve_precision
+    from hyperrec.jagged_attn.reference_fp8 import cols_width
+
+    if not isinstance(quantized, QuantizedQKV):
+        raise TypeError(f"quantized must be a QuantizedQKV, got {type(quantized).__name__}")
+    config = resolve_precision(precision)
+    if config is None:
+        raise ValueError("quantized= needs an FP8 precision ('fp8', 'mxfp8' or an FP8Config); "
+                         "the call's precision is 'bf16'")  # fmt: skip
+    if config != quantized.config:
+        raise ValueError(f"quantized was made with precision {quantized.config}, the call's "
+                         f"is {config}")  # fmt: skip
+    if spec.activation == "softmax" and config.smooth_k:
+        raise ValueError(
+            "quantized= with softmax needs FP8Config(smooth_k=False): the key shift of "
+            "smooth_k (each sequence's mean key) is not in operands quantized beforehand"
+        )
+    (total_k, heads, dim_v), n_kv = v.shape, kv_offsets.numel() - 1
+    width = cols_width(total_k, n_kv, config.v_pad)
+    want = {
+        "quantized.q.data": (quantized.q.data, tuple(q.shape)),
+        "quantized.k.data": (quantized.k.data, tuple(k.shape)),
+        "quantized.v.data": (quantized.v.data, (heads, dim_v, width)),
+    }
+    for name, (t, shape) in want.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name} must be a float8_e4m3fn tensor")
+        if tuple(t.shape) != shape or t.device != q.device:
+            raise ValueError(f"{name} must have shape {shape} on {q.device} (this call's "
+                             f"q/k/v), got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if quantized.q.layout != "rows" or quantized.k.layout != "rows" \
+            or quantized.v.layout != "cols" or quantized.v.pad_offsets is None:  # fmt: skip
+        raise ValueError("quantized must hold Q and K in the 'rows' layout and V in 'cols' "
+                         "with pad_offsets, as quantize_qkv returns them")  # fmt: skip
+    partial = op if isinstance(op, functools.partial) else None
+    if partial is None or partial.func is not attention_fp8_triton:
+        return op
+    qq, kq, vq = quantized.q, quantized.k, quantized.v
+    return functools.partial(
+        attention_fp8_triton_quantized, partial.args[0], qq.data, qq.scale, kq.data, kq.scale,
+        vq.data, vq.scale, vq.pad_offsets, vq.mma_order,
+    )  # fmt: skip
+
+
+def attention_fp8_triton_quantized(*args: Any) -> torch.Tensor:
+    """:func:`attention_fp8_triton_fwd_quantized` returning ``out`` only."""
+    out, _ = attention_fp8_triton_fwd_quantized(*args)
+    return out
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ The numerics are :mod:`hyperrec.jagged_attn.reference_fp8`; the layouts are thos
   butterflies), takes the block maxima from the float32 bits, and writes E4M3 codes and
   scales. V is written transposed (``(H, Dv, Tp)``, tokens contiguous) because FP8 tensor
   cores on Hopper read both operands K-major, and ``P @ V`` reduces over the tokens.
+* ``_proj_quant_kernel``: the same quantization in the epilogue of the projection that
+  produces Q/K/V (``y = act(x @ W^T + b)``), so the activations are read once, by the GEMM.
 * ``_fp8_fwd_kernel``: the persistent forward of ``_kernels._fwd_kernel`` (same work list,
   mask rules and key ranges; the mask helpers are shared) with FP8 operands.
   ``"fp8"``: ``S = Q8 @ K8^T`` on the FP8 tensor cores, scaled per query row (the Q
@@ -69,6 +71,19 @@ def _f32(x):
     if _INTERP and x.dtype == tl.bfloat16:
         return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return x.to(tl.float32)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """float32 ``x`` rounded to ``dtype`` to nearest-even. Under ``TRITON_INTERPRET`` the
+    conversion to bf16 truncates, so it is rounded on the bits first (NaN kept NaN);
+    compiled, the hardware conversion is used."""
+    if _INTERP and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        r = tl.where(x != x, u | 0x400000, r)
+        return r.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -239,66 +254,92 @@ def _quant_tile(
             # they share block maxima with the sequence's rows (GROUP > 1).
             sh = tl.load(SHIFT + (b * tl.num_programs(1) + h) * D + c, mask=c < D, other=0.0)
             x = tl.where(row_ok[:, None], x - sh.to(tl.float32)[None, :], 0.0)
-        if HADAMARD:
-            # (masked: BD pads head dims below 16, and the sign vector has D entries)
-            x = _fwht(x * tl.load(SIGNS + c, mask=c < D, other=0.0)[None, :], TILE, BD, LOG2D)
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        if MODE == 0:
-            rb = tl.max(bits, 1)
-            if GROUP > 1:
-                gb = tl.max(tl.reshape(rb, (TILE // GROUP, GROUP)), 1)
-                rb = tl.reshape(tl.broadcast_to(gb[:, None], (TILE // GROUP, GROUP)), (TILE,))
-            scale, inv = _block_scale(rb, POW2, TINY)
-            codes = _e4m3_codes(x * inv[:, None], (rb >= 0x7F800000)[:, None])
-            tl.store(SCALE + rows64 * stride_st + h * stride_sh, scale, mask=row_ok)
-        elif MODE == 1:
-            NB: tl.constexpr = BD // 32
-            byte = _e8m0_byte(tl.max(tl.reshape(bits, (TILE, NB, 32)), 2), ADD, ODD)
-            inv = _pow2(tl.minimum(tl.maximum(127 - byte, -126), 127))
-            inv = tl.reshape(tl.broadcast_to(inv[:, :, None], (TILE, NB, 32)), (TILE, BD))
-            bad = tl.reshape(tl.broadcast_to((byte == 255)[:, :, None], (TILE, NB, 32)),
-                             (TILE, BD))  # fmt: skip
-            codes = _e4m3_codes(x * inv, bad)
-            ch = tl.arange(0, NB)
-            tl.store(SCALE + rows64[:, None] * stride_st + h * stride_sh + ch[None, :],
-                     byte.to(tl.uint8), mask=row_ok[:, None] & (ch < D // 32)[None, :])  # fmt: skip
-        else:
-            NT: tl.constexpr = TILE // 32
-            byte = _e8m0_byte(tl.max(tl.reshape(bits, (NT, 32, BD)), 1), ADD, ODD)
-            inv = _pow2(tl.minimum(tl.maximum(127 - byte, -126), 127))
-            inv = tl.reshape(tl.broadcast_to(inv[:, None, :], (NT, 32, BD)), (TILE, BD))
-            bad = tl.reshape(tl.broadcast_to((byte == 255)[:, None, :], (NT, 32, BD)),
-                             (TILE, BD))  # fmt: skip
-            codes = _e4m3_codes(x * inv, bad)
-            blk = tl.arange(0, NT)
-            col0 = tl.load(poffsets + b) + t * TILE
-            tl.store(SCALE + h * stride_sh + c[None, :] * stride_st + (col0 // 32 + blk)[:, None],
-                     byte.to(tl.uint8),
-                     mask=(t * TILE + blk * 32 < n_rows)[:, None] & (c < D)[None, :])  # fmt: skip
-        if COLS:
-            col0 = tl.multiple_of(tl.load(poffsets + b), 16)  # sequences start 16-aligned
-            if MMA_ORDER:
-                # row 16g + 4t + 2a + b of the stored tile holds token 16g + 8a + 2t + b:
-                # permute the registers, then store contiguous columns as before
-                codes = tl.reshape(codes, (TILE // 16, 2, 4, 2, BD))
-                codes = tl.reshape(tl.permute(codes, (0, 2, 1, 3, 4)), (TILE, BD))
-                u = r % 16
-                tok = r - u + 8 * ((u >> 1) & 1) + 2 * ((u >> 2) & 3) + (u & 1)
-                ok = (tok < n_rows)[:, None] & (c < D)[None, :]
-            cols64 = (col0 + r).to(tl.int64)
-            ptrs = DATA + h * stride_dh + c[None, :].to(tl.int64) * stride_dt + cols64[:, None]
-            if t * TILE + TILE <= n_rows:
-                # A whole tile: no mask along the contiguous tokens, so the stores can be
-                # 16-byte vectors (a per-token mask forces byte stores).
-                if BD == D:
-                    tl.store(ptrs, codes)
-                else:
-                    tl.store(ptrs, codes, mask=(c < D)[None, :])
+        _quant_store(
+            x, DATA, SCALE, SIGNS, poffsets, b, t, start, n_rows, h,
+            stride_dt, stride_dh, stride_st, stride_sh,
+            D, BD, TILE, GROUP, MODE, COLS, POW2, HADAMARD, LOG2D, ADD, ODD, TINY, MMA_ORDER,
+        )  # fmt: skip
+
+
+@triton.jit
+def _quant_store(
+    x, DATA, SCALE, SIGNS, poffsets, b, t, start, n_rows, h,
+    stride_dt, stride_dh, stride_st, stride_sh,
+    D: tl.constexpr, BD: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
+    MODE: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr, HADAMARD: tl.constexpr,
+    LOG2D: tl.constexpr, ADD: tl.constexpr, ODD: tl.constexpr, TINY: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
+):  # fmt: skip
+    """The quantizing half of ``_quant_tile``: float32 ``x`` (TILE, BD) holds rows
+    ``[t * TILE, (t + 1) * TILE)`` of sequence ``b`` (token ``start`` on, ``n_rows`` long),
+    head ``h``, zero past the sequence and past ``D``. Rotates (``HADAMARD``), scales,
+    rounds and stores. Shared with the fused projection (``_proj_quant_kernel``), whose
+    tiles come out of a GEMM instead of a load."""
+    r = t * TILE + tl.arange(0, TILE)
+    c = tl.arange(0, BD)
+    row_ok = r < n_rows
+    ok = row_ok[:, None] & (c < D)[None, :]
+    rows64 = (start + r).to(tl.int64)
+    if HADAMARD:
+        # (masked: BD pads head dims below 16, and the sign vector has D entries)
+        x = _fwht(x * tl.load(SIGNS + c, mask=c < D, other=0.0)[None, :], TILE, BD, LOG2D)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if MODE == 0:
+        rb = tl.max(bits, 1)
+        if GROUP > 1:
+            gb = tl.max(tl.reshape(rb, (TILE // GROUP, GROUP)), 1)
+            rb = tl.reshape(tl.broadcast_to(gb[:, None], (TILE // GROUP, GROUP)), (TILE,))
+        scale, inv = _block_scale(rb, POW2, TINY)
+        codes = _e4m3_codes(x * inv[:, None], (rb >= 0x7F800000)[:, None])
+        tl.store(SCALE + rows64 * stride_st + h * stride_sh, scale, mask=row_ok)
+    elif MODE == 1:
+        NB: tl.constexpr = BD // 32
+        byte = _e8m0_byte(tl.max(tl.reshape(bits, (TILE, NB, 32)), 2), ADD, ODD)
+        inv = _pow2(tl.minimum(tl.maximum(127 - byte, -126), 127))
+        inv = tl.reshape(tl.broadcast_to(inv[:, :, None], (TILE, NB, 32)), (TILE, BD))
+        bad = tl.reshape(tl.broadcast_to((byte == 255)[:, :, None], (TILE, NB, 32)),
+                         (TILE, BD))  # fmt: skip
+        codes = _e4m3_codes(x * inv, bad)
+        ch = tl.arange(0, NB)
+        tl.store(SCALE + rows64[:, None] * stride_st + h * stride_sh + ch[None, :],
+                 byte.to(tl.uint8), mask=row_ok[:, None] & (ch < D // 32)[None, :])  # fmt: skip
+    else:
+        NT: tl.constexpr = TILE // 32
+        byte = _e8m0_byte(tl.max(tl.reshape(bits, (NT, 32, BD)), 1), ADD, ODD)
+        inv = _pow2(tl.minimum(tl.maximum(127 - byte, -126), 127))
+        inv = tl.reshape(tl.broadcast_to(inv[:, None, :], (NT, 32, BD)), (TILE, BD))
+        bad = tl.reshape(tl.broadcast_to((byte == 255)[:, None, :], (NT, 32, BD)),
+                         (TILE, BD))  # fmt: skip
+        codes = _e4m3_codes(x * inv, bad)
+        blk = tl.arange(0, NT)
+        col0 = tl.load(poffsets + b) + t * TILE
+        tl.store(SCALE + h * stride_sh + c[None, :] * stride_st + (col0 // 32 + blk)[:, None],
+                 byte.to(tl.uint8),
+                 mask=(t * TILE + blk * 32 < n_rows)[:, None] & (c < D)[None, :])  # fmt: skip
+    if COLS:
+        col0 = tl.multiple_of(tl.load(poffsets + b), 16)  # sequences start 16-aligned
+        if MMA_ORDER:
+            # row 16g + 4t + 2a + b of the stored tile holds token 16g + 8a + 2t + b:
+            # permute the registers, then store contiguous columns as before
+            codes = tl.reshape(codes, (TILE // 16, 2, 4, 2, BD))
+            codes = tl.reshape(tl.permute(codes, (0, 2, 1, 3, 4)), (TILE, BD))
+            u = r % 16
+            tok = r - u + 8 * ((u >> 1) & 1) + 2 * ((u >> 2) & 3) + (u & 1)
+            ok = (tok < n_rows)[:, None] & (c < D)[None, :]
+        cols64 = (col0 + r).to(tl.int64)
+        ptrs = DATA + h * stride_dh + c[None, :].to(tl.int64) * stride_dt + cols64[:, None]
+        if t * TILE + TILE <= n_rows:
+            # A whole tile: no mask along the contiguous tokens, so the stores can be
+            # 16-byte vectors (a per-token mask forces byte stores).
+            if BD == D:
+                tl.store(ptrs, codes)
             else:
-                tl.store(ptrs, codes, mask=ok)
+                tl.store(ptrs, codes, mask=(c < D)[None, :])
         else:
-            ptrs = DATA + rows64[:, None] * stride_dt + h * stride_dh + c[None, :]
             tl.store(ptrs, codes, mask=ok)
+    else:
+        ptrs = DATA + rows64[:, None] * stride_dt + h * stride_dh + c[None, :]
+        tl.store(ptrs, codes, mask=ok)
 
 
 @triton.jit
@@ -342,6 +383,93 @@ def _quant_qkv_kernel(
             DV, BDV, TILE_KV, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD, _TINY_AMAX,
             SHIFT, False, V_MMA_ORDER,
         )  # fmt: skip
+
+
+@triton.jit
+def _proj_quant_kernel(
+    X, W, BIAS, Y, Z, QD, KD, VD, QS, KS, VS, SIGNS,
+    offsets, v_poffsets, tile_seq, tile_idx, tile_total, K_DIM,
+    stride_xt, stride_wn, stride_yt, stride_zt,
+    stride_qdt, stride_qdh, stride_kdt, stride_kdh, stride_vdd, stride_vdh,
+    stride_qst, stride_qsh, stride_kst, stride_ksh, stride_vst, stride_vsh,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, TILE: tl.constexpr,
+    GROUP_Q: tl.constexpr, GROUP_KV: tl.constexpr, MODE_QK: tl.constexpr, MODE_V: tl.constexpr,
+    POW2: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, ADD: tl.constexpr,
+    ODD: tl.constexpr, CHUNK_Q: tl.constexpr, CHUNK_K: tl.constexpr, CHUNK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, STORE_Z: tl.constexpr,
+    DOT_F32: tl.constexpr, V_MMA_ORDER: tl.constexpr,
+):  # fmt: skip
+    """The projection ``y = act(x @ W^T + b)`` with Q/K/V quantized in its epilogue.
+
+    Grid (tiles, H, chunks): a program computes one tile of TILE token rows of one sequence
+    (the quantization's tiles, so a scale block never straddles two programs) times the D
+    columns of one head of one chunk of ``W``'s rows (chunk ``c``, head ``h``: rows
+    ``(c * H + h) * D`` on), reducing over ``K_DIM`` in steps of BK. It stores ``y`` in
+    ``Y``'s dtype (and ``z = x @ W^T + b`` when ``STORE_Z``, for the backward of SiLU), and
+    for the chunks ``CHUNK_Q``/``CHUNK_K``/``CHUNK_V`` quantizes the *stored* (rounded)
+    values with ``_quant_store``, so the codes equal ``quantize_qkv`` of ``y``'s chunks bit
+    for bit. ``DOT_F32``: multiply in float32 (float32 inputs, and the interpreter, which
+    multiplies bf16 tiles wrongly).
+    """
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    chunk = tl.program_id(2)
+    if w < tl.load(tile_total):
+        b = tl.load(tile_seq + w)
+        t = tl.load(tile_idx + w)
+        start = tl.load(offsets + b)
+        n_rows = tl.load(offsets + b + 1) - start
+        r = t * TILE + tl.arange(0, TILE)
+        c = tl.arange(0, BD)
+        row_ok = r < n_rows
+        col_ok = c < D
+        ok = row_ok[:, None] & col_ok[None, :]
+        rows64 = (start + r).to(tl.int64)
+        n = (chunk * H + h) * D + c
+        acc = tl.zeros((TILE, BD), dtype=tl.float32)
+        for k0 in range(0, K_DIM, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < K_DIM
+            a = tl.load(X + rows64[:, None] * stride_xt + kk[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            wt = tl.load(W + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
+                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+            if DOT_F32:
+                acc = tl.dot(_f32(a), _f32(wt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, wt, acc)
+        if HAS_BIAS:
+            acc += _f32(tl.load(BIAS + n, mask=col_ok, other=0.0))[None, :]
+        if STORE_Z:
+            tl.store(Z + rows64[:, None] * stride_zt + n[None, :],
+                     _cast(acc, Z.dtype.element_ty), mask=ok)  # fmt: skip
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        y = _cast(acc, Y.dtype.element_ty)
+        tl.store(Y + rows64[:, None] * stride_yt + n[None, :], y, mask=ok)
+        # the quantizers see what was stored, zero outside the tile's rows and the head dim
+        x = tl.where(ok, _f32(y), 0.0)
+        if chunk == CHUNK_Q:
+            _quant_store(
+                x, QD, QS, SIGNS, offsets, b, t, start, n_rows, h,
+                stride_qdt, stride_qdh, stride_qst, stride_qsh,
+                D, BD, TILE, GROUP_Q, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD,
+                _TINY_AMAX, False,
+            )  # fmt: skip
+        elif chunk == CHUNK_K:
+            _quant_store(
+                x, KD, KS, SIGNS, offsets, b, t, start, n_rows, h,
+                stride_kdt, stride_kdh, stride_kst, stride_ksh,
+                D, BD, TILE, GROUP_KV, MODE_QK, False, POW2, HADAMARD, LOG2D, ADD, ODD,
+                _TINY_AMAX, False,
+            )  # fmt: skip
+        elif chunk == CHUNK_V:
+            _quant_store(
+                x, VD, VS, SIGNS, v_poffsets, b, t, start, n_rows, h,
+                stride_vdd, stride_vdh, stride_vst, stride_vsh,
+                D, BD, TILE, GROUP_KV, MODE_V, True, POW2, False, 0, ADD, ODD,
+                _TINY_AMAX, V_MMA_ORDER,
+            )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------
