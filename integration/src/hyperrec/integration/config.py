@@ -55,7 +55,7 @@ SEQ_LINEAR_PRECISIONS = ("bf16", "fp8")
 RESIDUAL_DTYPES = ("float32", "autocast")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
-ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd")
+ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd", "fp8_fused")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
 EMBEDDING_OPTIMIZERS = ("auto", "adamw", "adagrad", "rowwise_adagrad", "adam")
@@ -670,7 +670,12 @@ class TrainConfig:
     and P quantized online; the backward stays bf16, except "fp8_bwd": the FP8 forward
     and ``FP8Config(backward="fp8")``, FP8 operands in the backward too, about 24 dB
     gradient SNR). "mxfp8" is emulated on Hopper (MX scales applied to bf16 operands:
-    slower than bf16). Needs ``impl="hyperrec"``."""
+    slower than bf16). "fp8_fused": "fp8" with the SiLU-attention (GDPA) layers' Q/K/V
+    quantized in the epilogue of their input projection
+    (``hyperrec.jagged_attn.linear_quantize_qkv``) instead of a second pass; the block
+    (softmax) layers quantize as "fp8" does, since their key smoothing needs every key
+    first. Needs ``compile_scope="regions"`` and ``seq_linear_precision="bf16"``.
+    Needs ``impl="hyperrec"``."""
     seq_linear_precision: str = "bf16"
     """"bf16" or "fp8": the sequence layers' two projections through
     ``hyperrec.mxfp8.rowwise_linear`` (row-wise scaled E4M3, fp32 accumulation): the
@@ -755,6 +760,15 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.attention_precision={self.attention_precision!r} needs "
                 "impl='hyperrec': the naive padded attention has no low-precision path"
+            )
+        if self.attention_precision == "fp8_fused" and (
+            self.compile_scope != "regions" or self.seq_linear_precision != "bf16"
+        ):
+            raise ValueError(
+                "TrainConfig.attention_precision='fp8_fused' needs compile_scope='regions' "
+                "and seq_linear_precision='bf16' (the fused projection is its own bf16 "
+                f"kernel), got compile_scope={self.compile_scope!r}, "
+                f"seq_linear_precision={self.seq_linear_precision!r}"
             )
         if self.impl == "naive" and self.seq_linear_precision != "bf16":
             raise ValueError(

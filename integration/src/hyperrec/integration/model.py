@@ -60,8 +60,8 @@ from hyperrec.integration.config import (
 )
 from hyperrec.integration.data import Batch
 from hyperrec.integration.naive import JaggedLayout
-from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
-from hyperrec.jagged_attn.fp8 import FP8Config, Precision
+from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention, linear_quantize_qkv
+from hyperrec.jagged_attn.fp8 import FP8Config, Precision, QuantizedQKV
 from hyperrec.mxfp8 import rowwise_linear
 
 __all__ = [
@@ -225,6 +225,27 @@ def _project_region(
     return h.chunk(4, dim=-1)
 
 
+def _norm_region(
+    x: torch.Tensor, norm_w: torch.Tensor, norm_b: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
+
+
+def _fused_projection(
+    n: torch.Tensor, w: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, QuantizedQKV]:
+    """``u, v, q, k`` of ``silu(W n + b)`` as ``_project_region`` returns them, plus Q/K/V
+    quantized for the FP8 attention in the projection's epilogue. Under autocast the
+    operands are cast to its dtype first, as autocast casts ``F.linear``'s."""
+    if torch.is_autocast_enabled(n.device.type):
+        dtype = torch.get_autocast_dtype(n.device.type)
+        n, w, b = n.to(dtype), w.to(dtype), b.to(dtype)
+    y, qkv = linear_quantize_qkv(n, w, b, offsets, heads=heads, chunks="uvqk",
+                                 activation="silu", precision="fp8")  # fmt: skip
+    u, v, q, k = y.chunk(4, dim=-1)
+    return u, v, q, k, qkv
+
+
 def _gate_region(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -264,9 +285,11 @@ def _jagged_attention(
     history_cap: int,
     validate: bool,
     precision: str,
+    quantized: QuantizedQKV | None = None,
 ) -> torch.Tensor:
     """A sequence layer's attention through :mod:`hyperrec.jagged_attn` (configuration as
-    plain values, so a compiled caller guards on values, not on a module)."""
+    plain values, so a compiled caller guards on values, not on a module). ``quantized``:
+    Q/K/V quantized by the fused projection (GDPA layers only)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     jp = _jagged_precision(precision)
     if block_size:
@@ -277,7 +300,7 @@ def _jagged_attention(
                                 validate=validate, precision=jp)  # fmt: skip
     return gdpa(q, k, v, offsets, offsets, max_seqlen, max_seqlen, activation=activation,
                 scale=scale, causal=True, output_scale=1.0 / history_cap, validate=validate,
-                precision=jp)  # fmt: skip
+                precision=jp, quantized=quantized)  # fmt: skip
 
 
 def _layer_region(
@@ -403,6 +426,8 @@ def _jagged_precision(name: str) -> Precision | FP8Config:
     """The ``precision=`` argument of :mod:`hyperrec.jagged_attn` for a config name."""
     if name == "fp8_bwd":
         return FP8Config(backward="fp8")
+    if name == "fp8_fused":  # where it does not fuse, the same forward as "fp8"
+        return "fp8"
     assert name in ("bf16", "fp8", "mxfp8"), name
     return name  # type: ignore[return-value]
 
@@ -458,6 +483,11 @@ class SequenceBlock(nn.Module):
             )
         _check_choice("linear_precision", linear_precision, SEQ_LINEAR_PRECISIONS)
         _check_choice("compile_scope", compile_scope, COMPILE_SCOPES)
+        if precision == "fp8_fused" and (compile_scope != "regions" or linear_precision != "bf16"):
+            raise ValueError(
+                "precision='fp8_fused' needs compile_scope='regions' and linear_precision="
+                f"'bf16', got {compile_scope!r} and {linear_precision!r}"
+            )
         self.compile_scope = compile_scope
         if linear_precision != "bf16" and impl == "naive":
             raise ValueError(
@@ -467,6 +497,11 @@ class SequenceBlock(nn.Module):
         if linear_precision == "fp8" and dim % 16:
             raise ValueError(f"linear_precision='fp8' needs dim divisible by 16, got dim={dim}")
         self.precision, self.linear_precision = precision, linear_precision
+        # The GDPA layers' Q/K/V are quantized by their projection; softmax (block) layers
+        # smooth their keys by each sequence's mean, which needs every key first.
+        self.fuses_projection = (
+            precision == "fp8_fused" and not block_size and activation != "softmax"
+        )
         self.dim, self.heads, self.max_seqlen, self.validate = dim, heads, max_seqlen, validate
         self.block_size, self.activation = block_size, activation
         self.impl, self.compile_mode = impl, compile
@@ -528,11 +563,22 @@ class SequenceBlock(nn.Module):
             return _region(_layer_region, self.compile_mode)(
                 x, offsets, max_seqlen, params, *eps, self.dropout.p, self.training, fp8,
                 *config, self.validate, self.precision)  # fmt: skip
-        project = _region(_project_region, self.compile_mode)
-        u, v, q, k = project(x, self.norm.weight, self.norm.bias, self.norm.eps,
-                             self.uvqk.weight, self.uvqk.bias, fp8)  # fmt: skip
-        q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
-        a = self._attention(q, k, v, offsets, max_seqlen, layout).reshape(x.shape[0], self.dim)
+        if self.fuses_projection:
+            n = _region(_norm_region, self.compile_mode)(x, self.norm.weight, self.norm.bias,
+                                                         self.norm.eps)  # fmt: skip
+            u, v, q, k, qkv = _fused_projection(n, self.uvqk.weight, self.uvqk.bias, offsets,
+                                                self.heads)  # fmt: skip
+            q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
+            a = _jagged_attention(q, k, v, offsets, max_seqlen, self.block_size,
+                                  self.activation, self.max_seqlen, self.validate,
+                                  self.precision, qkv).reshape(x.shape[0], self.dim)  # fmt: skip
+        else:
+            project = _region(_project_region, self.compile_mode)
+            u, v, q, k = project(x, self.norm.weight, self.norm.bias, self.norm.eps,
+                                 self.uvqk.weight, self.uvqk.bias, fp8)  # fmt: skip
+            q, k, v = _jagged(q, self.heads), _jagged(k, self.heads), _jagged(v, self.heads)
+            a = self._attention(q, k, v, offsets, max_seqlen, layout)
+            a = a.reshape(x.shape[0], self.dim)
         gate = _region(_gate_region, self.compile_mode)
         return gate(x, a, u, self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps,
                     self.out.weight, self.out.bias, self.dropout.p, self.training, fp8)  # fmt: skip
@@ -824,9 +870,11 @@ class GEMModel(nn.Module):
         row_buckets: pad each batch's token and candidate counts up to one of this many
             sizes per power of two (see :func:`bucket_rows`; 0: off; the hyperrec path
             only, ``set_impl("naive")`` turns it off). Same outputs and gradients.
-        attention_precision: "bf16", "fp8" or "mxfp8": the sequence tower's attention
-            runs ``hyperrec.jagged_attn``'s ``precision=`` path (block-quantized Q/K/V, P
-            quantized online, bf16 backward); PMA and the candidate attention stay bf16.
+        attention_precision: "bf16", "fp8", "mxfp8", "fp8_bwd" or "fp8_fused": the sequence
+            tower's attention runs ``hyperrec.jagged_attn``'s ``precision=`` path
+            (block-quantized Q/K/V, P quantized online, bf16 backward); PMA and the
+            candidate attention stay bf16. "fp8_fused": Q/K/V of the GDPA layers quantized
+            in their projection's epilogue (see ``TrainConfig.attention_precision``).
             Needs ``impl="hyperrec"``.
         compile_scope: "regions" (default) or "layers": with ``compile``, each sequence
             layer compiled as one graph around its attention op (see
