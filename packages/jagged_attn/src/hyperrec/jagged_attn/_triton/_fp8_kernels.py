@@ -427,13 +427,17 @@ def _proj_quant_kernel(
         rows64 = (start + r).to(tl.int64)
         n = (chunk * H + h) * D + c
         acc = tl.zeros((TILE, BD), dtype=tl.float32)
+        kk = tl.arange(0, BK)
+        # pointers advanced by BK per step (the usual GEMM form, which the compiler keeps
+        # as one base plus small offsets instead of a 64-bit address per element per step)
+        a_ptrs = X + rows64[:, None] * stride_xt + kk[None, :]
+        w_ptrs = W + n[None, :].to(tl.int64) * stride_wn + kk[:, None]
         for k0 in range(0, K_DIM, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < K_DIM
-            a = tl.load(X + rows64[:, None] * stride_xt + kk[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            wt = tl.load(W + n[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
+            k_ok = kk < K_DIM - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            a_ptrs += BK
+            w_ptrs += BK
             if DOT_F32:
                 acc = tl.dot(_f32(a), _f32(wt), acc, input_precision="ieee")
             else:
