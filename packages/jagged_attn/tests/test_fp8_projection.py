@@ -348,3 +348,30 @@ def test_quantized_op_passes_opcheck():
     torch.library.opcheck(attention_fp8_triton_fwd_quantized,
                           (FP8Config().encode(), *quantized, *call.op_args()),
                           test_utils=("test_faketensor", "test_autograd_registration"))  # fmt: skip
+
+
+@needs_kernels
+def test_checkpointed_layer_recomputes_the_same():
+    """Projection + attention under ``torch.utils.checkpoint`` (what activation
+    checkpointing of a layer does): the recomputed forward gives the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, b, off = _case(LENS, chunks="uvqk")
+
+    def layer(xx, ww, bb):
+        y, qkv = linear_quantize_qkv(xx, ww, bb, off, heads=2, chunks="uvqk", activation="silu",
+                                     backend="triton")  # fmt: skip
+        p = projection_chunks(y, 2, "uvqk")
+        a = gdpa(p["q"], p["k"], p["v"], off, off, 70, 70, causal=True, precision="fp8",
+                 quantized=qkv, backend="triton")  # fmt: skip
+        return a * p["u"]
+
+    grads = []
+    for wrap in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        out = checkpoint(layer, *leaves, use_reentrant=False) if wrap else layer(*leaves)
+        g = torch.Generator().manual_seed(2)
+        out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+        grads.append([t.grad for t in leaves])
+    for a, c in zip(*grads, strict=True):
+        assert torch.equal(a, c)
