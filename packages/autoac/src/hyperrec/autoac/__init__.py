@@ -16,7 +16,7 @@
 from hyperrec.autoac import reference
 from hyperrec.autoac._version import __version__
 from hyperrec.autoac.formats import SAVE_FORMATS, SaveFormat
-from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan
+from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan, price_compiled_saves
 from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
@@ -35,6 +35,7 @@ from hyperrec.autoac.runtime import (
     compiled_packing_supported,
     for_compiled_packing,
     measure_step,
+    price_compiled,
     remove,
 )
 from hyperrec.autoac.tracker import MemoryTracker
@@ -62,6 +63,8 @@ __all__ = [
     "for_compiled_packing",
     "measure_step",
     "plan",
+    "price_compiled",
+    "price_compiled_saves",
     "profile",
     "reference",
     "remove",

@@ -33,10 +33,13 @@ from hyperrec.autoac.model import (
     profile_of,
     time_of,
 )
-from hyperrec.autoac.profiler import Profile
+from hyperrec.autoac.profiler import Profile, RegionProfile
 from hyperrec.autoac.solve import lagrangian_bound, solve_exact, solve_greedy
 
-__all__ = ["Plan", "PlanConfig", "RegionPlan", "plan"]
+__all__ = ["PRICINGS", "Plan", "PlanConfig", "RegionPlan", "plan", "price_compiled_saves"]
+
+#: Values of :attr:`Plan.pricing`.
+PRICINGS: tuple[str, ...] = ("profile", "compiled")
 
 Solver = Literal["auto", "exact", "greedy"]
 
@@ -145,6 +148,9 @@ class Plan:
         device: device of the profiled step.
         live: predicted live bytes at every position of the profiled trace (int64;
             device offset included), ``None`` after :meth:`from_dict`.
+        pricing: where the regions' held bytes come from: ``"profile"`` (the profiled
+            eager step, as :func:`plan` prices them) or ``"compiled"`` (what each
+            compiled region's graph saved, see :func:`price_compiled_saves`).
     """
 
     regions: tuple[RegionPlan, ...]
@@ -161,6 +167,7 @@ class Plan:
     min_pack_bytes: int
     device: str
     live: np.ndarray | None = field(default=None, repr=False, compare=False)
+    pricing: str = "profile"
 
     @property
     def gap_s(self) -> float:
@@ -236,6 +243,7 @@ class Plan:
             "full_recompute_s": self.full_recompute_s,
             "min_pack_bytes": self.min_pack_bytes,
             "device": self.device,
+            "pricing": self.pricing,
         }
 
     @classmethod
@@ -305,6 +313,7 @@ class Plan:
                 full_recompute_s=check_float("full_recompute_s", d["full_recompute_s"]),
                 min_pack_bytes=nbytes("min_pack_bytes", d["min_pack_bytes"]),
                 device=text("device", d["device"]),
+                pricing=check_choice("pricing", d.get("pricing", "profile"), PRICINGS),
             )
         except KeyError as exc:
             raise ValueError(f"d is missing the plan field {exc.args[0]!r}") from None
@@ -538,3 +547,82 @@ def restrict(profile: Profile, exclude: set[tuple[str, str]]) -> Profile:
         for r in profile.regions
     )
     return replace(profile, regions=regions)
+
+
+def _held_span(r: RegionProfile) -> tuple[int, int] | None:
+    """Positions of the profiled trace over which region ``r`` holds its saves: from its
+    forward's last allocation to the start of its recomputation (where its backward
+    begins); ``None`` for a region profiled un-checkpointed (no recomputation)."""
+    if r.rc_start is None:
+        return None
+    allocs = [lv.fwd_alloc for o in r.ops for lv in o.storages]
+    start = max(allocs) + 1 if allocs else r.fwd_start
+    return min(start, r.rc_start), r.rc_start
+
+
+def price_compiled_saves(plan_: Plan, profile: Profile, saved: Mapping[str, int]) -> Plan:
+    """``plan_`` with the held bytes of the regions in ``saved`` priced from their
+    compiled graphs.
+
+    :func:`plan` prices each region from the profiled eager step. A compiled region
+    holds, from its forward to its backward, what its graph saves (AOTAutograd's
+    partitioner chooses; packing hooks pack whole op classes), which can be more or less.
+    For each region named in ``saved`` the difference between those bytes and the
+    plan's (beyond the region's inputs) is added to the predicted live bytes from the
+    end of the region's forward to the start of its backward; ``predicted_peak`` is the
+    maximum of the result and ``held_bytes`` the region's inputs plus ``saved[name]``.
+    Everything else (the decisions, times, floor, other regions) stays as planned.
+
+    Args:
+        plan_: a plan made by :func:`plan` from ``profile`` (with :attr:`Plan.live`).
+        profile: the profile it was made from.
+        saved: region name -> bytes its compiled graph saves for the backward beyond
+            its inputs, outputs and parameters (see
+            :func:`hyperrec.autoac.price_compiled`). Regions left out, and regions
+            profiled un-checkpointed, keep their planned bytes.
+
+    Returns:
+        A :class:`Plan` with ``pricing="compiled"``.
+
+    Raises:
+        TypeError: arguments of the wrong type; a byte count that is not an int.
+        ValueError: a plan without ``live`` (loaded with :meth:`Plan.from_dict`) or of
+            another length than the profile's trace, an unknown region name, a negative
+            byte count.
+    """
+    if not isinstance(plan_, Plan):
+        raise TypeError(f"plan_ must be a Plan, got {type(plan_).__name__}")
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
+    if plan_.live is None or len(plan_.live) != len(profile.live):
+        raise ValueError(
+            "plan_ must carry the live bytes of a plan made from profile (plan_.live), got "
+            + ("None (a loaded plan)" if plan_.live is None else f"{len(plan_.live)} positions")
+        )
+    by_name = {r.name: (rp, r) for rp, r in zip(plan_.regions, profile.regions)}
+    unknown = sorted(set(saved) - set(by_name))
+    if unknown:
+        raise ValueError(f"saved names regions {unknown} that plan_ does not have")
+    live = np.array(plan_.live, dtype=np.int64)
+    regions = []
+    for rp in plan_.regions:
+        if rp.name not in saved:
+            regions.append(rp)
+            continue
+        held = check_int(f"saved[{rp.name!r}]", saved[rp.name], minimum=0)
+        span = _held_span(by_name[rp.name][1])
+        if span is None:
+            regions.append(rp)
+            continue
+        a, b = span
+        live[a:b] += held - (rp.held_bytes - rp.input_bytes)
+        regions.append(replace(rp, held_bytes=rp.input_bytes + held))
+    return replace(
+        plan_,
+        regions=tuple(regions),
+        predicted_peak=int(live.max(initial=0)),
+        live=live,
+        pricing="compiled",
+    )

@@ -47,10 +47,11 @@ from hyperrec.autoac._compiled_pack import (
     compiled_packing_supported,
     pack_hooks,
 )
+from hyperrec.autoac._compiled_saves import graph_saves, sequence_now, storage_keys
 from hyperrec.autoac._exec import RegionDecisions, no_compile, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
-from hyperrec.autoac.planner import Plan, PlanConfig, plan, restrict
+from hyperrec.autoac.planner import Plan, PlanConfig, plan, price_compiled_saves, restrict
 from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
@@ -75,6 +76,7 @@ __all__ = [
     "compiled_packing_supported",
     "for_compiled_packing",
     "measure_step",
+    "price_compiled",
     "remove",
 ]
 
@@ -137,6 +139,9 @@ class _Runner:
         # share one pair (Dynamo guards on the hooks: one pair, one compiled graph)
         self.hooks: dict[str, tuple[Any, Any]] = {}
         self.pack_counts: dict[str, dict[str, int]] = {}
+        # region -> storage key -> bytes its compiled graph saved for the backward, while
+        # a step is probed (see ``price_compiled``); ``None``: not probing
+        self.probe: dict[str, dict[tuple[str, int], int]] | None = None
         if compiled and compiled_packing_supported():
             shared: dict[Any, tuple[Any, Any, dict[str, int]]] = {}
             for n, d in decisions.items():
@@ -189,10 +194,36 @@ class _Runner:
         if c is None:
             c = self._build(state.name, fn)
             self._compiled[state.name] = c
+        since = sequence_now() if self.probe is not None else None
         if hooks is not None:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
-                return c(*args, **kwargs)
-        return c(*args, **kwargs)
+                out = c(*args, **kwargs)
+        else:
+            out = c(*args, **kwargs)
+        if self.probe is not None and since is not None:
+            self._record_saves(state.name, fn, args, kwargs, out, since)
+        return out
+
+    def _record_saves(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        since: int,
+    ) -> None:
+        assert self.probe is not None
+        outs = _regions.flat_tensors(out)
+        held = [*_regions.flat_tensors((args, kwargs)), *outs]
+        owner = getattr(fn, "__self__", None)
+        # a Span's function may be another module's bound method: its parameters too
+        inner = getattr(getattr(owner, "fn", None), "__self__", None)
+        for m in (owner, inner):
+            if isinstance(m, nn.Module):
+                held += [*m.parameters(), *m.buffers()]
+        saves = graph_saves(outs, since, storage_keys(held))
+        self.probe.setdefault(name, {}).update(saves)
 
     def _build(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         d = self.decisions.get(name)
@@ -368,8 +399,10 @@ class AutoAC:
         plan: the :class:`~hyperrec.autoac.planner.Plan` in force.
         profile: the :class:`~hyperrec.autoac.profiler.Profile` it came from (``None``
             for a loaded plan).
-        verification: after ``apply(verify=True)``: predicted vs measured peak and the
-            measured gradient error of the plan on the profiled step.
+        verification: after ``apply(verify=True)``: predicted vs measured peak, where the
+            prediction came from (``"pricing"``: ``"profile"`` or ``"compiled"``) and the
+            measured gradient error of the plan on the profiled step. On the CPU the
+            measured step runs eagerly (see :func:`measure_step`), compiled plans too.
         compiled: regions run compiled.
         mechanism: how compiled regions take the plan (see :func:`compile_mechanism`).
         packed_in_graph: regions whose packed saves are traced into their compiled
@@ -590,7 +623,11 @@ def apply(
             more than one rank, where ranks measure different peaks and would replan a
             different number of times (their steps' collectives would not pair); pass
             ``True`` there only if every rank's step measures the same.
-        compile: compile each region (see :func:`apply_plan`).
+        compile: compile each region (see :func:`apply_plan`). The plan is then priced
+            from what the compiled graphs save (:func:`price_compiled`, one compiled
+            step), and planned again with the budget lowered by the predicted overshoot
+            while that prediction exceeds ``budget`` (at most :data:`MAX_PEAK_REPLANS`
+            times, never below the floor; with ``replan_peak``).
 
     Returns:
         :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``).
@@ -669,9 +706,100 @@ def apply(
         prof = for_compiled_packing(prof)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
+    planned = budget
+    if compile:
+        planned = _price_within_budget(
+            handle, step_fn, budget, region_budgets, plan_config, replan_peak
+        )
     if verify:
-        _verify(handle, step_fn, budget, region_budgets, plan_config, replan_peak)
+        _verify(handle, step_fn, budget, region_budgets, plan_config, replan_peak, planned)
     return handle
+
+
+def _set_plan(handle: AutoAC, plan_: Plan, step_fn: Callable[[nn.Module], torch.Tensor]) -> None:
+    """Put ``plan_`` in force; a compiled handle's plan priced from its graphs."""
+    handle.set_plan(plan_)
+    if handle.compiled:
+        assert handle.profile is not None
+        handle.plan = price_compiled(handle, step_fn, seed=handle.profile.config.seed)
+
+
+def _price_within_budget(
+    handle: AutoAC,
+    step_fn: Callable[[nn.Module], torch.Tensor],
+    budget: float | None,
+    region_budgets: Mapping[str, float] | None,
+    plan_config: PlanConfig | None,
+    replan: bool,
+) -> float | None:
+    """Price a compiled handle's plan from its graphs and, while that prediction is over
+    ``budget``, plan again with the planner's budget lowered by the overshoot (as the
+    verification does with a measured one); returns the planner's last budget."""
+    prof = handle.profile
+    assert prof is not None
+    handle.plan = price_compiled(handle, step_fn, seed=prof.config.seed)
+    planned = budget
+    for _ in range(MAX_PEAK_REPLANS):
+        over = handle.plan.predicted_peak - budget if budget is not None else 0
+        if not replan or planned is None or over <= 0:
+            break
+        if planned <= handle.plan.floor:
+            break
+        # no lower than the floor: the planner rejects budgets below it
+        planned = max(planned - over, handle.plan.floor)
+        _set_plan(
+            handle,
+            plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
+            step_fn,
+        )
+    return planned
+
+
+def price_compiled(
+    handle: AutoAC, step_fn: Callable[[nn.Module], torch.Tensor], *, seed: int | None = 0
+) -> Plan:
+    """The plan in force priced from what its compiled regions' graphs save.
+
+    Runs one step of ``handle.model`` with its regions compiled (not under a dispatch
+    mode: this works on any device and backend, Inductor included) and reads, for each
+    compiled region, the tensors the autograd node its call created holds for the
+    backward (see ``_compiled_saves``): the bytes the region holds from its forward to
+    its backward, packed or not, beyond its inputs, outputs and parameters. The plan's
+    prediction is then corrected region by region with
+    :func:`~hyperrec.autoac.planner.price_compiled_saves`. Regions that run eagerly
+    (packed in formats compiled graphs cannot pack) keep the profile's prices. The
+    step's gradients are discarded (parameter ``.grad`` restored); the compiled graphs
+    stay compiled for the training steps after.
+
+    Args:
+        handle: from :func:`apply_plan` / :func:`apply` with ``compile=True`` and a
+            profile (``handle.profile``; :func:`apply` sets it).
+        step_fn: the profiled step (``step_fn(model) -> loss``).
+        seed: as for :func:`measure_step`.
+
+    Returns:
+        The priced :class:`~hyperrec.autoac.planner.Plan` (``pricing="compiled"``); the
+        handle's plan is not changed (assign ``handle.plan`` to keep it).
+
+    Raises:
+        TypeError: ``handle`` not an :class:`AutoAC`; bad ``step_fn``/``seed``.
+        ValueError: ``handle`` does not compile its regions, has no profile, or its plan
+            carries no live bytes (a loaded plan).
+    """
+    if not isinstance(handle, AutoAC):
+        raise TypeError(f"handle must be an AutoAC, got {type(handle).__name__}")
+    if not handle.compiled:
+        raise ValueError("handle must run its regions compiled (apply_plan(..., compile=True))")
+    if handle.profile is None:
+        raise ValueError("handle must carry the profile its plan was made from (handle.profile)")
+    runner = handle._runner
+    runner.probe = {}
+    try:
+        measure_step(handle.model, step_fn, track=False, seed=seed)
+        saved = {n: sum(s.values()) for n, s in runner.probe.items()}
+    finally:
+        runner.probe = None
+    return price_compiled_saves(handle.plan, handle.profile, saved)
 
 
 def for_compiled_packing(profile_: Profile) -> Profile:
@@ -715,13 +843,16 @@ def _verify(
     region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
     replan_peak: bool = True,
+    planned: float | None = None,
 ) -> None:
     prof = handle.profile
     assert prof is not None
     ref = None
     excluded: set[tuple[str, str]] = set()
     replans = 0
-    planned = budget  # the budget handed to the planner; lowered on a measured overshoot
+    # the budget handed to the planner; lowered on an overshoot (predicted from the
+    # compiled graphs before, measured here)
+    planned = budget if planned is None else planned
     peak_replans = 0
     while True:
         # autoac's own compiled regions are what it verifies; the model's compiled
@@ -746,8 +877,11 @@ def _verify(
             excluded.add(worst)
             replans += 1
             prof = restrict(prof, excluded)
-            handle.set_plan(
-                plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config)
+            handle.profile = prof
+            _set_plan(
+                handle,
+                plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
+                step_fn,
             )
             continue
         if (
@@ -760,8 +894,10 @@ def _verify(
             if replan_peak and peak_replans < MAX_PEAK_REPLANS and lowered >= handle.plan.floor:
                 planned = lowered
                 peak_replans += 1
-                handle.set_plan(
-                    plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config)
+                _set_plan(
+                    handle,
+                    plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
+                    step_fn,
                 )
                 continue
         break
@@ -770,6 +906,7 @@ def _verify(
         "predicted_peak": handle.plan.predicted_peak,
         "measured_peak": m.peak_bytes,
         "peak_ratio": m.peak_bytes / max(handle.plan.predicted_peak, 1),
+        "pricing": handle.plan.pricing,
         "grad_error": err,
         "max_grad_error": prof.config.max_grad_error,
         "excluded_classes": sorted(excluded),
