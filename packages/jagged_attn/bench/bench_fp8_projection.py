@@ -10,7 +10,8 @@ instances:
   projection the bf16 model runs, the floor for the rest.
 * ``proj_then_quant``: ``proj_bf16`` then ``quantize_qkv`` of the chunks (what
   ``precision="fp8"`` does today: one more read of Q/K/V).
-* ``proj_fused``: ``linear_quantize_qkv(..., chunks="uvqk", activation="silu")``.
+* ``proj_fused``: ``linear_quantize_qkv(..., chunks="uvqk", activation="silu")``;
+  ``proj_fused_16_warps`` the same launched with 16 warps instead of 8.
 * ``layer_fp8_unfused`` / ``layer_fp8_fused``: the projection then ``gdpa(...,
   precision="fp8")`` (HSTU's SiLU with ``1 / max_seqlen``, causal), quantizing in the
   attention or reading ``quantized=``; ``layer_bf16``: the same in bf16.
@@ -79,6 +80,17 @@ def _impls(x, w, b, off, max_len, heads, config):
         return linear_quantize_qkv(x, w, b, off, heads=heads, chunks="uvqk", activation="silu",
                                    precision=config)  # fmt: skip
 
+    def fused_16_warps():
+        # ptxas (compile_sm90.py): 8 warps spill (255 registers + 0.9 KB stack), 16 do not
+        # much (128 + 0.25 KB); which is faster is for the GPU to say
+        from hyperrec.jagged_attn._triton import _fp8_proj
+
+        before, _fp8_proj.PROJ_NUM_WARPS = _fp8_proj.PROJ_NUM_WARPS, 16
+        try:
+            return fused()
+        finally:
+            _fp8_proj.PROJ_NUM_WARPS = before
+
     def attn(p, **kw):
         return gdpa(p["q"], p["k"], p["v"], off, off, max_len, max_len, activation="silu",
                     normalization="max_seqlen", causal=True, validate=False, **kw)  # fmt: skip
@@ -97,6 +109,7 @@ def _impls(x, w, b, off, max_len, heads, config):
         "proj_bf16": proj,
         "proj_then_quant": proj_then_quant,
         "proj_fused": fused,
+        "proj_fused_16_warps": fused_16_warps,
         "layer_bf16": layer_bf16,
         "layer_fp8_unfused": layer_unfused,
         "layer_fp8_fused": layer_fused,

@@ -69,17 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     proj_ptrs |= {
         p: "*i32" for p in ("offsets", "v_poffsets", "tile_seq", "tile_idx", "tile_total")
     }
-    for mx, hadamard, mma in ((False, True, False), (False, True, True), (False, False, False),
-                              (True, True, False)):  # fmt: skip
+    for mx, hadamard, mma, warps in ((False, True, False, 8), (False, True, True, 8),
+                                     (False, False, False, 8), (True, True, False, 8),
+                                     (False, True, False, 16)):  # fmt: skip
         ptrs = proj_ptrs | {p: "*u8" if mx else "*fp32" for p in ("QS", "KS", "VS")}
         ptrs["SIGNS"] = "*fp32"
         const = dict(H=8, D=128, BD=128, BK=64, TILE=128, GROUP_Q=128, GROUP_KV=128,
                      MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=True,
                      HADAMARD=hadamard, LOG2D=7, ADD=0, ODD=0, CHUNK_Q=2, CHUNK_K=3, CHUNK_V=1,
                      HAS_BIAS=True, SILU=True, STORE_Z=True, DOT_F32=False, V_MMA_ORDER=mma)  # fmt: skip
-        k = _compile(_fp8_kernels._proj_quant_kernel, ptrs, const, num_warps=8, num_stages=3)
+        k = _compile(_fp8_kernels._proj_quant_kernel, ptrs, const, num_warps=warps, num_stages=3)
         rows.append(dict(kernel="_proj_quant_kernel", mx=mx, hadamard=hadamard, v_mma_order=mma,
-                         num_warps=8, **_usage(k)))  # fmt: skip
+                         num_warps=warps, **_usage(k)))  # fmt: skip
     quant_ptrs = {p: "*bf16" for p in ("Q", "K", "V")} | {p: "*u8" for p in ("QD", "KD", "VD")}
     quant_ptrs |= {p: "*fp32" for p in ("QS", "KS", "VS", "SIGNS", "SHIFT")}
     quant_ptrs |= {p: "*i32" for p in ("q_offsets", "kv_offsets", "v_poffsets", "q_seq", "q_idx",

@@ -325,8 +325,8 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert bench_fp8_projection.main(["--out", str(out), "--smoke"]) == 0
     result = json.loads(out.read_text())
     impls = {row["impl"] for row in result["summary"]}
-    assert impls == {"proj_bf16", "proj_then_quant", "proj_fused", "layer_bf16",
-                     "layer_fp8_unfused", "layer_fp8_fused"}  # fmt: skip
+    assert impls == {"proj_bf16", "proj_then_quant", "proj_fused", "proj_fused_16_warps",
+                     "layer_bf16", "layer_fp8_unfused", "layer_fp8_fused"}  # fmt: skip
     assert all(row["ms_median"] > 0 for row in result["summary"])
 
 
