@@ -325,14 +325,8 @@ def gdpa(
             ``"mxfp8"`` (an FP8 forward: Q/K/V block-quantized to E4M3, P quantized
             online, float32 accumulation; the backward stays bf16), or an
             :class:`~hyperrec.jagged_attn.fp8.FP8Config`. See :mod:`hyperrec.jagged_attn.fp8`.
-        quantized: Q/K/V already quantized with this ``precision`` (by
-            :func:`~hyperrec.jagged_attn.fp8.linear_quantize_qkv`, the projection with the
-            quantization in its epilogue, or :func:`~hyperrec.jagged_attn.fp8.quantize_qkv`;
-            softmax only with ``FP8Config(smooth_k=False)``): the FP8 kernels read them instead of
-            quantizing ``q``/``k``/``v`` again. They must be the quantization of these
-            ``q``/``k``/``v`` (not checked value by value: the backward differentiates
-            ``q``/``k``/``v``, and the ``"torch"`` emulation re-quantizes them). Default
-            None.
+        quantized: Q/K/V quantized beforehand, as in :func:`jagged_attention` (GDPA never
+            smooths its keys, so any FP8 config). Default None.
 
     The mask composition is given in :mod:`hyperrec.jagged_attn.masks`. It equals HSTU's
     for causal masks with targets and contextual tokens; unlike HSTU, contextual keys stay

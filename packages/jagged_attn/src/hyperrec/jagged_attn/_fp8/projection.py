@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hyperrec.jagged_attn._fp8.quantize import fp8_kernels_supported
+from hyperrec.jagged_attn._fp8.quantize import use_fp8_kernel
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV
 
 __all__ = ["linear_quantize_qkv"]
@@ -76,15 +76,8 @@ def linear_quantize_qkv(
     v_mma_order: bool,
 ) -> tuple[torch.Tensor, QuantizedQKV]:
     """Arguments checked by the public function."""
-    supported = fp8_kernels_supported(x.device) and x.dtype != torch.float64
-    if backend == "triton" and not supported:
-        raise ValueError(
-            "backend='triton' cannot run the fused projection here: it needs Triton and a "
-            "CUDA GPU of compute capability >= 8.9 (or CPU tensors under TRITON_INTERPRET=1) "
-            f"and float16/bfloat16/float32 inputs; got {x.dtype} on {x.device}"
-        )
     silu = activation == "silu"
-    if backend == "triton" or (backend == "auto" and supported and x.device.type == "cuda"):
+    if use_fp8_kernel(backend, x, "run the fused projection"):
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = _FusedProjection.apply(x, weight.contiguous(), bias, offsets, heads, chunks, silu,
                                      config, v_mma_order)  # fmt: skip

@@ -8,7 +8,7 @@ from hyperrec.jagged_attn._triton import interpreting
 from hyperrec.jagged_attn._triton._probe import triton_available
 from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
-__all__ = ["fp8_kernels_supported", "key_shift", "quantize_qkv"]
+__all__ = ["fp8_kernels_supported", "key_shift", "quantize_qkv", "use_fp8_kernel"]
 
 _FP8_CAPABILITY = (8, 9)  # FP8 tensor cores and E4M3 conversions: Ada, Hopper and later
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -29,6 +29,24 @@ def fp8_kernels_supported(device: torch.device) -> bool:
     return _CAPABILITY[index] >= _FP8_CAPABILITY
 
 
+def use_fp8_kernel(backend: str, t: torch.Tensor, what: str) -> bool:
+    """Whether ``backend`` (``"auto"``, ``"torch"`` or ``"triton"``) runs the FP8 Triton
+    kernel on inputs like ``t``: ``"auto"`` only on CUDA GPUs that support it.
+
+    Raises:
+        ValueError: ``backend="triton"`` where the kernel cannot run (``what`` names the
+            work in the message).
+    """
+    supported = fp8_kernels_supported(t.device) and t.dtype != torch.float64
+    if backend == "triton" and not supported:
+        raise ValueError(
+            f"backend='triton' cannot {what} here: the FP8 kernels need Triton and a CUDA "
+            "GPU of compute capability >= 8.9 (or CPU tensors under TRITON_INTERPRET=1) and "
+            f"float16/bfloat16/float32 inputs; got {t.dtype} on {t.device}"
+        )
+    return backend == "triton" or (backend == "auto" and supported and t.device.type == "cuda")
+
+
 def quantize_qkv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -40,14 +58,7 @@ def quantize_qkv(
     key_shift: torch.Tensor | None = None,
 ) -> QuantizedQKV:
     """The body of :func:`hyperrec.jagged_attn.fp8.quantize_qkv` (arguments checked)."""
-    supported = fp8_kernels_supported(q.device) and q.dtype != torch.float64
-    if backend == "triton" and not supported:
-        raise ValueError(
-            "backend='triton' cannot quantize here: the FP8 kernels need Triton and a CUDA "
-            "GPU of compute capability >= 8.9 (or CPU tensors under TRITON_INTERPRET=1) and "
-            f"float16/bfloat16/float32 inputs; got {q.dtype} on {q.device}"
-        )
-    if backend == "triton" or (backend == "auto" and supported and q.device.type == "cuda"):
+    if use_fp8_kernel(backend, q, "quantize"):
         from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv as kernel
 
         return kernel(q, k, v, q_offsets, kv_offsets, config, key_shift=key_shift)

@@ -71,7 +71,9 @@ __all__ = [
     "gluon_fp8_unsupported",
     "key_mean",
     "quantize_grad_operands",
+    "qkv_buffers",
     "quantize_qkv",
+    "rceil_e4m3",
     "select_fp8_config",
 ]
 
@@ -116,6 +118,56 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def qkv_buffers(
+    total_q: int,
+    total_kv: int,
+    n_kv: int,
+    heads: int,
+    dim: int,
+    dim_v: int,
+    kv_offsets: torch.Tensor,
+    config: FP8Config,
+    device: torch.device,
+    v_mma_order: bool = False,
+) -> QuantizedQKV:
+    """Empty Q/K/V buffers in the layout of :class:`QuantizedQKV` for ``config`` (V's
+    padded column offsets computed from the int32 ``kv_offsets``, cached per object)."""
+    width = cols_width(total_kv, n_kv, config.v_pad)
+    qd = torch.empty((total_q, heads, dim), dtype=torch.uint8, device=device)
+    kd = torch.empty((total_kv, heads, dim), dtype=torch.uint8, device=device)
+    vd = torch.empty((heads, dim_v, width), dtype=torch.uint8, device=device)
+    if config.mx:
+        qs = torch.empty((total_q, heads, dim // 32), dtype=torch.uint8, device=device)
+        ks = torch.empty((total_kv, heads, dim // 32), dtype=torch.uint8, device=device)
+        vs = torch.empty((heads, dim_v, width // 32), dtype=torch.uint8, device=device)
+    else:
+        qs = torch.empty((total_q, heads), dtype=torch.float32, device=device)
+        ks = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
+        vs = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
+    e4m3 = torch.float8_e4m3fn
+    return QuantizedQKV(
+        q=QuantizedJagged(data=qd.view(e4m3), scale=qs, layout="rows"),
+        k=QuantizedJagged(data=kd.view(e4m3), scale=ks, layout="rows"),
+        v=QuantizedJagged(
+            data=vd.view(e4m3),
+            scale=vs,
+            layout="cols",
+            pad_offsets=_padded(kv_offsets, config.v_pad),
+            mma_order=v_mma_order,
+        ),  # fmt: skip
+        config=config,
+    )
+
+
+def rceil_e4m3(config: FP8Config) -> tuple[int, int]:
+    """The kernels' ``(ADD, ODD)`` constants: MX's E8M0 rule for E4M3, zeros for "fp8"."""
+    if not config.mx:
+        return 0, 0
+    from hyperrec.jagged_attn.fp8 import mxfp8_module
+
+    return _rceil_constants(mxfp8_module().E4M3.max_value)
+
+
 #: Warps of the Q/K/V quantization launch; ``None``: 4 for tiles of up to 16,384 elements,
 #: else 8. At 128 tokens x D = 128, 4 warps took 0.50-0.52 ms for 65,536 tokens x 8 heads
 #: on an H200 against 0.66-0.78 ms with the 8 used before (2, 16: 0.65-0.80;
@@ -147,39 +199,17 @@ def quantize_qkv(
     mx = config.mx
     assert not (mx and v_mma_order), "v_mma_order is for format 'fp8' only"
     n_kv = kv_offsets.numel() - 1
-    width = cols_width(total_kv, n_kv, config.v_pad)
     qo, ko = as_int32(q_offsets), as_int32(kv_offsets)
-    poff = _padded(ko, config.v_pad)
-    qd = torch.empty((total_q, heads, dim), dtype=torch.uint8, device=device)
-    kd = torch.empty((total_kv, heads, dim), dtype=torch.uint8, device=device)
-    vd = torch.empty((heads, dim_v, width), dtype=torch.uint8, device=device)
+    out = qkv_buffers(total_q, total_kv, n_kv, heads, dim, dim_v, ko, config, device, v_mma_order)
+    qd, kd, vd = (t.data.view(torch.uint8) for t in (out.q, out.k, out.v))
+    qs, ks, vs = out.q.scale, out.k.scale, out.v.scale
+    poff = out.v.pad_offsets
+    add, odd = rceil_e4m3(config)
     if mx:
-        qs = torch.empty((total_q, heads, dim // 32), dtype=torch.uint8, device=device)
-        ks = torch.empty((total_kv, heads, dim // 32), dtype=torch.uint8, device=device)
-        vs = torch.empty((heads, dim_v, width // 32), dtype=torch.uint8, device=device)
         tile_q = group_q = tile_kv = group_kv = 32
-        from hyperrec.jagged_attn.fp8 import mxfp8_module
-
-        add, odd = _rceil_constants(mxfp8_module().E4M3.max_value)
     else:
-        qs = torch.empty((total_q, heads), dtype=torch.float32, device=device)
-        ks = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
-        vs = torch.empty((total_kv, heads), dtype=torch.float32, device=device)
         group_q, tile_q = config.q_block, max(config.q_block, 32)
         group_kv = tile_kv = config.kv_block
-        add = odd = 0
-    out = QuantizedQKV(
-        q=QuantizedJagged(data=qd.view(torch.float8_e4m3fn), scale=qs, layout="rows"),
-        k=QuantizedJagged(data=kd.view(torch.float8_e4m3fn), scale=ks, layout="rows"),
-        v=QuantizedJagged(
-            data=vd.view(torch.float8_e4m3fn),
-            scale=vs,
-            layout="cols",
-            pad_offsets=poff,
-            mma_order=v_mma_order,
-        ),  # fmt: skip
-        config=config,
-    )
     if heads == 0 or (total_q == 0 and total_kv == 0):
         return out
     q_seq, q_idx, q_tot = q_tile_schedule(qo, qo, None, tile_q, False, total_q)

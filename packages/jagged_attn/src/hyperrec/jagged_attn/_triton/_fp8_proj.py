@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from hyperrec.jagged_attn._triton import _fp8_kernels, interpreting
-from hyperrec.jagged_attn._triton._fp8_launch import _device_signs, _padded, _pow2, _rceil_constants
+from hyperrec.jagged_attn._triton._fp8_launch import _device_signs, _pow2, qkv_buffers, rceil_e4m3
 from hyperrec.jagged_attn._triton._schedule import as_int32, q_tile_schedule, work_upper_bound
-from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedJagged, QuantizedQKV
-from hyperrec.jagged_attn.reference_fp8 import cols_width
+from hyperrec.jagged_attn.fp8 import FP8Config, QuantizedQKV
 
 __all__ = ["PROJ_BLOCK_K", "PROJ_NUM_STAGES", "PROJ_NUM_WARPS", "linear_quantize_qkv"]
 
@@ -63,40 +62,15 @@ def linear_quantize_qkv(
     mx = config.mx
     assert not (mx and v_mma_order), "v_mma_order is for format 'fp8' only"
     n_seq = offsets.numel() - 1
-    width = cols_width(total, n_seq, config.v_pad)
     off = as_int32(offsets)
-    poff = _padded(off, config.v_pad)
     y = torch.empty((total, n_out), dtype=x.dtype, device=device)
     z = torch.empty_like(y) if store_z else None
-    qd = torch.empty((total, heads, dim), dtype=torch.uint8, device=device)
-    kd = torch.empty((total, heads, dim), dtype=torch.uint8, device=device)
-    vd = torch.empty((heads, dim, width), dtype=torch.uint8, device=device)
-    if mx:
-        qs = torch.empty((total, heads, dim // 32), dtype=torch.uint8, device=device)
-        ks = torch.empty((total, heads, dim // 32), dtype=torch.uint8, device=device)
-        vs = torch.empty((heads, dim, width // 32), dtype=torch.uint8, device=device)
-        from hyperrec.jagged_attn.fp8 import mxfp8_module
-
-        add, odd = _rceil_constants(mxfp8_module().E4M3.max_value)
-        group_q = group_kv = 32
-    else:
-        qs = torch.empty((total, heads), dtype=torch.float32, device=device)
-        ks = torch.empty((total, heads), dtype=torch.float32, device=device)
-        vs = torch.empty((total, heads), dtype=torch.float32, device=device)
-        add = odd = 0
-        group_q, group_kv = config.q_block, config.kv_block
-    qkv = QuantizedQKV(
-        q=QuantizedJagged(data=qd.view(torch.float8_e4m3fn), scale=qs, layout="rows"),
-        k=QuantizedJagged(data=kd.view(torch.float8_e4m3fn), scale=ks, layout="rows"),
-        v=QuantizedJagged(
-            data=vd.view(torch.float8_e4m3fn),
-            scale=vs,
-            layout="cols",
-            pad_offsets=poff,
-            mma_order=v_mma_order,
-        ),  # fmt: skip
-        config=config,
-    )
+    qkv = qkv_buffers(total, total, n_seq, heads, dim, dim, off, config, device, v_mma_order)
+    qd, kd, vd = (t.data.view(torch.uint8) for t in (qkv.q, qkv.k, qkv.v))
+    qs, ks, vs = qkv.q.scale, qkv.k.scale, qkv.v.scale
+    poff = qkv.v.pad_offsets
+    add, odd = rceil_e4m3(config)
+    group_q, group_kv = (32, 32) if mx else (config.q_block, config.kv_block)
     if total == 0 or heads == 0 or n_out == 0:
         return y, z, qkv
     if k_dim == 0:  # nothing to reduce: the GEMM is zero (kept out of the kernel's loop)
