@@ -550,16 +550,22 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         res["activation_bytes"] = act = activation(res)
         res["activation_reduction_vs_no_ac"] = activation(noac) / max(act, 1)
 
-    def compiled_setup(p: Any, seen: dict) -> Any:
+    def compiled_setup(p: Any, seen: dict, profile: Any = None) -> Any:
         """``setup`` for :func:`point` of a plan under ``torch.compile``; ``seen`` gets the
-        nodes each region packed in its graphs (read before the plan is removed)."""
+        nodes each region packed in its graphs (read before the plan is removed) and, with
+        the ``profile`` the plan came from, the plan's peak priced from what its compiled
+        graphs save (``autoac.price_compiled``, one compiled step before the timed ones)."""
         handle: list = []
 
         def setup():
             torch._dynamo.reset()
-            handle.append(
-                autoac.apply_plan(case.model, p, compile=True, compile_kwargs={"backend": backend})
-            )
+            h = autoac.apply_plan(case.model, p, compile=True, compile_kwargs={"backend": backend})
+            handle.append(h)
+            if profile is not None:
+                h.profile = profile
+                seen["predicted_peak_priced"] = autoac.price_compiled(
+                    h, case.step_fn(0)
+                ).predicted_peak
 
             def undo():
                 h = handle.pop()
@@ -576,11 +582,10 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if quant and not compiled_quant:
             return
         fmts = ("mxint8",) if quant else ()
-        p = autoac.plan(
-            autoac.for_compiled_packing(prof), budget=b, config=autoac.PlanConfig(formats=fmts)
-        )
+        cprof = autoac.for_compiled_packing(prof)
+        p = autoac.plan(cprof, budget=b, config=autoac.PlanConfig(formats=fmts))
         seen: dict = {}
-        setup = compiled_setup(p, seen)
+        setup = compiled_setup(p, seen, cprof)
         res = point(
             f"autoac_compiled{'_quant' if quant else ''}@{matched or f'{f:g}'}",
             setup,
@@ -594,6 +599,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         )
         if res is not None and quant and "packed_in_graph" in seen:
             res["packed_in_graph"] = seen["packed_in_graph"]
+        if res is not None and "predicted_peak_priced" in seen:
+            res["predicted_peak_priced"] = seen["predicted_peak_priced"]
 
     def apply_compiled_quant_point(f: float) -> None:
         """``autoac.apply(..., formats=("mxint8",), compile=True)``, the public call: it

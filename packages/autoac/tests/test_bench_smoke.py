@@ -28,6 +28,9 @@ def test_compiled_smoke_run_records_the_packed_points(tmp_path):
         assert "time_ms_median" in rows[name], rows.get(name)
     quant = [r for n, r in rows.items() if n.startswith("autoac_compiled_quant@")]
     assert quant and all("time_ms_median" in r for r in quant)
+    # the compiled points carry the peak priced from their graphs beside the profile's
+    assert all(r["predicted_peak_priced"] > 0 for r in quant)
+    assert rows["autoac_compiled@0.5"]["predicted_peak_priced"] > 0
     applied = rows["autoac_apply_compiled_quant@0.5"]
     assert "time_ms_median" in applied, applied
     assert applied["verification"]["within_budget"] is not None
