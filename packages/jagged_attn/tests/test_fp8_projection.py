@@ -158,6 +158,23 @@ def test_non_finite_rows_stay_in_their_sequence():
 
 
 @needs_kernels
+def test_strided_inputs_are_read_as_their_values():
+    """Strided views of x, weight, bias and offsets give what their contiguous copies give
+    (the kernel indexes bias, offsets and weight as dense arrays)."""
+    x, w, b, off = _case(LENS)
+    xs = torch.stack([x, x], -1)[..., 0]  # row stride 2 * K, last dim strided
+    ws = torch.stack([w, w], 0)[0].t().contiguous().t()  # column-major
+    bs = torch.stack([b, b], -1)[:, 1]
+    offs = torch.stack([off, off], -1)[:, 0]
+    assert not (xs.is_contiguous() or ws.is_contiguous() or bs.is_contiguous()
+                or offs.is_contiguous())  # fmt: skip
+    got = linear_quantize_qkv(xs, ws, bs, offs, heads=2, backend="triton")
+    want = linear_quantize_qkv(x, w, b, off, heads=2, backend="triton")
+    assert torch.equal(got[0], want[0])
+    _assert_same(got[1], want[1], off, x.shape[0])
+
+
+@needs_kernels
 @pytest.mark.parametrize("lens", [(), (0, 0), (3,)], ids=["no-seq", "empty-seqs", "one"])
 def test_empty_and_tiny(lens):
     x, w, b, off = _case(lens, bias=False)

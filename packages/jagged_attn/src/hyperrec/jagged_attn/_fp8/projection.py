@@ -78,9 +78,12 @@ def linear_quantize_qkv(
     """Arguments checked by the public function."""
     silu = activation == "silu"
     if use_fp8_kernel(backend, x, "run the fused projection"):
+        # The kernel indexes bias, offsets and weight rows as dense arrays (a strided view
+        # would be read as other values) and x by its row stride only.
         x = x if x.stride(-1) == 1 else x.contiguous()
-        out = _FusedProjection.apply(x, weight.contiguous(), bias, offsets, heads, chunks, silu,
-                                     config, v_mma_order)  # fmt: skip
+        bias = None if bias is None else bias.contiguous()
+        out = _FusedProjection.apply(x, weight.contiguous(), bias, offsets.contiguous(), heads,
+                                     chunks, silu, config, v_mma_order)  # fmt: skip
         y, qd, qs, kd, ks, vd, vs, poff = out
         qkv = QuantizedQKV(
             q=QuantizedJagged(data=qd, scale=qs, layout="rows"),
