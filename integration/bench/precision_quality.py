@@ -36,6 +36,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="NAME=SECTION.FIELD=VALUE,... (repeat; the first is the baseline)")  # fmt: skip
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at a time (default 1); above 1 they share the device, so "
+                        "their train_time_s is contended: a quality comparison only")  # fmt: skip
     p.add_argument("--tag", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny data sizes (a code-path check)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
@@ -150,58 +154,84 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--seq-linears, --rows and --variant compare different things; give one")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.parallel < 1:
+        p.error("--parallel must be >= 1")
     args.extra = list(args.overrides)
     if args.smoke:
         args.extra += ["data.eval_requests=256", "train.global_batch_size=32"]
     chosen = variants(args)
     base_name = chosen[0][0]
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for seed in args.seeds:
-        for name, overrides in chosen:
-            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-            r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}")
-            runs.append({"variant": name, "seed": seed, **r})
-            print(f"{name:12s} seed {seed}: " + (
-                " ".join(f"{m} {_fmt(r[m])}" for m in ("ctr_auc", "cvr_auc", "ctcvr_auc"))
-                + f" ({r['wall_s']:.0f} s)" + (" COLLAPSED (constant predictions)" if r.get("collapsed") else "")
-                if r["status"] == "ok" else f"{r['status'].upper()}: {r['error'][-300:]}"), flush=True)  # fmt: skip
-    # per-seed differences against the baseline (paired: same seed, same data); a metric
-    # a run could not score (None in metrics.json: an AUC with one class) has no pair
-    base = {r["seed"]: r for r in runs if r["variant"] == base_name and r["status"] == "ok"}
-    diffs: dict[str, dict[str, dict[str, float]]] = {}
-    for name, _ in chosen[1:]:
-        per = {m: [r[m] - base[r["seed"]][m] for r in runs
-                   if r["variant"] == name and r["status"] == "ok" and r["seed"] in base
-                   and r[m] is not None and base[r["seed"]][m] is not None]
-               for m in METRICS}  # fmt: skip
-        diffs[name] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
-                       for m, v in per.items() if v}  # fmt: skip
-    # seed-to-seed spread of the baseline itself: the noise floor of the comparison
-    spread = {}
-    for m in METRICS:
-        vals = [r[m] for r in base.values() if r[m] is not None]
-        if len(vals) > 1:
-            spread[m] = max(vals) - min(vals)
-    kind, stem = (
-        ("ablation rows", "ablation")
-        if args.rows
-        else ("sequence-linear precision", "seq_linear")
-        if args.seq_linears
-        else ("given variants", "variants")
-        if args.variant
-        else ("attention precision", "precision")
-    )
-    tag = args.tag or f"{args.preset}_{args.device}"
-    from hyperrec.testing.bench import write_result
+    jobs = [(seed, name, overrides) for seed in args.seeds for name, overrides in chosen]
+    done: dict[int, dict] = {}
+    lock = threading.Lock()
 
-    path = write_result(
-        args.out / f"{stem}_quality_{tag}.json",
-        {"benchmark": f"{kind}: held-out quality at equal steps",
-         "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
-         "seeds": args.seeds, "variants": dict(chosen), "baseline": base_name,
-         "runs": runs, "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
-    )  # fmt: skip
+    def one(i: int) -> None:
+        seed, name, overrides = jobs[i]
+        slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+        r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}")
+        with lock:
+            done[i] = {"variant": name, "seed": seed, **r}
+            _report(name, seed, r)
+            # the record so far, after every run: a caller stopped mid-way keeps what finished
+            summarise([done[k] for k in sorted(done)])
+
+    def _report(name: str, seed: int, r: dict) -> None:
+        print(f"{name:12s} seed {seed}: " + (
+            " ".join(f"{m} {_fmt(r[m])}" for m in ("ctr_auc", "cvr_auc", "ctcvr_auc"))
+            + f" ({r['wall_s']:.0f} s)" + (" COLLAPSED (constant predictions)" if r.get("collapsed") else "")
+            if r["status"] == "ok" else f"{r['status'].upper()}: {r['error'][-300:]}"), flush=True)  # fmt: skip
+
+    def summarise(runs: list[dict]) -> tuple[Path, dict]:
+        # per-seed differences against the baseline (paired: same seed, same data); a metric
+        # a run could not score (None in metrics.json: an AUC with one class) has no pair
+        base = {r["seed"]: r for r in runs if r["variant"] == base_name and r["status"] == "ok"}
+        diffs: dict[str, dict[str, dict[str, float]]] = {}
+        for name, _ in chosen[1:]:
+            per = {m: [r[m] - base[r["seed"]][m] for r in runs
+                       if r["variant"] == name and r["status"] == "ok" and r["seed"] in base
+                       and r[m] is not None and base[r["seed"]][m] is not None]
+                   for m in METRICS}  # fmt: skip
+            diffs[name] = {m: {"mean": statistics.fmean(v), "min": min(v), "max": max(v)}
+                           for m, v in per.items() if v}  # fmt: skip
+        # seed-to-seed spread of the baseline itself: the noise floor of the comparison
+        spread = {}
+        for m in METRICS:
+            vals = [r[m] for r in base.values() if r[m] is not None]
+            if len(vals) > 1:
+                spread[m] = max(vals) - min(vals)
+        kind, stem = (
+            ("ablation rows", "ablation")
+            if args.rows
+            else ("sequence-linear precision", "seq_linear")
+            if args.seq_linears
+            else ("given variants", "variants")
+            if args.variant
+            else ("attention precision", "precision")
+        )
+        tag = args.tag or f"{args.preset}_{args.device}"
+        from hyperrec.testing.bench import write_result
+
+        path = write_result(
+            args.out / f"{stem}_quality_{tag}.json",
+            {"benchmark": f"{kind}: held-out quality at equal steps",
+             "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
+             "seeds": args.seeds, "variants": dict(chosen), "baseline": base_name,
+             "parallel": args.parallel, "complete": len(runs) == len(jobs), "runs": runs, "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
+        )  # fmt: skip
+        return path, diffs
+
+    if args.parallel == 1:
+        for i in range(len(jobs)):
+            one(i)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.parallel) as pool:
+            for f in [pool.submit(one, i) for i in range(len(jobs))]:
+                f.result()
+    runs = [done[k] for k in sorted(done)]
+    path, diffs = summarise(runs)
     print(json.dumps(diffs, indent=1))
     print(f"wrote {path}")
     return 0 if all(r["status"] == "ok" for r in runs) else 1

@@ -135,6 +135,50 @@ def test_precision_quality_skips_a_metric_a_run_could_not_score(tmp_path, monkey
     assert doc["baseline_seed_spread"]["ctr_auc"] == pytest.approx(0.02)
 
 
+def test_precision_quality_parallel_runs_keep_the_order_and_record_partial_results(
+    tmp_path, monkeypatch
+):
+    """``--parallel 2``: runs overlap but the record lists them in job order, with the same
+    differences as one at a time; the JSON is rewritten after every run, so a caller
+    stopped mid-way (a device call's time limit) keeps the runs that finished."""
+    import threading
+    import time
+
+    seen_partial = []
+    running = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    def fake_run(args, overrides, seed, out):
+        (precision,) = [o.split("=")[1] for o in overrides if "attention_precision" in o]
+        with lock:
+            running["now"] += 1
+            running["max"] = max(running["max"], running["now"])
+            files = list(tmp_path.glob("precision_quality_*.json"))
+            if files:
+                seen_partial.append(json.loads(files[0].read_text())["complete"])
+        time.sleep(0.05 if precision == "bf16" else 0.01)
+        with lock:
+            running["now"] -= 1
+        return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7 + seed / 100
+                + (0.003 if precision == "fp8" else 0.0), "cvr_auc": 0.6, "ctcvr_auc": 0.8,
+                "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
+
+    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0", "1",
+            "--precisions", "bf16", "fp8", "--parallel", "2"]  # fmt: skip
+    assert precision_quality.main(argv) == 0
+    doc = json.loads(next(tmp_path.glob("precision_quality_*.json")).read_text())
+    assert running["max"] == 2
+    assert [(r["variant"], r["seed"]) for r in doc["runs"]] == [
+        ("bf16", 0), ("fp8", 0), ("bf16", 1), ("fp8", 1)]  # fmt: skip
+    assert doc["complete"] is True and doc["parallel"] == 2
+    assert False in seen_partial  # an incomplete record existed while runs were going
+    d = doc["difference_vs_baseline"]["fp8"]["ctr_auc"]
+    assert d["min"] == pytest.approx(0.003) and d["max"] == pytest.approx(0.003)
+    with pytest.raises(SystemExit):
+        precision_quality.main(argv[:-1] + ["0"])
+
+
 def test_profile_host_times_are_per_timed_call(tmp_path, capsys):
     """``--host``: ``launch_step`` is timed for every step, ``finish_step`` for all but the
     last (nothing is queued behind it): with one step there is no timed read, reported as
