@@ -102,3 +102,27 @@ def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
         assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
         assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
         assert r["step_s"] == sorted(r["step_s_all"])[1]
+
+
+def test_host_gap_smoke_compares_the_model_with_its_copy(tmp_path) -> None:
+    """``host_gap.py --smoke`` (fake 4 ranks, CPU): both models timed and profiled, the
+    per-event growth table sorted, and the record written; the copy is the smaller one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "host_gap.py"), "--smoke", "--fake-world-size", "4",
+         "--steps", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "host_gap_gem_smoke.json").read_text())
+    assert doc["fake_world_size"] == 4
+    assert doc["model"]["cfg"]["dim"] > doc["copy"]["cfg"]["dim"]
+    assert len(doc["model"]["host_ms_all"]) == len(doc["copy"]["host_ms_all"]) == 2
+    deltas = [r["delta_us"] for r in doc["largest_growth"]]
+    assert deltas == sorted(deltas, reverse=True) and deltas
+    assert doc["model"]["profile"] and doc["copy"]["profile"]
