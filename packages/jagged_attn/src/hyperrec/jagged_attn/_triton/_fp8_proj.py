@@ -83,7 +83,7 @@ def linear_quantize_qkv(
     rotate = config.rotates(dim)
     signs = _device_signs(dim, config.hadamard_seed, device) if rotate else qs
     vs_strides = (vs.stride(1), vs.stride(0)) if mx else (vs.stride(0), vs.stride(1))
-    _fp8_kernels._proj_quant_kernel[(tiles, heads, n_chunks)](
+    _fp8_kernels._proj_quant_kernel[(tiles * heads * n_chunks,)](
         x, weight, weight if bias is None else bias, y, y if z is None else z,
         qd, kd, vd, qs, ks, vs, signs, off, poff, seq, idx, tot, k_dim,
         x.stride(0), weight.stride(0), y.stride(0), y.stride(0),
@@ -96,6 +96,6 @@ def linear_quantize_qkv(
         CHUNK_Q=chunks.index("q"), CHUNK_K=chunks.index("k"), CHUNK_V=chunks.index("v"),
         HAS_BIAS=bias is not None, SILU=silu, STORE_Z=store_z,
         DOT_F32=interpreting() or x.dtype == torch.float32, V_MMA_ORDER=v_mma_order,
-        num_warps=PROJ_NUM_WARPS, num_stages=PROJ_NUM_STAGES,
+        N_CHUNKS=n_chunks, num_warps=PROJ_NUM_WARPS, num_stages=PROJ_NUM_STAGES,
     )  # fmt: skip
     return y, z, qkv
