@@ -126,3 +126,42 @@ def test_host_gap_smoke_compares_the_model_with_its_copy(tmp_path) -> None:
     deltas = [r["delta_us"] for r in doc["largest_growth"]]
     assert deltas == sorted(deltas, reverse=True) and deltas
     assert doc["model"]["profile"] and doc["copy"]["profile"]
+
+
+def test_host_ops_records_shaped_calls_in_forward_and_backward_and_prices_the_difference():
+    """``host_ops``: GEMMs and copies of a step counted per (op, shapes, strides, dtypes),
+    the backward's too; each distinct call replays on fresh tensors; the delta is the
+    model's sum of count x seconds minus the copy's."""
+    host_ops = _load("host_ops")
+
+    def step(n: int):
+        w = torch.randn(n, n, requires_grad=True)
+        x = torch.randn(4, n)
+        y = (x @ w).sum()
+        y.backward()
+        dst = [torch.empty(n), torch.empty(3)]
+        torch._foreach_copy_(dst, [torch.ones(n), torch.ones(3)])
+
+    big = host_ops.record_ops(lambda: step(32))
+    small = host_ops.record_ops(lambda: step(8))
+    names = {k[0] for k in big}
+    assert "aten.mm.default" in names and "aten._foreach_copy_.default" in names
+    n_mm = sum(n for k, n in big.items() if k[0] == "aten.mm.default")
+    assert n_mm >= 2  # the forward's and at least one of the backward's
+    assert sum(big.values()) == sum(small.values())  # same structure, other shapes
+    for key in big:  # every recorded call can be replayed
+        assert host_ops.time_op(key, torch.device("cpu"), reps=2, rounds=2) > 0.0
+
+    # arithmetic with a fake timer: seconds = elements of the first operand
+    def fake_timer(key, device):
+        first = key[1][0]
+        first = first[0] if isinstance(first, tuple) and first and first[0] != "T" else first
+        return float(torch.Size(first[1]).numel())
+
+    d = host_ops.host_op_delta(big, small, torch.device("cpu"), timer=fake_timer)
+    want_big = sum(n * fake_timer(k, None) for k, n in big.items())
+    want_small = sum(n * fake_timer(k, None) for k, n in small.items())
+    assert d["model_s"] == pytest.approx(want_big) and d["copy_s"] == pytest.approx(want_small)
+    assert d["delta_s"] == pytest.approx(want_big - want_small) and d["delta_s"] > 0
+    with pytest.raises(ValueError, match="reps"):
+        host_ops.time_op(next(iter(big)), torch.device("cpu"), reps=0)
