@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         const = dict(H=8, D=128, BD=128, BK=64, TILE=128, GROUP_Q=128, GROUP_KV=128,
                      MODE_QK=1 if mx else 0, MODE_V=2 if mx else 0, POW2=True,
                      HADAMARD=hadamard, LOG2D=7, ADD=0, ODD=0, CHUNK_Q=2, CHUNK_K=3, CHUNK_V=1,
-                     HAS_BIAS=True, SILU=True, STORE_Z=True, DOT_F32=False, V_MMA_ORDER=mma)  # fmt: skip
+                     HAS_BIAS=True, SILU=True, STORE_Z=True, DOT_F32=False, V_MMA_ORDER=mma,
+                     N_CHUNKS=4)  # fmt: skip
         k = _compile(_fp8_kernels._proj_quant_kernel, ptrs, const, num_warps=warps, num_stages=3)
         rows.append(dict(kernel="_proj_quant_kernel", mx=mx, hadamard=hadamard, v_mma_order=mma,
                          num_warps=warps, **_usage(k)))  # fmt: skip

@@ -159,3 +159,30 @@ def test_a_non_finite_value_stays_in_its_sequence(as_sm90, bad, activation, caus
         torch.testing.assert_close(got[other].double(), ref[other], atol=3e-2, rtol=3e-2)
     # in its own sequence the value shows, as in the reference
     assert not torch.isfinite(out[off[1] : off[2], 1]).all()
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_non_finite_value_changes_no_bit_of_other_sequences(as_sm90, activation, causal):
+    """The packed forward runs each tile's plain loop and redoes the guarded one only when
+    the tile's result is not finite (0.2.25; 0.2.23 reduced V before the launch): the
+    other sequences' outputs must equal, bit for bit, those of the same batch with the bad
+    value replaced by zero, in the bad value's span and in the spans without it."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(0, 12, (40,), generator=g).tolist()  # several 64-row spans
+    lens[3] = 6
+    q, k, v, off = _batch(lens)
+    row = int(off[3]) + 2
+    kw = dict(causal=causal, activation=activation, backend="triton")
+    clean = v.clone()
+    clean[row, 1] = 0.0
+    v[row, 1] = float("nan")
+    max_len = max(lens)
+    got = gdpa(q, k, v, off, off, max_len, max_len, **kw)
+    want = gdpa(q, k, clean, off, off, max_len, max_len, **kw)
+    assert all(c.pack_rows for c in as_sm90)
+    other = torch.ones(int(off[-1]), dtype=torch.bool)
+    other[off[3] : off[4]] = False
+    assert torch.equal(got[other], want[other])
+    assert not torch.isfinite(got[off[3] : off[4], 1]).all()
+    assert torch.isfinite(got[off[3] : off[4], 0]).all()  # other heads untouched

@@ -861,7 +861,7 @@ def _packed_keys(
 
 @triton.jit(do_not_specialize=["stride_lh", "n_rows"])
 def _fwd_packed_kernel(
-    Q, K, V, V_AMAX, O, LSE,
+    Q, K, V, O, LSE,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, n_rows, offsets, row_seq, qk_scale, coef,
     CAUSAL: tl.constexpr, H: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
@@ -898,18 +898,25 @@ def _fwd_packed_kernel(
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
-            # ``V_AMAX``: max |V| over the whole tensor (NaN and Inf propagate), from one
-            # reduction before the launch. Finite: the plain loop. Otherwise the guarded
-            # one, which keeps a non-finite V row inside its own sequence; guarding every
-            # call cost 2.3x on the H200 (the select on V takes it off the direct
-            # shared-memory path into the tensor cores).
-            if tl.load(V_AMAX).to(tl.float32) < float("inf"):
-                acc, m_i, l_i, poisoned = _packed_keys(
-                    acc, m_i, l_i, poisoned, q, seq_m, offs_m, lo, hi, K, V, row_seq, h,
-                    stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, CAUSAL, ACT,
-                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST, False,
-                )  # fmt: skip
-            else:
+            # The plain loop first. A non-finite V row in the span reaches every row of it
+            # through 0 * NaN (or leaves Inf in its own sequence's rows), so a finite
+            # result proves none was read: keep it. Otherwise redo the tile with the
+            # guarded loop, which keeps such a row inside its own sequence (for a span with
+            # no bad V row it computes the same bits). Guarding every tile cost 2.3x on
+            # the H200 (the select on V takes it off the direct shared-memory path into the
+            # tensor cores); a reduction over V before the launch (0.2.23) cost a launch
+            # and a read of V on host-bound calls.
+            acc, m_i, l_i, poisoned = _packed_keys(
+                acc, m_i, l_i, poisoned, q, seq_m, offs_m, lo, hi, K, V, row_seq, h,
+                stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, CAUSAL, ACT,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, FAST, False,
+            )  # fmt: skip
+            bad = tl.max(tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1), 1), 0)
+            if bad > 0:
+                acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                poisoned = tl.zeros([BLOCK_M], dtype=tl.int32)
                 acc, m_i, l_i, poisoned = _packed_keys(
                     acc, m_i, l_i, poisoned, q, seq_m, offs_m, lo, hi, K, V, row_seq, h,
                     stride_kt, stride_kh, stride_vt, stride_vh, qk_scale, CAUSAL, ACT,

@@ -752,11 +752,8 @@ def _forward_packed(call, cfg, coef, ce, out, lse) -> None:
     offsets = as_int32(call.q_offsets)
     rows = row_sequence(offsets, total_q)
     softmax = spec.activation == "softmax"
-    # one read of V, on the device (no sync): the kernel guards against non-finite V rows
-    # only where this is not finite
-    v_amax = torch.linalg.vector_norm(v, float("inf")) if v.numel() else v.new_zeros(())
     args = (
-        q, k, v, v_amax, out, lse if softmax else out,
+        q, k, v, out, lse if softmax else out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), total_q, total_q, offsets, rows,
         _qk_scale(spec.activation, spec.scale), coef,
