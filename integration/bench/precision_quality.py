@@ -14,7 +14,9 @@ instead (the sequence layers' projections in row-wise FP8; on a CPU the FP8 GEMM
 emulated in float32 from the same quantized operands).
 
 With ``--variant NAME=SECTION.FIELD=VALUE,...`` (repeatable, as ``step_variants.py``'s,
-without environment items) the variants are given outright; the first is the baseline.
+``@ENV=VALUE`` items set for that variant's process only, e.g. a kernel switch) the
+variants are given outright; the first is the baseline. Each run records the gradient
+norms of its logged steps (``grad_norm``: max, median, how many above the clip of 1.0).
 
 With ``--rows`` the variants are rows of the ablation table instead (``bench/ablation.py``:
 each row's composed overrides, e.g. ``--rows naive all``): the held-out quality of the full
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,10 +59,17 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path) -> dict:
+def run_one(
+    args: argparse.Namespace,
+    overrides: list[str],
+    seed: int,
+    out: Path,
+    env: dict[str, str] | None = None,
+) -> dict:
     """One training run in a fresh process; its test evaluation and wall time. One
     assignment per field (the command line refuses two): the variant's ``overrides``,
-    then the seed, then ``--set``, later ones winning."""
+    then the seed, then ``--set``, later ones winning. ``env``: variables set for that
+    process only (a variant's ``@NAME=VALUE`` items)."""
     merged = ablation.compose(overrides, [f"train.seed={seed}"], args.extra)
     cmd = [
         sys.executable, "-m", "hyperrec.integration.train", "--preset", args.preset,
@@ -69,7 +79,8 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                              env=None if not env else {**os.environ, **env})  # fmt: skip
     except subprocess.TimeoutExpired as e:
         # one slow run must not cost the others (nor the record of those already done)
         tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
@@ -84,7 +95,13 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
     # memory and speed beside quality: a variant that changes what is saved (packed
     # activations) is judged on all three
     # a collapsed run (one prediction for everything) reads as chance AUC: say which
-    return {"status": "ok", "wall_s": wall, **{m: final.get(m) for m in METRICS},
+    # the gradient norms of the logged steps: a collapse diagnosis (clipping at 1.0 scales
+    # every step whose norm exceeds it)
+    norms = [g for g in (doc.get("history") or {}).get("grad_norm", []) if g is not None]
+    grad = None if not norms else {
+        "max": max(norms), "median": statistics.median(norms), "logged": len(norms),
+        "above_1": sum(g > 1.0 for g in norms)}  # fmt: skip
+    return {"status": "ok", "wall_s": wall, "grad_norm": grad, **{m: final.get(m) for m in METRICS},
             "ctr_logit_std": final.get("ctr_logit_std"), "collapsed": final.get("collapsed"),
             "steps": doc.get("steps_completed"), "peak_memory_gb": doc.get("peak_memory_gb"),
             "train_time_s": doc.get("train_time_s"),
@@ -95,13 +112,15 @@ def run_one(args: argparse.Namespace, overrides: list[str], seed: int, out: Path
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """``(label, overrides)`` per variant; the first is the baseline."""
+    """``(label, overrides)`` per variant; the first is the baseline. A ``--variant``'s
+    environment items (``@NAME=VALUE``) go to ``args.variant_env[label]``."""
+    args.variant_env = {}
     if args.variant:
         out = []
         for text in args.variant:
             name, overrides, env = parse_variant(text)
             if env:
-                raise SystemExit(f"--variant {name!r}: environment items are not supported here")
+                args.variant_env[name] = env
             out.append((name, overrides))
         return out
     if args.seq_linears:
@@ -169,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     def one(i: int) -> None:
         seed, name, overrides = jobs[i]
         slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
-        r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}")
+        env = args.variant_env.get(name)
+        r = run_one(args, overrides, seed, args.out / f"run-{slug}-seed{seed}",
+                    **({"env": env} if env else {}))  # fmt: skip
         with lock:
             done[i] = {"variant": name, "seed": seed, **r}
             _report(name, seed, r)
@@ -216,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out / f"{stem}_quality_{tag}.json",
             {"benchmark": f"{kind}: held-out quality at equal steps",
              "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
-             "seeds": args.seeds, "variants": dict(chosen), "baseline": base_name,
+             "seeds": args.seeds, "variants": dict(chosen), "variant_env": args.variant_env,
+             "baseline": base_name,
              "parallel": args.parallel, "complete": len(runs) == len(jobs), "runs": runs, "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
         )  # fmt: skip
         return path, diffs

@@ -202,3 +202,40 @@ def test_profile_host_times_are_per_timed_call(tmp_path, capsys):
            "time_by_category": {}, "steps": []}  # fmt: skip
     profile_step._print(doc, tmp_path / "p.json")
     assert "finish_step n/a ms" in capsys.readouterr().out
+
+
+def test_precision_quality_passes_a_variants_environment_to_its_run_only(tmp_path, monkeypatch):
+    """``--variant NAME=@ENV=VALUE,...``: the variable reaches that variant's process
+    alone (a kernel switch compared at equal steps) and is recorded."""
+    seen = {}
+
+    def fake_run(args, overrides, seed, out, env=None):
+        seen[out.name] = (list(overrides), env)
+        return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7, "cvr_auc": 0.6,
+                "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
+
+    monkeypatch.setattr(precision_quality, "run_one", fake_run)
+    nogluon = "nogluon=@JAGGED_ATTN_GLUON=0,train.lr=3e-4"
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0",
+            "--variant", "base=", "--variant", nogluon]  # fmt: skip
+    assert precision_quality.main(argv) == 0
+    assert seen["run-base-seed0"] == ([], None)
+    assert seen["run-nogluon-seed0"] == (["train.lr=3e-4"], {"JAGGED_ATTN_GLUON": "0"})
+    doc = json.loads(next(tmp_path.glob("variants_quality_*.json")).read_text())
+    assert doc["variant_env"] == {"nogluon": {"JAGGED_ATTN_GLUON": "0"}}
+
+
+def test_precision_quality_real_runs_record_gradient_norms(tmp_path):
+    """Two real training runs (micro preset, 4 steps, side by side): the record holds each
+    run's test metrics and the gradient norms of its logged steps."""
+    argv = ["--preset", "micro", "--steps", "4", "--seeds", "0", "--smoke", "--parallel", "2",
+            "--variant", "a=", "--variant", "b=@HYPERREC_UNUSED=1,train.lr=1e-3",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert precision_quality.main(argv) == 0
+    doc = json.loads(next(tmp_path.glob("variants_quality_*.json")).read_text())
+    assert doc["complete"] is True
+    for run in doc["runs"]:
+        assert run["status"] == "ok" and run["steps"] == 4
+        g = run["grad_norm"]
+        assert g["logged"] >= 1 and 0.0 < g["median"] <= g["max"]
+        assert 0 <= g["above_1"] <= g["logged"]
