@@ -401,15 +401,15 @@ def _proj_quant_kernel(
 ):  # fmt: skip
     """The projection ``y = act(x @ W^T + b)`` with Q/K/V quantized in its epilogue.
 
-    Grid (tiles * chunks * H,), column tile fastest: a program computes one tile of TILE token rows of one sequence
-    (the quantization's tiles, so a scale block never straddles two programs) times the D
-    columns of one head of one chunk of ``W``'s rows (chunk ``c``, head ``h``: rows
-    ``(c * H + h) * D`` on), reducing over ``K_DIM`` in steps of BK. It stores ``y`` in
-    ``Y``'s dtype (and ``z = x @ W^T + b`` when ``STORE_Z``, for the backward of SiLU), and
-    for the chunks ``CHUNK_Q``/``CHUNK_K``/``CHUNK_V`` quantizes the *stored* (rounded)
-    values with ``_quant_store``, so the codes equal ``quantize_qkv`` of ``y``'s chunks bit
-    for bit. ``DOT_F32``: multiply in float32 (float32 inputs, and the interpreter, which
-    multiplies bf16 tiles wrongly).
+    Grid (tiles * chunks * H,), column tile fastest: a program computes one tile of TILE
+    token rows of one sequence (the quantization's tiles, so a scale block never straddles
+    two programs) times the D columns of one head of one chunk of ``W``'s rows (chunk ``c``,
+    head ``h``: rows ``(c * H + h) * D`` on), reducing over ``K_DIM`` in steps of BK. It
+    stores ``y`` in ``Y``'s dtype (and ``z = x @ W^T + b`` when ``STORE_Z``, for the
+    backward of SiLU), and for the chunks ``CHUNK_Q``/``CHUNK_K``/``CHUNK_V`` quantizes the
+    *stored* (rounded) values with ``_quant_store``, so the codes equal ``quantize_qkv`` of
+    ``y``'s chunks bit for bit. ``DOT_F32``: multiply in float32 (float32 inputs, and the
+    interpreter, which multiplies bf16 tiles wrongly).
     """
     # One flat grid, the (chunk, head) column tile fastest: the programs running at once
     # share their row tile of X, read from HBM once and from L2 by the others (with the
