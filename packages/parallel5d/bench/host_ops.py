@@ -96,7 +96,10 @@ def _build(spec: Any, device: torch.device) -> Any:
         _, shape, stride, dtype, dev = spec
         # a host-side operand stays on the host (an H2D copy is not a D2D one)
         where = device if dev == device.type else torch.device(dev)
-        return torch.empty_strided(shape, stride, dtype=_DTYPES[dtype], device=where).zero_()
+        # zeros under the recorded strides (a broadcast view's zero strides included)
+        n = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
+        base = torch.zeros(n, dtype=_DTYPES[dtype], device=where)
+        return base.as_strided(shape, stride)
     if isinstance(spec, tuple) and spec and spec[0] == "O":
         text = spec[1]
         if text in _DTYPES:

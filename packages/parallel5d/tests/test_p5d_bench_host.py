@@ -141,6 +141,7 @@ def test_host_ops_records_shaped_calls_in_forward_and_backward_and_prices_the_di
         y.backward()
         dst = [torch.empty(n), torch.empty(3)]
         torch._foreach_copy_(dst, [torch.ones(n), torch.ones(3)])
+        torch.empty(4, n).copy_(torch.ones(n).expand(4, n))  # a zero-stride source
 
     big = host_ops.record_ops(lambda: step(32))
     small = host_ops.record_ops(lambda: step(8))
