@@ -21,6 +21,8 @@ one tiny case on whatever device there is (the CPU under ``TRITON_INTERPRET=1``)
 that the script works; its timings mean nothing.
 
     python bench/bench_fp8_projection.py --out bench/results/fp8_projection.json
+    python bench/bench_fp8_projection.py --out FILE --sweep   # + launch settings (warps,
+                                                              # stages, BK) on the first case
 """
 
 from __future__ import annotations
@@ -116,12 +118,49 @@ def _impls(x, w, b, off, max_len, heads, config):
     }
 
 
+#: ``--sweep``: launch settings of the fused kernel tried on the first case.
+SWEEP = [(w, s, k) for w in (4, 8) for s in (2, 3, 4) for k in (32, 64, 128)]
+
+
+def sweep(x, w, b, off, heads, config, rep_ms, device) -> list[dict]:
+    """Time ``linear_quantize_qkv`` under each (warps, stages, BK) of :data:`SWEEP` (the
+    module constants patched for the call); a setting that does not build (shared memory)
+    is recorded with its error."""
+    from hyperrec.jagged_attn._triton import _fp8_proj
+
+    saved = (_fp8_proj.PROJ_NUM_WARPS, _fp8_proj.PROJ_NUM_STAGES, _fp8_proj.PROJ_BLOCK_K)
+    out = []
+    try:
+        for warps, stages, bk in SWEEP:
+            _fp8_proj.PROJ_NUM_WARPS = warps
+            _fp8_proj.PROJ_NUM_STAGES = stages
+            _fp8_proj.PROJ_BLOCK_K = bk
+
+            def fn():
+                return linear_quantize_qkv(x, w, b, off, heads=heads, chunks="uvqk",
+                                           activation="silu", precision=config)  # fmt: skip
+
+            try:
+                fn()
+                ms, err = _time(fn, rep_ms, device), None
+            except Exception as e:  # a setting that does not build is data, not a failure
+                ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+            out.append(dict(num_warps=warps, num_stages=stages, block_k=bk, ms=ms, error=err))
+            print(f"sweep warps {warps} stages {stages} BK {bk}: "
+                  + (f"{ms:.3f} ms" if ms is not None else str(err)), flush=True)  # fmt: skip
+    finally:
+        _fp8_proj.PROJ_NUM_WARPS, _fp8_proj.PROJ_NUM_STAGES, _fp8_proj.PROJ_BLOCK_K = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--instances", type=int, default=5)
     parser.add_argument("--rep-ms", type=int, default=100)
     parser.add_argument("--smoke", action="store_true", help="one tiny case (any device)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the fused kernel's launch settings on the first case")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dim, heads = (64, 2) if args.smoke else (1024, 8)
@@ -135,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = 2 * 8192**3 / ms * 1e-9
         del a
     rows = []
+    swept = None
+    if args.sweep:
+        x, w, b, off, _ = _case(*cases[0], 0, dim, heads, device)
+        swept = sweep(x, w, b, off, heads, config, args.rep_ms, device)
+        del x, w, b
     for dist, batch, max_len in cases:
         name = f"{dist}-B{batch}-L{max_len}"
         for inst in range(instances):
@@ -171,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         dim=dim, heads=heads, instances=instances, rep_ms=args.rep_ms,
         bf16_mm_ceiling_tflops=ceiling,
     )  # fmt: skip
-    args.out.write_text(json.dumps(dict(**meta, summary=summary, rows=rows), indent=1))
+    doc = dict(
+        **meta, summary=summary, rows=rows, sweep=swept, sweep_case=cases[0] if swept else None
+    )
+    args.out.write_text(json.dumps(doc, indent=1))
     return 0
 
 

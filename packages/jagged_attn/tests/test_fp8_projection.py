@@ -347,6 +347,27 @@ def test_benchmark_script_smoke(tmp_path, monkeypatch):
     assert all(row["ms_median"] > 0 for row in result["summary"])
 
 
+def test_benchmark_sweep_smoke_restores_the_launch_settings(tmp_path, monkeypatch):
+    """``--sweep`` times the fused kernel per (warps, stages, BK) and puts the module's
+    launch settings back afterwards."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_fp8_projection
+
+    from hyperrec.jagged_attn._triton import _fp8_proj
+
+    before = (_fp8_proj.PROJ_NUM_WARPS, _fp8_proj.PROJ_NUM_STAGES, _fp8_proj.PROJ_BLOCK_K)
+    monkeypatch.setattr(bench_fp8_projection, "SWEEP", [(4, 2, 32), (8, 3, 64)])
+    out = tmp_path / "sweep.json"
+    assert bench_fp8_projection.main(["--out", str(out), "--smoke", "--sweep"]) == 0
+    result = json.loads(out.read_text())
+    got = [(r["num_warps"], r["num_stages"], r["block_k"]) for r in result["sweep"]]
+    assert got == [(4, 2, 32), (8, 3, 64)]
+    assert all(r["error"] is None and r["ms"] > 0 for r in result["sweep"])
+    assert before == (_fp8_proj.PROJ_NUM_WARPS, _fp8_proj.PROJ_NUM_STAGES, _fp8_proj.PROJ_BLOCK_K)
+
+
 @needs_kernels
 def test_quantized_op_passes_opcheck():
     """The ``quantized=`` custom op: fake tensor and autograd registration (opcheck's
