@@ -449,8 +449,8 @@ def _record_quality_runs(monkeypatch):
     (by output directory name) and reports fixed metrics; returns the record."""
     seen = {}
 
-    def fake_run(args, overrides, seed, out):
-        seen[out.name] = overrides
+    def fake_run(args, overrides, seed, out, env=None):
+        seen[out.name] = overrides if env is None else (overrides, env)
         return {"status": "ok", "wall_s": 1.0, "ctr_auc": 0.7, "cvr_auc": 0.6,
                 "ctcvr_auc": 0.8, "ctr_ne": 0.9, "loss": 0.5, "steps": 5}  # fmt: skip
 
@@ -478,8 +478,8 @@ def test_quality_of_ablation_rows_uses_the_rows_overrides(tmp_path, monkeypatch)
 
 def test_quality_of_given_variants_and_seq_linears(tmp_path, monkeypatch):
     """``--variant NAME=...`` runs exactly the given overrides, the first as baseline;
-    ``--seq-linears`` compares the two linear precisions; the modes exclude each other
-    and environment items are refused."""
+    ``--seq-linears`` compares the two linear precisions; the modes exclude each other;
+    a variant's environment items reach its run (they were refused before)."""
     seen = _record_quality_runs(monkeypatch)
     argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0",
             "--variant", "f32=", "--variant", "bf=train.residual_dtype=autocast"]  # fmt: skip
@@ -495,8 +495,10 @@ def test_quality_of_given_variants_and_seq_linears(tmp_path, monkeypatch):
     assert next(tmp_path.glob("seq_linear_quality_*.json"))
     with pytest.raises(SystemExit):
         precision_quality.main(["--out", str(tmp_path), "--seq-linears", "--variant", "a="])
-    with pytest.raises(SystemExit, match="environment items"):
-        precision_quality.main(["--out", str(tmp_path), "--variant", "a=@X=1"])
+    seen.clear()
+    argv = ["--out", str(tmp_path), "--steps", "5", "--seeds", "0", "--variant", "a=@X=1"]
+    assert precision_quality.main(argv) == 0
+    assert seen == {"run-a-seed0": ([], {"X": "1"})}
 
 
 def test_cublas_host_smoke_writes_its_result(tmp_path):
