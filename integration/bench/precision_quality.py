@@ -238,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             {"benchmark": f"{kind}: held-out quality at equal steps",
              "preset": args.preset, "overrides": args.overrides, "steps": args.steps,
              "seeds": args.seeds, "variants": dict(chosen), "variant_env": args.variant_env,
-             "baseline": base_name,
-             "parallel": args.parallel, "complete": len(runs) == len(jobs), "runs": runs, "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
+             "baseline": base_name, "parallel": args.parallel,
+             "complete": len(runs) == len(jobs), "runs": runs,
+             "difference_vs_baseline": diffs, "baseline_seed_spread": spread},
         )  # fmt: skip
         return path, diffs
 
