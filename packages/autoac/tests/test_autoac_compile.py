@@ -139,3 +139,35 @@ def test_profiling_adds_nothing_to_the_models_compile_caches():
     for _ in range(2):
         step(model).backward()
     assert len(graphs) == compiled
+
+
+def test_regions_stay_compiled_past_dynamos_recompile_limit():
+    """The layers share one code object, so each region's plan and each new plan is one
+    more compiled entry of it; past ``recompile_limit`` Dynamo would run the layers
+    eagerly for good, the plan silently out of force (seen on the GPU: a no-AC peak
+    under a packed Llama plan). Here the limit starts at 1 and hitting it is an error:
+    the regions must make the room they need."""
+    import torch._dynamo.config as dconfig
+
+    with dconfig.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        _plans_in_turn(dconfig)
+
+
+def _plans_in_turn(dconfig):
+    model = mlp_tower(n=4)
+    step = step_for(torch.randn(64, 32))
+    ref = autoac.measure_step(model, step, keep_grads=True).grads
+    prof = autoac.profile(model, step, config=autoac.ProfileConfig(cost="flops", steps=1))
+    base = autoac.plan(prof, budget=1e15)
+    modes = set()
+    for f in (0.7, 0.4, 0.1):
+        p = autoac.plan(prof, budget=base.floor + f * (base.no_ac_peak - base.floor))
+        modes |= {r.mode for r in p.regions}
+        h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
+        try:
+            got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
+        finally:
+            h.remove()
+        assert _close(ref, got)
+    assert modes == {"none", "sac"}  # both kinds of region were compiled
+    assert dconfig.recompile_limit > 1

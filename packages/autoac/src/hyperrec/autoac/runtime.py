@@ -95,6 +95,38 @@ def compile_mechanism() -> CompileMechanism:
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
+#: Region compile calls made so far in this process (see ``_compile``).
+_BUILDS = 0
+
+
+def _compile(fn: Callable[..., Any], compile_kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``torch.compile`` of one region, with room for the recompiles regions bring.
+
+    The regions of a model (its identical layers) share one code object, and Dynamo
+    counts compiled entries per code object against ``recompile_limit`` (8 by default):
+    every region whose plan differs is another entry (its checkpoint policy, its packing
+    hooks), and every new plan (a replan in ``apply``'s verification) adds its own. Past
+    the limit Dynamo runs the frame *eagerly* from then on, so the plan silently stops
+    being in force: seen on the GPU as a no-AC peak under a packed Llama plan, which the
+    verification then answered by replanning to half the budget. Each region compile
+    may add two entries (its plan, and the first region's input without
+    ``requires_grad``), so ``torch._dynamo.config.recompile_limit`` (and the
+    accumulated limit) is raised to ``8 + 2 * region compiles so far`` where it is lower.
+    Regions keep sharing entries: ``isolate_recompiles`` would compile every identical
+    layer again, and a per-call limit would leave earlier regions at a lower limit than
+    the shared entries reach.
+    """
+    global _BUILDS
+    _BUILDS += 1
+    need = 8 + 2 * _BUILDS
+    import torch._dynamo.config as dconfig
+
+    if dconfig.recompile_limit < need:
+        dconfig.recompile_limit = need
+    if getattr(dconfig, "accumulated_recompile_limit", need) < need:
+        dconfig.accumulated_recompile_limit = need
+    return torch.compile(fn, **compile_kwargs)
+
 
 def _not_compiled(fn: _F) -> _F:
     """``torch.compiler.disable(fn)`` (torch leaves it unannotated; it returns a function
@@ -228,7 +260,7 @@ class _Runner:
     def _build(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         d = self.decisions.get(name)
         if d is None or d.mode == "none":
-            return torch.compile(fn, **self.compile_kwargs)
+            return _compile(fn, self.compile_kwargs)
         if self.mechanism == "sac":
             ctx = self.ctx[name]
 
@@ -238,18 +270,16 @@ class _Runner:
                 # from writing the module's buffers a second time
                 return _ckpt(_exec.keep_module_state(fn), ctx, *args, **kwargs)
 
-            return torch.compile(body, **self.compile_kwargs)
+            return _compile(body, self.compile_kwargs)
         frac = self.fractions.get(name, 0.0)
         region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
         if region_budget is not None:
             # torch >= 2.13: a per-region annotation read by the partitioner.
-            return torch.compile(
-                _with_region_budget(region_budget, frac, fn), **self.compile_kwargs
-            )
+            return _compile(_with_region_budget(region_budget, frac, fn), self.compile_kwargs)
         # Older torch: the global knob, read when the region's graph is compiled.
         import torch._functorch.config as fconfig
 
-        compiled = torch.compile(fn, **self.compile_kwargs)
+        compiled = _compile(fn, self.compile_kwargs)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             with fconfig.patch(activation_memory_budget=frac):
