@@ -526,3 +526,18 @@ def test_ac_same_memory_trains_longer_histories_within_the_no_ac_peak(tmp_path):
     v = x2["autoac"]["verification"]
     assert v["measured_peak"] <= doc["budget_gb"] * 1e9 * 1.001 and x2["steps"] == 3
     assert not x3["fits"] and x3["floor_gb"] > doc["budget_gb"]
+
+
+def test_feature_scales_records_every_module_each_interval(tmp_path):
+    import feature_scales
+
+    out = tmp_path / "scales.json"
+    assert feature_scales.main(["--preset", "micro", "--steps", "3", "--every", "2",
+                                "--out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == [0, 2]  # every 2nd step and the last
+    for r in rows:
+        seen = r["std_and_mean_abs"]
+        assert {"pma", "ctr_head", "interaction", "seq_layers.0"} <= set(seen)
+        assert all(len(v) == 2 and v[0] >= 0 and v[1] >= 0 for v in seen.values())
+        assert r["loss"] > 0

@@ -29,6 +29,31 @@ def test_forward_shapes_and_gradients_reach_every_parameter(micro, micro_data):
     assert not missing, missing
 
 
+def test_one_feature_groups_scale_leaves_the_others_alone(micro, micro_data):
+    """Each feature group is normalized on its own before the cross layers: the PMA
+    output grown 100x (Adam grows it fastest in a wide model) changes none of the other
+    groups' normalized features. Under one LayerNorm over the concatenation it set every
+    group's scale and squashed the candidate's own features (the 1,024-wide gem stopped
+    learning)."""
+    model = _model(micro).eval()
+    assert model.pma is not None
+    seen = []
+    model.interaction.register_forward_hook(lambda m, args, out: seen.append(args[0].clone()))
+    batch = micro_data.batch(TRAIN, np.arange(16))
+    with torch.no_grad():
+        model(batch)
+        model.pma.out.weight.mul_(100.0)
+        model.pma.out.bias.mul_(100.0)
+        model(batch)
+    before, after = seen
+    d = micro.model.dim
+    others = slice(0, before.shape[-1] - d)  # PMA's group is the last
+    torch.testing.assert_close(after[:, others], before[:, others], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after[:, -d:], before[:, -d:])
+    # the grown group is itself normalized: unit scale per row (default affine)
+    assert torch.allclose(after[:, -d:].pow(2).mean(-1), torch.ones(len(after)), atol=1e-3)
+
+
 def test_a_request_does_not_depend_on_its_batch(micro, micro_data):
     """Jagged ops must not leak across requests, and HSTU's 1/N uses the fixed cap."""
     model = _model(micro).eval()

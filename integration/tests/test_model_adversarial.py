@@ -231,7 +231,13 @@ def _reference(p: dict, cfg: ModelConfig, schema: DataSchema, r: dict):
             ]
         )
         target = _lin(o, p, "cross_attention.out")
-        f = _ln(torch.cat([item, cat, target, *request]), p, "feature_norm")
+        groups, f, start = [item, cat, target, *request], [], 0
+        for g in groups:  # one LayerNorm per feature group, each with its slice
+            sl = slice(start, start + g.shape[-1])
+            w, b = p["feature_norm.weight"][sl], p["feature_norm.bias"][sl]
+            f.append(F.layer_norm(g, (g.shape[-1],), w, b, 1e-5))
+            start += g.shape[-1]
+        f = torch.cat(f)
         x0, xl = f, f
         for layer in range(cfg.cross_layers):
             name = f"interaction.layers.{layer}"
