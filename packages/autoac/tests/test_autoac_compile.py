@@ -26,12 +26,26 @@ def _close(a, b):
     return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
 
 
-def _setup():
-    model = mlp_tower(n=2)
+def _profiled(n):
+    """A tower of ``n`` MLP blocks, its step, reference gradients, profile and the plan
+    of an unlimited budget."""
+    model = mlp_tower(n=n)
     step = step_for(torch.randn(64, 32))
     ref = autoac.measure_step(model, step, keep_grads=True).grads
     prof = autoac.profile(model, step, config=autoac.ProfileConfig(cost="flops", steps=1))
-    base = autoac.plan(prof, budget=1e15)
+    return model, step, ref, prof, autoac.plan(prof, budget=1e15)
+
+
+def _compiled_grads(model, p, step):
+    h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
+    try:
+        return autoac.measure_step(model, step, keep_grads=True, track=False).grads
+    finally:
+        h.remove()
+
+
+def _setup():
+    model, step, ref, prof, base = _profiled(2)
     p = autoac.plan(
         prof,
         budget=base.floor + 0.5 * (base.no_ac_peak - base.floor),
@@ -53,12 +67,7 @@ def test_compiled_regions_follow_the_policy(monkeypatch):
         return out
 
     monkeypatch.setattr(_exec, "_policy", spy)
-    h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
-    try:
-        got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
-    finally:
-        h.remove()
-    assert _close(ref, got)
+    assert _close(ref, _compiled_grads(model, p, step))
     kept = {(op, d) for op, d, pol in seen if pol is CheckpointPolicy.MUST_SAVE}
     planned = {(k[0], d) for r in p.regions for k, d in r.saves.items()}
     traced = {op for op, _, _ in seen}
@@ -154,20 +163,11 @@ def test_regions_stay_compiled_past_dynamos_recompile_limit():
 
 
 def _plans_in_turn(dconfig):
-    model = mlp_tower(n=4)
-    step = step_for(torch.randn(64, 32))
-    ref = autoac.measure_step(model, step, keep_grads=True).grads
-    prof = autoac.profile(model, step, config=autoac.ProfileConfig(cost="flops", steps=1))
-    base = autoac.plan(prof, budget=1e15)
+    model, step, ref, prof, base = _profiled(4)
     modes = set()
     for f in (0.7, 0.4, 0.1):
         p = autoac.plan(prof, budget=base.floor + f * (base.no_ac_peak - base.floor))
         modes |= {r.mode for r in p.regions}
-        h = autoac.apply_plan(model, p, compile=True, compile_kwargs=BACKEND)
-        try:
-            got = autoac.measure_step(model, step, keep_grads=True, track=False).grads
-        finally:
-            h.remove()
-        assert _close(ref, got)
+        assert _close(ref, _compiled_grads(model, p, step))
     assert modes == {"none", "sac"}  # both kinds of region were compiled
     assert dconfig.recompile_limit > 1
