@@ -44,10 +44,11 @@ MODULES = (
 )
 
 
-def _hook(stats: dict[str, list[float]], name: str) -> Any:
+def _hook(stats: dict[str, list[float]], on: list[bool], name: str) -> Any:
     def record(mod: torch.nn.Module, args: Any, out: Any) -> None:
         o = out[0] if isinstance(out, tuple) else out
-        if torch.is_tensor(o) and o.numel() > 1:
+        # only on recorded steps: ``.item()`` waits for the device
+        if on[0] and torch.is_tensor(o) and o.numel() > 1:
             o = o.detach().float()
             stats[name] = [o.std().item(), o.abs().mean().item()]
 
@@ -76,20 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or args.out.with_suffix(".run")
     trainer = Trainer(preset, out_dir=run_dir, device=args.device, progress=False)
     stats: dict[str, list[float]] = {}
+    on = [False]
     model = trainer.model
     for name in MODULES:
         mod = getattr(model, name, None)
         if isinstance(mod, torch.nn.Module):
-            mod.register_forward_hook(_hook(stats, name))
+            mod.register_forward_hook(_hook(stats, on, name))
     n = len(model.seq_layers)
     for i in sorted({0, n // 2, n - 1}):
-        model.seq_layers[i].register_forward_hook(_hook(stats, f"seq_layers.{i}"))
+        model.seq_layers[i].register_forward_hook(_hook(stats, on, f"seq_layers.{i}"))
     rows = []
     t0 = time.perf_counter()
     try:
         for step in range(args.steps):
+            on[0] = step % args.every == 0 or step == args.steps - 1
             m = trainer.train_step()
-            if step % args.every == 0 or step == args.steps - 1:
+            if on[0]:
                 row = {"step": step, "wall_s": round(time.perf_counter() - t0, 1),
                        "loss": m.get("loss"), "grad_norm": m.get("grad_norm"),
                        "std_and_mean_abs": {k: list(v) for k, v in stats.items()}}  # fmt: skip
