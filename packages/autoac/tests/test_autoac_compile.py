@@ -158,16 +158,12 @@ def test_regions_stay_compiled_past_dynamos_recompile_limit():
     the regions must make the room they need."""
     import torch._dynamo.config as dconfig
 
-    with dconfig.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-        _plans_in_turn(dconfig)
-
-
-def _plans_in_turn(dconfig):
     model, step, ref, prof, base = _profiled(4)
     modes = set()
-    for f in (0.7, 0.4, 0.1):
-        p = autoac.plan(prof, budget=base.floor + f * (base.no_ac_peak - base.floor))
-        modes |= {r.mode for r in p.regions}
-        assert _close(ref, _compiled_grads(model, p, step))
+    with dconfig.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        for f in (0.7, 0.4, 0.1):
+            p = autoac.plan(prof, budget=base.floor + f * (base.no_ac_peak - base.floor))
+            modes |= {r.mode for r in p.regions}
+            assert _close(ref, _compiled_grads(model, p, step))
+        assert dconfig.recompile_limit > 1
     assert modes == {"none", "sac"}  # both kinds of region were compiled
-    assert dconfig.recompile_limit > 1
