@@ -48,8 +48,9 @@ _spec.loader.exec_module(validate)  # type: ignore[union-attr]
 bench = validate.bench  # validate_cost's own copy of bench_fsdp: one load, not two
 
 
-def profiled_step(cfg, model, opt, device, rank, seed) -> dict:
-    """Self CPU microseconds per event name over one step (CPU activity only)."""
+def profiled_step(cfg, model, opt, device, rank, seed) -> tuple[dict, dict]:
+    """Self CPU microseconds per event name over one step (CPU activity only), and
+    :func:`runtime_parents` of the same step."""
     from torch.profiler import ProfilerActivity, profile
 
     batch = bench.make_batch(cfg, device, seed, rank)
@@ -60,7 +61,28 @@ def profiled_step(cfg, model, opt, device, rank, seed) -> dict:
     out: dict[str, dict] = {}
     for e in prof.key_averages():
         out[e.key] = {"self_us": float(e.self_cpu_time_total), "count": int(e.count)}
-    return out
+    return out, runtime_parents(prof.events())
+
+
+def runtime_parents(events) -> dict:
+    """Per CUDA runtime call name, the op that issued it: the two nearest enclosing
+    events (``parent < grandparent``), with call count and self CPU microseconds.
+    Calls issued below the dispatcher (inside an op's kernel, a hook, a collective)
+    show here under the op or Python span that encloses them."""
+    table: dict[str, dict[str, dict]] = {}
+    for e in events:
+        if not e.name.startswith("cuda"):
+            continue
+        chain, p = [], e.cpu_parent
+        while p is not None and len(chain) < 2:
+            chain.append(p.name)
+            p = p.cpu_parent
+        key = " < ".join(chain) or "(top level)"
+        row = table.setdefault(e.name, {}).setdefault(key, {"count": 0, "self_us": 0.0})
+        row["count"] += 1
+        row["self_us"] += float(e.self_cpu_time_total)
+    return {name: dict(sorted(rows.items(), key=lambda kv: -kv[1]["self_us"])[:12])
+            for name, rows in table.items()}  # fmt: skip
 
 
 def sync_sites(cfg, model, opt, device, rank, seed) -> dict:
@@ -127,7 +149,8 @@ def main() -> None:
             "step_ms": t["step_s"] * 1e3,
             "host_ms_all": [x * 1e3 for x in t["host_s_all"]],
             "step_ms_all": [x * 1e3 for x in t["step_s_all"]],
-            "profile": profiled_step(c, model, opt, device, 0, 10_000),
+            "profile": (prof := profiled_step(c, model, opt, device, 0, 10_000))[0],
+            "runtime_parents": prof[1],
             "sync_sites": sync_sites(c, model, opt, device, 0, 10_001),
         }
         del model, opt
@@ -174,6 +197,11 @@ def main() -> None:
     for r in grown[:15]:
         print(f"  {r['event'][:60]:60s} {r['model_us']:10.0f} {r['copy_us']:10.0f} "
               f"{r['delta_us']:+10.0f}  n {r['model_count']}/{r['copy_count']}")  # fmt: skip
+    for k in ("model", "copy"):
+        print(f"runtime calls by issuing op ({k}):")
+        for name, rows in per[k]["runtime_parents"].items():
+            for where, r in list(rows.items())[:4]:
+                print(f"  {name[:24]:24s} {r['count']:5d} {r['self_us']:9.0f} us  {where[:90]}")
     for k in ("model", "copy"):
         print(f"sync sites ({k}): {sum(per[k]['sync_sites'].values())}")
         for s, n in list(per[k]["sync_sites"].items())[:8]:

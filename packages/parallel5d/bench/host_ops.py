@@ -21,6 +21,16 @@ the step it predicts:
 Every other op is taken to cost the host the same at any shape (what the copy assumes);
 on the H200 profile above the two kinds here carried most of the gap, the FSDP hooks'
 own Python time (also larger at the tower's shapes) is not covered.
+
+With ``collectives=True`` the step's collectives (ops of the ``c10d`` namespace) are
+recorded too and replayed on the same process group. That is for the fake backend, whose
+all-gather is not free on the host: it copies the input into each of the world size's
+chunks of the output (PyTorch's ``FakeProcessGroup``, so that ``DeviceMesh``'s checks see
+equal data), i.e. 64 device copies of the shard per all-gather at 64 fake ranks, issued
+inside the collective, below the dispatcher's ``copy_`` (a real backend launches one
+kernel). Those copies cost the host more at the model's shard sizes than at its copy's.
+Replaying a collective on a real backend would need every rank to replay the same calls
+in the same order: keep ``collectives=False`` there.
 """
 
 from __future__ import annotations
@@ -53,7 +63,16 @@ SHAPED_OPS = (
 Key = tuple  # (op name, args spec, kwargs spec)
 
 
+#: Opaque arguments of recorded collectives (process groups, reduce ops), by token: the
+#: replay hands the same objects back (a recording is replayed in the process that made it).
+_OBJECTS: dict[str, Any] = {}
+
+
 def _spec(x: Any) -> Any:
+    if isinstance(x, torch.ScriptObject):
+        token = f"obj{id(x)}"
+        _OBJECTS[token] = x
+        return ("S", token)
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type)
     if isinstance(x, (list, tuple)):
@@ -66,21 +85,24 @@ def _spec(x: Any) -> Any:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, collectives: bool) -> None:
         super().__init__()
         self.calls: Counter = Counter()
+        self.collectives = collectives
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SHAPED_OPS:
+        if func in SHAPED_OPS or (self.collectives and func.namespace == "c10d"):
             self.calls[(str(func), _spec(args), _spec(sorted(kwargs.items())))] += 1
         return func(*args, **kwargs)
 
 
-def record_ops(step: Callable[[], Any]) -> Counter:
+def record_ops(step: Callable[[], Any], *, collectives: bool = False) -> Counter:
     """Calls of :data:`SHAPED_OPS` made by ``step()`` (forward, backward and optimizer;
-    the autograd engine's threads inherit the mode), counted per distinct key."""
-    rec = _Recorder()
+    the autograd engine's threads inherit the mode), counted per distinct key; with
+    ``collectives``, the ``c10d`` collectives too (fake backend only: see the module's
+    docstring)."""
+    rec = _Recorder(collectives)
     with rec:
         step()
     return rec.calls
@@ -107,11 +129,19 @@ def _build(spec: Any, device: torch.device) -> Any:
         if text.startswith("torch.") and hasattr(torch, text.split(".", 1)[1]):
             return getattr(torch, text.split(".", 1)[1])
         return torch.device(text)
+    if isinstance(spec, tuple) and spec and spec[0] == "S":
+        return _OBJECTS[spec[1]]
     if isinstance(spec, tuple) and spec and spec[0] == "?":
         raise ValueError(f"cannot rebuild argument {spec[1]!r}")
     if isinstance(spec, tuple):
         return tuple(_build(v, device) for v in spec)
     return spec
+
+
+def _resolve(name: str) -> Any:
+    """``"c10d._allgather_base_.default"`` -> ``torch.ops.c10d._allgather_base_.default``."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 def time_op(key: Key, device: torch.device, *, reps: int = 20, rounds: int = 5) -> float:
@@ -120,7 +150,7 @@ def time_op(key: Key, device: torch.device, *, reps: int = 20, rounds: int = 5) 
     if reps < 1 or rounds < 1:
         raise ValueError(f"reps and rounds must be >= 1, got {reps} and {rounds}")
     name, args_spec, kwargs_spec = key
-    op = _OPS[name]
+    op = _OPS.get(name) or _resolve(name)
     args = _build(args_spec, device)
     kwargs = dict((k, _build(v, device)) for k, v in kwargs_spec)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -149,7 +179,8 @@ def host_op_delta(
     (``timer``, default :func:`time_op`)."""
     timer = timer or time_op
     seconds: dict[Key, float] = {}
-    for key in set(model_calls) | set(copy_calls):
+    # one fixed order (set order varies with the process's hash seed)
+    for key in sorted(set(model_calls) | set(copy_calls), key=repr):
         seconds[key] = timer(key, device)
     per_op: dict[str, dict[str, float]] = {}
     for label, calls in (("model_s", model_calls), ("copy_s", copy_calls)):

@@ -161,10 +161,13 @@ def to_model_config(prof: dict, checkpoint: bool, *, measured: bool, host_s=None
     )
 
 
-def shaped_host_delta(cfg: dict, small: dict, mesh, device: torch.device) -> dict:
+def shaped_host_delta(
+    cfg: dict, small: dict, mesh, device: torch.device, *, fake: bool = False
+) -> dict:
     """``host_ops.host_op_delta`` of ``cfg`` against its copy ``small``: one recorded step
     of each (hyperrec fully_shard + flat AdamW, after one warm-up step), then each
-    distinct GEMM/copy call timed alone."""
+    distinct GEMM/copy call timed alone; on the fake backend (``fake``) each collective
+    too, replayed on its group (the fake all-gather's per-chunk copies: host_ops.py)."""
     spec = importlib.util.spec_from_file_location("p5d_host_ops", HERE / "host_ops.py")
     host_ops = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(host_ops)  # type: ignore[union-attr]
@@ -176,7 +179,11 @@ def shaped_host_delta(cfg: dict, small: dict, mesh, device: torch.device) -> dic
         opt = bench.make_optimizer(model, "hyperrec", "flat")
         bench.train_step(model, opt, bench.make_batch(c, device, 0, rank))
         batch = bench.make_batch(c, device, 1, rank)
-        calls.append(host_ops.record_ops(lambda m=model, o=opt, b=batch: bench.train_step(m, o, b)))
+        calls.append(
+            host_ops.record_ops(
+                lambda m=model, o=opt, b=batch: bench.train_step(m, o, b), collectives=fake
+            )
+        )
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -207,7 +214,8 @@ def main() -> None:
         "--host-ops",
         action="store_true",
         help="also predict with the host term plus the GEMM/copy launch cost at the model's "
-        "shapes beyond the copy's (host_ops.py): *_with_host_ops columns",
+        "shapes beyond the copy's, and on the fake backend its collectives' copies "
+        "(host_ops.py): *_with_host_ops columns",
     )
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() before the measured steps (see bench_fsdp.py)")  # fmt: skip
@@ -315,7 +323,14 @@ def main() -> None:
         if args.host_ops:
             # What the copy's measurement lacks: the host cost of GEMM and copy launches at
             # the model's own shapes (host_ops.py), timed op by op, not from the step.
-            host_ops = shaped_host_delta(cfg, small, mesh, device)
+            host_ops = shaped_host_delta(cfg, small, mesh, device, fake=fake)
+            for r in rounds:  # each round's own host term plus the one shaped delta
+                step = r["measured"]["step_s"]
+                with_ops = predictions(r["host"]["host_s"] + max(host_ops["delta_s"], 0.0))
+                r["errors_pct"].update(
+                    {k.replace("_with_host", "_with_host_ops"): 100.0 * (v - step) / step
+                     for k, v in with_ops.items() if k.endswith("_with_host")}
+                )  # fmt: skip
         # The round whose measured step is the median one stands for the run.
         mid = sorted(range(len(rounds)), key=lambda i: rounds[i]["measured"]["step_s"])[
             len(rounds) // 2
@@ -378,6 +393,14 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            if len(rounds) > 1:
+                print("  per round (measured ms: error of layers + host[, + shaped launches]): "
+                      + "; ".join(
+                          f"{r['measured']['step_s'] * 1e3:.1f}: "
+                          f"{r['errors_pct']['measured_layers_with_host']:+.1f}%"
+                          + ("" if host_ops is None else
+                             f", {r['errors_pct']['measured_layers_with_host_ops']:+.1f}%")
+                          for r in rounds), flush=True)  # fmt: skip
     if rank == 0:
         from hyperrec.testing import write_result
 

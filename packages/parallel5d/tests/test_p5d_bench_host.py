@@ -166,3 +166,44 @@ def test_host_ops_records_shaped_calls_in_forward_and_backward_and_prices_the_di
     assert d["delta_s"] == pytest.approx(want_big - want_small) and d["delta_s"] > 0
     with pytest.raises(ValueError, match="reps"):
         host_ops.time_op(next(iter(big)), torch.device("cpu"), reps=0)
+
+
+def test_host_ops_replays_the_fake_backends_collectives_on_their_group_when_asked():
+    """With ``collectives=True`` the step's all-gather is recorded with its group and
+    replayed on it: the fake backend's all-gather writes its input into each rank's chunk
+    of the output (the host work the copy's small shards under-price); without the flag
+    collectives are not recorded (a real backend would need every rank to replay)."""
+    host_ops = _load("host_ops")
+    created = not dist.is_initialized()
+    if created:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+
+        # as hyperrec.dbuffer gathers (all_gather_into_tensor is deprecated in newer torch)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+        def step(n: int):
+            out = torch.zeros(4 * n)
+            gather(out, torch.full((n,), 2.0))
+            return out
+
+        assert step(3).tolist() == [2.0] * 12  # the fake backend's per-chunk copies
+        plain = host_ops.record_ops(lambda: step(16))
+        big = host_ops.record_ops(lambda: step(16), collectives=True)
+        small = host_ops.record_ops(lambda: step(4), collectives=True)
+        assert not [k for k in plain if k[0].startswith("c10d.")]
+        gathers = [k for k in big if k[0].startswith("c10d.") and "allgather" in k[0]]
+        assert len(gathers) == 1 and big[gathers[0]] == 1
+        assert host_ops.time_op(gathers[0], torch.device("cpu"), reps=2, rounds=2) > 0.0
+
+        def fake_timer(key, device):  # seconds = elements of the gathered output
+            return float(torch.Size(key[1][0][1]).numel())
+
+        d = host_ops.host_op_delta(big, small, torch.device("cpu"), timer=fake_timer)
+        name = gathers[0][0]
+        assert d["per_op"][name]["model_s"] == 64.0 and d["per_op"][name]["copy_s"] == 16.0
+    finally:
+        if created:
+            dist.destroy_process_group()
