@@ -296,7 +296,9 @@ def main() -> None:
                 # compute only where no data moves (one GPU, fake backend); the host
                 # bound applies either way
                 gpu = p.compute_s if (fake or world == 1) else p.step_s
-                out[kind if host_s is None else f"{kind}_with_host"] = max(gpu, p.host_s)
+                # host-bound: the host's time, then the optimizer's update it issued last
+                host_step = 0.0 if host_s is None else p.host_s + p.optimizer_s
+                out[kind if host_s is None else f"{kind}_with_host"] = max(gpu, host_step)
             return out
 
         rounds = []

@@ -121,7 +121,8 @@ def test_predict_one_gpu_by_hand() -> None:
 
 def test_host_issue_time_bounds_the_step() -> None:
     """A measured host issue time longer than the GPU schedule sets the step (and the
-    MFU); a shorter one changes nothing; exposed communication stays the GPU's."""
+    MFU), with the optimizer's update after the host's last launch; a shorter one
+    changes nothing; exposed communication stays the GPU's."""
     dev = DeviceSpec(matmul_tflops=500.0, hbm_gbps=2000.0, launch_us=3.0)
     t = Topology(gpus_per_host=2, hosts=1)
     spec = MeshSpec(fsdp=2)
@@ -131,11 +132,17 @@ def test_host_issue_time_bounds_the_step() -> None:
     assert fast_host.step_s == gpu.step_s and not fast_host.host_bound
     assert fast_host.host_s == pytest.approx(0.5 * gpu.step_s)
     slow_host = predict(_one_layer(host_s=3 * gpu.step_s), t, spec, 4, device=dev)
-    assert slow_host.host_bound and slow_host.step_s == pytest.approx(3 * gpu.step_s)
+    opt = 1_000_000 / 2 * 28 / 2000e9  # AdamW over this rank's half of the parameters
+    want = 3 * gpu.step_s + opt
+    assert slow_host.host_bound and slow_host.step_s == pytest.approx(want)
+    assert slow_host.optimizer_s == pytest.approx(opt) and gpu.optimizer_s == pytest.approx(opt)
     assert slow_host.compute_s == gpu.compute_s
     assert slow_host.exposed_comm_s == pytest.approx(gpu.exposed_comm_s)
-    assert slow_host.mfu == pytest.approx(gpu.mfu / 3)
-    assert slow_host.scaling_ratio == pytest.approx(gpu.scaling_ratio / 3)
+    assert slow_host.mfu == pytest.approx(gpu.mfu * gpu.step_s / want)
+    assert slow_host.scaling_ratio == pytest.approx(gpu.scaling_ratio * gpu.step_s / want)
+    # a host just under the GPU schedule is still bound once the update is added
+    edge = predict(_one_layer(host_s=gpu.step_s - opt / 2), t, spec, 4, device=dev)
+    assert edge.host_bound and edge.step_s == pytest.approx(gpu.step_s + opt / 2)
     assert _one_layer(host_s=0.01).describe()["host_s"] == 0.01
     # plan_mesh prices every candidate with it
     plan = plan_mesh(_one_layer(host_s=1.0), t, 4, device=dev)
