@@ -180,7 +180,6 @@ def test_host_ops_replays_the_fake_backends_collectives_on_their_group_when_aske
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-
         # as hyperrec.dbuffer gathers (all_gather_into_tensor is deprecated in newer torch)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
