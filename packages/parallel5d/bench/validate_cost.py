@@ -19,7 +19,11 @@ For each model (Llama-like, GEM-like tower), on the process layout it is launche
    measured step's own ``host_s`` is recorded beside it. With ``--interleave`` the model
    and its copy take their steps in turn (``bench_fsdp.run_interleaved``), so the host
    term is measured over the same seconds as the step it predicts; without it, each
-   round times the model's steps, then the copy's.
+   round times the model's steps, then the copy's. A host-bound prediction is the host
+   term plus the optimizer's update, which is issued last (``Prediction.optimizer_s``);
+5. with ``--host-ops``, the same plus what the copy's small shapes under-price
+   (``host_ops.py``): the GEMMs' and copies' launches at the model's shapes and, on the
+   fake backend, its all-gathers (one device copy per rank's chunk), each timed alone.
 
     python packages/parallel5d/bench/validate_cost.py --out DIR                 # one GPU
     python packages/parallel5d/bench/validate_cost.py --fake-world-size 8 --out DIR
