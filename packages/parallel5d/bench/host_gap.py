@@ -143,14 +143,15 @@ def main() -> None:
         for s in range(3):
             bench.train_step(model, opt, bench.make_batch(c, device, s, 0))
         bench.sync(device)
+        profile, parents = profiled_step(c, model, opt, device, 0, 10_000)
         per[label] = {
             "cfg": {k: v for k, v in c.items() if isinstance(v, (int, float, str, bool))},
             "host_ms": t["host_s"] * 1e3,
             "step_ms": t["step_s"] * 1e3,
             "host_ms_all": [x * 1e3 for x in t["host_s_all"]],
             "step_ms_all": [x * 1e3 for x in t["step_s_all"]],
-            "profile": (prof := profiled_step(c, model, opt, device, 0, 10_000))[0],
-            "runtime_parents": prof[1],
+            "profile": profile,
+            "runtime_parents": parents,
             "sync_sites": sync_sites(c, model, opt, device, 0, 10_001),
         }
         del model, opt

@@ -108,7 +108,6 @@ def record_ops(step: Callable[[], Any], *, collectives: bool = False) -> Counter
     return rec.calls
 
 
-_OPS = {str(op): op for op in SHAPED_OPS}
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                                torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)}  # fmt: skip
 
@@ -139,7 +138,7 @@ def _build(spec: Any, device: torch.device) -> Any:
 
 
 def _resolve(name: str) -> Any:
-    """``"c10d._allgather_base_.default"`` -> ``torch.ops.c10d._allgather_base_.default``."""
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default`` (any namespace: ``c10d`` too)."""
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
@@ -150,7 +149,7 @@ def time_op(key: Key, device: torch.device, *, reps: int = 20, rounds: int = 5) 
     if reps < 1 or rounds < 1:
         raise ValueError(f"reps and rounds must be >= 1, got {reps} and {rounds}")
     name, args_spec, kwargs_spec = key
-    op = _OPS.get(name) or _resolve(name)
+    op = _resolve(name)
     args = _build(args_spec, device)
     kwargs = dict((k, _build(v, device)) for k, v in kwargs_spec)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

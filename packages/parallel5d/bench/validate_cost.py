@@ -301,8 +301,10 @@ def main() -> None:
                 # bound applies either way
                 gpu = p.compute_s if (fake or world == 1) else p.step_s
                 # host-bound: the host's time, then the optimizer's update it issued last
-                host_step = 0.0 if host_s is None else p.host_s + p.optimizer_s
-                out[kind if host_s is None else f"{kind}_with_host"] = max(gpu, host_step)
+                # (the cost model's rule; p.host_s is 0 without a host term)
+                out[kind if host_s is None else f"{kind}_with_host"] = max(
+                    gpu, p.host_s + p.optimizer_s
+                )
             return out
 
         rounds = []

@@ -639,7 +639,7 @@ def predict(
     # not many short ones that keep pace with the host. (Measured on one H100, GEM
     # tower, host-bound: step - host = 2.5 ms in each of 5 rounds, AdamW over the
     # unsharded 0.28 B parameters; without the tail the host bound read 5-12% low.)
-    host_step = host + tail if model.host_s is not None else 0.0
+    host_step = host + tail  # without host_s: tail <= gpu_step, so the GPU's schedule
     step = max(gpu_step, host_step)
     blocking = sum(x.blocking_fwd + x.blocking_bwd for x in costs) + pre
     comm_total = sum(breakdown.values())
