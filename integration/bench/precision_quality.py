@@ -59,6 +59,22 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+def child_env(parallel: int, env: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The environment of one run's process: ``env`` over this one's, and with
+    ``parallel > 1`` the host's cores split between the runs (``OMP_NUM_THREADS`` and
+    Inductor's compile workers, unless already set): each torch process otherwise starts
+    one thread per core, and side by side they oversubscribe the host. None: inherit."""
+    if parallel <= 1 and not env:
+        return None
+    out = dict(os.environ)
+    if parallel > 1:
+        share = str(max(1, (os.cpu_count() or 1) // parallel))
+        for name in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+            out.setdefault(name, share)
+    out.update(env or {})
+    return out
+
+
 def run_one(
     args: argparse.Namespace,
     overrides: list[str],
@@ -80,7 +96,7 @@ def run_one(
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=None if not env else {**os.environ, **env})  # fmt: skip
+                              env=child_env(args.parallel, env))  # fmt: skip
     except subprocess.TimeoutExpired as e:
         # one slow run must not cost the others (nor the record of those already done)
         tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
@@ -162,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--parallel", type=int, default=1,
-                   help="runs at a time (default 1); above 1 they share the device, so "
-                        "their train_time_s is contended: a quality comparison only")  # fmt: skip
+                   help="runs at a time (default 1); above 1 they share the device and "
+                        "split the host's cores, so their train_time_s is contended: a "
+                        "quality comparison only, and on one GPU rarely faster overall")  # fmt: skip
     p.add_argument("--tag", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny data sizes (a code-path check)")
     p.add_argument("--set", dest="overrides", action="append", default=[],

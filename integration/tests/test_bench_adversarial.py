@@ -239,3 +239,21 @@ def test_precision_quality_real_runs_record_gradient_norms(tmp_path):
         g = run["grad_norm"]
         assert g["logged"] >= 1 and 0.0 < g["median"] <= g["max"]
         assert 0 <= g["above_1"] <= g["logged"]
+
+
+def test_precision_quality_parallel_runs_split_the_host_cores(monkeypatch):
+    """Side by side, each run's process gets a share of the cores (unless the caller set
+    the thread count), and a variant's own environment items still win."""
+    monkeypatch.setattr(precision_quality.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert precision_quality.child_env(1) is None
+    env = precision_quality.child_env(4, {"X_SWITCH": "0"})
+    assert env["OMP_NUM_THREADS"] == "4" and env["TORCHINDUCTOR_COMPILE_THREADS"] == "4"
+    assert env["X_SWITCH"] == "0"
+    assert precision_quality.child_env(32)["OMP_NUM_THREADS"] == "1"
+    assert precision_quality.child_env(1, {"X_SWITCH": "1"})["X_SWITCH"] == "1"
+    assert "OMP_NUM_THREADS" not in precision_quality.child_env(1, {"X_SWITCH": "1"})
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert precision_quality.child_env(4)["OMP_NUM_THREADS"] == "3"
+    assert precision_quality.child_env(4, {"OMP_NUM_THREADS": "2"})["OMP_NUM_THREADS"] == "2"
