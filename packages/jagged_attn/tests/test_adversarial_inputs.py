@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hyperrec.jagged_attn import gdpa, jagged_attention
+from hyperrec.jagged_attn import block_attention, gdpa, jagged_attention
 from hyperrec.jagged_attn._triton import interpreting, supports
 
 _TRITON = pytest.mark.skipif(
@@ -192,3 +192,81 @@ def test_offsets_buffer_refilled_through_numpy(backend):
     new = torch.tensor([0, 9, 12])
     expected = _expected(q, k, v, new, new, act="softmax", causal=True)
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=0)
+
+
+# --- windows and blocks wider than any sequence ------------------------------------------
+# window_size and block_size take any int >= -1 / >= 1, and one wider than every sequence
+# must act like an unbounded one. The Triton kernels did their position arithmetic in
+# int32: window (2**31 - 1, -1) dropped every dK/dV contribution (the outputs were right),
+# (-1, 2**31 - 5) hid every key, and block_size > 2**30 with previous_block zeroed dK/dV;
+# the reference wrapped around in int64 at 2**63 - 1 and hid every key.
+
+
+def _expected_band(q, k, v, q_off, kv_off, *, causal, window=(-1, -1), block=0, prev=False):
+    """float64 softmax attention, per pair, from the README's mask rules (no targets, no
+    contextual tokens): window and block on the bottom-right aligned position."""
+    q, k, v = q.double(), k.double(), v.double()
+    rows = [torch.zeros(0, q.shape[1], v.shape[2], dtype=torch.float64)]
+    for b in range(q_off.numel() - 1):
+        qs, qe, ks, ke = int(q_off[b]), int(q_off[b + 1]), int(kv_off[b]), int(kv_off[b + 1])
+        lq, lk = qe - qs, ke - ks
+        p = torch.arange(lq)[:, None] + (lk - lq)
+        j = torch.arange(lk)[None, :]
+        allowed = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:
+            allowed &= j <= p
+        if window[0] >= 0:
+            allowed &= j >= p - window[0]
+        if window[1] >= 0:
+            allowed &= j <= p + window[1]
+        if block:
+            same = j // block == p // block
+            allowed &= same | (j // block == p // block - 1) if prev else same
+        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) / math.sqrt(q.shape[2])
+        w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num() * allowed
+        rows.append(torch.einsum("hij,jhd->ihd", w, v[ks:ke]))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize(
+    "window", [(2**31 - 1, -1), (-1, 2**31 - 5), (2**31 - 1, 2**31 - 1), (2**63 - 1, 2**63 - 1)]
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_wider_than_int32(backend, window):
+    torch.manual_seed(0)
+    q_off, kv_off = _offsets([5, 0, 37, 3]), _offsets([8, 4, 40, 0])
+    q = torch.randn(45, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(52, H, D, dtype=torch.bfloat16) for _ in range(2))
+    _check(
+        lambda q, k, v: jagged_attention(
+            q,
+            k,
+            v,
+            q_off,
+            37,
+            kv_offsets=kv_off,
+            max_seqlen_kv=40,
+            causal=True,
+            window_size=window,
+            backend=backend,
+        ),
+        lambda q, k, v: _expected_band(q, k, v, q_off, kv_off, causal=True),
+        [q, k, v],
+    )
+
+
+@pytest.mark.parametrize("block_size", [2**30 + 7, 2**31 - 1, 2**63 - 1])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_wider_than_int32(backend, block_size):
+    torch.manual_seed(0)
+    offsets = _offsets([7, 40, 0, 3])
+    q, k, v = (torch.randn(50, H, D, dtype=torch.bfloat16) for _ in range(3))
+    _check(
+        lambda q, k, v: block_attention(
+            q, k, v, offsets, 40, block_size=block_size, previous_block=True, backend=backend
+        ),
+        lambda q, k, v: _expected_band(
+            q, k, v, offsets, offsets, causal=False, block=1 << 40, prev=True
+        ),
+        [q, k, v],
+    )

@@ -276,7 +276,7 @@ def test_config_bad_input() -> None:
 def test_collective_time_monotone(p: int, gph: int, n1: float, n2: float, kind: str) -> None:
     hosts = max(1, math.ceil(p / gph))
     t = Topology(gpus_per_host=gph, hosts=hosts, hosts_per_zone=max(1, hosts // 2))
-    g = min(p, gph)
+    g = p // hosts  # spread evenly: each host holds at least this many
     shape = GroupShape(
         size=p, ranks_per_host=g, ranks_per_zone=g, hosts=hosts, zones=t.zones if hosts > 1 else 1
     )

@@ -447,6 +447,10 @@ def test_impossible_group_shapes_rejected() -> None:
         GroupShape(size=4, ranks_per_host=8)
     with pytest.raises(ValueError, match="ranks_per_zone must be <= size"):
         GroupShape(size=4, ranks_per_zone=8)
+    with pytest.raises(ValueError, match=r"ranks_per_host x hosts must be <= size \(4\)"):
+        GroupShape(size=4, ranks_per_host=4, ranks_per_zone=4, hosts=2)
+    with pytest.raises(ValueError, match=r"ranks_per_zone x zones must be <= size \(8\)"):
+        GroupShape(size=8, ranks_per_host=2, ranks_per_zone=6, hosts=4, zones=2)
     # the extreme valid shapes price every step on a real link
     flat = GroupShape(size=4, hosts=4, zones=4)
     got, _ = collective_time(t, flat, "all_gather", 0.0)

@@ -524,14 +524,21 @@ def bind_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[...,
 def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (a region module's bound ``forward``) for ``checkpoint``, made per call of
     the region: its first call is the forward; on a later call (a recomputation) every
-    buffer of the module is put back afterwards to the tensor and values it had before
-    the recomputation, without bumping version counters (autograd nodes of the
-    recomputation saved them at the current version). The cost: one copy of the
-    region's buffers per recomputation. Other callables are returned as they are."""
+    buffer of the module holds the values it had when the forward *started* while the
+    recomputation runs, and is put back afterwards to the tensor and values it had
+    before the recomputation, without bumping version counters (autograd nodes of the
+    recomputation saved them at the current version). So the recomputation computes
+    what the forward computed even where the forward reads a buffer it then updates
+    (spectral norm's power iteration, running feature normalisation), and the step
+    updates the buffers once. The cost: one copy of the region's buffers held from the
+    forward to its recomputation, and one more per recomputation. Other callables are
+    returned as they are."""
     module = getattr(fn, "__self__", None)
     if not isinstance(module, torch.nn.Module):
         return fn
     calls = [0]
+    # buffers as the forward found them (module, name, values)
+    start: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -540,15 +547,31 @@ def keep_module_state(fn: Callable[..., Any]) -> Callable[..., Any]:
             # and the bookkeeping below applies)
             return fn(*args, **kwargs)
         calls[0] += 1
+        # Outside the dispatch modes: the checkpoint's own (selective caching) and the
+        # profiler's must not see these copies as ops of the region.
         if calls[0] == 1:
+            with _disable_current_modes(), torch.no_grad():
+                start[:] = [(m, n, b.detach().clone()) for m, n, b in _named_buffers(module)]
             return fn(*args, **kwargs)
-        # A recomputation: put every buffer back as the forward left it. All of them,
-        # by name and value: forwards also write buffers through ``.data``, by
-        # re-assigning them or inside kernels (batch norm), none of which moves a
-        # version counter. Outside the dispatch modes: the checkpoint's own (selective
-        # caching) and the profiler's must not see these copies as ops of the region.
+        # A recomputation: run it on the buffers as the forward found them (it read
+        # them before any update it made: recomputing on the updated ones gave other
+        # values, silently wrong gradients), then put every buffer back as the forward
+        # left it. All of them, by name and value: forwards also write buffers through
+        # ``.data``, by re-assigning them or inside kernels (batch norm), none of which
+        # moves a version counter.
         with _disable_current_modes(), torch.no_grad():
             snapshot = [(m, n, b, b.detach().clone()) for m, n, b in _named_buffers(module)]
+            for m, n, old in start:
+                cur = m._buffers.get(n)
+                if (
+                    isinstance(cur, torch.Tensor)
+                    and cur.shape == old.shape
+                    and cur.dtype == old.dtype
+                    and cur.device == old.device
+                ):
+                    cur.data.copy_(old)  # through .data: no version bump
+                else:
+                    m._buffers[n] = old.clone()
         try:
             return fn(*args, **kwargs)
         finally:

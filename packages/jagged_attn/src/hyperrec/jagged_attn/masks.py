@@ -77,6 +77,9 @@ class MaskSpec:
             raise ValueError("block_previous=True needs block_size > 0")
 
 
+_CAP = 1 << 62
+
+
 def allowed(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -103,22 +106,26 @@ def allowed(
     e = torch.minimum(p, t0)
     in_range = (q_pos >= 0) & (q_pos < q_len) & (k_pos >= 0) & (k_pos < k_len)
 
+    # MaskSpec takes any int: a window, block or prefix wider than 2**62 positions means
+    # the same as 2**62 (longer than any sequence), and the cap keeps ``e + right`` inside
+    # int64 (2**63 - 1 used to wrap around and hide every key).
+    wl, wr, bs, c = (min(x, _CAP) for x in (spec.window_left, spec.window_right,
+                                            spec.block_size, spec.contextual_len))  # fmt: skip
     base = torch.ones_like(in_range)
     if spec.causal:
         base = base & (k_pos <= e)
-    if spec.window_left >= 0:
-        base = base & (k_pos >= e - spec.window_left)
-    if spec.window_right >= 0:
-        base = base & (k_pos <= e + spec.window_right)
-    if spec.block_size > 0:
-        q_block = torch.div(e, spec.block_size, rounding_mode="floor")
-        k_block = torch.div(k_pos, spec.block_size, rounding_mode="floor")
+    if wl >= 0:
+        base = base & (k_pos >= e - wl)
+    if wr >= 0:
+        base = base & (k_pos <= e + wr)
+    if bs > 0:
+        q_block = torch.div(e, bs, rounding_mode="floor")
+        k_block = torch.div(k_pos, bs, rounding_mode="floor")
         same = k_block == q_block
         if spec.block_previous:
             same = same | (k_block == q_block - 1)
         base = base & same
-    if spec.contextual_len > 0:
-        c = spec.contextual_len
+    if c > 0:
         base = base | (k_pos < c) | ((p >= 0) & (p < c))
 
     history = k_pos < t0

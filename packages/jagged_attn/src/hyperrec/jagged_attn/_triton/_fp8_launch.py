@@ -470,8 +470,8 @@ def _use_tma(
 
 
 def _mask_ints(call: AttentionCall) -> tuple[int, int, int, int]:
-    m = call.spec.mask
-    return max(m.window_left, 0), max(m.window_right, 0), m.contextual_len, max(m.block_size, 1)
+    # capped at the token count as the bf16 kernels' (no int32 overflow in the mask bounds)
+    return _Mask(call).ints()
 
 
 def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:

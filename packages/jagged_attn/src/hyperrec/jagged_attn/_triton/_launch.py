@@ -86,12 +86,19 @@ class _Mask:
         )
 
     def ints(self) -> tuple[int, int, int, int]:
+        """``(window_left, window_right, contextual_len, block_size)`` for the kernels, each
+        capped at ``cap = Tq + Tk + 1`` tokens. A window, block or prefix that wide already
+        covers every position of every pair (``|e| <= Lq <= Tq``, ``j < Lk <= Tk``), so the
+        cap changes no mask; it keeps the kernels' 32-bit position arithmetic (``e + right``,
+        ``(j // size + 2) * size``) from overflowing on values such as ``2**31 - 1`` that the
+        public functions accept, which used to drop keys silently (dK/dV first)."""
         m = self.call.spec.mask
+        cap = self.call.q.shape[0] + self.call.k.shape[0] + 1
         return (
-            max(m.window_left, 0),
-            max(m.window_right, 0),
-            m.contextual_len,
-            max(m.block_size, 1),
+            min(max(m.window_left, 0), cap),
+            min(max(m.window_right, 0), cap),
+            min(m.contextual_len, cap),
+            min(max(m.block_size, 1), cap),
         )
 
 

@@ -81,6 +81,16 @@ class GroupShape:
                 raise ValueError(f"{name} must be <= size ({self.size}), got {getattr(self, name)}")
         if self.zones > self.hosts:
             raise ValueError(f"zones must be <= hosts ({self.hosts}), got {self.zones}")
+        # Each host (zone) touched holds at least ranks_per_host (ranks_per_zone) of the
+        # group's ranks: 4 per host on 2 hosts is 8 ranks, not 4 (priced as an NVLink-only
+        # group before).
+        for per, count in (("ranks_per_host", "hosts"), ("ranks_per_zone", "zones")):
+            need = getattr(self, per) * getattr(self, count)
+            if need > self.size:
+                raise ValueError(
+                    f"{per} x {count} must be <= size ({self.size}): {getattr(self, per)} x "
+                    f"{getattr(self, count)} = {need} ranks"
+                )
 
     @property
     def tier(self) -> str:
