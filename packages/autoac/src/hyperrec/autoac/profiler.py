@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,8 +299,22 @@ class _ProfilingTracker(MemoryTracker):
         #: regions whose forward writes into one of its inputs in place (replayed
         #: unchecked: the checkpoint saved the input before the write)
         self.inplace_input: set[int] = set()
+        #: region -> its tensor inputs (weakly: holding them would move their frees
+        #: in the measured timeline) and their versions when it returned: a later
+        #: in-place write by the caller fails the checkpoint's backward the same way
+        self.input_versions: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
         #: region -> bytes of each input the step created
         self.region_inputs: dict[int, list[int]] = {}
+
+    def written_after(self) -> set[int]:
+        """Regions one of whose inputs was written in place after the region returned."""
+        out = set()
+        for j, vs in self.input_versions.items():
+            for ref, v in vs:
+                t = ref()
+                if t is not None and t._version != v:
+                    out.add(j)
+        return out
 
 
 class _PhaseContext:
@@ -375,6 +390,7 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
         )
         if any(t._version != v for t, v in versions):
             tracker.inplace_input.add(j)
+        tracker.input_versions[j] = [(weakref.ref(t), t._version) for t, _ in versions]
         return out
 
     return runner
@@ -900,8 +916,10 @@ def _profile(
             try:
                 walls.append(_run_step(model, step_fn, tracker))
             except RuntimeError:
-                # the backward of a region that wrote into its input (torch's version
+                # the backward of a region whose input was written in place, by the
+                # region itself or by the caller after it returned (torch's version
                 # error): replay with that region un-checkpointed
+                tracker.inplace_input |= tracker.written_after()
                 if not tracker.inplace_input - plain:
                     raise
                 traces.append(tracker)
