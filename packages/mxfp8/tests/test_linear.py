@@ -232,3 +232,32 @@ def test_double_backward_raises_instead_of_a_silent_wrong_gradient() -> None:
     (dx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
         dx.square().sum().backward()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("spelling", ["RCEIL", "Floor"])
+def test_policy_scale_mode_is_case_insensitive_on_every_backend(spelling):
+    # Regression: the policy accepted "RCEIL" (its check is case-insensitive) but stored
+    # it as given; the Triton quantizer tests `scale_mode == "rceil"` and so silently
+    # ran FLOOR scales, while the reference raised.
+    assert PrecisionPolicy(scale_mode=spelling).scale_mode == spelling.lower()
+    torch.manual_seed(123)
+    w = torch.randn(48, 64) * torch.exp(torch.randn(48, 1) * 3)
+    x = (torch.randn(40, 64) * torch.exp(torch.randn(40, 1) * 3)).requires_grad_()
+    g = torch.randn(40, 48)
+
+    def run(mode, backend):
+        lin = MXLinear(64, 48, bias=False, policy=PrecisionPolicy(scale_mode=mode, backend=backend))
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        xx = x.detach().clone().requires_grad_()
+        y = lin(xx)
+        y.backward(g)
+        return y, xx.grad, lin.weight.grad
+
+    want = run(spelling.lower(), "torch")
+    other = run("floor" if spelling.lower() == "rceil" else "rceil", "torch")
+    assert not torch.equal(want[1], other[1])  # the two rules differ on this data
+    for backend in ("torch", "triton"):
+        for got, ref_ in zip(run(spelling, backend), want):
+            torch.testing.assert_close(got, ref_, rtol=1e-6, atol=1e-6)

@@ -81,7 +81,9 @@ class PrecisionPolicy:
                 raise type(e)(str(e).replace("elem_dtype", name, 1)) from None
             if fmt.packed:
                 raise ValueError(f"{name} must be an FP8 format for training GEMMs, got MX4")
-        check_scale_mode(self.scale_mode)
+        # Case-insensitive like to_mx's: store the canonical name, which the quantizers
+        # compare against ("RCEIL" would otherwise run FLOOR on the Triton path).
+        object.__setattr__(self, "scale_mode", check_scale_mode(self.scale_mode))
         check_hadamard(self.hadamard, self.block_size)
         for name in ("stochastic_rounding", "wgrad_high_precision", "keep_first", "keep_last"):
             check_bool(name, getattr(self, name))
