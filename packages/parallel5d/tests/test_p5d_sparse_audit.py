@@ -103,3 +103,31 @@ def test_a_shard_first_mesh_is_refused_and_the_usual_one_round_trips():
     for msg in run_on_ranks(_shard_first, 4, "shard_first", timeout_s=300):
         assert "shard groups must be runs of consecutive ranks" in msg, msg
     assert run_on_ranks(_shard_first, 4, "replicate_first", timeout_s=300) == ["ok=True"] * 4
+
+
+def _one_d(order: list[int]) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.tensor(order))
+    # 9 rows on 3 ranks: equal blocks, so a wrong numbering raised no shape error and
+    # silently swapped row blocks in full_weights() and state_dict()
+    tables = [TableConfig(name="t", num_rows=9, dim=3, sharding="row")]
+    try:
+        coll = ShardedEmbeddingCollection(tables, mesh=mesh)
+    except ValueError as exc:
+        return str(exc)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    w = torch.randn(9, 3, generator=g)
+    dist.broadcast(w, 0)
+    coll.load_full_weights({"t": w})
+    ids = torch.randperm(9)
+    looked_up = coll({"t": ids})["t"]
+    ok = torch.equal(looked_up, w[ids]) and torch.equal(coll.full_weights()["t"], w)
+    saved = coll.state_dict()["tables.t.weight"].full_tensor()
+    return f"ok={ok and torch.equal(saved, w)}"
+
+
+def test_a_one_d_mesh_out_of_rank_order_is_refused_and_an_ordered_one_round_trips():
+    for msg in run_on_ranks(_one_d, 3, [1, 0, 2], timeout_s=300):
+        assert "must list its ranks in increasing order" in msg, msg
+    assert run_on_ranks(_one_d, 3, [0, 1, 2], timeout_s=300) == ["ok=True"] * 3

@@ -324,8 +324,8 @@ class ShardedEmbeddingCollection(nn.Module):
         TypeError / ValueError: bad configs, repeated names, a feature naming an
             unknown table, a mesh of more than two axes, a 2-D mesh not spanning every
             rank of the default process group or whose shard groups are not runs of
-            consecutive ranks, an unknown ``shard_axis``; ``sync_free=True`` with more
-            than one rank.
+            consecutive ranks, a 1-D mesh whose ranks are not in increasing order, an
+            unknown ``shard_axis``; ``sync_free=True`` with more than one rank.
     """
 
     def __init__(
@@ -435,6 +435,16 @@ class ShardedEmbeddingCollection(nn.Module):
                 self._axis_groups = (None, None)
         elif mesh.ndim == 1:
             grid = mesh.mesh.reshape(1, -1)
+            order = grid.reshape(-1).tolist()
+            if order != sorted(order):
+                # Owners are numbered by position in the mesh, but the mesh's process
+                # group (and so every DTensor of the rows) orders its ranks by global
+                # rank: rows would be placed by one numbering and gathered by the other
+                # (scrambled full weights and checkpoints, or a shape error).
+                raise ValueError(
+                    f"a 1-D mesh must list its ranks in increasing order (torch process "
+                    f"groups order their members by global rank), got {order}"
+                )
             device_type, flat = mesh.device_type, mesh
             self._axis_groups = (None, mesh.get_group(0))
         elif mesh.ndim == 2:
