@@ -202,32 +202,6 @@ def test_offsets_buffer_refilled_through_numpy(backend):
 # the reference wrapped around in int64 at 2**63 - 1 and hid every key.
 
 
-def _expected_band(q, k, v, q_off, kv_off, *, causal, window=(-1, -1), block=0, prev=False):
-    """float64 softmax attention, per pair, from the README's mask rules (no targets, no
-    contextual tokens): window and block on the bottom-right aligned position."""
-    q, k, v = q.double(), k.double(), v.double()
-    rows = [torch.zeros(0, q.shape[1], v.shape[2], dtype=torch.float64)]
-    for b in range(q_off.numel() - 1):
-        qs, qe, ks, ke = int(q_off[b]), int(q_off[b + 1]), int(kv_off[b]), int(kv_off[b + 1])
-        lq, lk = qe - qs, ke - ks
-        p = torch.arange(lq)[:, None] + (lk - lq)
-        j = torch.arange(lk)[None, :]
-        allowed = torch.ones(lq, lk, dtype=torch.bool)
-        if causal:
-            allowed &= j <= p
-        if window[0] >= 0:
-            allowed &= j >= p - window[0]
-        if window[1] >= 0:
-            allowed &= j <= p + window[1]
-        if block:
-            same = j // block == p // block
-            allowed &= same | (j // block == p // block - 1) if prev else same
-        s = torch.einsum("ihd,jhd->hij", q[qs:qe], k[ks:ke]) / math.sqrt(q.shape[2])
-        w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num() * allowed
-        rows.append(torch.einsum("hij,jhd->ihd", w, v[ks:ke]))
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize(
     "window", [(2**31 - 1, -1), (-1, 2**31 - 5), (2**31 - 1, 2**31 - 1), (2**63 - 1, 2**63 - 1)]
 )
@@ -250,7 +224,7 @@ def test_window_wider_than_int32(backend, window):
             window_size=window,
             backend=backend,
         ),
-        lambda q, k, v: _expected_band(q, k, v, q_off, kv_off, causal=True),
+        lambda q, k, v: _expected(q, k, v, q_off, kv_off, act="softmax", causal=True),
         [q, k, v],
     )
 
@@ -265,8 +239,6 @@ def test_block_wider_than_int32(backend, block_size):
         lambda q, k, v: block_attention(
             q, k, v, offsets, 40, block_size=block_size, previous_block=True, backend=backend
         ),
-        lambda q, k, v: _expected_band(
-            q, k, v, offsets, offsets, causal=False, block=1 << 40, prev=True
-        ),
+        lambda q, k, v: _expected(q, k, v, offsets, offsets, act="softmax", causal=False),
         [q, k, v],
     )

@@ -423,7 +423,7 @@ def attention_forward_fp8(
         out.stride(0), out.stride(1), lse.stride(0) if softmax else 0,
         q_offsets, kv_offsets, v8.pad_offsets, unused if kv_index is None else kv_index,
         unused if num_targets is None else num_targets, tile_seq, tile_idx, total,
-        qk_scale, coef, *_mask_ints(call), k8.data.shape[0], v8.data.shape[2],
+        qk_scale, coef, *_Mask(call).ints(), k8.data.shape[0], v8.data.shape[2],
     )  # fmt: skip
     # FP8 tensor-core products reduce over >= 32 elements: head dims pad up to 32.
     kw = dict(
@@ -467,11 +467,6 @@ def _use_tma(
     if not (interpreting() or gpu_ok):
         return False
     return _tma_ready(k8, vt8) and vt8.stride(0) == vt8.shape[1] * vt8.stride(1)
-
-
-def _mask_ints(call: AttentionCall) -> tuple[int, int, int, int]:
-    # capped at the token count as the bf16 kernels' (no int32 overflow in the mask bounds)
-    return _Mask(call).ints()
 
 
 def _occupancy(compiled: Any, num_warps: int, device: torch.device) -> int:
