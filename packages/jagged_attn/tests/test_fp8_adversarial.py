@@ -712,3 +712,33 @@ def test_bad_arguments_name_the_argument():
         quantize_qkv(q, q, q, off, off.float())
     with pytest.raises(ValueError, match="precision"):
         quantize_qkv(q, q, q, off, precision="bf16")
+
+
+@needs_kernels
+def test_subnormal_key_shift_quantizes_bit_exact():
+    """Keys whose per-sequence mean (the smoothing shift) is a bf16 subnormal: the
+    kernels' quantizers read the shift through the interpreter's bf16 -> fp32
+    conversion, which gets subnormals wrong (1.1e-39 read as 5.9e-39), so K's bytes and
+    scales differed from ``reference_fp8`` in the forward and backward quantizers."""
+    from hyperrec.jagged_attn._triton._fp8_launch import quantize_grad_operands
+    from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv as kernel_quantize_qkv
+    from hyperrec.jagged_attn.fp8 import key_shift
+
+    g = torch.Generator().manual_seed(9)
+    o = offsets_tensor([5, 0, 70, 1], "cpu")
+    T, H, D = int(o[-1]), 1, 32
+    k = (torch.randn(T, H, D, generator=g) * 2.0**-125).bfloat16()
+    q = torch.randn(T, H, D, generator=g).bfloat16()
+    sh = key_shift(k, o)
+    sub = sh.float().abs()
+    assert ((sub > 0) & (sub < torch.finfo(torch.bfloat16).tiny)).any()  # subnormal shifts
+    cfg = FP8Config(hadamard=False)
+    res = quantize_grad_operands(q, k, q, q, o, o, cfg, key_shift=sh)
+    ref = reference_fp8.quantize_tokens(k, cfg, rotate=False, shift=sh, offsets=o)
+    assert torch.equal(res[1].data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(res[1].scale, ref.scale)
+    cfg = FP8Config(hadamard=False, block_kv=32, p_block=32)
+    r1 = kernel_quantize_qkv(q, k, q, o, o, cfg, key_shift=sh)
+    r2 = reference_fp8.quantize_qkv(q, k, q, o, o, cfg, key_shift=sh)
+    assert torch.equal(r1.k.data.view(torch.uint8), r2.k.data.view(torch.uint8))
+    assert torch.equal(r1.k.scale, r2.k.scale)

@@ -372,6 +372,10 @@ class _StorageMarker(TorchDispatchMode):
         self.decisions = decisions
         self.marks = marks
         self.counter = _Counter()
+        # > 0 while a pack hook quantizes: the quantizer's own ops are not the region's
+        # (counted, they shifted the occurrence numbers of every op after the first pack,
+        # so later decisions landed on the wrong tensors)
+        self.paused = 0
 
     def __torch_dispatch__(
         self,
@@ -382,7 +386,7 @@ class _StorageMarker(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in SAC_IGNORED_OPS:
+        if func in SAC_IGNORED_OPS or self.paused:
             return out
         decision = self.decisions.saves.get(self.counter.key(func))
         if decision in SAVE_FORMATS:
@@ -400,6 +404,7 @@ def _run_none_packed(
     kwargs: dict[str, Any],
 ) -> Any:
     marks: _Marks = {}
+    marker = _StorageMarker(decisions, marks)
     # storage key -> (the storage, its packed copy, the version it was packed at); weak:
     # a key may be reused by a new storage once the old one is freed, so the storage
     # itself is compared, and a copy made before an in-place write is not reused.
@@ -422,7 +427,11 @@ def _run_none_packed(
         if entry is not None and entry[0]() is st and entry[2] == t._version:
             p = entry[1]()
         if p is None:
-            p = pack_storage(t, fmt)
+            marker.paused += 1
+            try:
+                p = pack_storage(t, fmt)
+            finally:
+                marker.paused -= 1
             packed[key] = (weakref.ref(st), weakref.ref(p), t._version)
         return _PackedView(p, t.size(), t.stride(), t.storage_offset())
 
@@ -433,7 +442,7 @@ def _run_none_packed(
             full = x.packed.dequantize_shared()
         return full.as_strided(x.size, x.stride, x.offset)
 
-    with saved_tensors_hooks(pack, unpack), _StorageMarker(decisions, marks):
+    with saved_tensors_hooks(pack, unpack), marker:
         return fn(*args, **kwargs)
 
 

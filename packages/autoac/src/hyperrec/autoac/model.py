@@ -29,6 +29,7 @@ trace value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -394,7 +395,12 @@ def min_memory(prob: Problem) -> Assignment:
     return Assignment(modes, tuple(picks))
 
 
-def least_peak(prob: Problem, *, frozen: frozenset[int] = frozenset()) -> Assignment:
+def least_peak(
+    prob: Problem,
+    *,
+    frozen: frozenset[int] = frozenset(),
+    caps: Mapping[int, int] | None = None,
+) -> Assignment:
     """:func:`min_memory`, then every region (outside ``frozen``) whose un-checkpointed
     mode lowers the step's peak left un-checkpointed, until no switch lowers it.
 
@@ -404,8 +410,10 @@ def least_peak(prob: Problem, *, frozen: frozenset[int] = frozenset()) -> Assign
     :func:`min_memory`'s peak as the floor rejected feasible budgets with an error
     naming a "smallest feasible" budget that was not. A local search (one region at a
     time) from the lower of :func:`min_memory` and no checkpoint (outside ``frozen``):
-    never above either's peak.
+    never above either's peak. A region in ``frozen`` with an entry in ``caps`` (bytes
+    it may hold beyond its inputs) may be left un-checkpointed where that fits its cap.
     """
+    caps = caps or {}
     a = min_memory(prob)
     best = peak_of(prob, a)
     off = tuple(
@@ -427,7 +435,7 @@ def least_peak(prob: Problem, *, frozen: frozenset[int] = frozenset()) -> Assign
     while improved:
         improved = False
         for r, reg in enumerate(prob.regions):
-            if r in frozen or a.modes[r] == "none" or "none" not in reg.fixed_s:
+            if (r in frozen and r not in caps) or a.modes[r] == "none" or "none" not in reg.fixed_s:
                 continue
             modes = list(a.modes)
             modes[r] = "none"
@@ -437,6 +445,8 @@ def least_peak(prob: Problem, *, frozen: frozenset[int] = frozenset()) -> Assign
                 w = [max((d for _, _, d in c.intervals), default=0) for c in opts]
                 picks[g] = int(np.argmin(w))
             b = Assignment(tuple(modes), tuple(picks))
+            if r in frozen and held_of(prob, b, r) > caps[r]:
+                continue
             pb = peak_of(prob, b)
             if pb < best:
                 a, best, improved = b, pb, True

@@ -403,22 +403,13 @@ def plan(
     offset = profile.device_offset
     # The floor: full recompute, except regions whose checkpoint raises the peak (it
     # holds their inputs and re-allocates what the backward does not need), which
-    # stay un-checkpointed (see least_peak). Regions with a budget of their own stay
-    # checkpointed: their own floor is a full checkpoint's held bytes.
+    # stay un-checkpointed (see least_peak). A region with a budget of its own is
+    # floored at a full checkpoint's held bytes, and left un-checkpointed in the step's
+    # floor only where that fits its budget.
     rb_names = set(region_budgets) if isinstance(region_budgets, Mapping) else set()
     frozen = frozenset(i for i, r in enumerate(prob.regions) if r.name in rb_names)
     full_a = min_memory(prob)
     floor_a = least_peak(prob, frozen=frozen)
-    floor = peak_of(prob, floor_a) + offset
-    cap = None
-    if budget is not None:
-        cap = _bytes(
-            "budget",
-            budget,
-            floor,
-            "the peak of full recompute with the regions whose checkpoint raises the "
-            "peak left un-checkpointed, the least this step can use",
-        )
     caps: dict[int, int] = {}
     rb_out: dict[str, int] = {}
     if region_budgets:
@@ -434,12 +425,31 @@ def plan(
                     f"region_budgets has an unknown region {name!r}; regions: {sorted(names)}"
                 )
             r = names[name]
-            floor_r = prob.regions[r].input_bytes + held_of(prob, floor_a, r)
+            plain_r = profile.regions[r].plain_held_bytes
+            floor_r = prob.regions[r].input_bytes + held_of(prob, floor_a, r) + plain_r
             v = _bytes(
-                f"region_budgets[{name!r}]", b, floor_r, "its inputs, held by a full checkpoint"
+                f"region_budgets[{name!r}]",
+                b,
+                floor_r,
+                "what it holds un-checkpointed: autoac cannot checkpoint it (it runs an "
+                "in-place collective, draws from an explicit generator or writes into its "
+                "input)"
+                if profile.regions[r].modes == ("none",)
+                else "its inputs, held by a full checkpoint",
             )
             caps[r] = min(v - prob.regions[r].input_bytes, _CAP_MAX)
             rb_out[name] = v
+        floor_a = least_peak(prob, frozen=frozen, caps=caps)
+    floor = peak_of(prob, floor_a) + offset
+    cap = None
+    if budget is not None:
+        cap = _bytes(
+            "budget",
+            budget,
+            floor,
+            "the peak of full recompute with the regions whose checkpoint raises the "
+            "peak left un-checkpointed, the least this step can use",
+        )
     prob.cap = None if cap is None else min(cap - offset, _CAP_MAX)
     prob.region_caps = caps
     raw.cap, raw.region_caps = prob.cap, caps
@@ -490,11 +500,13 @@ def plan(
                 name=reg.name,
                 mode=mode,
                 saves=saves,
-                held_bytes=reg.input_bytes + held_of(prob, a, r),
+                held_bytes=reg.input_bytes + held_of(prob, a, r) + rp.plain_held_bytes,
                 added_s=added,
                 recompute_s=rp.full_recompute_s,
                 input_bytes=reg.input_bytes,
-                noac_held_bytes=reg.input_bytes + held_of(noac_prob, no_ac, r),
+                noac_held_bytes=reg.input_bytes
+                + held_of(noac_prob, no_ac, r)
+                + rp.plain_held_bytes,
             )
         )
     best = Plan(

@@ -186,8 +186,13 @@ class RegionProfile:
         fwd_start, rc_start, rc_end: positions where its forward and its recomputation
             begin and where the backward resumes after the recomputation.
         modes: ``("sac", "none")``, or ``("none",)`` for a region that cannot be
-            replayed (it runs an in-place collective) and is left as is.
+            replayed (it runs an in-place collective, draws from an explicit generator
+            or writes into its input) and is left as is.
         forward_s: measured time of its forward ops.
+        plain_held_bytes: for a region left as is (``modes == ("none",)``), the bytes
+            its forward allocated that stay live into the backward (what it saves for
+            it): its held bytes beyond its inputs, which no plan can lower. 0 otherwise
+            (a checkpointable region's held bytes come from its ops' decisions).
     """
 
     name: str
@@ -200,6 +205,7 @@ class RegionProfile:
     rc_end: int | None
     modes: tuple[str, ...]
     forward_s: float
+    plain_held_bytes: int = 0
 
     @property
     def full_recompute_s(self) -> float:
@@ -590,6 +596,9 @@ def _build_regions(
     for o in tracker.ops:
         for s in o.writes:
             written[s] = max(written.get(s, -1), o.index)
+    # where the backward begins: a storage allocated before it and freed in it was
+    # saved for it
+    bwd_pos = next((o.position for o in tracker.ops if o.phase == "bwd"), end)
     for j, name in enumerate(names):
         fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
         rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
@@ -597,8 +606,18 @@ def _build_regions(
         fwd_start = fwd[0].position if fwd else 0
         forward_s = sum(times.get(o.index, o.time_s) for o in fwd)
         if j in plain or not rc:
+            # Its saves are in the step's timeline either way; counted here so that its
+            # held bytes (and a budget of its own) are not read as its inputs alone.
+            held = 0
+            for o in fwd:
+                for s in o.new:
+                    free = st[s].free
+                    if free is not None and st[s].alloc < bwd_pos <= free:
+                        held += st[s].nbytes
             out.append(
-                RegionProfile(name, j, (), 0.0, inputs, fwd_start, None, None, ("none",), forward_s)
+                RegionProfile(
+                    name, j, (), 0.0, inputs, fwd_start, None, None, ("none",), forward_s, held
+                )
             )
             continue
         # Match the k-th call of each op in the recomputation to the forward's.

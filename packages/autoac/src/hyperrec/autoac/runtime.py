@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -737,12 +738,22 @@ def apply(
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
     planned = budget
+    planned_regions = dict(region_budgets) if region_budgets else None
     if compile:
-        planned = _price_within_budget(
+        planned, planned_regions = _price_within_budget(
             handle, step_fn, budget, region_budgets, plan_config, replan_peak
         )
     if verify:
-        _verify(handle, step_fn, budget, region_budgets, plan_config, replan_peak, planned)
+        _verify(
+            handle,
+            step_fn,
+            budget,
+            region_budgets,
+            plan_config,
+            replan_peak,
+            planned,
+            planned_regions,
+        )
     return handle
 
 
@@ -754,6 +765,28 @@ def _set_plan(handle: AutoAC, plan_: Plan, step_fn: Callable[[nn.Module], torch.
         handle.plan = price_compiled(handle, step_fn, seed=handle.profile.config.seed)
 
 
+#: What a region that does not compile raises from its first call.
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.BackendCompilerFailed,)
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    # torch's compile errors end with a hint on verbose logging; the cause is before it
+    lines = [ln for ln in lines if not ln.startswith(("Set TORCH", "For even more"))]
+    return lines[-1][:200] if lines else ""
+
+
+def _region_overshoots(plan_: Plan, region_budgets: Mapping[str, float] | None) -> dict[str, int]:
+    """Bytes by which each budgeted region of ``plan_`` holds more than its budget."""
+    if not region_budgets:
+        return {}
+    return {
+        r.name: int(r.held_bytes - region_budgets[r.name])
+        for r in plan_.regions
+        if r.name in region_budgets and r.held_bytes > region_budgets[r.name]
+    }
+
+
 def _price_within_budget(
     handle: AutoAC,
     step_fn: Callable[[nn.Module], torch.Tensor],
@@ -761,28 +794,60 @@ def _price_within_budget(
     region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
     replan: bool,
-) -> float | None:
+) -> tuple[float | None, dict[str, float] | None]:
     """Price a compiled handle's plan from its graphs and, while that prediction is over
-    ``budget``, plan again with the planner's budget lowered by the overshoot (as the
-    verification does with a measured one); returns the planner's last budget."""
+    ``budget`` or a region holds more than its budget, plan again with the planner's
+    budgets lowered by the overshoot (as the verification does with a measured one);
+    returns the planner's last budgets (step, per region)."""
     prof = handle.profile
     assert prof is not None
     handle.plan = price_compiled(handle, step_fn, seed=prof.config.seed)
     planned = budget
+    planned_regions = dict(region_budgets) if region_budgets else None
     for _ in range(MAX_PEAK_REPLANS):
         over = handle.plan.predicted_peak - budget if budget is not None else 0
-        if not replan or planned is None or over <= 0:
+        region_over = _region_overshoots(handle.plan, region_budgets)
+        if not replan or (over <= 0 and not region_over):
             break
-        if planned <= handle.plan.floor:
+        lowered = planned
+        if planned is not None and over > 0:
+            if planned <= handle.plan.floor:
+                break
+            # no lower than the floor: the planner rejects budgets below it
+            lowered = max(planned - over, handle.plan.floor)
+        lowered_regions = planned_regions
+        if region_over and planned_regions is not None:
+            lowered_regions = {n: b - region_over.get(n, 0) for n, b in planned_regions.items()}
+        try:
+            p = plan(prof, budget=lowered, region_budgets=lowered_regions, config=plan_config)
+        except ValueError:
+            # a region's budget lowered below its floor: no plan holds it in the graphs
             break
-        # no lower than the floor: the planner rejects budgets below it
-        planned = max(planned - over, handle.plan.floor)
-        _set_plan(
-            handle,
-            plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
-            step_fn,
+        previous = handle.plan
+        try:
+            _set_plan(handle, p, step_fn)
+        except _COMPILE_ERRORS as err:
+            # Some plans do not compile (torch 2.13's Inductor, a selective checkpoint
+            # with a packed save: "could not find saved tensor ... in bw_g_inputs"):
+            # keep the plan that did, and say what it misses below.
+            handle.set_plan(previous)
+            handle.plan = previous
+            warnings.warn(
+                f"autoac: the plan replanned for the budgets did not compile "
+                f"({type(err).__name__}: {_last_line(err)}); "
+                "keeping the previous plan",
+                stacklevel=3,
+            )
+            break
+        planned, planned_regions = lowered, lowered_regions
+    region_over = _region_overshoots(handle.plan, region_budgets)
+    if region_over:
+        warnings.warn(
+            "autoac: priced from the compiled graphs, these regions hold more than their "
+            f"budgets (bytes over): {region_over}",
+            stacklevel=3,
         )
-    return planned
+    return planned, planned_regions
 
 
 def price_compiled(
@@ -874,6 +939,7 @@ def _verify(
     plan_config: PlanConfig | None,
     replan_peak: bool = True,
     planned: float | None = None,
+    planned_regions: Mapping[str, float] | None = None,
 ) -> None:
     prof = handle.profile
     assert prof is not None
@@ -883,6 +949,9 @@ def _verify(
     # the budget handed to the planner; lowered on an overshoot (predicted from the
     # compiled graphs before, measured here)
     planned = budget if planned is None else planned
+    # the region budgets handed to the planner (lowered where compiled graphs held more)
+    if planned_regions is None:
+        planned_regions = region_budgets
     peak_replans = 0
     while True:
         # autoac's own compiled regions are what it verifies; the model's compiled
@@ -910,7 +979,7 @@ def _verify(
             handle.profile = prof
             _set_plan(
                 handle,
-                plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
+                plan(prof, budget=planned, region_budgets=planned_regions, config=plan_config),
                 step_fn,
             )
             continue
@@ -926,7 +995,7 @@ def _verify(
                 peak_replans += 1
                 _set_plan(
                     handle,
-                    plan(prof, budget=planned, region_budgets=region_budgets, config=plan_config),
+                    plan(prof, budget=planned, region_budgets=planned_regions, config=plan_config),
                     step_fn,
                 )
                 continue
@@ -948,6 +1017,12 @@ def _verify(
         "within_budget": None
         if budget is None
         else m.peak_bytes <= budget * (1.0 + PEAK_TOLERANCE),
+        # per region, predicted (from the compiled graphs where compiled): bytes held
+        # beyond the region's budget; the step's measured peak does not show these
+        "region_overshoots": _region_overshoots(handle.plan, region_budgets),
+        "within_region_budgets": None
+        if not region_budgets
+        else not _region_overshoots(handle.plan, region_budgets),
     }
 
 

@@ -253,7 +253,7 @@ def _quant_tile(
             # (B, H, D) contiguous, one row per sequence. Rows past the sequence stay 0:
             # they share block maxima with the sequence's rows (GROUP > 1).
             sh = tl.load(SHIFT + (b * tl.num_programs(1) + h) * D + c, mask=c < D, other=0.0)
-            x = tl.where(row_ok[:, None], x - sh.to(tl.float32)[None, :], 0.0)
+            x = tl.where(row_ok[:, None], x - _f32(sh)[None, :], 0.0)
         _quant_store(
             x, DATA, SCALE, SIGNS, poffsets, b, t, start, n_rows, h,
             stride_dt, stride_dh, stride_st, stride_sh,
