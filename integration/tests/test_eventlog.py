@@ -4,9 +4,12 @@ import csv
 import dataclasses
 import json
 import math
+import pickle
+from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 from hyperrec.integration import (
     TEST,
@@ -145,6 +148,7 @@ def test_csv_engines_and_parquet_prepare_the_same_arrays(tmp_path):
         prepare_event_log(_cfg(pq_path), tmp_path / "c"),
     ]
     assert len({i["fingerprint"] for i in infos}) == 1
+    assert len({i["content_digest"] for i in infos}) == 1  # the same data to a resume
     for name in ("user", "item", "time", "label", "prior", "tie_pos", "category", "tags"):
         a = np.load(tmp_path / "a" / f"{name}.npy")
         for other in ("b", "c"):
@@ -314,6 +318,80 @@ def test_preparation_is_reused_and_redone_when_the_inputs_change(tmp_path):
         src.load_state_dict({**src.state_dict(), "fingerprint": first["fingerprint"]})
     with pytest.raises(ValueError, match="prepared for other files"):
         EventLogSource(dataclasses.replace(cfg, split="user"), tmp_path / "c")
+
+
+def test_a_resume_state_tells_logs_with_the_same_counts_apart(tmp_path):
+    # Before: the state's fingerprint hashed aggregates only (counts, vocabulary sizes,
+    # positives, sums of item ids and times), so a log with two training labels swapped,
+    # or an event moved to another user, resumed silently as the same data.
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rows = _random_log(seed=seed, events=300)
+    (tmp_path / "a").mkdir()
+    src = EventLogSource.open(_cfg(_write_csv(tmp_path / "a" / "log.csv", rows)), tmp_path / "ca")
+    early = sorted(range(len(rows)), key=lambda i: rows[i][2])[: len(rows) // 2]  # training
+    zero = next(i for i in early if rows[i][3] == 0)
+    one = next(i for i in early if rows[i][3] == 1)
+    swapped = [list(r) for r in rows]
+    swapped[zero][3], swapped[one][3] = 1, 0
+    users = Counter(rows[i][0] for i in early)
+    donor = next(i for i in early if users[rows[i][0]] > 1)
+    moved = [list(r) for r in rows]
+    moved[donor][0] = next(u for u in users if u != rows[donor][0])
+    for name, variant in (("swapped", swapped), ("moved", moved)):
+        (tmp_path / name).mkdir()
+        other = EventLogSource.open(_cfg(_write_csv(tmp_path / name / "log.csv", variant)),
+                                    tmp_path / f"c{name}")  # fmt: skip
+        assert other.info["fingerprint"] == src.info["fingerprint"], (seed, name)  # same counts
+        with pytest.raises(ValueError, match="other content.*must read the same data"):
+            src.load_state_dict(other.state_dict())
+    # The same log elsewhere (moved, another cache) is the same data.
+    (tmp_path / "b").mkdir()
+    same = EventLogSource.open(_cfg(_write_csv(tmp_path / "b" / "log.csv", rows)), tmp_path / "cb")
+    assert same.state_dict() == src.state_dict()
+    src.load_state_dict(same.state_dict())
+    # A state saved before the digest existed is checked by its fingerprint.
+    old = {k: v for k, v in src.state_dict().items() if k != "content_digest"}
+    same.load_state_dict(old)
+    # A preparation made before the digest existed gets it from its arrays when opened.
+    info = json.loads((tmp_path / "cb" / "prepared.json").read_text())
+    del info["content_digest"]
+    (tmp_path / "cb" / "prepared.json").write_text(json.dumps(info))
+    assert EventLogSource(_cfg(tmp_path / "b" / "log.csv"), tmp_path / "cb").content_digest == (
+        src.content_digest
+    )
+
+
+def test_a_pickled_source_maps_its_columns_again_instead_of_copying_them(tmp_path):
+    # Before: np.memmap columns pickle as full copies, so every DataLoader worker
+    # (train.data_workers > 0) received the whole prepared log through a pipe.
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    path = _write_csv(tmp_path / "l.csv", _random_log(seed=seed, events=3000))
+    src = EventLogSource.open(_cfg(path), tmp_path / "c")
+    blob = pickle.dumps(src)
+    npy = sum(f.stat().st_size for f in (tmp_path / "c").glob("*.npy"))
+    assert len(blob) < 16_384 < npy, (len(blob), npy)
+    copy = pickle.loads(blob)
+    for name in EventLogSource._ARRAYS:
+        mine, theirs = getattr(src, name), getattr(copy, name)
+        if name == "_rows":
+            assert mine.keys() == theirs.keys()
+            pairs = [(mine[k], theirs[k]) for k in mine]
+        else:
+            pairs = [(mine, theirs)] if mine is not None else []
+            assert (theirs is None) == (mine is None), name
+        for a, b in pairs:
+            assert isinstance(b, np.memmap), name  # mapped, not copied
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert copy.state_dict() == src.state_dict() and copy.schema == src.schema
+    ids = np.random.default_rng(seed).choice(src.num_requests(TRAIN), 50, replace=False)
+    a, b = src.batch(TRAIN, ids), copy.batch(TRAIN, ids)
+    assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("history_items", "dense",
+                                                                     "tags", "click"))  # fmt: skip
+    # A cache prepared again in between is not silently read as the pickled source.
+    _write_csv(path, _random_log(seed=seed + 1, events=100))
+    prepare_event_log(_cfg(path), tmp_path / "c")
+    with pytest.raises(ValueError, match="no longer holds the prepared event log"):
+        pickle.loads(blob)
 
 
 def test_bad_request_ids(tmp_path):

@@ -2,6 +2,7 @@
 or reuse a stale preparation silently, checked against an independent reference."""
 
 import csv
+import dataclasses
 import datetime
 import math
 import os
@@ -338,6 +339,87 @@ def test_shuffle_off_order_is_time_order_below_a_second(tmp_path):
     mean, std = src.info["dense_columns"][0]["mean"], src.info["dense_columns"][0]["std"]
     rids = np.rint(batch.dense[:, -1].double().numpy() * std + mean).astype(int).tolist()
     assert rids == [3, 1, 0, 2]
+
+
+def test_a_float_time_file_beside_integer_nanoseconds_keeps_them_exact(tmp_path):
+    """One file of float times made every time float64: int64 nanoseconds 100 ns apart
+    were rounded to 256 ns steps and distinct events became simultaneous (shorter
+    histories). Whole floats are now read as int64; fractional ones beside times that
+    float64 cannot hold are refused."""
+    rng = np.random.default_rng()
+    base = 1_700_000_000_000_000_000 + int(rng.integers(0, 10**12))
+    n = int(rng.integers(20, 40))
+    gaps = rng.integers(1, 200, size=n).cumsum()  # all below 256 ns: rounding merges them
+    folder = tmp_path / "log"
+    folder.mkdir()
+
+    def write(name, users, times):
+        table = {"user_id": users, "item_id": [str(k) for k in range(len(times))],
+                 "timestamp": times, "label": [k % 2 for k in range(len(times))]}  # fmt: skip
+        pq.write_table(pa.table(table), str(folder / name))
+
+    write("a.parquet", ["u"] * n, pa.array((base + gaps).tolist(), pa.int64()))
+    write("b.parquet", ["v"], pa.array([float(base)], pa.float64()))
+    cfg = EventLogConfig(path=str(folder), time_unit="ns", max_seqlen=64, valid_fraction=0.0,
+                         test_fraction=0.0)  # fmt: skip
+    src = EventLogSource.open(cfg, tmp_path / "c")
+    lengths = src.history_lengths(TRAIN, np.arange(src.num_requests(TRAIN)))
+    assert sorted(lengths.tolist()) == [0, *range(n)]  # every event of "u" distinct
+    assert np.array_equal(np.load(tmp_path / "c" / "time.npy"),
+                          np.sort(np.append(base + gaps, base)) // 10**9)  # fmt: skip
+    # A fractional time beside them cannot be kept exact: an error, not a rounding.
+    write("b.parquet", ["v", "v"], pa.array([1.5, 2.0], pa.float64()))
+    with pytest.raises(EventLogError, match=r"b\.parquet: column 'timestamp' has a fractional "
+                       r"time \(1\.5 at data row 1\).*a\.parquet: column 'timestamp' has "
+                       r"integer times beyond 2\^53"):  # fmt: skip
+        prepare_event_log(cfg, tmp_path / "c2")
+    # Fractional seconds beside integer seconds (exact in float64) are still read.
+    write("a.parquet", ["u"] * n, pa.array((1_700_000_000 + gaps).tolist(), pa.int64()))
+    ok = EventLogSource.open(dataclasses.replace(cfg, time_unit="s"), tmp_path / "c3")
+    assert ok.num_requests(TRAIN) == n + 2
+
+
+@pytest.mark.parametrize(
+    ("column", "values", "kind"),
+    [
+        ("user_id", lambda n: pa.array([[k % 3] for k in range(n)]), "list<"),
+        ("item_id", lambda n: pa.array([{"a": k} for k in range(n)]), "struct<"),
+        ("category", lambda n: pa.array([["c"]] * n), "list<"),
+        ("country", lambda n: pa.array([[("k", 1)]] * n, pa.map_(pa.string(), pa.int64())),
+         "map<"),
+        ("user_id", lambda n: pa.array([b"\xff\xfe"] * n, pa.binary()), "binary"),
+    ],
+)  # fmt: skip
+def test_a_parquet_id_column_of_a_type_without_ids_names_file_column_and_type(
+    tmp_path, column, values, kind
+):
+    """A list / struct / map id column raised pyarrow's bare ArrowNotImplementedError
+    (no file, no column)."""
+    n = int(np.random.default_rng().integers(8, 30))
+    table = {"user_id": [f"u{k % 3}" for k in range(n)], "item_id": list(range(n)),
+             "timestamp": [1000 + k for k in range(n)], "label": [k % 2 for k in range(n)],
+             "category": [f"c{k % 2}" for k in range(n)], "country": ["fr"] * n}  # fmt: skip
+    table[column] = values(n)
+    path = tmp_path / "l.parquet"
+    pq.write_table(pa.table(table), str(path))
+    cfg = EventLogConfig(path=str(path), category_column="category",
+                         user_feature_columns=("country",))  # fmt: skip
+    with pytest.raises(EventLogError, match=f"column '{column}' must hold ids") as info:
+        prepare_event_log(cfg, tmp_path / "c")
+    assert str(path) in str(info.value) and kind in str(info.value)
+
+
+def test_a_boolean_parquet_time_column_is_refused_not_read_as_0_and_1(tmp_path):
+    n = int(np.random.default_rng().integers(8, 30))
+    cfg = _parquet_times(tmp_path, [bool(k % 2) for k in range(n)], pa.bool_())
+    with pytest.raises(EventLogError, match=r"l\.parquet: column 'timestamp' is a boolean"):
+        prepare_event_log(cfg, tmp_path / "c")
+    # A boolean label is still a 0/1 label.
+    table = pq.read_table(cfg.path).to_pydict()
+    table["timestamp"] = list(range(n))
+    table["label"] = [bool(k % 2) for k in range(n)]
+    pq.write_table(pa.table(table), cfg.path)
+    assert prepare_event_log(cfg, tmp_path / "c")["positives"]["train"] >= 0
 
 
 # -- splits ------------------------------------------------------------------------------

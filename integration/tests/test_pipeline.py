@@ -212,3 +212,114 @@ def test_reshard_streams_loses_and_repeats_no_sub_batch(micro_data, old, new, w)
     )
     again.load_state_dict(state)
     assert again.next().sub_batches == resumed[0].next().sub_batches
+
+
+def _fresh_rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return np.random.default_rng(seed), seed
+
+
+def _epoch_streams(data, *, n, world, k, w, s, end, seed):
+    order = RequestOrder(n, shuffle=True, seed=seed)
+    return [
+        TrainStream(data, sub_batch_size=s, sub_batches_per_step=k, window_steps=w, rank=r,
+                    world_size=world, cost=default_cost_model(16), order=order, end=end)
+        for r in range(world)
+    ]  # fmt: skip
+
+
+def test_an_end_trains_every_request_of_every_pass_whatever_the_window(micro_data):
+    # Before: the last BBS window was planned as a full one of W steps, so with a step
+    # count not a multiple of W some sub-batches of the last pass were dealt to steps
+    # after the run's end and never trained (sub-batches of the next pass took their
+    # place). Now the reader ends before `end` and the last window is a short one.
+    rng, seed = _fresh_rng()
+    for _ in range(6):
+        world = int(rng.integers(1, 4))
+        k, s = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        w = int(rng.integers(2, 6))
+        n, epochs = int(rng.integers(20, 200)), int(rng.integers(1, 4))
+        per_step = world * k  # global sub-batches per step
+        steps = -(-epochs * n // (per_step * s))
+        end = steps * per_step
+        where = dict(seed=seed, world=world, k=k, s=s, w=w, n=n, epochs=epochs, steps=steps)
+        counts = np.zeros(n, dtype=np.int64)
+        for stream in _epoch_streams(micro_data, n=n, world=world, k=k, w=w, s=s, end=end,
+                                     seed=seed):  # fmt: skip
+            for step in range(steps):
+                plan = stream.next_plan()
+                assert len(plan.sub_batches) == k, where
+                assert max(plan.sub_batches) < end, where
+                for j in plan.sub_batches:  # the delay bound still holds
+                    assert abs(step - (j // world) // k) <= w - 1, where
+                np.add.at(counts, plan.requests, 1)
+            before = stream.state_dict()
+            with pytest.raises(StopIteration):
+                stream.next_plan()
+            assert stream.state_dict() == before, where  # stays at the end
+        assert counts.min() >= epochs, where  # every request read `epochs` times...
+        assert counts.sum() - epochs * n < per_step * s, where  # ...less than a batch more
+        assert counts.sum() == end * s, where
+
+
+def test_an_ended_stream_resumes_inside_its_short_last_window(micro_data):
+    rng, seed = _fresh_rng()
+    k, w, s, world = 2, 4, 4, 2
+    steps = int(rng.integers(1, 4)) * w + int(rng.integers(1, w))  # steps % W != 0
+    end = steps * k * world
+    stop = steps - int(rng.integers(1, steps % w + 1))  # inside the last (short) window
+    a = _epoch_streams(micro_data, n=97, world=world, k=k, w=w, s=s, end=end, seed=seed)[1]
+    for _ in range(stop):
+        a.next_plan()
+    state = a.state_dict()
+    assert state["end"] == end
+    expected = [a.next_plan().sub_batches for _ in range(steps - stop)]
+    b = _epoch_streams(micro_data, n=97, world=world, k=k, w=w, s=s, end=end, seed=seed)[1]
+    b.load_state_dict(state)
+    assert [b.next_plan().sub_batches for _ in range(steps - stop)] == expected, seed
+    with pytest.raises(StopIteration):
+        b.next_plan()
+    # Another end is refused inside a window it changes, accepted at a window boundary.
+    other = _epoch_streams(micro_data, n=97, world=world, k=k, w=w, s=s, end=end + k * world,
+                           seed=seed)[1]  # fmt: skip
+    if state["shuffler"]["steps_done_in_window"]:
+        with pytest.raises(ValueError, match="inside a BBS window"):
+            other.load_state_dict(state)
+        assert other.reader.backlog == () and other.reader.frontier == 0  # left as it was
+    boundary = _epoch_streams(micro_data, n=97, world=world, k=k, w=w, s=s, end=end,
+                              seed=seed)[1]  # fmt: skip
+    for _ in range(w):
+        boundary.next_plan()
+    other.load_state_dict(boundary.state_dict())
+    assert len(other.next_plan().sub_batches) == k
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 2), (1, 4), (4, 1), (2, 4)])
+def test_reshard_with_an_end_gives_every_new_rank_the_same_steps(micro_data, old, new):
+    # Before: the backlog was dealt round-robin and then each rank continued its stride,
+    # so ranks could hold unequal numbers of sub-batches below the end (one ran out
+    # before the others, another trained past the end).
+    rng, seed = _fresh_rng()
+    k_global, w, s = 12, int(rng.integers(1, 5)), 4
+    steps = int(rng.integers(6, 12))
+    end = steps * k_global
+    cut = int(rng.integers(1, steps))
+    streams = _epoch_streams(micro_data, n=89, world=old, k=k_global // old, w=w, s=s, end=end,
+                             seed=seed)  # fmt: skip
+    seen = [j for st in streams for _ in range(cut) for j in st.next_plan().sub_batches]
+    backlogs, frontier = reshard_streams(
+        [st.state_dict() for st in streams], micro_data, world_size=new,
+        cost=default_cost_model(16), order=streams[0].reader.order, end=end,
+    )  # fmt: skip
+    for r in range(new):
+        st = TrainStream(micro_data, sub_batch_size=s, sub_batches_per_step=k_global // new,
+                         window_steps=w, rank=r, world_size=new, cost=default_cost_model(16),
+                         order=streams[0].reader.order, backlog=backlogs[r], frontier=frontier,
+                         end=end)  # fmt: skip
+        for _ in range(steps - cut):
+            plan = st.next_plan()
+            assert len(plan.sub_batches) == k_global // new, (seed, w, steps, cut)
+            seen += plan.sub_batches
+        with pytest.raises(StopIteration):
+            st.next_plan()
+    assert sorted(seen) == list(range(end)), (seed, w, steps, cut)

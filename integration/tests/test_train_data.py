@@ -16,6 +16,7 @@ from hyperrec.integration import (
     VALID,
     DataSource,
     EventLogConfig,
+    EventLogSource,
     SyntheticRecsysData,
     Trainer,
     get_preset,
@@ -101,6 +102,45 @@ def test_resume_with_an_event_log_equals_an_uninterrupted_run(log_path, tmp_path
     assert rc.metrics["eval"] == ra.metrics["eval"]
     pa, pc = a.model.state_dict(), c.model.state_dict()
     assert all(torch.equal(pa[k], pc[k]) for k in pa)
+
+
+def test_epochs_read_every_request_and_resume_inside_the_short_last_window(tmp_path):
+    # Before: with steps (from epochs) not a multiple of window_steps, BBS planned its
+    # last window as a full one: sub-batches of the last pass dealt to steps after the
+    # run's end never trained and sub-batches of the next pass trained in their place.
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    log = write_example_log(tmp_path / "events.csv", users=30, events_per_user=14, seed=seed)
+    epochs = 2
+    n_train = EventLogSource.open(_log_preset(log).data, tmp_path / "prep").num_requests(TRAIN)
+    steps = math.ceil(epochs * n_train / 64)
+    # A window the steps do not fill, with a checkpoint inside the short last window.
+    w = next(w for w in range(3, steps) if steps % w >= 2)
+    cache = {"cache_dir": str(tmp_path / "prep")}
+    preset = _log_preset(log, epochs=epochs, window_steps=w, ckpt_every=steps - 1, eval_every=0,
+                         baseline_requests=0, data=cache)  # fmt: skip
+    full = []
+    a = Trainer(preset, out_dir=tmp_path / "a", progress=False, on_step=full.append)
+    assert a.preset.train.steps == steps
+    a.fit(plot=False)
+    counts = Counter(torch.cat([r.sample_ids for r in full]).tolist())
+    where = (seed, n_train, steps, w)
+    assert len(full) == steps, where
+    per_step = 64 // preset.train.sub_batch_size
+    trained = sorted(j for r in full for j in r.sub_batches)
+    assert trained == list(range(steps * per_step)), where  # none dropped past the end
+    assert len(counts) == n_train and min(counts.values()) >= epochs, where
+    assert sum(counts.values()) - epochs * n_train < 64, where  # less than a batch more
+
+    first = []
+    b = Trainer(preset, out_dir=tmp_path / "b", progress=False, on_step=first.append)
+    b.fit(stop_after=steps - 1, plot=False)  # checkpoint at steps - 1, mid-window
+    second = []
+    c = Trainer(preset, resume=tmp_path / "b", progress=False, on_step=second.append)
+    assert c.step == steps - 1
+    c.fit(plot=False)
+    assert [r.loss for r in first + second] == [r.loss for r in full], where  # bitwise
+    resumed = torch.cat([r.sample_ids for r in first + second])
+    assert torch.equal(torch.cat([r.sample_ids for r in full]), resumed), where
 
 
 def test_a_resume_against_other_data_is_refused(log_path, tmp_path):

@@ -41,7 +41,12 @@ int64 times, int8 labels: about 17 bytes per event plus 4 per extra column) are 
 for one in-memory sort by (user, time). The prepared columns are written as ``.npy``
 files and *memory-mapped* by :class:`EventLogSource`, so training reads only the pages
 of the requests it touches, and every rank of a run shares one copy through the page
-cache. ``bench/bench_eventlog.py`` measures it (see the README).
+cache (a pickled source, e.g. in a ``DataLoader`` worker, maps the files again rather
+than carrying copies). ``bench/bench_eventlog.py`` measures it (see the README).
+
+**Identity**: ``prepared.json`` records a sha256 of every prepared array and vocabulary
+(``content_digest``); :meth:`EventLogSource.state_dict` carries it into checkpoints, so
+a resume against other data is refused even when its counts and sums match.
 """
 
 from __future__ import annotations
@@ -275,8 +280,14 @@ def _read_chunks(path: Path, fmt: str, cfg: EventLogConfig) -> Iterator[dict[str
 
 
 # -- converting one chunk --------------------------------------------------------------
-def _as_text(values: Any) -> Any:
-    """A chunk column as text: a numpy str array, or a pyarrow string array."""
+def _as_text(values: Any, where: str) -> Any:
+    """A chunk column as text: a numpy str array, or a pyarrow string array.
+
+    Raises:
+        EventLogError: a Parquet column of a type that holds no id (a list, a struct, a
+            map), or binary values that are not UTF-8; naming ``where`` (file and column)
+            and the type.
+    """
     if isinstance(values, np.ndarray):
         return values
     import pyarrow as pa
@@ -285,7 +296,18 @@ def _as_text(values: Any) -> Any:
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-        values = pc.cast(values, pa.string())
+        t = values.type
+        if pa.types.is_nested(t):  # pyarrow's own error named neither file nor column
+            raise EventLogError(
+                f"{where} must hold ids (text or numbers), got a column of Arrow type {t}"
+            )
+        try:
+            values = pc.cast(values, pa.string())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+            raise EventLogError(
+                f"{where} must hold ids (text or numbers); its Arrow type {t} cannot be read "
+                f"as text: {err}"
+            ) from None
     return values
 
 
@@ -306,11 +328,15 @@ def _is_number(v: Any) -> bool:
     return True
 
 
-def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.ndarray:
+def _numeric(
+    values: Any, where: str, row0: int, *, time_unit: str = "s", is_time: bool = False
+) -> np.ndarray:
     """int64 (when every value is an integer) or float64 numpy array of a chunk column.
 
     A Parquet timestamp, date or duration column is read as integer ``time_unit`` units
-    (exactly: a null, or a value that does not fit the unit, is an error)."""
+    (exactly: a null, or a value that does not fit the unit, is an error). With
+    ``is_time`` (the timestamp column) a boolean Parquet column is an error: it used to
+    be read as times 0 and 1."""
     if isinstance(values, np.ndarray):
         # numpy parses text with Python's int(), which reads "1_000" as 1000; pyarrow
         # rejects it. Reject it here too, so both CSV engines read a file the same way.
@@ -353,6 +379,11 @@ def _numeric(values: Any, where: str, row0: int, *, time_unit: str = "s") -> np.
                 f"{time_unit!r} ({err}); set EventLogConfig.time_unit to a finer unit"
             ) from None
         return values.cast(pa.int64()).to_numpy(zero_copy_only=False).astype(np.int64)
+    if is_time and pa.types.is_boolean(t):
+        raise EventLogError(
+            f"{where} is a boolean column (Arrow type {t}): a time must be a number or a "
+            "timestamp, not true/false (is EventLogConfig.time_column the time column?)"
+        )
     if pa.types.is_boolean(t) or pa.types.is_integer(t):
         if values.null_count:
             i, _ = _first_bad(values.to_pylist(), lambda v: v is not None)
@@ -409,7 +440,7 @@ class _Encoder:
                     raise EventLogError(
                         f"{self.where} has a missing id (NaN) at data row {row0 + i + 1}"
                     )
-        values = _as_text(values)
+        values = _as_text(values, self.where)
         if isinstance(values, np.ndarray):
             uniq, first, inverse = np.unique(values, return_index=True, return_inverse=True)
             order = np.argsort(first, kind="stable")
@@ -455,6 +486,33 @@ def _content_digest(path: Path, size: int) -> str:
             h.update(fh.read(_DIGEST_EDGE))
             fh.seek(size - _DIGEST_EDGE)
             h.update(fh.read(_DIGEST_EDGE))
+    return h.hexdigest()
+
+
+_HASH_BYTES = 1 << 24  # hashed 16 MiB at a time: a memory map is never read whole
+
+
+def _prepared_digest(directory: Path) -> str:
+    """sha256 over every prepared array (name, dtype, shape, bytes) and vocabulary file
+    in ``directory``, in name order: what identifies the prepared data.
+
+    The aggregates of the ``fingerprint`` (counts, sums) let a log with two labels
+    swapped, or an event moved to another user, pass for the same data; this digest
+    does not. Streamed from the memory-mapped files, 16 MiB at a time.
+    """
+    h = hashlib.sha256()
+    for path in sorted(directory.glob("*.npy")):
+        arr = np.load(path, mmap_mode="r")
+        h.update(json.dumps([path.stem, arr.dtype.str, list(arr.shape)]).encode())
+        flat = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
+        for lo in range(0, flat.shape[0], _HASH_BYTES):
+            h.update(np.ascontiguousarray(flat[lo : lo + _HASH_BYTES]).data)
+        del arr, flat
+    for path in sorted((directory / "vocab").glob("*.jsonl")):
+        h.update(json.dumps(["vocab", path.stem, path.stat().st_size]).encode())
+        with open(path, "rb") as fh:
+            while block := fh.read(_HASH_BYTES):
+                h.update(block)
     return h.hexdigest()
 
 
@@ -578,6 +636,8 @@ def prepare_event_log(
     feats: list[list[np.ndarray]] = [[] for _ in cfg.user_feature_columns]
     dense: list[list[np.ndarray]] = [[] for _ in cfg.dense_columns]
     n_rows = 0
+    time_where: list[tuple[str, int]] = []  # (file and column, first row) of each time chunk
+    fractional: list[tuple[str, int, float]] = []  # the first fractional time of a chunk
     for path, fmt in files:
         file_rows = 0
         for chunk in _read_chunks(path, fmt, cfg):
@@ -598,7 +658,11 @@ def prepare_event_log(
                 feat_enc[j].where = where(c)
                 feats[j].append(_narrow(feat_enc[j].encode(chunk[c], row0)))
             t = _numeric(
-                chunk[cfg.time_column], where(cfg.time_column), row0, time_unit=cfg.time_unit
+                chunk[cfg.time_column],
+                where(cfg.time_column),
+                row0,
+                time_unit=cfg.time_unit,
+                is_time=True,
             )
             if t.dtype == np.float64 and not np.isfinite(t).all():
                 i = int(np.flatnonzero(~np.isfinite(t))[0])
@@ -614,7 +678,18 @@ def prepare_event_log(
                     f"{where(cfg.time_column)} is out of the int64 range, got {t[i]} at data "
                     f"row {row0 + i + 1}"
                 )
+            if t.dtype == np.float64:
+                # Whole numbers as int64: concatenated with another file's int64 times a
+                # float chunk made every time float64, rounding nanosecond times to
+                # multiples of 256 ns (distinct events became simultaneous).
+                frac = np.flatnonzero(np.floor(t) != t)
+                if frac.size:
+                    i = int(frac[0])
+                    fractional.append((where(cfg.time_column), row0 + i + 1, float(t[i])))
+                else:
+                    t = t.astype(np.int64)
             cols["time"].append(t)
+            time_where.append((where(cfg.time_column), row0))
             lab = _numeric(chunk[cfg.label_column], where(cfg.label_column), row0)
             if cfg.rating_threshold is not None:
                 if lab.dtype == np.float64 and np.isnan(lab).any():
@@ -667,6 +742,7 @@ def prepare_event_log(
     t_read = time.perf_counter() - t0
 
     user = np.concatenate(cols.pop("user"))
+    _check_time_precision(cols["time"], time_where, fractional)
     times = np.concatenate(cols.pop("time"))
     if times.dtype != np.int64:
         times = times.astype(np.float64)
@@ -811,6 +887,7 @@ def prepare_event_log(
         "has_conversion": bool(cfg.conversion_column),
         "user_features": list(cfg.user_feature_columns),
         "fingerprint": fingerprint,
+        "content_digest": _prepared_digest(tmp),
         "read_s": t_read,
         "prepare_s": time.perf_counter() - t0,
     }
@@ -824,6 +901,35 @@ def prepare_event_log(
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp.rename(cache)
     return info
+
+
+def _check_time_precision(
+    chunks: list[np.ndarray],
+    where: list[tuple[str, int]],
+    fractional: list[tuple[str, int, float]],
+) -> None:
+    """Refuse fractional times beside integer times that a float64 cannot hold exactly.
+
+    Fractional times make the whole time column float64, exact for integers up to
+    2^53 only (seconds and milliseconds since 1970 are far below; microseconds and
+    nanoseconds are not): rounding them would merge distinct events into ties silently.
+    """
+    if not fractional:
+        return
+    exact = 2**53
+    for chunk, (column, row0) in zip(chunks, where):
+        if chunk.dtype != np.int64:
+            continue
+        big = np.flatnonzero(np.abs(chunk) > exact)
+        if big.size:
+            i = int(big[0])
+            f_where, f_row, f_value = fractional[0]
+            raise EventLogError(
+                f"{f_where} has a fractional time ({f_value!r} at data row {f_row}) while "
+                f"{column} has integer times beyond 2^53 ({int(chunk[i])} at data row "
+                f"{row0 + i + 1}), which a float64 would round: write whole "
+                "numbers in the time column (a finer EventLogConfig.time_unit if needed)"
+            )
 
 
 def _narrow(codes: np.ndarray) -> np.ndarray:
@@ -871,20 +977,12 @@ class EventLogSource:
                 "prepare it again (prepare_event_log)"
             )
 
-        def load(name: str) -> np.ndarray:
-            return np.load(self.cache_dir / f"{name}.npy", mmap_mode="r")
-
-        self._user = load("user")
-        self._item = load("item")
-        self._time = load("time")
-        self._label = load("label")
-        self._prior = load("prior")
-        self._tie_pos = load("tie_pos")
-        self._category = load("category") if self.info["has_category"] else None
-        self._conversion = load("conversion") if self.info["has_conversion"] else None
-        self._tags = load("tags") if self.info["user_features"] else None
-        self._dense = load("dense") if self.info["dense_columns"] else None
-        self._rows = {s: load(f"rows_{name}") for s, name in SPLITS.items()}
+        self._map_arrays()
+        # Preparations before the digest existed: computed here (streamed), not stored.
+        self.content_digest: str = self.info.get("content_digest") or _prepared_digest(
+            self.cache_dir
+        )
+        """sha256 of the prepared arrays and vocabularies (see :meth:`state_dict`)."""
         sizes = self.info["vocab_sizes"]
         num_tags = 1 + sum(v - 1 for k, v in sizes.items() if k.startswith("feature_"))
         actions: tuple[str, ...] = ("negative", "positive")
@@ -899,6 +997,57 @@ class EventLogSource:
             max_seqlen=config.max_seqlen,
             tasks=("ctr", "cvr") if self._conversion is not None else ("ctr",),
         )
+
+    # The memory-mapped columns: mapped again from the cache directory when unpickled.
+    _ARRAYS = ("_user", "_item", "_time", "_label", "_prior", "_tie_pos", "_category",
+               "_conversion", "_tags", "_dense", "_rows")  # fmt: skip
+
+    def _map_arrays(self) -> None:
+        def load(name: str) -> np.ndarray:
+            return np.load(self.cache_dir / f"{name}.npy", mmap_mode="r")
+
+        self._user = load("user")
+        self._item = load("item")
+        self._time = load("time")
+        self._label = load("label")
+        self._prior = load("prior")
+        self._tie_pos = load("tie_pos")
+        self._category = load("category") if self.info["has_category"] else None
+        self._conversion = load("conversion") if self.info["has_conversion"] else None
+        self._tags = load("tags") if self.info["user_features"] else None
+        self._dense = load("dense") if self.info["dense_columns"] else None
+        self._rows = {s: load(f"rows_{name}") for s, name in SPLITS.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the memory maps: a pickled np.memmap is a full in-memory copy,
+        so each ``DataLoader`` worker (``train.data_workers``) received the whole
+        prepared log. The worker maps the files of ``cache_dir`` again instead."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._ARRAYS}
+        # Absolute: a worker process need not share this process's working directory.
+        state["cache_dir"] = self.cache_dir.absolute()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Map the prepared columns of ``cache_dir`` again.
+
+        Raises:
+            ValueError: ``cache_dir`` now holds another preparation than the pickled
+                source had (it was prepared again in between).
+        """
+        self.__dict__.update(state)
+        try:
+            info = json.loads((self.cache_dir / "prepared.json").read_text())
+        except (OSError, ValueError):
+            info = {}
+        if info.get("key") != self.info.get("key") or info.get("content_digest") not in (
+            None,
+            self.content_digest,
+        ):
+            raise ValueError(
+                f"{self.cache_dir} no longer holds the prepared event log this source was "
+                "opened on (it was prepared again)"
+            )
+        self._map_arrays()
 
     @classmethod
     def open(cls, config: EventLogConfig, cache_dir: str | Path) -> EventLogSource:
@@ -928,16 +1077,21 @@ class EventLogSource:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"source": "event_log", "fingerprint": ..., "events": ..., "splits": ...}``."""
+        """``{"source": "event_log", "fingerprint": ..., "content_digest": ..., "events":
+        ..., "splits": ...}``: ``fingerprint`` hashes aggregates (counts, sums),
+        ``content_digest`` every byte of the prepared arrays and vocabularies."""
         return {
             "source": "event_log",
             "fingerprint": self.info["fingerprint"],
+            "content_digest": self.content_digest,
             "events": self.info["events"],
             "splits": self.info["splits"],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Check that ``state`` describes this prepared log.
+        """Check that ``state`` describes this prepared log: the same prepared arrays and
+        vocabularies, byte for byte (states saved before ``content_digest`` existed are
+        checked by their aggregate ``fingerprint`` only).
 
         Raises:
             ValueError: another source, or a log whose content or split differs.
@@ -945,11 +1099,20 @@ class EventLogSource:
         mine = self.state_dict()
         if not isinstance(state, dict) or state.get("source") != "event_log":
             raise ValueError(f"the saved data source is not an event log: {state!r:.200}")
-        if state.get("fingerprint") != mine["fingerprint"]:
+        digest = state.get("content_digest", mine["content_digest"])
+        if state.get("fingerprint") != mine["fingerprint"] or digest != mine["content_digest"]:
+            same_counts = state.get("fingerprint") == mine["fingerprint"]
             raise ValueError(
                 f"the saved event log ({state.get('events')} events, splits "
                 f"{state.get('splits')}) is not this one ({mine['events']} events, splits "
-                f"{mine['splits']}): a resumed run must read the same data"
+                f"{mine['splits']}"
+                + (
+                    f"; the same counts, other content: prepared data digest "
+                    f"{str(digest)[:16]}... saved, {mine['content_digest'][:16]}... here"
+                    if same_counts
+                    else ""
+                )
+                + "): a resumed run must read the same data"
             )
 
     def _rows_of(self, split: int, ids: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -197,7 +197,11 @@ class StepLoader:
     # -- plans and their stream states ---------------------------------------------------
     def _plans(self) -> Iterator[tuple[int, StepPlan]]:
         for seq in itertools.count():
-            plan = self.stream.next_plan()
+            try:
+                plan = self.stream.next_plan()
+            except StopIteration:
+                # A stream with an end (a run of epochs): the read-ahead stops there.
+                return
             # Drawn in the main process, possibly steps ahead of training: remember where
             # the stream stood right after this step, for checkpoints.
             self._states[seq] = copy.deepcopy(self.stream.state_dict())
@@ -229,8 +233,10 @@ class StepLoader:
         return self._it
 
     # -- delivery ------------------------------------------------------------------------
-    def _fetch(self) -> LoadedStep:
-        built = next(self._iterator())
+    def _fetch(self) -> LoadedStep | None:
+        built = next(self._iterator(), None)
+        if built is None:  # the stream's end
+            return None
         if self._copy_stream is None:
             return LoadedStep(built.seq, built.plan, built.batch, built.batch, None)
         with torch.cuda.stream(self._copy_stream):
@@ -243,13 +249,20 @@ class StepLoader:
         """Build (or take from the workers) the next batch and start its copy now, so it
         overlaps the step the caller has just enqueued."""
         if self._ready is None:
-            self._ready = self._fetch()
+            self._ready = self._fetch()  # None at the stream's end: next() raises
 
     def next(self) -> LoadedStep:
         """The next step's input. On CUDA the current stream waits (on the device) for its
-        copy; nothing here blocks the host unless the workers are behind."""
+        copy; nothing here blocks the host unless the workers are behind.
+
+        Raises:
+            StopIteration: the stream has an end (a run of epochs) and every step before
+                it was handed out.
+        """
         step = self._ready if self._ready is not None else self._fetch()
         self._ready = None
+        if step is None:
+            raise StopIteration("the training stream has ended (every step of its epochs)")
         if step.ready is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(step.ready)

@@ -15,15 +15,24 @@ sub-batches of ``window_steps`` consecutive steps are pooled and dealt so that e
 step gets ``sub_batches_per_step`` of them with similar total cost (heavy-tailed history
 lengths make some sub-batches far more expensive than others). A sub-batch trains at
 most ``window_steps - 1`` steps away from its arrival-order step. The reader is an
-endless index-only source (``__getitem__``, no length), which the shuffler resumes by
-index: its checkpointed position is all a resumed run needs to replay exactly the same
-batches, and nothing before the interrupted window is read again.
+index-only source (``__getitem__``, no length), which the shuffler resumes by index: its
+checkpointed position is all a resumed run needs to replay exactly the same batches,
+and nothing before the interrupted window is read again.
+
+A run of a fixed number of passes (``TrainConfig.epochs``) gives the stream an ``end``:
+the global sub-batch count of its steps. The reader then ends before sub-batch ``end``,
+so the shuffler plans the last window as a short one (the steps left, not ``W``) and
+every sub-batch below ``end`` trains before the run ends; without it a full window was
+planned past the last step and some sub-batches of the last pass never trained while
+sub-batches of the next pass took their place.
 
 Resuming on another world size (:func:`reshard_streams`): the sub-batches every old
 rank had not yet trained (the rest of its interrupted window and everything after it)
 are collected from the old ranks' states; those below the highest old read position
 form a *backlog* dealt round-robin to the new ranks, which read it first and then
 continue with the usual stride from that position. No sub-batch is lost or read twice.
+With an ``end``, the backlog is topped up from the stride so that every new rank has the
+same number of sub-batches below ``end`` (its steps left, times its sub-batches per step).
 """
 
 from __future__ import annotations
@@ -167,11 +176,14 @@ class SubBatch:
 
 
 class SubBatchReader:
-    """Rank ``rank``'s endless stream of sub-batches.
+    """Rank ``rank``'s stream of sub-batches: endless, or ending before global sub-batch
+    ``end``.
 
     Item ``n`` is global sub-batch ``backlog[n]`` for ``n < len(backlog)`` and
     ``frontier + rank + (n - len(backlog)) R`` after it (``backlog`` is empty and
-    ``frontier`` 0 unless the run was resumed on another world size).
+    ``frontier`` 0 unless the run was resumed on another world size). With ``end``, the
+    items are those whose global index is below ``end`` (a prefix: the backlog is sorted
+    and below ``frontier``); reading past them raises ``IndexError``.
 
     Index-only on purpose: ``__getitem__`` without ``__len__`` or ``__iter__``, so
     :class:`~hyperrec.bbs.BalancedShuffler` reads it as ``reader[0], reader[1], ...``
@@ -188,6 +200,7 @@ class SubBatchReader:
         order: RequestOrder | None = None,
         backlog: Sequence[int] = (),
         frontier: int = 0,
+        end: int | None = None,
     ):
         self.data = data
         self.sub_batch_size = sub_batch_size
@@ -195,6 +208,7 @@ class SubBatchReader:
         self.order = order if order is not None else RequestOrder(None)
         self.backlog = tuple(int(j) for j in backlog)
         self.frontier = int(frontier)
+        self.end = _check_end(end)
 
     def global_index(self, n: int) -> int:
         """Global sub-batch index of local item ``n``."""
@@ -202,15 +216,28 @@ class SubBatchReader:
             return self.backlog[n]
         return self.frontier + self.rank + (n - len(self.backlog)) * self.world_size
 
+    def count(self, start: int, limit: int) -> int:
+        """How many of the local items ``[start, start + limit)`` exist (``limit`` when
+        endless)."""
+        if self.end is None:
+            return limit
+        for n in range(start, start + limit):
+            if self.global_index(n) >= self.end:
+                return n - start
+        return limit
+
     def __getitem__(self, n: int) -> SubBatch:
         """Sub-batch ``n`` of this rank.
 
         Raises:
-            IndexError: ``n`` is negative (the stream has no end to count from).
+            IndexError: ``n`` is negative (the stream has no end to count from), or the
+                stream has an ``end`` and item ``n`` lies past it.
         """
         if n < 0:
             raise IndexError(f"sub-batch index must be >= 0, got {n}")
         j = self.global_index(n)
+        if self.end is not None and j >= self.end:
+            raise IndexError(f"sub-batch {j} is past the stream's end ({self.end})")
         positions = np.arange(j * self.sub_batch_size, (j + 1) * self.sub_batch_size)
         requests = self.order(positions)
         return SubBatch(j, requests, self.data.history_lengths(TRAIN, requests))
@@ -260,9 +287,15 @@ class TrainStream:
             source; see :class:`RequestOrder`).
         backlog, frontier: sub-batches to read first and where the stride starts (from
             :func:`reshard_streams` after a change of world size).
+        end: the global sub-batch index the stream ends before (``None``: endless). A
+            run of ``steps`` steps over every pass of a finite split gives
+            ``steps * global_batch_size // sub_batch_size``: the last BBS window is then
+            planned short, with the steps left, so every sub-batch below ``end`` trains
+            within the run. :meth:`next_plan` raises ``StopIteration`` past the end.
 
     Raises:
-        ValueError / TypeError: a size below 1 or ``rank`` outside ``[0, world_size)``.
+        ValueError / TypeError: a size below 1, ``rank`` outside ``[0, world_size)`` or
+            a negative ``end``.
     """
 
     def __init__(
@@ -278,6 +311,7 @@ class TrainStream:
         order: RequestOrder | None = None,
         backlog: Sequence[int] = (),
         frontier: int = 0,
+        end: int | None = None,
     ):
         for name, value in (("sub_batch_size", sub_batch_size), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -294,6 +328,7 @@ class TrainStream:
             order=order,
             backlog=backlog,
             frontier=frontier,
+            end=end,
         )
         self.shuffler = BalancedShuffler(
             self.reader,
@@ -309,10 +344,22 @@ class TrainStream:
 
     def next_plan(self) -> StepPlan:
         """The next step's requests on this rank, without building the batch (BBS only;
-        a background loader builds batches from plans, see :mod:`.loader`)."""
+        a background loader builds batches from plans, see :mod:`.loader`).
+
+        Raises:
+            StopIteration: the stream has an ``end`` and every step before it was drawn.
+        """
         if self._it is None:
             self._it = iter(self.shuffler)
-        chosen = next(self._it)
+        before = self.shuffler.state_dict()
+        try:
+            chosen = next(self._it)
+        except StopIteration:
+            # The end: the shuffler would start a new pass from position 0 next; stay at
+            # the end instead (a checkpoint, or a later call, sees where the stream is).
+            self.shuffler.load_state_dict(before)
+            self._it = None
+            raise
         cost = self.shuffler.last_step_cost
         arrival_cost = self.shuffler.last_step_arrival_cost
         if cost is None or arrival_cost is None:
@@ -326,7 +373,7 @@ class TrainStream:
         )
 
     def next(self) -> StepBatch:
-        """The next step's batch on this rank."""
+        """The next step's batch on this rank (``StopIteration`` past the ``end``)."""
         plan = self.next_plan()
         return StepBatch(
             batch=self.data.batch(TRAIN, plan.requests),
@@ -335,22 +382,35 @@ class TrainStream:
             arrival_cost=plan.arrival_cost,
         )
 
+    @property
+    def end(self) -> int | None:
+        """The global sub-batch index the stream ends before (``None``: endless)."""
+        return self.reader.end
+
     def state_dict(self) -> dict[str, Any]:
-        """The shuffler's position, the backlog / frontier and this stream's layout."""
+        """The shuffler's position, the backlog / frontier, the end and this stream's
+        layout."""
         return {
             "shuffler": self.shuffler.state_dict(),
             "backlog": list(self.reader.backlog),
             "frontier": self.reader.frontier,
+            "end": self.reader.end,
             **self._layout(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a position saved by :meth:`state_dict`.
 
+        The stream keeps its own ``end`` (a resumed run may train more or fewer passes),
+        but a state saved inside a BBS window resumes only if that window holds as many
+        sub-batches under this ``end`` as under the saved one: else its plan, and so the
+        steps already trained from it, would differ.
+
         Raises:
             ValueError: the state was saved with another sub-batch size, step size,
                 window, rank or world size (its positions would mean other requests;
-                :func:`reshard_streams` moves positions to another world size).
+                :func:`reshard_streams` moves positions to another world size), or
+                inside a window that another ``end`` shortens or lengthens.
         """
         saved = {k: state.get(k) for k in self._layout()}
         if saved != self._layout():
@@ -359,10 +419,17 @@ class TrainStream:
             )
         # States of 0.1.0 also hold "steps", a step count that only the arrival-cost
         # recomputation needed; it is ignored, so their checkpoints still resume. States
-        # before 0.1.3 have no backlog (none existed).
+        # before 0.1.3 have no backlog (none existed); states saved before streams had an end
+        # have none (endless).
+        backlog, frontier = self.reader.backlog, self.reader.frontier
         self.reader.backlog = tuple(int(j) for j in state.get("backlog", ()))
         self.reader.frontier = int(state.get("frontier", 0))
-        self.shuffler.load_state_dict(state["shuffler"])
+        try:
+            _check_window_end(self.reader, state["shuffler"], _check_end(state.get("end")))
+            self.shuffler.load_state_dict(state["shuffler"])
+        except BaseException:
+            self.reader.backlog, self.reader.frontier = backlog, frontier
+            raise
         self._it = None
 
     def _layout(self) -> dict[str, int]:
@@ -375,6 +442,41 @@ class TrainStream:
         }
 
 
+def _check_end(end: Any) -> int | None:
+    if end is None:
+        return None
+    if isinstance(end, bool) or not isinstance(end, int | np.integer) or end < 0:
+        raise ValueError(f"end must be None or an int >= 0, got {end!r}")
+    return int(end)
+
+
+def _check_window_end(reader: SubBatchReader, shuffler: dict[str, Any], saved_end: Any) -> None:
+    """Refuse to resume inside a window whose length the reader's end changes."""
+    if saved_end == reader.end or not shuffler.get("steps_done_in_window"):
+        return
+    w, k = shuffler.get("window_steps"), shuffler.get("sub_batches_per_step")
+    if not isinstance(w, int) or not isinstance(k, int):
+        return  # the shuffler's own checks name the bad entry
+    start = int(shuffler["window_start"])
+    now = reader.count(start, w * k)
+    before = SubBatchReader(
+        reader.data,
+        sub_batch_size=reader.sub_batch_size,
+        rank=reader.rank,
+        world_size=reader.world_size,
+        backlog=reader.backlog,
+        frontier=reader.frontier,
+        end=saved_end,
+    ).count(start, w * k)
+    if now != before:
+        raise ValueError(
+            f"the stream state was saved inside a BBS window of {before} sub-batches (stream "
+            f"end {saved_end}); this stream's end ({reader.end}) makes it {now}, so the "
+            "window's plan would differ: resume with the saved run's steps / epochs, or from "
+            "a checkpoint at a window boundary"
+        )
+
+
 def reshard_streams(
     states: Sequence[dict[str, Any]],
     data: DataSource,
@@ -382,19 +484,24 @@ def reshard_streams(
     world_size: int,
     cost: CostModel | None = None,
     order: RequestOrder | None = None,
+    end: int | None = None,
 ) -> tuple[list[list[int]], int]:
     """Move the training position of ``len(states)`` old ranks to ``world_size`` new ones.
 
     Args:
         states: every old rank's :meth:`TrainStream.state_dict`, in rank order.
         data, cost, order: as the old streams had them (the interrupted BBS windows are
-            re-planned from the sub-batches' costs to tell which were already trained).
+            re-planned from the sub-batches' costs, under each state's own ``end``, to
+            tell which were already trained).
         world_size: the new number of ranks.
+        end: the new streams' end (``None``: endless). With one, the backlog is topped up
+            from the stride until its sub-batches below ``end`` deal evenly, so every new
+            rank holds as many sub-batches below ``end`` as the others.
 
     Returns:
         ``(backlogs, frontier)``: new rank ``r`` builds its :class:`TrainStream` with
-        ``backlog=backlogs[r]`` and ``frontier``. Together the new ranks read every
-        sub-batch the old ranks had not trained, exactly once.
+        ``backlog=backlogs[r]``, ``frontier`` (and ``end``). Together the new ranks read
+        every sub-batch the old ranks had not trained, exactly once.
 
     Raises:
         ValueError: no states, or states that are not ranks ``0..R-1`` of one layout.
@@ -422,16 +529,18 @@ def reshard_streams(
             world_size=old_world,
             cost=cost,
             order=order,
+            end=_check_end(state.get("end")),
         )
         old.load_state_dict(state)
         sh = old.shuffler.state_dict()
         k, w = state["sub_batches_per_step"], state["window_steps"]
         next_read = sh["window_start"]
         if sh["steps_done_in_window"]:
-            # The rest of the interrupted window, re-planned exactly as the old rank would.
+            # The rest of the interrupted window, re-planned exactly as the old rank would
+            # (a short one before the old stream's end).
             rest = itertools.islice(iter(old.shuffler), w - sh["steps_done_in_window"])
             untrained.update(sb.index for step in rest for sb in step)
-            next_read += w * k
+            next_read += old.reader.count(next_read, w * k)
         backlog = old.reader.backlog
         untrained.update(backlog[next_read:])
         stride_from = max(0, next_read - len(backlog))
@@ -439,5 +548,15 @@ def reshard_streams(
     frontier = max(starts)
     for start in starts:
         untrained.update(range(start, frontier, old_world))
+    end = _check_end(end)
+    if end is not None:
+        # Dealt round-robin, a backlog whose part below the end is not a multiple of the
+        # world size left the ranks unequal numbers of sub-batches before the end (a rank
+        # ran out of steps before the others, another trained past the end): take the next
+        # stride sub-batches into the backlog until it is one.
+        below = sum(1 for j in untrained if j < end)
+        extra = min((-below) % world_size, max(0, end - frontier))
+        untrained.update(range(frontier, frontier + extra))
+        frontier += extra
     ordered = sorted(untrained)
     return [ordered[r::world_size] for r in range(world_size)], frontier

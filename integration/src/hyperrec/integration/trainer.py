@@ -867,6 +867,15 @@ class Trainer:
                 return np.sort(permute(np.arange(limit), n, (log_cfg.seed, 0x7A11D)))
         return np.arange(n, dtype=np.int64)
 
+    def _stream_end(self) -> int | None:
+        """The global sub-batch index the training stream ends before: the sub-batches of
+        ``TrainConfig.steps`` steps for a run of epochs (its last BBS window is then
+        planned short, so every request of every pass trains), else None (endless)."""
+        cfg = self.preset.train
+        if not cfg.epochs:
+            return None
+        return cfg.steps * (cfg.global_batch_size // cfg.sub_batch_size)
+
     def _build_stream(self, backlog: tuple[int, ...] = (), frontier: int = 0) -> TrainStream:
         cfg = self.preset.train
         return TrainStream(
@@ -880,6 +889,7 @@ class Trainer:
             order=self.order,
             backlog=backlog,
             frontier=frontier,
+            end=self._stream_end(),
         )
 
     def _build_loader(self) -> StepLoader:
@@ -1078,7 +1088,14 @@ class Trainer:
         # cudaEventQuery: no wait. True means the GPU ran out of queued work before the
         # host started on this step (a host- or input-bound step).
         dry = self._last_end.query() if cuda and self._last_end is not None else None
-        loaded = self.loader.next()
+        try:
+            loaded = self.loader.next()
+        except StopIteration:
+            raise RuntimeError(
+                f"the training stream ended before step {self.step + 1} of "
+                f"TrainConfig.steps={cfg.steps} (from TrainConfig.epochs={cfg.epochs}): its "
+                "checkpoint trained sub-batches past this run's last pass"
+            ) from None
         batch, host = loaded.batch, loaded.host
         step = self.step + 1
         for opt in (self.optimizer, *self._extra_optimizers):
@@ -1658,6 +1675,7 @@ class Trainer:
                 world_size=self.ctx.world_size,
                 cost=default_cost_model(self.preset.model.dim),
                 order=self.order,
+                end=self._stream_end(),
             )
             self.stream = self._build_stream(tuple(backlogs[self.ctx.rank]), frontier)
             self.loader.close()
