@@ -541,3 +541,14 @@ def test_feature_scales_records_every_module_each_interval(tmp_path):
         assert {"pma", "ctr_head", "interaction", "seq_layers.0"} <= set(seen)
         assert all(len(v) == 2 and v[0] >= 0 and v[1] >= 0 for v in seen.values())
         assert r["loss"] > 0
+
+
+def test_tower_influence_measures_both_changes(tmp_path):
+    import tower_influence
+
+    assert tower_influence.main(["--preset", "tiny", "--seeds", "0", "--requests", "16",
+                                 "--out", str(tmp_path)]) == 0  # fmt: skip
+    (row,) = json.loads((tmp_path / "tower_influence_tiny_cpu.json").read_text())["rows"]
+    for key in ("ctr", "cvr"):
+        # both really change the output; the precision far less than skipping the layers
+        assert 0 < row["fp8"][key] < row["skip_seq_layers"][key]
