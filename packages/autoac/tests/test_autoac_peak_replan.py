@@ -84,7 +84,8 @@ def test_an_overshoot_past_the_floor_is_reported_not_raised(monkeypatch):
     model, x, floor, noac = _case()
     budget = floor + 0.2 * (noac - floor)
     _inflate(monkeypatch, int(2 * noac))  # no plan can absorb it
-    h = autoac.apply(model, budget=budget, step_fn=_step(x), profile_config=FLOPS)
+    with pytest.warns(UserWarning, match="over the budget"):  # not silently
+        h = autoac.apply(model, budget=budget, step_fn=_step(x), profile_config=FLOPS)
     try:
         v = h.verification
         assert v["within_budget"] is False

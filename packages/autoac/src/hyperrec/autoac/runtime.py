@@ -1024,6 +1024,18 @@ def _verify(
         if not region_budgets
         else not _region_overshoots(handle.plan, region_budgets),
     }
+    if handle.verification["within_budget"] is False:
+        # Not silently: a caller that does not read the verification would train over
+        # the budget it asked for.
+        assert budget is not None
+        warnings.warn(
+            f"autoac: the verified step peaked at {m.peak_bytes / 1e9:.3f} GB, "
+            f"{m.peak_bytes / budget - 1:+.1%} over the budget of {budget / 1e9:.3f} GB "
+            f"(predicted {handle.plan.predicted_peak / 1e9:.3f} GB; "
+            f"{peak_replans} replans, floor {handle.plan.floor / 1e9:.3f} GB); "
+            "see AutoAC.verification",
+            stacklevel=3,
+        )
 
 
 def _reference_grads(
