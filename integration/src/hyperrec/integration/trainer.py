@@ -981,6 +981,12 @@ class Trainer:
         n = float(batch.num_candidates)
 
         def step(model: torch.nn.Module) -> torch.Tensor:
+            # Each profiled / verified step starts as a training step does: with no row
+            # gradients of the sharded tables pending. They piled up over autoac's
+            # backwards (appended per backward until the optimizer's zero_grad), and a
+            # GPU's measured peak counts them: the plan's step read as over budget.
+            for opt in self._extra_optimizers:
+                opt.zero_grad(set_to_none=True)
             with self._autocast():
                 ctr, cvr = model(batch)
             ctr_sum, ctcvr_sum = task_loss(ctr, cvr, batch.click, batch.conversion)
