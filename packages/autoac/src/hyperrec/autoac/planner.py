@@ -409,7 +409,6 @@ def plan(
     rb_names = set(region_budgets) if isinstance(region_budgets, Mapping) else set()
     frozen = frozenset(i for i, r in enumerate(prob.regions) if r.name in rb_names)
     full_a = min_memory(prob)
-    floor_a = least_peak(prob, frozen=frozen)
     caps: dict[int, int] = {}
     rb_out: dict[str, int] = {}
     if region_budgets:
@@ -425,8 +424,10 @@ def plan(
                     f"region_budgets has an unknown region {name!r}; regions: {sorted(names)}"
                 )
             r = names[name]
-            plain_r = profile.regions[r].plain_held_bytes
-            floor_r = prob.regions[r].input_bytes + held_of(prob, floor_a, r) + plain_r
+            rp = profile.regions[r]
+            # a region's held bytes depend on its own decisions only: min_memory's are
+            # its least
+            floor_r = prob.regions[r].input_bytes + held_of(prob, full_a, r) + rp.plain_held_bytes
             v = _bytes(
                 f"region_budgets[{name!r}]",
                 b,
@@ -434,12 +435,12 @@ def plan(
                 "what it holds un-checkpointed: autoac cannot checkpoint it (it runs an "
                 "in-place collective, draws from an explicit generator or writes into its "
                 "input)"
-                if profile.regions[r].modes == ("none",)
+                if rp.modes == ("none",)
                 else "its inputs, held by a full checkpoint",
             )
             caps[r] = min(v - prob.regions[r].input_bytes, _CAP_MAX)
             rb_out[name] = v
-        floor_a = least_peak(prob, frozen=frozen, caps=caps)
+    floor_a = least_peak(prob, frozen=frozen, caps=caps)
     floor = peak_of(prob, floor_a) + offset
     cap = None
     if budget is not None:

@@ -831,7 +831,6 @@ def _price_within_budget(
             # with a packed save: "could not find saved tensor ... in bw_g_inputs"):
             # keep the plan that did, and say what it misses below.
             handle.set_plan(previous)
-            handle.plan = previous
             warnings.warn(
                 f"autoac: the plan replanned for the budgets did not compile "
                 f"({type(err).__name__}: {_last_line(err)}); "
@@ -1001,6 +1000,7 @@ def _verify(
                 continue
         break
     handle.profile = prof
+    region_over = _region_overshoots(handle.plan, region_budgets)
     handle.verification = {
         "predicted_peak": handle.plan.predicted_peak,
         "measured_peak": m.peak_bytes,
@@ -1019,10 +1019,8 @@ def _verify(
         else m.peak_bytes <= budget * (1.0 + PEAK_TOLERANCE),
         # per region, predicted (from the compiled graphs where compiled): bytes held
         # beyond the region's budget; the step's measured peak does not show these
-        "region_overshoots": _region_overshoots(handle.plan, region_budgets),
-        "within_region_budgets": None
-        if not region_budgets
-        else not _region_overshoots(handle.plan, region_budgets),
+        "region_overshoots": region_over,
+        "within_region_budgets": None if not region_budgets else not region_over,
     }
     if handle.verification["within_budget"] is False:
         # Not silently: a caller that does not read the verification would train over
