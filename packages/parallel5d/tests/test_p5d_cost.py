@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -107,14 +108,22 @@ def test_predict_one_gpu_by_hand() -> None:
     p = predict(_one_layer(), t, MeshSpec(), 4, device=dev)
     fwd = 4 * 2e9 / 500e12 + 4 * 1e6 / 2000e9 + 5 * 3e-6
     opt = 1_000_000 * 28 / 2000e9
-    compute = fwd + 2 * fwd + fwd + opt  # forward, backward, recompute, AdamW
+    # fp32 shard -> bf16 at the forward's and the backward's unshard; bf16 gradients ->
+    # fp32 reduction buffer once
+    casts = 2 * 1_000_000 * (4 + 2) / 2000e9 + 1_000_000 * (2 + 4) / 2000e9
+    compute = fwd + 2 * fwd + fwd + opt + casts  # forward, backward, recompute, AdamW
     assert p.compute_s == pytest.approx(compute)
+    assert p.cast_s == pytest.approx(casts)
     assert p.step_s == pytest.approx(compute)  # one GPU: nothing to communicate
     assert p.scaling_ratio == pytest.approx(1.0)
     assert p.mfu == pytest.approx(3 * 2e9 * 4 / (compute * 989e12))
     assert p.mfu == pytest.approx(p.local_mfu * p.scaling_ratio)
     no_ac = predict(_one_layer(activation_checkpointing=False), t, MeshSpec(), 4, device=dev)
-    assert no_ac.compute_s == pytest.approx(3 * fwd + opt)
+    assert no_ac.compute_s == pytest.approx(3 * fwd + opt + casts)
+    # no mixed precision (fp32 throughout): no casts
+    fp32 = predict(_one_layer(param_bytes=4), t, MeshSpec(), 4, device=dev)
+    assert fp32.cast_s == 0.0
+    assert fp32.compute_s == pytest.approx(4 * fwd + opt)
     with pytest.raises(ValueError, match="global_batch must be a multiple of the world size 2"):
         predict(_one_layer(), Topology(gpus_per_host=2, hosts=1), MeshSpec(fsdp=2), 3)
 
@@ -165,7 +174,7 @@ def test_overlap_schedule_hand_traced() -> None:
     shape = GroupShape(size=2, ranks_per_host=2, ranks_per_zone=2)
     ag = [collective_time(t, shape, "all_gather", x.params * 2)[0] for x in layers]
     rs = [collective_time(t, shape, "reduce_scatter", x.params * 4)[0] for x in layers]
-    p = predict(model, t, spec, 2, options=CostOptions(sm_free=True))
+    p = predict(model, t, spec, 2, options=CostOptions(sm_free=True, casts=False))
     # forward: AG0 | F0 while AG1 | F1
     comm = ag[0]
     f0_start = comm
@@ -184,7 +193,7 @@ def test_overlap_schedule_hand_traced() -> None:
     comm = max(b0_end, comm) + rs[0]
     assert p.step_s == pytest.approx(max(b0_end, comm))
     assert p.compute_s == pytest.approx(3 * (f0 + f1))
-    serial = predict(model, t, spec, 2, options=CostOptions(overlap=False))
+    serial = predict(model, t, spec, 2, options=CostOptions(overlap=False, casts=False))
     assert serial.step_s == pytest.approx(3 * (f0 + f1) + 2 * sum(ag) + sum(rs))
     assert p.step_s < serial.step_s
 
@@ -321,3 +330,24 @@ def test_predict_sanity(hosts: int, batch: int, lat: float, slow: float) -> None
     assert base.step_s <= serial.step_s * (1 + 1e-9) + 1e-12
     bigger = predict(model, t, spec, 2 * batch * 8 * hosts, device=dev)
     assert bigger.compute_s > base.compute_s and bigger.memory_gb > base.memory_gb
+
+
+def test_mixed_precision_casts_by_hand() -> None:
+    """fp32 master shard -> bf16 at each unshard (this rank's 1/N), bf16 gradients ->
+    fp32 reduction buffer (the whole layer) at each backward: compute on every rank."""
+    dev = DeviceSpec(hbm_gbps=1000.0)
+    t = Topology(gpus_per_host=8, hosts=1)
+    model = _one_layer()
+    spec = MeshSpec(fsdp=8)
+    for reshard in (True, False):
+        opts = CostOptions(reshard_after_forward=reshard, sm_free=True)
+        on = predict(model, t, spec, 8, device=dev, options=opts)
+        off = predict(model, t, spec, 8, device=dev, options=replace(opts, casts=False))
+        cast = 1_000_000 / 8 * (4 + 2) / 1000e9
+        land = 1_000_000 * (2 + 4) / 1000e9
+        expect = (2 if reshard else 1) * cast + land
+        assert on.cast_s == pytest.approx(expect) and off.cast_s == 0.0
+        assert on.compute_s - off.compute_s == pytest.approx(expect)
+    # bf16 reduction: gradients accumulate in place, only the parameter cast is left
+    bf16_rs = predict(_one_layer(reduce_bytes=2), t, spec, 8, device=dev)
+    assert bf16_rs.cast_s == pytest.approx(2 * 1_000_000 / 8 * 6 / 1000e9)

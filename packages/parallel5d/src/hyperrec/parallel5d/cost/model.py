@@ -24,6 +24,10 @@ What a step is made of, per rank (local batch ``b = global_batch / world``):
 * **SM contention**: an SM-based collective (NCCL kernels) slows the compute it overlaps
   by ``DeviceSpec.sm_slowdown`` (calibrated on one GPU); SM-free collectives (copy
   engines / RDMA offload, ``CostOptions.sm_free``) take nothing from compute.
+* **mixed-precision casts**: each unshard casts this rank's fp32 shard to bf16, each
+  backward casts the layer's bf16 gradients into the fp32 reduction buffer
+  (:attr:`ModelConfig.master_bytes`): HBM traffic at the copy bandwidth, counted as
+  compute on every rank.
 * **optimizer**: AdamW over this rank's shard at the copy bandwidth.
 * **host**: where the model carries a measured host issue time per step
   (:attr:`ModelConfig.host_s`), the step lasts at least that long plus the optimizer's
@@ -237,6 +241,13 @@ class ModelConfig:
     """Bytes per gathered parameter (bf16 compute)."""
     reduce_bytes: int = 4
     """Bytes per reduced gradient (fp32 reduction)."""
+    master_bytes: int = 4
+    """Bytes per sharded master parameter (fp32). Where it differs from ``param_bytes``
+    each unshard casts this rank's shard (reads ``master_bytes``, writes ``param_bytes``
+    per local parameter), and where ``param_bytes`` differs from ``reduce_bytes`` each
+    backward casts the layer's gradients into the reduction buffer (reads
+    ``param_bytes``, writes ``reduce_bytes`` per unsharded parameter): HBM traffic on
+    every rank, one GPU included, priced at the copy bandwidth as compute."""
     state_bytes_per_param: int = 16
     """Sharded bytes per parameter: fp32 master + fp32 gradient shard + AdamW moments."""
     optimizer_traffic_per_param: int = 28
@@ -264,6 +275,7 @@ class ModelConfig:
         for name in (
             "param_bytes",
             "reduce_bytes",
+            "master_bytes",
             "state_bytes_per_param",
             "optimizer_traffic_per_param",
         ):
@@ -312,6 +324,10 @@ class CostOptions:
     """Gather parameters again in backward (FSDP's default)."""
     memory_fraction: float = 0.9
     """Share of HBM a plan may use."""
+    casts: bool = True
+    """Price the mixed-precision casts (:attr:`ModelConfig.master_bytes`); False: a
+    runtime that needs none (fused into kernels that read the data anyway), so the
+    projection says what they cost."""
     sparse_pipelined: bool = True
     """The embedding input all-to-all and row gather for the next batch run during this
     step (TorchRec's ``TrainPipelineSparseDist``): on their own stream from the start of
@@ -319,7 +335,14 @@ class CostOptions:
     start of forward."""
 
     def __post_init__(self) -> None:
-        for name in ("overlap", "sm_free", "nvls", "reshard_after_forward", "sparse_pipelined"):
+        for name in (
+            "overlap",
+            "sm_free",
+            "nvls",
+            "reshard_after_forward",
+            "casts",
+            "sparse_pipelined",
+        ):
             check_bool(name, getattr(self, name))
         check_float("memory_fraction", self.memory_fraction, minimum=1e-9)
         if self.memory_fraction > 1.0:  # a share of HBM: above 1 passed plans that cannot fit
@@ -356,6 +379,9 @@ class Prediction:
     optimizer_s: float = 0.0
     """Seconds of the optimizer's update at the end of the step (AdamW over this rank's
     shard, sparse row updates), part of ``compute_s``."""
+    cast_s: float = 0.0
+    """Seconds of FSDP's mixed-precision casts (parameters at each unshard, gradients
+    into the reduction buffer), part of ``compute_s`` (:attr:`ModelConfig.master_bytes`)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -557,6 +583,8 @@ def predict(
         return t
 
     ac = model.activation_checkpointing
+    hbm = device.hbm_gbps * 1e9
+    casts = 0.0
     costs = []
     for layer in model.layers:
         if layer.measured_fwd_s is not None:
@@ -570,14 +598,36 @@ def predict(
         bwd = layer.measured_bwd_s * b if layer.measured_bwd_s is not None else 2.0 * fwd
         if ac:
             bwd += fwd
+        shard_axis = "efsdp" if layer.kind == "experts" else "fsdp"
+        local = layer.params / (spec.ep if layer.kind == "experts" else 1)
+        # The casts of mixed precision, on every rank (one GPU included): a measured
+        # per-layer time (bf16 parameters and gradients alone) or a roofline never sees
+        # them. The parameter cast runs on the all-gather stream, but it is a full-GPU
+        # memory kernel at high priority, so it delays the GEMMs it overlaps instead of
+        # hiding under them (Llama-like stack, one H100: 12.8 ms of 125.5 outside the
+        # per-layer times before these terms).
+        cast = (
+            local / spec.size(shard_axis) * (model.master_bytes + model.param_bytes) / hbm
+            if options.casts and model.master_bytes != model.param_bytes
+            else 0.0
+        )
+        land = (
+            local * (model.param_bytes + model.reduce_bytes) / hbm
+            if options.casts and model.param_bytes != model.reduce_bytes
+            else 0.0
+        )
+        regather = cast if options.reshard_after_forward else 0.0
+        fwd += cast
+        bwd += regather + land
+        casts += cast + regather + land
         if layer.kind == "experts":
-            shard_axis, local_params = "efsdp", layer.params / spec.ep
+            local_params = local
             a2a = coll("all_to_all", "ep", layer.a2a_bytes_per_sample * b)
             blocking_fwd, blocking_bwd = 2 * a2a, (4 if ac else 2) * a2a
             # coll() counted one; a step runs 2 forward, 2 backward (+ 2 recomputed).
             breakdown["all_to_all/ep"] += a2a * (1 + 2 + (2 if ac else 0))
         else:
-            shard_axis, local_params = "fsdp", float(layer.params)
+            local_params = float(local)
             blocking_fwd = blocking_bwd = 0.0
         ag = coll("all_gather", shard_axis, local_params * model.param_bytes)
         if options.reshard_after_forward:
@@ -691,6 +741,7 @@ def predict(
         host_s=host,
         host_bound=host_step > gpu_step,
         optimizer_s=tail,
+        cast_s=casts,
     )
 
 
