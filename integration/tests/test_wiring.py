@@ -138,6 +138,10 @@ def test_autoac_keeps_the_losses_and_resumes_with_its_plan(micro, tmp_path):
     t = Trainer(p, out_dir=tmp_path / "ac", progress=False)
     s = t.autoac_summary()
     assert any(r["mode"] == "sac" for r in s["regions"].values())
+    # per region, the outputs kept against its mode's default and those packed (none:
+    # no formats allowed); a selective region keeps some
+    assert all(r["packed"] == {} for r in s["regions"].values())
+    assert any(r["kept"] > 0 for r in s["regions"].values() if r["mode"] == "sac")
     assert s["predicted_peak_gb"] <= (floor + top) / 2 + 1e-9
     metrics = t.fit(plot=False).metrics
     t.close()

@@ -34,6 +34,7 @@ memory (:func:`build_table_optimizer`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -1050,7 +1051,16 @@ class Trainer:
             "floor_gb": plan.floor / 1e9,
             "added_s": plan.added_s,
             "regions": {
-                r.name: {"mode": r.mode, "held_gb": r.held_bytes / 1e9, "added_s": r.added_s}
+                r.name: {
+                    "mode": r.mode,
+                    "held_gb": r.held_bytes / 1e9,
+                    "added_s": r.added_s,
+                    # the op outputs off the mode's default ("sac": recompute, "none":
+                    # keep) kept, and packed per format: the mode alone does not say
+                    # whether anything was packed
+                    "kept": sum(1 for d in r.saves.values() if d == "keep"),
+                    "packed": dict(collections.Counter(d for d in r.saves.values() if d != "keep")),
+                }
                 for r in plan.regions
             },
             "verification": self.autoac.verification,
