@@ -602,9 +602,11 @@ def predict(
         local = layer.params / (spec.ep if layer.kind == "experts" else 1)
         # The casts of mixed precision, on every rank (one GPU included): a measured
         # per-layer time (bf16 parameters and gradients alone) or a roofline never sees
-        # them. The parameter cast runs on the all-gather stream, but it is a full-GPU
-        # memory kernel at high priority, so it delays the GEMMs it overlaps instead of
-        # hiding under them (Llama-like stack, one H100: 12.8 ms of 125.5 outside the
+        # them. The parameter cast runs on the all-gather stream at high priority, a
+        # memory-bound kernel over the whole GPU; it is priced as compute, i.e. as not
+        # hiding under the GEMMs. On one H100 this predicts the Llama-like step 3-4%
+        # high; with the parameter casts fully hidden it would read 2-3% low: part of
+        # them hides, how much is not modelled (12.8 ms of 125.5 lay outside the
         # per-layer times before these terms).
         cast = (
             local / spec.size(shard_axis) * (model.master_bytes + model.param_bytes) / hbm
