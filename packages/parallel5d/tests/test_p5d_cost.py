@@ -351,3 +351,13 @@ def test_mixed_precision_casts_by_hand() -> None:
     # bf16 reduction: gradients accumulate in place, only the parameter cast is left
     bf16_rs = predict(_one_layer(reduce_bytes=2), t, spec, 8, device=dev)
     assert bf16_rs.cast_s == pytest.approx(2 * 1_000_000 / 8 * 6 / 1000e9)
+    # routed experts: this rank's experts (params / ep), each cast over its expert-FSDP
+    # shard (fsdp * 1 / ep = 2 ranks here)
+    experts = LayerSpec(
+        name="e", params=8_000_000, flops_per_sample=1e9, kind="experts", a2a_bytes_per_sample=1e3
+    )
+    ep = predict(
+        ModelConfig(name="moe", layers=(experts,)), t, MeshSpec(fsdp=8, ep=4), 8, device=dev
+    )
+    local = 8_000_000 / 4
+    assert ep.cast_s == pytest.approx(2 * local / 2 * 6 / 1000e9 + local * 6 / 1000e9)
