@@ -49,9 +49,17 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("bench_fsdp", HERE / "bench_fsdp.py")
-bench = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-_spec.loader.exec_module(bench)  # type: ignore[union-attr]
+
+
+def _sibling(name: str, file: str):
+    """A script beside this one, loaded as a module (the bench folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / file)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+bench = _sibling("bench_fsdp", "bench_fsdp.py")
 
 
 def _sync(device: torch.device) -> None:
@@ -173,9 +181,7 @@ def shaped_host_delta(
     of each (hyperrec fully_shard + flat AdamW, after one warm-up step), then each
     distinct GEMM/copy call timed alone; on the fake backend (``fake``) each collective
     too, replayed on its group (the fake all-gather's per-chunk copies: host_ops.py)."""
-    spec = importlib.util.spec_from_file_location("p5d_host_ops", HERE / "host_ops.py")
-    host_ops = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(host_ops)  # type: ignore[union-attr]
+    host_ops = _sibling("p5d_host_ops", "host_ops.py")
     rank = dist.get_rank()
     calls = []
     for c in (cfg, small):
@@ -263,10 +269,7 @@ def main() -> None:
         # The copy bandwidth prices the optimizer's update and FSDP's casts: the cited
         # H200 figure (4.2 TB/s) on an H100 (~3 TB/s) under-priced them by ~1.4x. It takes
         # a second to measure, so the card at hand is always measured.
-        cspec = importlib.util.spec_from_file_location("p5d_calibrate", HERE / "calibrate_cost.py")
-        calibrate = importlib.util.module_from_spec(cspec)  # type: ignore[arg-type]
-        cspec.loader.exec_module(calibrate)  # type: ignore[union-attr]
-        hbm = calibrate.copy_bandwidth(device, 2**30, 10)
+        hbm = _sibling("p5d_calibrate", "calibrate_cost.py").copy_bandwidth(device, 2**30, 10)
         dev = dataclasses.replace(
             dev,
             name=torch.cuda.get_device_name(device),

@@ -592,14 +592,15 @@ def predict(
         else:
             fwd = (
                 layer.flops_per_sample * b / device.matmul_rate(layer.name)
-                + layer.hbm_bytes_per_sample * b / (device.hbm_gbps * 1e9)
+                + layer.hbm_bytes_per_sample * b / hbm
                 + layer.kernels * device.launch_us * 1e-6
             )
         bwd = layer.measured_bwd_s * b if layer.measured_bwd_s is not None else 2.0 * fwd
         if ac:
             bwd += fwd
-        shard_axis = "efsdp" if layer.kind == "experts" else "fsdp"
-        local = layer.params / (spec.ep if layer.kind == "experts" else 1)
+        experts = layer.kind == "experts"
+        shard_axis = "efsdp" if experts else "fsdp"
+        local_params = layer.params / spec.ep if experts else float(layer.params)
         # The casts of mixed precision, on every rank (one GPU included): a measured
         # per-layer time (bf16 parameters and gradients alone) or a roofline never sees
         # them. The parameter cast runs on the all-gather stream at high priority, a
@@ -609,12 +610,12 @@ def predict(
         # them hides, how much is not modelled (12.8 ms of 125.5 lay outside the
         # per-layer times before these terms).
         cast = (
-            local / spec.size(shard_axis) * (model.master_bytes + model.param_bytes) / hbm
+            local_params / spec.size(shard_axis) * (model.master_bytes + model.param_bytes) / hbm
             if options.casts and model.master_bytes != model.param_bytes
             else 0.0
         )
         land = (
-            local * (model.param_bytes + model.reduce_bytes) / hbm
+            local_params * (model.param_bytes + model.reduce_bytes) / hbm
             if options.casts and model.param_bytes != model.reduce_bytes
             else 0.0
         )
@@ -622,14 +623,12 @@ def predict(
         fwd += cast
         bwd += regather + land
         casts += cast + regather + land
-        if layer.kind == "experts":
-            local_params = local
+        if experts:
             a2a = coll("all_to_all", "ep", layer.a2a_bytes_per_sample * b)
             blocking_fwd, blocking_bwd = 2 * a2a, (4 if ac else 2) * a2a
             # coll() counted one; a step runs 2 forward, 2 backward (+ 2 recomputed).
             breakdown["all_to_all/ep"] += a2a * (1 + 2 + (2 if ac else 0))
         else:
-            local_params = float(local)
             blocking_fwd = blocking_bwd = 0.0
         ag = coll("all_gather", shard_axis, local_params * model.param_bytes)
         if options.reshard_after_forward:
@@ -656,10 +655,10 @@ def predict(
         breakdown["all_to_all/sparse_shard"] += a2a
         post_comm += coll("reduce_scatter", "sparse_replicate", rows_bytes * spec.sparse_replicate)
         post_comm += coll("all_reduce", "sparse_dp", rows_bytes)
-        sparse_opt += 3 * rows_bytes / (device.hbm_gbps * 1e9)
+        sparse_opt += 3 * rows_bytes / hbm
 
     local_params = model.dense_params / spec.fsdp + model.expert_params / spec.fsdp
-    tail = local_params * model.optimizer_traffic_per_param / (device.hbm_gbps * 1e9)
+    tail = local_params * model.optimizer_traffic_per_param / hbm
     tail += sparse_opt
     slowdown = 0.0 if options.sm_free else device.sm_slowdown
     early = 0.0
