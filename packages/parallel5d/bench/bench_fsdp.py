@@ -376,9 +376,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def train_step(model, opt, batch) -> torch.Tensor:
+def train_step(model, opt, batch, marks: list | None = None) -> torch.Tensor:
     loss = model(batch)
+    if marks is not None:  # the host's clock when the forward (and loss) is issued
+        marks.append(time.perf_counter())
     loss.backward()
+    if marks is not None:  # ... and when the backward is
+        marks.append(time.perf_counter())
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -405,15 +409,30 @@ class _GCLog:
         gc.callbacks.remove(self._callback)
 
 
-def timed_step(model, opt, batch, device) -> tuple[torch.Tensor, float, float]:
+def timed_step(model, opt, batch, device, marks: list | None = None):
     """One training step from a synchronised device: ``(loss, host_s, step_s)``, the
     seconds until ``train_step`` returned (the host's enqueue time) and until the device
-    finished."""
+    finished. ``marks``: gets ``(forward, backward)``, the host's seconds issuing the
+    forward (and loss) and then the backward; the rest of ``host_s`` issued the
+    optimizer."""
     t0 = time.perf_counter()
-    loss = train_step(model, opt, batch)
+    clock: list[float] = []
+    loss = train_step(model, opt, batch, clock)
     host_s = time.perf_counter() - t0
     sync(device)
+    if marks is not None:
+        marks.append((clock[0] - t0, clock[1] - clock[0]))
     return loss, host_s, time.perf_counter() - t0
+
+
+def _phase_medians(marks: list[tuple[float, float]]) -> dict:
+    fwd, bwd = [m[0] for m in marks], [m[1] for m in marks]
+    return {
+        "host_forward_s": statistics.median(fwd),
+        "host_forward_s_all": fwd,
+        "host_backward_s": statistics.median(bwd),
+        "host_backward_s_all": bwd,
+    }
 
 
 def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
@@ -456,12 +475,12 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         gc.collect()
         gc.freeze()
     gc_log = _GCLog()
-    times, host, losses, gc_s, gc_full = [], [], [], [], []
+    times, host, host_fwd, losses, gc_s, gc_full = [], [], [], [], [], []
     for s in range(args.steps):
         batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
         sync(device)
         gc_log.reset()
-        loss, host_s, step_s = timed_step(model, opt, batch, device)
+        loss, host_s, step_s = timed_step(model, opt, batch, device, host_fwd)
         losses.append(loss)
         host.append(host_s)
         times.append(step_s)
@@ -480,6 +499,9 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     # the GPU, set the step time; the cost model has no host term.
     result["host_s"] = statistics.median(host)
     result["host_s_all"] = host
+    # ... of which the forward (and loss), then the backward: the cost model's
+    # host_forward_s / host_backward_s
+    result.update(_phase_medians(host_fwd))
     if device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -531,11 +553,12 @@ def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
     sync(device)
     times: list[list[float]] = [[] for _ in runs]
     host: list[list[float]] = [[] for _ in runs]
+    host_fwd: list[list[float]] = [[] for _ in runs]
     for s in range(args.steps):
         for i, (cfg, model, opt) in enumerate(runs):
             batch = make_batch(cfg, device, args.warmup + s, rank)
             sync(device)
-            _, host_s, step_s = timed_step(model, opt, batch, device)
+            _, host_s, step_s = timed_step(model, opt, batch, device, host_fwd[i])
             host[i].append(host_s)
             times[i].append(step_s)
     out = [
@@ -544,8 +567,9 @@ def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
             "step_s_all": t,
             "host_s": statistics.median(h),
             "host_s_all": h,
+            **_phase_medians(f),
         }
-        for t, h in zip(times, host)
+        for t, h, f in zip(times, host, host_fwd)
     ]
     del runs
     gc.collect()

@@ -21,6 +21,9 @@ For each model (Llama-like, GEM-like tower), on the process layout it is launche
    term is measured over the same seconds as the step it predicts; without it, each
    round times the model's steps, then the copy's. A host-bound prediction is the host
    term plus the optimizer's update, which is issued last (``Prediction.optimizer_s``);
+   ``*_with_host_walk`` also gives the model the copy's forward share of its host time
+   (``ModelConfig.host_forward_s``), so the host is walked layer by layer beside the GPU
+   (a host-bound forward then adds to a GPU-bound backward);
 5. with ``--host-ops``, the same plus what the copy's small shapes under-price
    (``host_ops.py``): the GEMMs' and copies' launches at the model's shapes and, on the
    fake backend, its all-gathers (one device copy per rank's chunk), each timed alone.
@@ -143,7 +146,15 @@ def host_copy(cfg: dict) -> dict:
     return dict(cfg, **{k: min(v, cfg[k]) for k, v in small.items()})
 
 
-def to_model_config(prof: dict, checkpoint: bool, *, measured: bool, host_s=None):
+def to_model_config(
+    prof: dict,
+    checkpoint: bool,
+    *,
+    measured: bool,
+    host_s=None,
+    host_forward_s=None,
+    host_backward_s=None,
+):
     from hyperrec.parallel5d.cost import LayerSpec, ModelConfig
 
     blocks = prof["blocks"]
@@ -170,8 +181,22 @@ def to_model_config(prof: dict, checkpoint: bool, *, measured: bool, host_s=None
             )
         )
     return ModelConfig(
-        name="bench", layers=tuple(layers), activation_checkpointing=checkpoint, host_s=host_s
+        name="bench",
+        layers=tuple(layers),
+        activation_checkpointing=checkpoint,
+        host_s=host_s,
+        host_forward_s=host_forward_s,
+        host_backward_s=host_backward_s,
     )
+
+
+def _with_delta(host: dict, delta_s: float) -> tuple[float, float, float]:
+    """The copy's host time (whole step, forward, backward) plus the shaped-launch delta,
+    split between the phases in the copy's own proportion."""
+    d = max(delta_s, 0.0)
+    h, f, b = host["host_s"], host["host_forward_s"], host["host_backward_s"]
+    share = d / h if h > 0 else 0.0
+    return h + d, f * (1 + share), b * (1 + share)
 
 
 def shaped_host_delta(
@@ -253,7 +278,7 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrec.parallel5d.cost import DeviceSpec, predict
+    from hyperrec.parallel5d.cost import CostOptions, DeviceSpec, predict
     from hyperrec.parallel5d.mesh import MeshSpec
     from hyperrec.parallel5d.topology import Topology
 
@@ -302,28 +327,42 @@ def main() -> None:
         small = host_copy(cfg)
         spec = MeshSpec(fsdp=world)
 
+        # compute only where no data moves (one GPU, fake backend); the host term
+        # applies either way
+        options = CostOptions(communication=not (fake or world == 1))
+
         def predictions(
-            host_s: float | None, prof: dict = prof, spec: MeshSpec = spec
+            host_s: float | None,
+            host_fwd: float | None = None,
+            host_bwd: float | None = None,
+            prof: dict = prof,
+            spec: MeshSpec = spec,
+            options: CostOptions = options,
         ) -> dict[str, float]:
+            """Per kind: without a host term; with ``host_s`` (the step is at least the
+            host's time plus the optimizer's update it issues last: ``*_with_host``);
+            with ``host_fwd`` too, the host walked layer by layer beside the GPU
+            (``*_with_host_walk``, ``ModelConfig.host_forward_s``: everything after the
+            forward walked with the backward); with ``host_bwd`` too, the optimizer's
+            issue after the last layer (``*_with_host_phases``,
+            ``ModelConfig.host_backward_s``)."""
             out = {}
             for kind in ("measured_layers", "roofline"):
-                p = predict(
-                    to_model_config(
-                        prof, checkpoint, measured=kind == "measured_layers", host_s=host_s
-                    ),
-                    topo,
-                    spec,
-                    world,
-                    device=dev,
+                variants: list[tuple] = (
+                    [(kind, None, None, None)]
+                    if host_s is None
+                    else [(f"{kind}_with_host", host_s, None, None)]
                 )
-                # compute only where no data moves (one GPU, fake backend); the host
-                # bound applies either way
-                gpu = p.compute_s if (fake or world == 1) else p.step_s
-                # host-bound: the host's time, then the optimizer's update it issued last
-                # (the cost model's rule; p.host_s is 0 without a host term)
-                out[kind if host_s is None else f"{kind}_with_host"] = max(
-                    gpu, p.host_s + p.optimizer_s
-                )
+                if host_s is not None and host_fwd is not None:
+                    hf = min(host_fwd, host_s)
+                    variants.append((f"{kind}_with_host_walk", host_s, hf, None))
+                    if host_bwd is not None:
+                        hb = min(host_bwd, host_s - hf)
+                        variants.append((f"{kind}_with_host_phases", host_s, hf, hb))
+                for key, h, hf, hb in variants:
+                    cfg_ = to_model_config(prof, checkpoint, measured=kind == "measured_layers",
+                                           host_s=h, host_forward_s=hf, host_backward_s=hb)  # fmt: skip
+                    out[key] = predict(cfg_, topo, spec, world, device=dev, options=options).step_s
             return out
 
         rounds = []
@@ -335,7 +374,7 @@ def main() -> None:
             else:
                 measured = bench.run_variant(cfg, "hyperrec", "flat", True, mesh, device, run_args)
                 host = bench.run_variant(small, "hyperrec", "flat", True, mesh, device, run_args)
-            pr = predictions(host["host_s"])
+            pr = predictions(host["host_s"], host["host_forward_s"], host["host_backward_s"])
             rounds.append(
                 {
                     "measured": measured,
@@ -353,19 +392,22 @@ def main() -> None:
             host_ops = shaped_host_delta(cfg, small, mesh, device, fake=fake)
             for r in rounds:  # each round's own host term plus the one shaped delta
                 step = r["measured"]["step_s"]
-                with_ops = predictions(r["host"]["host_s"] + max(host_ops["delta_s"], 0.0))
+                with_ops = predictions(*_with_delta(r["host"], host_ops["delta_s"]))
                 r["errors_pct"].update(
                     {k.replace("_with_host", "_with_host_ops"): 100.0 * (v - step) / step
-                     for k, v in with_ops.items() if k.endswith("_with_host")}
+                     for k, v in with_ops.items() if "_with_host" in k}
                 )  # fmt: skip
         # The round whose measured step is the median one stands for the run.
         mid = sorted(range(len(rounds)), key=lambda i: rounds[i]["measured"]["step_s"])[
             len(rounds) // 2
         ]
         measured, host = rounds[mid]["measured"], rounds[mid]["host"]
-        preds = {**predictions(None), **predictions(host["host_s"])}
+        preds = {
+            **predictions(None),
+            **predictions(host["host_s"], host["host_forward_s"], host["host_backward_s"]),
+        }
         if host_ops is not None:
-            with_ops = predictions(host["host_s"] + max(host_ops["delta_s"], 0.0))
+            with_ops = predictions(*_with_delta(host, host_ops["delta_s"]))
             preds.update(
                 {k.replace("_with_host", "_with_host_ops"): v for k, v in with_ops.items()}
             )
@@ -381,6 +423,8 @@ def main() -> None:
             "host_calibration": {
                 "config": small,
                 "host_ms": host["host_s"] * 1e3,
+                "host_forward_ms": host["host_forward_s"] * 1e3,
+                "host_backward_ms": host["host_backward_s"] * 1e3,
                 "step_ms": host["step_s"] * 1e3,
                 "host_ms_all": [t * 1e3 for t in host["host_s_all"]],
             },
@@ -393,7 +437,11 @@ def main() -> None:
                 {
                     "measured_step_ms": r["measured"]["step_s"] * 1e3,
                     "measured_host_ms": r["measured"]["host_s"] * 1e3,
+                    "measured_host_forward_ms": r["measured"]["host_forward_s"] * 1e3,
+                    "measured_host_backward_ms": r["measured"]["host_backward_s"] * 1e3,
                     "host_copy_ms": r["host"]["host_s"] * 1e3,
+                    "host_copy_forward_ms": r["host"]["host_forward_s"] * 1e3,
+                    "host_copy_backward_ms": r["host"]["host_backward_s"] * 1e3,
                     **{f"error_{k}_pct": v for k, v in r["errors_pct"].items()},
                 }
                 for r in rounds
@@ -411,22 +459,31 @@ def main() -> None:
                 f"{preds['roofline'] * 1e3:.1f} ms ({row['error_roofline_pct']:+.1f}%); with the "
                 f"host term ({host['host_s'] * 1e3:.1f} ms on the small copy): layers "
                 f"{row['error_measured_layers_with_host_pct']:+.1f}%, roofline "
-                f"{row['error_roofline_with_host_pct']:+.1f}%"
+                f"{row['error_roofline_with_host_pct']:+.1f}%; host walked layer by layer: "
+                f"layers {row['error_measured_layers_with_host_walk_pct']:+.1f}%, with the "
+                f"optimizer's issue last {row['error_measured_layers_with_host_phases_pct']:+.1f}%"
                 + (
                     ""
                     if host_ops is None
                     else f"; + shaped launches ({host_ops['delta_s'] * 1e3:+.1f} ms): layers "
-                    f"{row['error_measured_layers_with_host_ops_pct']:+.1f}%"
+                    f"{row['error_measured_layers_with_host_ops_pct']:+.1f}%, walked "
+                    f"{row['error_measured_layers_with_host_ops_walk_pct']:+.1f}%, phases "
+                    f"{row['error_measured_layers_with_host_ops_phases_pct']:+.1f}%"
                 ),
                 flush=True,
             )
             if len(rounds) > 1:
-                print("  per round (measured ms: error of layers + host[, + shaped launches]): "
+                print("  per round (measured ms: error of layers + host, walked, phases[, "
+                      "+ shaped launches, walked, phases]): "
                       + "; ".join(
                           f"{r['measured']['step_s'] * 1e3:.1f}: "
-                          f"{r['errors_pct']['measured_layers_with_host']:+.1f}%"
+                          f"{r['errors_pct']['measured_layers_with_host']:+.1f}% / "
+                          f"{r['errors_pct']['measured_layers_with_host_walk']:+.1f}% / "
+                          f"{r['errors_pct']['measured_layers_with_host_phases']:+.1f}%"
                           + ("" if host_ops is None else
-                             f", {r['errors_pct']['measured_layers_with_host_ops']:+.1f}%")
+                             f", {r['errors_pct']['measured_layers_with_host_ops']:+.1f}% / "
+                             f"{r['errors_pct']['measured_layers_with_host_ops_walk']:+.1f}% / "
+                             f"{r['errors_pct']['measured_layers_with_host_ops_phases']:+.1f}%")
                           for r in rounds), flush=True)  # fmt: skip
     if rank == 0:
         from hyperrec.testing import write_result

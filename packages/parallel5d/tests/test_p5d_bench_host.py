@@ -73,6 +73,9 @@ def test_run_variant_records_host_time() -> None:
     assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
     assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
     assert r["host_s"] == sorted(r["host_s_all"])[1]
+    phases = zip(r["host_forward_s_all"], r["host_backward_s_all"], r["host_s_all"])
+    assert all(f > 0 and b > 0 and f + b < h for f, b, h in phases)
+    assert r["host_forward_s"] == sorted(r["host_forward_s_all"])[1]
 
 
 def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
@@ -83,9 +86,9 @@ def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
     order = []
     step = bench.train_step
 
-    def spy(model, opt, batch):
+    def spy(model, opt, batch, marks=None):
         order.append(id(model))
-        return step(model, opt, batch)
+        return step(model, opt, batch, marks)
 
     monkeypatch.setattr(bench, "train_step", spy)
 
@@ -102,6 +105,10 @@ def test_run_interleaved_times_the_models_in_turn(monkeypatch) -> None:
         assert len(r["host_s_all"]) == 3 and len(r["step_s_all"]) == 3
         assert all(0 < h <= s for h, s in zip(r["host_s_all"], r["step_s_all"]))
         assert r["step_s"] == sorted(r["step_s_all"])[1]
+        # the forward's share of the host time: issued before the step returned
+        assert len(r["host_forward_s_all"]) == 3 == len(r["host_backward_s_all"])
+        phases = zip(r["host_forward_s_all"], r["host_backward_s_all"], r["host_s_all"])
+        assert all(f > 0 and b > 0 and f + b < h for f, b, h in phases)
 
 
 def test_host_gap_smoke_compares_the_model_with_its_copy(tmp_path) -> None:
@@ -206,3 +213,16 @@ def test_host_ops_replays_the_fake_backends_collectives_on_their_group_when_aske
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_shaped_delta_splits_like_the_copy() -> None:
+    """``validate_cost``'s shaped-launch delta is added to the copy's host time and split
+    between forward and backward in the copy's own proportion; a negative one adds
+    nothing."""
+    vc = _load("validate_cost")
+    host = {"host_s": 0.040, "host_forward_s": 0.010, "host_backward_s": 0.020}
+    got = vc._with_delta(host, 0.004)
+    assert got == (pytest.approx(0.044), pytest.approx(0.011), pytest.approx(0.022))
+    assert vc._with_delta(host, -0.002) == (0.040, 0.010, 0.020)
+    zero = {"host_s": 0.0, "host_forward_s": 0.0, "host_backward_s": 0.0}
+    assert vc._with_delta(zero, 0.001) == (0.001, 0.0, 0.0)

@@ -128,6 +128,125 @@ def test_predict_one_gpu_by_hand() -> None:
         predict(_one_layer(), Topology(gpus_per_host=2, hosts=1), MeshSpec(fsdp=2), 3)
 
 
+def _two_measured(**kw: object) -> ModelConfig:
+    layers = tuple(
+        LayerSpec(name=f"l{i}", params=1000, flops_per_sample=1e9,
+                  measured_fwd_s=1e-3, measured_bwd_s=2e-3)
+        for i in range(2)
+    )  # fmt: skip
+    return ModelConfig(name="two", layers=layers, **kw)  # type: ignore[arg-type]
+
+
+def test_host_walked_layer_by_layer_by_hand() -> None:
+    """host_forward_s walks the host's issue beside the GPU: a host-bound forward and a
+    GPU-bound backward add up where max(host, GPU) hid one under the other."""
+    dev = DeviceSpec(hbm_gbps=2000.0)
+    t = Topology(gpus_per_host=2, hosts=1)
+    spec = MeshSpec(fsdp=2)
+    opts = CostOptions(casts=False, communication=False)
+    opt = 1000 * 28 / 2000e9  # AdamW over this rank's 2 x 500 parameters
+    # GPU alone: forward 1 ms per layer, backward 2 + 1 (recompute) ms per layer
+    gpu = predict(_two_measured(), t, spec, 2, device=dev, options=opts)
+    assert gpu.step_s == pytest.approx(8e-3 + opt) and gpu.exposed_comm_s == pytest.approx(0)
+    old = predict(_two_measured(host_s=10e-3), t, spec, 2, device=dev, options=opts)
+    assert old.step_s == pytest.approx(10e-3 + opt) and old.host_bound
+    # Host: 3 ms per layer's forward, 2 ms per layer's backward. Forward: both layers
+    # wait for the host (ends at 6 ms); backward: layer 1 runs 6-9 ms (issued by 8),
+    # layer 0 9-12 ms (issued by 10); then the update.
+    walk = predict(
+        _two_measured(host_s=10e-3, host_forward_s=6e-3), t, spec, 2, device=dev, options=opts
+    )
+    assert walk.step_s == pytest.approx(12e-3 + opt) and walk.host_bound
+    assert walk.compute_s == pytest.approx(gpu.compute_s)
+    assert walk.exposed_comm_s == pytest.approx(0)  # the GPU's own schedule, no host
+    # All of the host in the backward: the GPU's forward hides under nothing, the
+    # backward's issue (5 ms per layer) sets the pace: 2 + 5 + max(3, 5) = 10 ms
+    back = predict(
+        _two_measured(host_s=10e-3, host_forward_s=0.0), t, spec, 2, device=dev, options=opts
+    )
+    assert back.step_s == pytest.approx(10e-3 + opt)
+    # A host far faster than the GPU changes nothing
+    fast = predict(
+        _two_measured(host_s=1e-3, host_forward_s=0.5e-3), t, spec, 2, device=dev, options=opts
+    )
+    assert fast.step_s == pytest.approx(gpu.step_s) and not fast.host_bound
+    assert _two_measured(host_s=1.0, host_forward_s=0.25).describe()["host_forward_s"] == 0.25
+    # The optimizer's issue (the last 2 ms of the host) after the last layer: the
+    # backward's issue is 3 ms, 1.5 per layer: layer 1 runs 6-9 ms, layer 0 9-12 ms, the
+    # host has issued everything by 10 ms: the GPU's backward sets the end.
+    phases = predict(
+        _two_measured(host_s=10e-3, host_forward_s=6e-3, host_backward_s=3e-3),
+        t, spec, 2, device=dev, options=opts,
+    )  # fmt: skip
+    assert phases.step_s == pytest.approx(12e-3 + opt)
+    # a slow optimizer issue (8 ms of 20) sets the end by itself: host + update
+    slow_opt = predict(
+        _two_measured(host_s=20e-3, host_forward_s=6e-3, host_backward_s=6e-3),
+        t, spec, 2, device=dev, options=opts,
+    )  # fmt: skip
+    assert slow_opt.step_s == pytest.approx(20e-3 + opt)
+    # the backward's issue longer than the GPU's backward: walked it ends at 6 + 2 x 4 =
+    # 14 ms, then the host's last 2 ms (the optimizer's issue) set the end
+    slow_bwd = predict(
+        _two_measured(host_s=16e-3, host_forward_s=6e-3, host_backward_s=8e-3),
+        t, spec, 2, device=dev, options=opts,
+    )  # fmt: skip
+    assert slow_bwd.step_s == pytest.approx(16e-3 + opt)
+    # serial collectives (no overlap) walk the host the same way
+    serial = predict(
+        _two_measured(host_s=10e-3, host_forward_s=6e-3), t, spec, 2, device=dev,
+        options=replace(opts, overlap=False),
+    )  # fmt: skip
+    assert serial.step_s == pytest.approx(walk.step_s)
+
+
+def test_no_communication_leaves_compute() -> None:
+    """communication=False: the step of a sharded model is its compute alone, the
+    collectives are still named (priced at zero)."""
+    dev = DeviceSpec(matmul_tflops=500.0, hbm_gbps=2000.0, launch_us=3.0)
+    t = Topology(gpus_per_host=8, hosts=2)
+    spec = MeshSpec(fsdp=16)
+    real = predict(_one_layer(), t, spec, 16, device=dev)
+    free = predict(_one_layer(), t, spec, 16, device=dev,
+                   options=CostOptions(communication=False))  # fmt: skip
+    assert real.comm_s > 0 and free.comm_s == 0.0
+    assert free.step_s == pytest.approx(free.compute_s) == pytest.approx(real.compute_s)
+    assert set(free.breakdown) == set(real.breakdown)
+    with pytest.raises((TypeError, ValueError), match="communication"):
+        CostOptions(communication="no")  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fwd_ms=st.floats(0.1, 5.0),
+    bwd_ms=st.floats(0.1, 5.0),
+    host_ms=st.floats(0.0, 40.0),
+    share=st.floats(0.0, 1.0),
+    world=st.sampled_from([1, 2, 8, 16]),
+)
+def test_host_walk_between_the_two_bounds(
+    fwd_ms: float, bwd_ms: float, host_ms: float, share: float, world: int
+) -> None:
+    """The walked step is never below max(GPU schedule, host + update) (the whole-step
+    rule) nor above their sum, with or without communication."""
+    layers = tuple(
+        LayerSpec(name=f"l{i}", params=10**6, flops_per_sample=1e9,
+                  measured_fwd_s=fwd_ms * 1e-3, measured_bwd_s=bwd_ms * 1e-3)
+        for i in range(3)
+    )  # fmt: skip
+    t = Topology(gpus_per_host=min(world, 8), hosts=max(world // 8, 1))
+    spec = MeshSpec(fsdp=world)
+    gpu = predict(ModelConfig(name="m", layers=layers), t, spec, world)
+    h = host_ms * 1e-3
+    whole = predict(ModelConfig(name="m", layers=layers, host_s=h), t, spec, world)
+    walk = predict(
+        ModelConfig(name="m", layers=layers, host_s=h, host_forward_s=share * h), t, spec, world
+    )
+    assert walk.step_s >= whole.step_s * (1 - 1e-12)
+    assert walk.step_s <= (gpu.step_s + h + gpu.optimizer_s) * (1 + 1e-12)
+    assert walk.compute_s == pytest.approx(gpu.compute_s)
+
+
 def test_host_issue_time_bounds_the_step() -> None:
     """A measured host issue time longer than the GPU schedule sets the step (and the
     MFU), with the optimizer's update after the host's last launch; a shorter one
@@ -268,6 +387,18 @@ def test_config_bad_input() -> None:
         CostOptions(sm_free=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host_s must be >= 0"):
         _one_layer(host_s=-1.0)
+    with pytest.raises(ValueError, match="host_forward_s needs host_s"):
+        _one_layer(host_forward_s=0.1)
+    with pytest.raises(ValueError, match=r"host_forward_s must be <= host_s \(0.1\)"):
+        _one_layer(host_s=0.1, host_forward_s=0.2)
+    with pytest.raises(ValueError, match="host_forward_s must be >= 0"):
+        _one_layer(host_s=0.1, host_forward_s=-0.01)
+    with pytest.raises(ValueError, match="host_backward_s needs host_forward_s"):
+        _one_layer(host_s=0.1, host_backward_s=0.05)
+    with pytest.raises(ValueError, match=r"host_backward_s must be <= host_s - host_forward_s"):
+        _one_layer(host_s=0.1, host_forward_s=0.06, host_backward_s=0.05)
+    with pytest.raises(ValueError, match="host_backward_s must be >= 0"):
+        _one_layer(host_s=0.1, host_forward_s=0.06, host_backward_s=-0.01)
     with pytest.raises((TypeError, ValueError), match="host_s"):
         _one_layer(host_s="fast")
     with pytest.raises((TypeError, ValueError), match="host_s"):

@@ -33,6 +33,9 @@ What a step is made of, per rank (local batch ``b = global_batch / world``):
   (:attr:`ModelConfig.host_s`), the step lasts at least that long plus the optimizer's
   update, which is issued last and so runs after the host is done: a step of many small
   kernels (hundreds of small parameters) can be bound by the CPU that launches them.
+  With :attr:`ModelConfig.host_forward_s` the host's issue is walked layer by layer
+  beside the GPU's schedule, so a host-bound forward and a GPU-bound backward add up
+  instead of hiding each other.
 
 Outputs: step time, compute time, exposed communication (GPU schedule - compute), MFU (model
 FLOPs / step time / peak), local MFU (same over compute time) and scaling ratio (compute
@@ -263,6 +266,18 @@ class ModelConfig:
     of collectives per step matters, their size does not), e.g. on a copy of the model
     with the same tensors but small dims, whose GPU work is negligible
     (``bench/validate_cost.py``)."""
+    host_forward_s: float | None = None
+    """The part of :attr:`host_s` spent issuing the forward (loss included); the rest
+    issues the backward and the optimizer. Given, the host's issue is walked layer by
+    layer beside the GPU's schedule (each phase's host time split evenly over the
+    layers): a layer's kernels cannot start before the host has issued the layer
+    before it, nor end before their own issue ends. A forward bound by the host and a
+    backward bound by the GPU then add up, where ``max(host, GPU)`` over the whole step
+    (``None``, the default) lets the one hide the other. Requires ``host_s``."""
+    host_backward_s: float | None = None
+    """With :attr:`host_forward_s`: the part of :attr:`host_s` spent issuing the backward;
+    the rest issues the optimizer after the last layer, while the GPU may still run the
+    backward. ``None``: everything after the forward is walked with the backward."""
 
     def __post_init__(self) -> None:
         if not self.layers or not all(isinstance(x, LayerSpec) for x in self.layers):
@@ -283,6 +298,24 @@ class ModelConfig:
         check_bool("activation_checkpointing", self.activation_checkpointing)
         if self.host_s is not None:
             check_float("host_s", self.host_s, minimum=0.0)
+        if self.host_forward_s is not None:
+            check_float("host_forward_s", self.host_forward_s, minimum=0.0)
+            if self.host_s is None:
+                raise ValueError("host_forward_s needs host_s (the whole step's host time)")
+            if self.host_forward_s > self.host_s:
+                raise ValueError(
+                    f"host_forward_s must be <= host_s ({self.host_s}), got {self.host_forward_s}"
+                )
+        if self.host_backward_s is not None:
+            check_float("host_backward_s", self.host_backward_s, minimum=0.0)
+            if self.host_forward_s is None:
+                raise ValueError("host_backward_s needs host_forward_s")
+            rest = self.host_s - self.host_forward_s  # type: ignore[operator]
+            if self.host_backward_s > rest * (1 + 1e-12):
+                raise ValueError(
+                    f"host_backward_s must be <= host_s - host_forward_s ({rest}), "
+                    f"got {self.host_backward_s}"
+                )
 
     @property
     def model_flops_per_sample(self) -> float:
@@ -307,6 +340,8 @@ class ModelConfig:
             "model_flops_per_sample": self.model_flops_per_sample,
             "layers": len(self.layers),
             "host_s": self.host_s,
+            "host_forward_s": self.host_forward_s,
+            "host_backward_s": self.host_backward_s,
         }
 
 
@@ -328,6 +363,9 @@ class CostOptions:
     """Price the mixed-precision casts (:attr:`ModelConfig.master_bytes`); False: a
     runtime that needs none (fused into kernels that read the data anyway), so the
     projection says what they cost."""
+    communication: bool = True
+    """False: collectives take no time, as on one GPU or on a fake process group where
+    they move no data (what compute, casts and the host give alone)."""
     sparse_pipelined: bool = True
     """The embedding input all-to-all and row gather for the next batch run during this
     step (TorchRec's ``TrainPipelineSparseDist``): on their own stream from the start of
@@ -341,6 +379,7 @@ class CostOptions:
             "nvls",
             "reshard_after_forward",
             "casts",
+            "communication",
             "sparse_pipelined",
         ):
             check_bool(name, getattr(self, name))
@@ -448,13 +487,19 @@ def _one_pass(
     post_comm: float,
     reshard: bool,
     early_comm: float = 0.0,
+    host_fwd: float = 0.0,
+    host_bwd: float = 0.0,
 ) -> tuple[float, list[tuple[float, float]], list[tuple[float, float]], list[tuple[float, float]]]:
     """One walk of the schedule: (end of communication and compute, compute intervals of
     forward and backward, communication intervals). ``early_comm`` (the next batch's
     pipelined sparse input distribution) runs from the start of the step on its own
     stream, as TorchRec's ``TrainPipelineSparseDist`` does, and backward waits for it
-    (the pipeline waits on it after this forward)."""
+    (the pipeline waits on it after this forward). ``host_fwd``/``host_bwd``: the
+    host's seconds to issue one layer's forward / backward (:attr:`ModelConfig.host_forward_s`):
+    a layer's compute starts no earlier than the host's issue of it and ends no earlier
+    than the end of that issue (its last kernel)."""
     n = len(layers)
+    issued = 0.0  # the host's clock: when it has issued everything walked so far
     comm_free = 0.0
     comm_iv: list[tuple[float, float]] = []
 
@@ -479,21 +524,25 @@ def _one_pass(
     if early_comm > 0:
         comm_iv.append((0.0, early_comm))  # SM contention with the forward it overlaps
     for i, x in enumerate(layers):
-        start = max(t, ready[i])
+        start = max(t, ready[i], issued)
+        issued += host_fwd
         if i + 1 < n:  # prefetch: the next all-gather is issued as this forward starts
             ready[i + 1] = comm(start, layers[i + 1].ag)
-        fwd_iv.append((start, start + x.fwd * fwd_scale[i]))
-        t = start + x.fwd * fwd_scale[i] + x.blocking_fwd
+        end = max(start + x.fwd * fwd_scale[i], issued)
+        fwd_iv.append((start, start + x.fwd * fwd_scale[i]))  # compute, for the stretch
+        t = end + x.blocking_fwd
     t = max(t, early_comm)
     ready = [0.0] * n
     ready[n - 1] = comm(t, layers[n - 1].ag) if reshard else t
     for i in reversed(range(n)):
         x = layers[i]
-        start = max(t, ready[i])
+        start = max(t, ready[i], issued)
+        issued += host_bwd
         if i > 0:
             ready[i - 1] = comm(start, layers[i - 1].ag) if reshard else start
+        end = max(start + x.bwd * bwd_scale[i], issued)
         bwd_iv[i] = (start, start + x.bwd * bwd_scale[i])
-        t = start + x.bwd * bwd_scale[i] + x.blocking_bwd
+        t = end + x.blocking_bwd
         comm(t, x.reduce)  # reduce-scatter (+ replicate all-reduce) when backward ends
     comm(t, post_comm)
     return max(t, comm_free), fwd_iv, bwd_iv, comm_iv
@@ -509,8 +558,24 @@ def _simulate(
     reshard: bool,
     slowdown: float,
     early_comm: float = 0.0,
+    host_fwd: float = 0.0,
+    host_bwd: float = 0.0,
 ) -> float:
     """Step seconds of the schedule (module docstring)."""
+    if not overlap and (host_fwd or host_bwd):
+        # Serial collectives with the host walked beside them: the same walk with each
+        # layer's collectives folded into its compute (blocking, nothing overlaps).
+        serial = [
+            _LayerCost(
+                x.fwd + x.ag, x.bwd + (x.ag if reshard else 0.0) + x.reduce,
+                x.blocking_fwd, x.blocking_bwd, 0.0, 0.0,
+            )
+            for x in layers
+        ]  # fmt: skip
+        end, *_ = _one_pass(serial, [1.0] * len(layers), [1.0] * len(layers),
+                            pre=pre + early_comm, post_comm=post_comm, reshard=False,
+                            host_fwd=host_fwd, host_bwd=host_bwd)  # fmt: skip
+        return end + tail
     if not overlap:
         total = pre + tail + post_comm + early_comm
         for x in layers:
@@ -520,7 +585,8 @@ def _simulate(
 
     def walk(fwd_scale: list[float], bwd_scale: list[float]) -> Any:
         return _one_pass(layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm,
-                         reshard=reshard, early_comm=early_comm)  # fmt: skip
+                         reshard=reshard, early_comm=early_comm,
+                         host_fwd=host_fwd, host_bwd=host_bwd)  # fmt: skip
 
     n = len(layers)
     end, fwd_iv, bwd_iv, comm_iv = walk([1.0] * n, [1.0] * n)
@@ -577,6 +643,8 @@ def predict(
 
     def coll(kind: str, axis: str, nbytes: float) -> float:
         t, algo = collective_time(topology, shapes[axis], kind, nbytes, nvls=options.nvls)  # type: ignore[arg-type]
+        if not options.communication:
+            t = 0.0
         key = f"{kind}/{axis}"
         breakdown[key] = breakdown.get(key, 0.0) + t
         algos[key] = algo
@@ -679,6 +747,27 @@ def predict(
         slowdown=slowdown,
         early_comm=early,
     )
+    if model.host_forward_s is not None:
+        n = len(costs)
+        host_walk = _simulate(
+            costs,
+            pre=pre,
+            post_comm=post_comm,
+            tail=tail,
+            overlap=options.overlap,
+            reshard=options.reshard_after_forward,
+            slowdown=slowdown,
+            early_comm=early,
+            host_fwd=model.host_forward_s / n,
+            host_bwd=(
+                model.host_s - model.host_forward_s  # type: ignore[operator]
+                if model.host_backward_s is None
+                else model.host_backward_s
+            )
+            / n,
+        )
+    else:
+        host_walk = 0.0
     # The sparse backward all-to-all blocks the end of backward (its gradients feed the
     # table update), so it is on the critical path whatever the overlap.
     compute = sum(x.fwd + x.bwd for x in costs) + tail
@@ -690,7 +779,8 @@ def predict(
     # not many short ones that keep pace with the host. (Measured on one H100, GEM
     # tower, host-bound: step - host = 2.5 ms in each of 5 rounds, AdamW over the
     # unsharded 0.28 B parameters; without the tail the host bound read 5-12% low.)
-    host_step = host + tail  # without host_s: tail <= gpu_step, so the GPU's schedule
+    # With host_forward_s the walk above already waited for the host layer by layer.
+    host_step = max(host + tail, host_walk)  # without host_s: tail <= gpu_step
     step = max(gpu_step, host_step)
     blocking = sum(x.blocking_fwd + x.blocking_bwd for x in costs) + pre
     comm_total = sum(breakdown.values())
