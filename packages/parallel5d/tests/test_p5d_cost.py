@@ -171,27 +171,27 @@ def test_host_walked_layer_by_layer_by_hand() -> None:
     )
     assert fast.step_s == pytest.approx(gpu.step_s) and not fast.host_bound
     assert _two_measured(host_s=1.0, host_forward_s=0.25).describe()["host_forward_s"] == 0.25
-    # The optimizer's issue (the last 2 ms of the host) after the last layer: the
-    # backward's issue is 3 ms, 1.5 per layer: layer 1 runs 6-9 ms, layer 0 9-12 ms, the
-    # host has issued everything by 10 ms: the GPU's backward sets the end.
-    phases = predict(
-        _two_measured(host_s=10e-3, host_forward_s=6e-3, host_backward_s=3e-3),
-        t, spec, 2, device=dev, options=opts,
+    # The optimizer's issue after the last layer (host_backward_s), on layers of unequal
+    # backward: layer 0 takes 8 ms (7 + 1 recomputed), layer 1 1.5 ms; forward as above
+    # at 1 ms of host per layer (ends at 2 ms); host 12 ms in all.
+    uneven = tuple(
+        LayerSpec(name=f"l{i}", params=1000, flops_per_sample=1e9,
+                  measured_fwd_s=1e-3, measured_bwd_s=b)
+        for i, b in enumerate((7e-3, 0.5e-3))
     )  # fmt: skip
-    assert phases.step_s == pytest.approx(12e-3 + opt)
-    # a slow optimizer issue (8 ms of 20) sets the end by itself: host + update
-    slow_opt = predict(
-        _two_measured(host_s=20e-3, host_forward_s=6e-3, host_backward_s=6e-3),
-        t, spec, 2, device=dev, options=opts,
-    )  # fmt: skip
-    assert slow_opt.step_s == pytest.approx(20e-3 + opt)
-    # the backward's issue longer than the GPU's backward: walked it ends at 6 + 2 x 4 =
-    # 14 ms, then the host's last 2 ms (the optimizer's issue) set the end
-    slow_bwd = predict(
-        _two_measured(host_s=16e-3, host_forward_s=6e-3, host_backward_s=8e-3),
-        t, spec, 2, device=dev, options=opts,
-    )  # fmt: skip
-    assert slow_bwd.step_s == pytest.approx(16e-3 + opt)
+
+    def step(**host: float) -> float:
+        m = ModelConfig(name="uneven", layers=uneven, **host)  # type: ignore[arg-type]
+        return predict(m, t, spec, 2, device=dev, options=opts).step_s - opt
+
+    # Everything after the forward walked with the backward (5 ms per layer): layer 1
+    # ends with its issue at 7 ms, layer 0 runs 7-15 ms.
+    assert step(host_s=12e-3, host_forward_s=2e-3) == pytest.approx(15e-3)
+    # Backward issued in 2 ms (1 per layer), the optimizer's 8 ms after it: layer 1 runs
+    # 2-3.5 ms, layer 0 3.5-11.5 ms, the host's issue (12 ms) sets the end.
+    assert step(host_s=12e-3, host_forward_s=2e-3, host_backward_s=2e-3) == pytest.approx(12e-3)
+    # the whole-step rule: max(GPU 11.5, host 12)
+    assert step(host_s=12e-3) == pytest.approx(12e-3)
     # serial collectives (no overlap) walk the host the same way
     serial = predict(
         _two_measured(host_s=10e-3, host_forward_s=6e-3), t, spec, 2, device=dev,

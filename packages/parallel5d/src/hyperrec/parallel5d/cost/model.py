@@ -737,7 +737,8 @@ def predict(
         # before) left them fully exposed: the pipelined step came out no faster, often
         # slower, than the blocking one.
         early, pre = pre, 0.0
-    step = _simulate(
+    simulate = functools.partial(
+        _simulate,
         costs,
         pre=pre,
         post_comm=post_comm,
@@ -747,23 +748,13 @@ def predict(
         slowdown=slowdown,
         early_comm=early,
     )
+    step = simulate()
     if model.host_forward_s is not None:
         n = len(costs)
-        host_walk = _simulate(
-            costs,
-            pre=pre,
-            post_comm=post_comm,
-            tail=tail,
-            overlap=options.overlap,
-            reshard=options.reshard_after_forward,
-            slowdown=slowdown,
-            early_comm=early,
+        after_forward = model.host_s - model.host_forward_s  # type: ignore[operator]
+        host_walk = simulate(
             host_fwd=model.host_forward_s / n,
-            host_bwd=(
-                model.host_s - model.host_forward_s  # type: ignore[operator]
-                if model.host_backward_s is None
-                else model.host_backward_s
-            )
+            host_bwd=(after_forward if model.host_backward_s is None else model.host_backward_s)
             / n,
         )
     else:
