@@ -4,7 +4,9 @@ For each model (Llama-like, GEM-like tower), on the process layout it is launche
 
 1. per-layer times: each block's forward and backward measured alone on this device
    (bf16, the block's real input shape), the rest of the model (embeddings, heads) as
-   the full unsharded step minus the blocks, and FLOPs per block (FlopCounterMode);
+   the full unsharded step minus the blocks, and FLOPs per block (FlopCounterMode); on
+   CUDA the GPU's time (calls queued behind a sleep kernel, timed with events, since
+   0.2.18; the synchronised wall time of earlier runs is recorded under ``wall``);
 2. the measured step: ``bench_fsdp.run_variant`` with hyperrec ``fully_shard`` + flat
    fused AdamW, median of ``--steps`` steps;
 3. two predictions by the cost model: from the measured per-layer times, and from a
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import os
 import statistics
@@ -71,6 +74,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn, device: torch.device, reps: int) -> float:
+    """Seconds of one call of ``fn``: on CUDA the GPU's time (see :func:`_gpu_time`),
+    elsewhere the wall time of a synchronised call (median of ``reps``)."""
+    if device.type == "cuda":
+        return _gpu_time(fn, reps)
+    return _wall_time(fn, device, reps)
+
+
+def _wall_time(fn, device: torch.device, reps: int) -> float:
+    """Median wall seconds of one synchronised call (the host's issue included)."""
     times = []
     for _ in range(reps + 1):
         _sync(device)
@@ -79,6 +91,43 @@ def _time(fn, device: torch.device, reps: int) -> float:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
+
+
+def _gpu_time(fn, reps: int) -> float:
+    """The GPU's seconds per call of ``fn``, without the host's: ``reps`` calls queued
+    behind a sleep kernel long enough for the host to issue them all, timed between
+    CUDA events after the sleep. A call timed alone with a sync around it measured the
+    host's issue too, where it is longer than the kernels (the GEM tower's small
+    blocks: their per-layer times came out above what the step's kernels take, and the
+    host term then counted that host time twice)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()  # the host's issue time of one call (it does not wait for the kernels here)
+    issue = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(_sleep_cycles_per_s() * (2.0 * issue * reps + 0.005)))
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3 / reps
+
+
+@functools.cache
+def _sleep_cycles_per_s() -> float:
+    """``torch.cuda._sleep``'s cycles per second on this GPU (timed once)."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e-3)
 
 
 def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
@@ -100,6 +149,7 @@ def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
         model.zero_grad(set_to_none=True)
 
     full = _time(full_step, device, reps)
+    wall = {"full_s": _wall_time(full_step, device, reps), "fwd_s": [], "both_s": []}
     rows = []
     for blk, x in zip(blocks, inputs):
         x = x.clone().requires_grad_(True)
@@ -111,6 +161,8 @@ def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
             blk(x).backward(g)  # noqa: B023
 
         both = _time(fwd_bwd, device, reps)
+        wall["fwd_s"].append(_wall_time(lambda: blk(x), device, reps))  # noqa: B023
+        wall["both_s"].append(_wall_time(fwd_bwd, device, reps))
         with FlopCounterMode(display=False) as fc:
             blk(x)
         rows.append(
@@ -126,7 +178,10 @@ def profile_layers(cfg: dict, device: torch.device, reps: int) -> dict:
         model(batch)
     total_flops = float(fc.get_total_flops())
     n_params = sum(p.numel() for p in model.parameters())
-    return {"full_s": full, "blocks": rows, "flops": total_flops, "params": n_params}
+    # the same calls timed the way earlier runs did (a synchronised call each, host
+    # included): recorded beside the GPU times, not used by the predictions
+    return {"full_s": full, "blocks": rows, "flops": total_flops, "params": n_params,
+            "wall": wall}  # fmt: skip
 
 
 #: Dims of the host-calibration copy of each model kind (``host_copy``): the same layers,
