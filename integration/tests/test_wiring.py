@@ -139,9 +139,14 @@ def test_autoac_keeps_the_losses_and_resumes_with_its_plan(micro, tmp_path):
     s = t.autoac_summary()
     assert any(r["mode"] == "sac" for r in s["regions"].values())
     # per region, the outputs kept against its mode's default and those packed (none:
-    # no formats allowed); a selective region keeps some
-    assert all(r["packed"] == {} for r in s["regions"].values())
-    assert any(r["kept"] > 0 for r in s["regions"].values() if r["mode"] == "sac")
+    # no formats allowed, so every decision off the default is a keep). Whether a
+    # selective region keeps any output depends on the recompute times autoac measures
+    # on this machine, so that is not asserted (it did not hold on every CPU).
+    plan_regions = {r.name: r for r in t.autoac.plan.regions}
+    for name, r in s["regions"].items():
+        decisions = list(plan_regions[name].saves.values())
+        assert r["packed"] == {} and r["kept"] == len(decisions)
+        assert all(d == "keep" for d in decisions)
     assert s["predicted_peak_gb"] <= (floor + top) / 2 + 1e-9
     metrics = t.fit(plot=False).metrics
     t.close()
