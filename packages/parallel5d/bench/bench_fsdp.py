@@ -475,12 +475,12 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
         gc.collect()
         gc.freeze()
     gc_log = _GCLog()
-    times, host, host_fwd, losses, gc_s, gc_full = [], [], [], [], [], []
+    times, host, phases, losses, gc_s, gc_full = [], [], [], [], [], []
     for s in range(args.steps):
         batch = make_batch(cfg, device, args.warmup + 1 + s, rank)
         sync(device)
         gc_log.reset()
-        loss, host_s, step_s = timed_step(model, opt, batch, device, host_fwd)
+        loss, host_s, step_s = timed_step(model, opt, batch, device, phases)
         losses.append(loss)
         host.append(host_s)
         times.append(step_s)
@@ -501,7 +501,7 @@ def run_variant(cfg, impl, optim, mp, mesh, device, args) -> dict:
     result["host_s_all"] = host
     # ... of which the forward (and loss), then the backward: the cost model's
     # host_forward_s / host_backward_s
-    result.update(_phase_medians(host_fwd))
+    result.update(_phase_medians(phases))
     if device.type == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -553,12 +553,12 @@ def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
     sync(device)
     times: list[list[float]] = [[] for _ in runs]
     host: list[list[float]] = [[] for _ in runs]
-    host_fwd: list[list[float]] = [[] for _ in runs]
+    phases: list[list[tuple[float, float]]] = [[] for _ in runs]
     for s in range(args.steps):
         for i, (cfg, model, opt) in enumerate(runs):
             batch = make_batch(cfg, device, args.warmup + s, rank)
             sync(device)
-            _, host_s, step_s = timed_step(model, opt, batch, device, host_fwd[i])
+            _, host_s, step_s = timed_step(model, opt, batch, device, phases[i])
             host[i].append(host_s)
             times[i].append(step_s)
     out = [
@@ -569,7 +569,7 @@ def run_interleaved(cfgs, impl, optim, mp, mesh, device, args) -> list[dict]:
             "host_s_all": h,
             **_phase_medians(f),
         }
-        for t, h, f in zip(times, host, host_fwd)
+        for t, h, f in zip(times, host, phases)
     ]
     del runs
     gc.collect()

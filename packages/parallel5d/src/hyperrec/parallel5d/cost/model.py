@@ -562,9 +562,9 @@ def _simulate(
     host_bwd: float = 0.0,
 ) -> float:
     """Step seconds of the schedule (module docstring)."""
-    if not overlap and (host_fwd or host_bwd):
-        # Serial collectives with the host walked beside them: the same walk with each
-        # layer's collectives folded into its compute (blocking, nothing overlaps).
+    if not overlap:
+        # Serial collectives: the same walk with each layer's collectives folded into
+        # its compute (blocking, nothing overlaps), so the host walks beside it too.
         serial = [
             _LayerCost(
                 x.fwd + x.ag, x.bwd + (x.ag if reshard else 0.0) + x.reduce,
@@ -576,12 +576,6 @@ def _simulate(
                             pre=pre + early_comm, post_comm=post_comm, reshard=False,
                             host_fwd=host_fwd, host_bwd=host_bwd)  # fmt: skip
         return end + tail
-    if not overlap:
-        total = pre + tail + post_comm + early_comm
-        for x in layers:
-            total += x.ag + x.fwd + x.blocking_fwd + x.bwd + x.blocking_bwd + x.reduce
-            total += x.ag if reshard else 0.0
-        return total
 
     def walk(fwd_scale: list[float], bwd_scale: list[float]) -> Any:
         return _one_pass(layers, fwd_scale, bwd_scale, pre=pre, post_comm=post_comm,
