@@ -226,3 +226,78 @@ def test_shaped_delta_splits_like_the_copy() -> None:
     assert vc._with_delta(host, -0.002) == (0.040, 0.010, 0.020)
     zero = {"host_s": 0.0, "host_forward_s": 0.0, "host_backward_s": 0.0}
     assert vc._with_delta(zero, 0.001) == (0.001, 0.0, 0.0)
+
+
+def _recorded_run(vc, prof: dict, world: int, fake: bool, host_ops: float | None) -> dict:
+    """A ``validate_cost`` record of one model, its errors computed the way ``main`` does."""
+    from hyperrec.parallel5d.cost import CostOptions, DeviceSpec
+    from hyperrec.parallel5d.mesh import MeshSpec
+    from hyperrec.parallel5d.topology import Topology
+
+    dev = DeviceSpec(hbm_gbps=2500.0)
+    topo = Topology(gpus_per_host=min(world, 8), hosts=max(world // 8, 1))
+    rounds = []
+    for i, step in enumerate([0.030, 0.034]):
+        host = {"host_s": 0.02 + 0.01 * i, "host_forward_s": 0.012, "host_backward_s": 0.01}
+        args = (prof, True, topo, MeshSpec(fsdp=world), world, dev,
+                CostOptions(communication=False))  # fmt: skip
+        pr = vc.predict_variants(*args, host["host_s"], host["host_forward_s"],
+                                 host["host_backward_s"], kinds=("measured_layers",))  # fmt: skip
+        if host_ops is not None:
+            pr.update({k.replace("_with_host", "_with_host_ops"): v for k, v in
+                       vc.predict_variants(*args, *vc._with_delta(host, host_ops),
+                                           kinds=("measured_layers",)).items()})  # fmt: skip
+        errors = {f"error_{k}_pct": 100 * (v - step) / step for k, v in pr.items()}
+        rounds.append({"measured_step_ms": step * 1e3, "host_copy_ms": host["host_s"] * 1e3,
+                       "host_copy_forward_ms": 12.0, "host_copy_backward_ms": 10.0,
+                       **errors})  # fmt: skip
+    return {
+        "device_spec": {"hbm_gbps": 2500.0},
+        "rows": [{"model": "gem", "world_size": world, "fake_backend": fake,
+                  "activation_checkpointing": True, "per_layer": prof,
+                  "host_ops": None if host_ops is None else {"delta_s": host_ops},
+                  "rounds": rounds}],
+    }  # fmt: skip
+
+
+def test_reprice_reproduces_a_run_and_prices_no_root_recompute(tmp_path) -> None:
+    """``validate_cost --reprice`` recomputes a recorded run's per-layer predictions with
+    the installed cost model: on a record the installed model wrote it gives back every
+    recorded error; the root (embeddings, heads: what the blocks leave of the step) is
+    not checkpointed by the benchmark, so only the blocks' forwards are priced again."""
+    import json
+
+    vc = _load("validate_cost")
+    prof = {
+        "full_s": 0.040,
+        "params": 3000,
+        "flops": 9e9,
+        "blocks": [{"params": 1000, "fwd_s": 0.004, "bwd_s": 0.008, "flops": 4e9}] * 2,
+    }
+    for world, fake, ops in [(1, False, None), (8, True, 0.003)]:
+        path = tmp_path / f"run{world}.json"
+        path.write_text(json.dumps(_recorded_run(vc, prof, world, fake, ops)))
+        got = vc.reprice(path)["rows"][0]["rounds"]
+        assert len(got) == 2
+        for r in got:
+            assert r["recorded"]  # every recorded error given back, equal
+            for k, v in r["recorded"].items():
+                assert r[k] == pytest.approx(v, abs=1e-9), k
+    # root: 16 ms of the 40 (fwd a third); blocks: 4 ms forward each
+    cfg = vc.to_model_config(prof, True, measured=True)
+    assert cfg.layers[0].name == "root" and cfg.layers[0].recompute is False
+    assert all(x.recompute is None for x in cfg.layers[1:])
+    from hyperrec.parallel5d.cost import CostOptions, DeviceSpec, predict
+    from hyperrec.parallel5d.mesh import MeshSpec
+    from hyperrec.parallel5d.topology import Topology
+
+    def step(ac: bool) -> float:
+        return predict(vc.to_model_config(prof, ac, measured=True), Topology(gpus_per_host=1,
+                       hosts=1), MeshSpec(), 1, device=DeviceSpec(),
+                       options=CostOptions(communication=False)).step_s  # fmt: skip
+
+    assert step(True) - step(False) == pytest.approx(2 * 0.004)
+    bad = _recorded_run(vc, prof, 2, False, None)
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="one GPU and the fake backend only"):
+        vc.reprice(tmp_path / "bad.json")

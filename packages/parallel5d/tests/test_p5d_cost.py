@@ -137,6 +137,46 @@ def _two_measured(**kw: object) -> ModelConfig:
     return ModelConfig(name="two", layers=layers, **kw)  # type: ignore[arg-type]
 
 
+def test_layer_recompute_overrides_the_model_policy() -> None:
+    """``LayerSpec.recompute`` prices one layer's recompute apart from the model-wide
+    ``activation_checkpointing``: a root that is not checkpointed among checkpointed
+    blocks, or one checkpointed block in a model that checkpoints nothing; saved bytes
+    follow (a recomputed layer's live only during its own backward)."""
+    dev = DeviceSpec(hbm_gbps=2000.0)
+    t = Topology(gpus_per_host=1, hosts=1)
+    opts = CostOptions(casts=False, communication=False)
+    opt = 2000 * 28 / 2000e9
+
+    def model(ac: bool, first: bool | None, second: bool | None) -> ModelConfig:
+        layers = tuple(
+            LayerSpec(name=f"l{i}", params=1000, flops_per_sample=1e9, measured_fwd_s=f,
+                      measured_bwd_s=2 * f, input_bytes_per_sample=10.0,
+                      saved_bytes_per_sample=s, recompute=r)
+            for i, (f, s, r) in enumerate([(1e-3, 1e6, first), (4e-3, 3e6, second)])
+        )  # fmt: skip
+        return ModelConfig(name="two", layers=layers, activation_checkpointing=ac)
+
+    def run(m: ModelConfig):
+        return predict(m, t, MeshSpec(), 1, device=dev, options=opts)
+
+    fwd_bwd = 3 * (1e-3 + 4e-3)
+    assert run(model(True, None, None)).step_s == pytest.approx(fwd_bwd + 5e-3 + opt)
+    assert run(model(True, False, None)).step_s == pytest.approx(fwd_bwd + 4e-3 + opt)
+    assert run(model(False, None, True)).step_s == pytest.approx(fwd_bwd + 4e-3 + opt)
+    assert run(model(False, None, None)).step_s == pytest.approx(fwd_bwd + opt)
+    assert run(model(True, False, False)).step_s == run(model(False, None, None)).step_s
+    inputs = 20.0
+    cases = [(True, None, None), (True, False, None), (False, None, None), (False, True, None)]
+    mem = {k: run(model(*k)).memory_gb for k in cases}
+    base = run(model(False, False, False)).memory_gb - (inputs + 4e6) / 1e9
+    assert mem[(True, None, None)] == pytest.approx(base + (inputs + 3e6) / 1e9)
+    assert mem[(True, False, None)] == pytest.approx(base + (inputs + 1e6 + 3e6) / 1e9)
+    assert mem[(False, None, None)] == pytest.approx(base + (inputs + 4e6) / 1e9)
+    assert mem[(False, True, None)] == pytest.approx(base + (inputs + 3e6 + 1e6) / 1e9)
+    with pytest.raises(TypeError, match="recompute must be a bool"):
+        LayerSpec(name="x", params=1, flops_per_sample=1.0, recompute=1)  # type: ignore[arg-type]
+
+
 def test_host_walked_layer_by_layer_by_hand() -> None:
     """host_forward_s walks the host's issue beside the GPU: a host-bound forward and a
     GPU-bound backward add up where max(host, GPU) hid one under the other."""

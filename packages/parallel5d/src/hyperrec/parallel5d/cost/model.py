@@ -185,6 +185,12 @@ class LayerSpec:
     """Measured forward seconds per sample (overrides the roofline)."""
     measured_bwd_s: float | None = None
     """Measured backward seconds per sample (without recompute)."""
+    recompute: bool | None = None
+    """Whether backward recomputes this layer's forward. ``None`` (default): as
+    :attr:`ModelConfig.activation_checkpointing` says. ``False`` for a part the runtime
+    does not checkpoint under a model-wide policy (typically the root's embeddings and
+    heads, around checkpointed blocks); ``True`` for a checkpointed layer in a model
+    that checkpoints nothing else."""
 
     def __post_init__(self) -> None:
         check_int("params", self.params, minimum=0)
@@ -201,6 +207,8 @@ class LayerSpec:
         for name in ("measured_fwd_s", "measured_bwd_s"):
             if getattr(self, name) is not None:
                 check_float(name, getattr(self, name), minimum=0.0)
+        if self.recompute is not None:
+            check_bool("recompute", self.recompute)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -644,7 +652,6 @@ def predict(
         algos[key] = algo
         return t
 
-    ac = model.activation_checkpointing
     hbm = device.hbm_gbps * 1e9
     casts = 0.0
     costs = []
@@ -658,6 +665,7 @@ def predict(
                 + layer.kernels * device.launch_us * 1e-6
             )
         bwd = layer.measured_bwd_s * b if layer.measured_bwd_s is not None else 2.0 * fwd
+        ac = _recomputes(model, layer)
         if ac:
             bwd += fwd
         experts = layer.kind == "experts"
@@ -779,11 +787,14 @@ def predict(
         # to its backward: the peak holds all of them. Counting two layers' (as with
         # resharding) under-estimated memory, so plans could be infeasible in practice.
         gathered += max(0.0, sum(unsharded) - 2 * max(unsharded)) * model.param_bytes
+    # A recomputed layer keeps its input; its saved tensors live only while its backward
+    # runs, one such layer at a time. A layer that is not recomputed keeps them all.
     acts = sum(x.input_bytes_per_sample for x in model.layers) * b
-    if ac:
-        acts += max(x.saved_bytes_per_sample for x in model.layers) * b
-    else:
-        acts += sum(x.saved_bytes_per_sample for x in model.layers) * b
+    acts += sum(x.saved_bytes_per_sample for x in model.layers if not _recomputes(model, x)) * b
+    acts += (
+        max((x.saved_bytes_per_sample for x in model.layers if _recomputes(model, x)), default=0.0)
+        * b
+    )
     tables = (
         sum((s.rows * s.dim * s.param_bytes + s.rows * s.state_bytes_per_row) for s in model.sparse)
         * spec.sparse_dp
@@ -819,6 +830,10 @@ def predict(
         optimizer_s=tail,
         cast_s=casts,
     )
+
+
+def _recomputes(model: ModelConfig, layer: LayerSpec) -> bool:
+    return model.activation_checkpointing if layer.recompute is None else layer.recompute
 
 
 def _check_types(model: Any, topology: Any, device: Any, options: Any) -> None:
