@@ -176,7 +176,7 @@ def main() -> None:
               f"{r['host_us']['same/False']:.0f} us/call", flush=True)  # fmt: skip
     worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"],
                     r["step12_default_over_none"]) for r in rows)  # fmt: skip
-    suffix = "smoke" if args.smoke else ("quick" if args.quick else "h200")
+    suffix = "smoke" if args.smoke else ("quick" if args.quick else "full")  # the GPU: in "machine"
     from hyperrec.jagged_attn._triton._direct import direct_requested
 
     direct = direct_requested()
