@@ -199,6 +199,29 @@ def test_in_kernel_assert_only_off_the_interpreter(monkeypatch):
         assert opts is None
 
 
+def test_in_kernel_assert_variant_writes_no_flag(monkeypatch):
+    """The variant a GPU runs (``C_ASSERT``: the schedule kernel asserts the check itself)
+    allocates no flag and writes none: it passes ``total`` as the flag's pointer, so a
+    stray flag store would clobber the tile count. Run in the interpreter with the
+    launch options forced: the same schedule as without the check on valid values, an
+    empty one on invalid values."""
+    from hyperrec.jagged_attn._triton import _tiles
+
+    monkeypatch.setattr(_tiles, "_assert_options", lambda: {"num_warps": 8})
+    qo = _off([5, 0, 17, 9, 1])
+    tq = int(qo[-1])
+    for causal in (False, True):
+        args, plain, fused = _fused(qo, qo, tq, tq, 17, 17, causal=causal)
+        assert fused[-1] is None  # asserted in the kernel: no flag for the caller
+        for a, b in zip(plain, fused[:-1]):
+            assert torch.equal(a, b)
+        assert int(fused[4]) == int(plain[4]) > 1
+    # invalid values (17 > max_seqlen): an empty schedule; the assert itself needs the
+    # debug compile of a GPU (the interpreter skips ``tl.device_assert`` without it)
+    _, _, fused = _fused(qo, qo, tq, tq, 16, 16, valid=False)
+    assert fused[-1] is None and int(fused[4]) == 0
+
+
 def test_paths_without_a_schedule_build_check_on_their_own(device_mode):
     q, k, v = _qkv(0)
     jagged_attention(q, k, v, _off([0, 0]), 1, backend="triton")  # no kernel at all

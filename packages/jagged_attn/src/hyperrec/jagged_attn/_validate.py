@@ -507,10 +507,20 @@ class DeviceCheck:
     """A ``"device"``-mode value check that has not run yet (see :func:`run_value_checks`
     with ``defer=True``): ``args`` is the argument tuple of ``_checks.values_ok``."""
 
-    __slots__ = ("args", "message")
+    __slots__ = ("args", "names")
 
-    def __init__(self, args: tuple[Any, ...], message: str) -> None:
-        self.args, self.message = args, message
+    def __init__(self, args: tuple[Any, ...], names: Names) -> None:
+        self.args, self.names = args, names
+
+    @property
+    def message(self) -> str:
+        """The device assert's message (built only when a host-side assert needs it)."""
+        n = self.names
+        return (
+            f"hyperrec.jagged_attn: invalid {n.q_offsets}, {n.kv_offsets}, "
+            f"{n.max_seqlen_q}, {n.max_seqlen_kv}, kv_index or num_targets values "
+            "(call with validate='full' for the error that names the argument)"
+        )
 
     def run(self) -> None:
         """Compute the flag (its own launch) and assert it on the device."""
@@ -583,12 +593,7 @@ def run_value_checks(
         if _already_checked((q_offsets, kv_offsets, kv_index, num_targets),
                             (args[0], args[1], max_seqlen_q, max_seqlen_kv)):  # fmt: skip
             return None
-        check = DeviceCheck(
-            args,
-            f"hyperrec.jagged_attn: invalid {names.q_offsets}, {names.kv_offsets}, "
-            f"{names.max_seqlen_q}, {names.max_seqlen_kv}, kv_index or num_targets values "
-            "(call with validate='full' for the error that names the argument)",
-        )
+        check = DeviceCheck(args, names)
         if defer:
             return check
         check.run()

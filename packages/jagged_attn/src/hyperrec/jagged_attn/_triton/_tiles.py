@@ -157,8 +157,9 @@ def _tile_schedule_kernel(
     if CHECK:  # the call's value check (``_checks.py``); invalid values: an empty schedule
         bad = values_bad(QO, KO, KIC, NTC, n_q_off - 1, n_kv_off - 1, c_total_q, c_total_k,
                          c_max_q, c_max_kv, C_SAME, C_HAS_MAP, C_HAS_TARGETS, C_BLOCK)  # fmt: skip
-        tl.store(OK, (bad == 0).to(tl.int32))
-        if C_ASSERT:  # compiled with debug=True (see ``tile_schedule``)
+        if not C_ASSERT:  # the caller asserts the flag
+            tl.store(OK, (bad == 0).to(tl.int32))
+        else:  # compiled with debug=True (see ``tile_schedule``); no flag to write
             tl.device_assert(bad == 0, "hyperrec.jagged_attn: invalid offsets, max_seqlen, "
                              "kv_index or num_targets values (call with validate='full' for "
                              "the error that names the argument)")  # fmt: skip
@@ -297,7 +298,9 @@ def tile_schedule(
     else:
         c_total_q, c_total_k, c_qo, c_ko, c_max_q, c_max_kv, c_map, c_targets = check
         assert c_qo is q_offsets and c_ko is kv_offsets, "check: another call's offsets"
-        ok = torch.empty((), dtype=torch.int32, device=device)
+        # asserted in the kernel, the flag is never written: no allocation for it (a
+        # new offsets object's call is host-bound on short sequences)
+        ok = total if in_kernel else torch.empty((), dtype=torch.int32, device=device)
         c_args = (q_offsets if c_map is None else c_map,
                   q_offsets if c_targets is None else c_targets,
                   c_total_q, c_total_k, c_max_q, c_max_kv)  # fmt: skip
