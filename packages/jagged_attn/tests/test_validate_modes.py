@@ -256,15 +256,18 @@ def test_gpu_default_path_never_syncs():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_default_check_is_a_device_assert():
+@pytest.mark.parametrize(("total", "first", "max_len"), [(10, 8, 4), (600, 400, 300)])
+def test_gpu_default_check_is_a_device_assert(total, first, max_len):
     # A device-side assert poisons the CUDA context, so it runs in a child process.
+    # (10, 8, 4): short sequences, a check of its own; (600, 400, 300): a call long enough
+    # for the tile-schedule kernel, which asserts the check itself (the Gluon path on Hopper).
     code = textwrap.dedent(
-        """
+        f"""
         import torch
         from hyperrec.jagged_attn import jagged_attention
-        q = torch.randn(10, 2, 64, device="cuda", dtype=torch.bfloat16)
-        off = torch.tensor([0, 8, 10], device="cuda")
-        jagged_attention(q, q, q, off, 4)  # max_seqlen below the longest sequence (8)
+        q = torch.randn({total}, 2, 64, device="cuda", dtype=torch.bfloat16)
+        off = torch.tensor([0, {first}, {total}], device="cuda")
+        jagged_attention(q, q, q, off, {max_len})  # max_seqlen below the longest sequence
         torch.cuda.synchronize()
         print("no error")
         """
