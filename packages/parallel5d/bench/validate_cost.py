@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import statistics
 import time
@@ -249,13 +250,14 @@ def to_model_config(
     )
 
 
-def _with_delta(host: dict, delta_s: float) -> tuple[float, float, float]:
+def _with_delta(host: dict, delta_s: float) -> tuple[float, float, float | None]:
     """The copy's host time (whole step, forward, backward) plus the shaped-launch delta,
-    split between the phases in the copy's own proportion."""
+    split between the phases in the copy's own proportion (a backward share that was not
+    recorded stays None)."""
     d = max(delta_s, 0.0)
     h, f, b = host["host_s"], host["host_forward_s"], host["host_backward_s"]
     share = d / h if h > 0 else 0.0
-    return h + d, f * (1 + share), b * (1 + share)
+    return h + d, f * (1 + share), None if b is None else b * (1 + share)
 
 
 def shaped_host_delta(
@@ -335,6 +337,16 @@ def predict_variants(
     return out
 
 
+def _compute_only_topology(world: int):
+    """A topology that holds ``world`` ranks, for predictions that move no data (one GPU,
+    the fake backend): its shape does not enter them. Hosts of up to 8 GPUs that divide
+    the world (``min(world, 8)`` failed on worlds such as 12)."""
+    from hyperrec.parallel5d.topology import Topology
+
+    gph = math.gcd(world, 8)
+    return Topology(gpus_per_host=gph, hosts=world // gph)
+
+
 def reprice(path: Path) -> dict:
     """The per-layer predictions of a recorded run (``validate_cost_*.json`` of one GPU or
     the fake backend) recomputed with the installed cost model: the same measured
@@ -345,7 +357,6 @@ def reprice(path: Path) -> dict:
 
     from hyperrec.parallel5d.cost import CostOptions, DeviceSpec
     from hyperrec.parallel5d.mesh import MeshSpec
-    from hyperrec.parallel5d.topology import Topology
 
     data = json.loads(Path(path).read_text())
     dev = dataclasses.replace(DeviceSpec(), hbm_gbps=data["device_spec"]["hbm_gbps"])
@@ -354,21 +365,27 @@ def reprice(path: Path) -> dict:
         world = row["world_size"]
         if not (row["fake_backend"] or world == 1):
             raise ValueError(f"{path}: reprice covers one GPU and the fake backend only")
-        gph = min(world, 8)
-        topo = Topology(gpus_per_host=gph, hosts=max(world // gph, 1))
+        topo = _compute_only_topology(world)
         options = CostOptions(communication=False)
         price = functools.partial(
             predict_variants, row["per_layer"], row["activation_checkpointing"], topo,
             MeshSpec(fsdp=world), world, dev, options, kinds=("measured_layers",),
         )  # fmt: skip
         delta = (row.get("host_ops") or {}).get("delta_s")
+        if "rounds" not in row or not all("host_copy_forward_ms" in r for r in row["rounds"]):
+            raise ValueError(
+                f"{path}: no per-round host split (host_copy_forward_ms): recorded before "
+                "0.2.18, which reprice cannot read"
+            )
+        # the backward's share was not recorded by 0.2.18's first run (e): walked without it
+        phases = all("host_copy_backward_ms" in r for r in row["rounds"])
         rounds = []
         for r in row["rounds"]:
             step = r["measured_step_ms"] * 1e-3
             host = {
                 "host_s": r["host_copy_ms"] * 1e-3,
                 "host_forward_s": r["host_copy_forward_ms"] * 1e-3,
-                "host_backward_s": r["host_copy_backward_ms"] * 1e-3,
+                "host_backward_s": r["host_copy_backward_ms"] * 1e-3 if phases else None,
             }
             pr = price(host["host_s"], host["host_forward_s"], host["host_backward_s"])
             if delta is not None:
@@ -381,8 +398,12 @@ def reprice(path: Path) -> dict:
                     "recorded": {k: v for k, v in r.items() if k.startswith("error_measured")},
                 }
             )
+        rule = RULE if delta is not None else RULE.replace("_host_ops", "_host")
+        if not phases:
+            rule = rule.replace("_phases", "_walk")
         out_rows.append({"model": row["model"], "world_size": world,
-                         "fake_backend": row["fake_backend"], "rounds": rounds})  # fmt: skip
+                         "fake_backend": row["fake_backend"], "validation_rule": rule,
+                         "rounds": rounds})  # fmt: skip
     return {"source": Path(path).name, "rows": out_rows}
 
 
@@ -433,10 +454,10 @@ def main() -> None:
             write_result(Path(args.out) / f"reprice_{Path(f).name}", res)
             for row in res["rows"]:
                 errs = [r["error_measured_layers_with_host_pct"] for r in row["rounds"]]
-                walk = [r["error_measured_layers_with_host_walk_pct"] for r in row["rounds"]]
+                rule = [r[f"error_{row['validation_rule']}_pct"] for r in row["rounds"]]
                 print(f"{Path(f).name}: {row['model']} world {row['world_size']}: layers + host "
-                      f"{min(errs):+.1f}..{max(errs):+.1f}%, walked "
-                      f"{min(walk):+.1f}..{max(walk):+.1f}%")  # fmt: skip
+                      f"{min(errs):+.1f}..{max(errs):+.1f}%, validation rule "
+                      f"({row['validation_rule']}) {min(rule):+.1f}..{max(rule):+.1f}%")  # fmt: skip
         return
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -466,8 +487,7 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (world,))
     fake = args.fake_world_size is not None
     if fake or world == 1:
-        gph = min(world, 8)
-        topo = Topology(gpus_per_host=gph, hosts=max(world // gph, 1))
+        topo = _compute_only_topology(world)
     else:
         topo = Topology.from_env()
     dev = DeviceSpec.from_calibration(args.calibration) if args.calibration else DeviceSpec()

@@ -228,18 +228,19 @@ def test_shaped_delta_splits_like_the_copy() -> None:
     assert vc._with_delta(zero, 0.001) == (0.001, 0.0, 0.0)
 
 
-def _recorded_run(vc, prof: dict, world: int, fake: bool, host_ops: float | None) -> dict:
+def _recorded_run(
+    vc, prof: dict, world: int, fake: bool, host_ops: float | None, checkpoint: bool = True
+) -> dict:
     """A ``validate_cost`` record of one model, its errors computed the way ``main`` does."""
     from hyperrec.parallel5d.cost import CostOptions, DeviceSpec
     from hyperrec.parallel5d.mesh import MeshSpec
-    from hyperrec.parallel5d.topology import Topology
 
     dev = DeviceSpec(hbm_gbps=2500.0)
-    topo = Topology(gpus_per_host=min(world, 8), hosts=max(world // 8, 1))
+    topo = vc._compute_only_topology(world)
     rounds = []
     for i, step in enumerate([0.030, 0.034]):
         host = {"host_s": 0.02 + 0.01 * i, "host_forward_s": 0.012, "host_backward_s": 0.01}
-        args = (prof, True, topo, MeshSpec(fsdp=world), world, dev,
+        args = (prof, checkpoint, topo, MeshSpec(fsdp=world), world, dev,
                 CostOptions(communication=False))  # fmt: skip
         pr = vc.predict_variants(*args, host["host_s"], host["host_forward_s"],
                                  host["host_backward_s"], kinds=("measured_layers",))  # fmt: skip
@@ -254,7 +255,7 @@ def _recorded_run(vc, prof: dict, world: int, fake: bool, host_ops: float | None
     return {
         "device_spec": {"hbm_gbps": 2500.0},
         "rows": [{"model": "gem", "world_size": world, "fake_backend": fake,
-                  "activation_checkpointing": True, "per_layer": prof,
+                  "activation_checkpointing": checkpoint, "per_layer": prof,
                   "host_ops": None if host_ops is None else {"delta_s": host_ops},
                   "rounds": rounds}],
     }  # fmt: skip
@@ -274,9 +275,10 @@ def test_reprice_reproduces_a_run_and_prices_no_root_recompute(tmp_path) -> None
         "flops": 9e9,
         "blocks": [{"params": 1000, "fwd_s": 0.004, "bwd_s": 0.008, "flops": 4e9}] * 2,
     }
-    for world, fake, ops in [(1, False, None), (8, True, 0.003)]:
+    for world, fake, ops, ac in [(1, False, None, True), (8, True, 0.003, True),
+                                 (12, True, 0.002, False)]:  # fmt: skip
         path = tmp_path / f"run{world}.json"
-        path.write_text(json.dumps(_recorded_run(vc, prof, world, fake, ops)))
+        path.write_text(json.dumps(_recorded_run(vc, prof, world, fake, ops, ac)))
         got = vc.reprice(path)["rows"][0]["rounds"]
         assert len(got) == 2
         for r in got:
@@ -301,3 +303,30 @@ def test_reprice_reproduces_a_run_and_prices_no_root_recompute(tmp_path) -> None
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="one GPU and the fake backend only"):
         vc.reprice(tmp_path / "bad.json")
+    old = _recorded_run(vc, prof, 8, True, None)
+    for r in old["rows"][0]["rounds"]:
+        del r["host_copy_forward_ms"]  # a record from before 0.2.18
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="recorded before 0.2.18"):
+        vc.reprice(tmp_path / "old.json")
+
+
+@pytest.mark.parametrize("run", ["both_1gpu", "gem_fake8", "gem_fake64"])
+def test_reprice_gives_back_a_committed_run(run) -> None:
+    """A run ``main()`` recorded with 0.2.19 (run i, one H100): ``reprice`` recomputes
+    every recorded error of every round, and the rule the run was judged by."""
+    vc = _load("validate_cost")
+    path = vc.HERE / "results" / f"validate_cost_{run}_walk_rule_run_i_h100_2026-12-06.json"
+    got = vc.reprice(path)
+    import json
+
+    rows = json.loads(path.read_text())["rows"]
+    assert len(got["rows"]) == len(rows)
+    for new, old in zip(got["rows"], rows):
+        assert new["validation_rule"] == old["validation_rule"] == vc.RULE
+        rule = [r[f"error_{vc.RULE}_pct"] for r in new["rounds"]]
+        assert rule == pytest.approx(old["validation_rule_errors_pct"], abs=1e-9)
+        for r in new["rounds"]:
+            assert len(r["recorded"]) >= 6
+            for k, v in r["recorded"].items():
+                assert r[k] == pytest.approx(v, abs=1e-9), k

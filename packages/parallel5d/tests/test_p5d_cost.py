@@ -175,6 +175,29 @@ def test_layer_recompute_overrides_the_model_policy() -> None:
     assert mem[(False, True, None)] == pytest.approx(base + (inputs + 3e6 + 1e6) / 1e9)
     with pytest.raises(TypeError, match="recompute must be a bool"):
         LayerSpec(name="x", params=1, flops_per_sample=1.0, recompute=1)  # type: ignore[arg-type]
+    # routed experts: a recomputed layer sends its dispatch and combine again in backward
+    t8 = Topology(gpus_per_host=8, hosts=1)
+    dense = LayerSpec(name="d", params=1000, flops_per_sample=1e9, measured_fwd_s=1e-3,
+                      measured_bwd_s=2e-3)  # fmt: skip
+
+    def moe(ac: bool, r: bool | None):
+        experts = LayerSpec(name="e", params=8000, flops_per_sample=1e9, kind="experts",
+                            a2a_bytes_per_sample=1e6, measured_fwd_s=1e-3,
+                            measured_bwd_s=2e-3, recompute=r)  # fmt: skip
+        m = ModelConfig(name="moe", layers=(dense, experts), activation_checkpointing=ac)
+        return predict(m, t8, MeshSpec(fsdp=8, ep=8), 64, device=dev)
+
+    on, off = moe(True, None), moe(False, None)
+    a2a = off.breakdown["all_to_all/ep"] / 4  # dispatch + combine, forward and backward
+    assert a2a > 0 and on.breakdown["all_to_all/ep"] == pytest.approx(6 * a2a)
+    assert on.blocking_comm_s == pytest.approx(off.blocking_comm_s + 2 * a2a)
+    for got, want in [(moe(False, True), on), (moe(True, False), off)]:
+        assert got.breakdown["all_to_all/ep"] == pytest.approx(want.breakdown["all_to_all/ep"])
+        assert got.blocking_comm_s == pytest.approx(want.blocking_comm_s)
+        # the dense layer follows the model-wide policy: its recompute differs by 8 ms
+        # (8 samples a rank x 1 ms) where the policies differ
+        shift = 8e-3 * (want is off) - 8e-3 * (want is on)
+        assert got.compute_s == pytest.approx(want.compute_s + shift)
 
 
 def test_host_walked_layer_by_layer_by_hand() -> None:

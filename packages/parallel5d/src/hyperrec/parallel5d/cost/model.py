@@ -10,7 +10,8 @@ What a step is made of, per rank (local batch ``b = global_batch / world``):
 * **compute** per layer: measured seconds per sample when the layer carries them, else a
   roofline: matmul FLOPs at the device's (measured) matmul rate + other memory traffic
   at its copy bandwidth + kernel launches. Backward = 2 x forward, plus one forward when
-  activations are checkpointed (recompute; not counted as useful FLOPs).
+  the layer's activations are checkpointed (recompute; not counted as useful FLOPs):
+  ``ModelConfig.activation_checkpointing``, or ``LayerSpec.recompute`` per layer.
 * **FSDP collectives** on a communication stream, FSDP2's prefetch schedule: the
   all-gather of layer ``i + 1`` is issued when layer ``i``'s forward starts; in backward
   the all-gather of layer ``i - 1`` is issued when layer ``i``'s backward starts and
@@ -264,7 +265,8 @@ class ModelConfig:
     optimizer_traffic_per_param: int = 28
     """HBM bytes AdamW moves per parameter (reads p, g, m, v; writes p, m, v; fp32)."""
     activation_checkpointing: bool = True
-    """Recompute each layer's forward in backward (keeps only layer inputs)."""
+    """Recompute each layer's forward in backward (keeps only layer inputs), except where
+    a layer's :attr:`LayerSpec.recompute` says otherwise."""
     host_s: float | None = None
     """Measured seconds the host (CPU) takes to issue one step on one rank of the target
     runtime: Python, dispatch, kernel launches, the sharding runtime's hooks and its
@@ -788,7 +790,9 @@ def predict(
         # resharding) under-estimated memory, so plans could be infeasible in practice.
         gathered += max(0.0, sum(unsharded) - 2 * max(unsharded)) * model.param_bytes
     # A recomputed layer keeps its input; its saved tensors live only while its backward
-    # runs, one such layer at a time. A layer that is not recomputed keeps them all.
+    # runs, one such layer at a time. A layer that is not recomputed keeps them all. The
+    # sum of both is an upper bound (a later layer's saves are freed before an earlier
+    # layer's recompute).
     acts = sum(x.input_bytes_per_sample for x in model.layers) * b
     acts += sum(x.saved_bytes_per_sample for x in model.layers if not _recomputes(model, x)) * b
     acts += (
