@@ -260,6 +260,15 @@ def _with_delta(host: dict, delta_s: float) -> tuple[float, float, float | None]
     return h + d, f * (1 + share), None if b is None else b * (1 + share)
 
 
+def _host_ops_variants(predictions, host: dict, delta_s: float) -> dict[str, float]:
+    """The ``*_with_host*`` predictions of ``predictions(host_s, forward, backward)`` with
+    the shaped-launch delta added to the copy's host term (``_with_delta``), renamed
+    ``*_with_host_ops*``."""
+    return {k.replace("_with_host", "_with_host_ops"): v
+            for k, v in predictions(*_with_delta(host, delta_s)).items()
+            if "_with_host" in k}  # fmt: skip
+
+
 def shaped_host_delta(
     cfg: dict, small: dict, mesh, device: torch.device, *, fake: bool = False
 ) -> dict:
@@ -294,6 +303,13 @@ def shaped_host_delta(
 #: whole-step rule ``max(host, GPU)`` read -11.2 to -11.8% on the GEM tower at 64 fake
 #: ranks (a host-bound forward and a GPU-bound backward do not hide one another).
 RULE = "measured_layers_with_host_ops_phases"
+
+
+def _rule(host_ops: bool, phases: bool = True) -> str:
+    """:data:`RULE` as far as a run recorded it: without ``--host-ops`` the host term
+    alone; without the backward's share of the host (run e) the walk without it."""
+    rule = RULE if host_ops else RULE.replace("_host_ops", "_host")
+    return rule if phases else rule.replace("_phases", "_walk")
 
 
 def predict_variants(
@@ -389,8 +405,7 @@ def reprice(path: Path) -> dict:
             }
             pr = price(host["host_s"], host["host_forward_s"], host["host_backward_s"])
             if delta is not None:
-                pr.update({k.replace("_with_host", "_with_host_ops"): v
-                           for k, v in price(*_with_delta(host, delta)).items()})  # fmt: skip
+                pr.update(_host_ops_variants(price, host, delta))
             rounds.append(
                 {
                     "measured_step_ms": r["measured_step_ms"],
@@ -398,11 +413,9 @@ def reprice(path: Path) -> dict:
                     "recorded": {k: v for k, v in r.items() if k.startswith("error_measured")},
                 }
             )
-        rule = RULE if delta is not None else RULE.replace("_host_ops", "_host")
-        if not phases:
-            rule = rule.replace("_phases", "_walk")
         out_rows.append({"model": row["model"], "world_size": world,
-                         "fake_backend": row["fake_backend"], "validation_rule": rule,
+                         "fake_backend": row["fake_backend"],
+                         "validation_rule": _rule(delta is not None, phases),
                          "rounds": rounds})  # fmt: skip
     return {"source": Path(path).name, "rows": out_rows}
 
@@ -563,11 +576,8 @@ def main() -> None:
             host_ops = shaped_host_delta(cfg, small, mesh, device, fake=fake)
             for r in rounds:  # each round's own host term plus the one shaped delta
                 step = r["measured"]["step_s"]
-                with_ops = predictions(*_with_delta(r["host"], host_ops["delta_s"]))
-                r["errors_pct"].update(
-                    {k.replace("_with_host", "_with_host_ops"): 100.0 * (v - step) / step
-                     for k, v in with_ops.items() if "_with_host" in k}
-                )  # fmt: skip
+                with_ops = _host_ops_variants(predictions, r["host"], host_ops["delta_s"])
+                r["errors_pct"].update({k: 100.0 * (v - step) / step for k, v in with_ops.items()})
         # The round whose measured step is the median one stands for the run.
         mid = sorted(range(len(rounds)), key=lambda i: rounds[i]["measured"]["step_s"])[
             len(rounds) // 2
@@ -578,10 +588,7 @@ def main() -> None:
             **predictions(host["host_s"], host["host_forward_s"], host["host_backward_s"]),
         }
         if host_ops is not None:
-            with_ops = predictions(*_with_delta(host, host_ops["delta_s"]))
-            preds.update(
-                {k.replace("_with_host", "_with_host_ops"): v for k, v in with_ops.items()}
-            )
+            preds.update(_host_ops_variants(predictions, host, host_ops["delta_s"]))
         m = measured["step_s"]
         row = {
             "model": name,
@@ -621,7 +628,7 @@ def main() -> None:
         for kind, v in preds.items():
             row[f"predicted_{kind}_ms"] = v * 1e3
             row[f"error_{kind}_pct"] = 100.0 * (v - m) / m
-        rule = RULE if host_ops is not None else RULE.replace("_host_ops", "_host")
+        rule = _rule(host_ops is not None)
         row["validation_rule"] = rule
         row["validation_rule_errors_pct"] = [r["errors_pct"][rule] for r in rounds]
         rows.append(row)
