@@ -123,8 +123,10 @@ def run_one(
             "train_time_s": doc.get("train_time_s"),
             "autoac": None if ac is None else {
                 k: ac.get(k) for k in ("budget_gb", "predicted_peak_gb", "no_ac_peak_gb",
-                                       "floor_gb", "added_s", "verification")} | {
-                "modes": {n: r.get("mode") for n, r in (ac.get("regions") or {}).items()}}}  # fmt: skip
+                                       "floor_gb", "added_s", "solver", "verification")} | {
+                "modes": {n: r.get("mode") for n, r in (ac.get("regions") or {}).items()},
+                # what a mode alone does not say: the op outputs packed, per format
+                "packed": {n: r.get("packed") for n, r in (ac.get("regions") or {}).items()}}}  # fmt: skip
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, list[str]]]:

@@ -528,6 +528,27 @@ def test_ac_same_memory_trains_longer_histories_within_the_no_ac_peak(tmp_path):
     assert not x3["fits"] and x3["floor_gb"] > doc["budget_gb"]
 
 
+def test_ac_pack_cut_measures_both_variants_alike(tmp_path):
+    """``bench/ac_pack_cut.py`` on ``tiny`` (CPU, float32 saves): both variants start from
+    the same held bytes, pack_all allocates less in the step, and its cuts are the
+    ratios of the recorded bytes."""
+    import ac_pack_cut
+
+    path = ac_pack_cut.main(["--out", str(tmp_path), "--repeats", "1", "--warm", "1"])
+    doc = json.loads(path.read_text())
+    off, packed = doc["no_ac"], doc["pack_all"]
+    assert packed["base_gb"] == pytest.approx(off["base_gb"], rel=0.02)
+    assert packed["packed_ops"] > 0 and "autoac" not in off
+    assert (
+        doc["step_cut"] == pytest.approx(off["step_gb"] / packed["step_gb"])
+        and doc["step_cut"] > 1.2
+    )
+    assert doc["layers_held_cut"] == pytest.approx(
+        packed["layers_noac_held_gb"] / packed["layers_held_gb"]
+    )
+    assert doc["layers_held_cut"] > doc["step_cut"]
+
+
 def test_feature_scales_records_every_module_each_interval(tmp_path):
     import feature_scales
 

@@ -181,6 +181,52 @@ def test_autoac_and_ac_config_errors(micro):
     assert p.train.ac_layer_budgets_gb == (0.5,) and p.train.ac_formats == ("mxfp8", "fp8_e4m3")
 
 
+def test_autoac_pack_all_packs_every_save_it_may_and_cuts_the_step(micro, tmp_path):
+    """``ac_strategy=pack_all``: no budget needed, no layer recomputed, every saved
+    activation whose class passed the error bound packed (the profile says which), the
+    probe step allocates less than without autoac, and training stays close to exact."""
+    base = ["model.seq_layers=2", "data.max_seqlen=64", "model.dim=32"]
+    off_t = Trainer(_micro(micro, *base), out_dir=tmp_path / "off", progress=False)
+    off_mem = off_t.step_memory()
+    off = _losses(off_t)
+    ac = ["train.activation_checkpointing=autoac", "train.ac_strategy=pack_all",
+          "train.ac_formats=mxint8"]  # fmt: skip
+    t = Trainer(_micro(micro, *base, *ac), out_dir=tmp_path / "pack", progress=False)
+    s = t.autoac_summary()
+    assert s["solver"] == "pack_all" and s["budget_gb"] is None
+    prof, plan = t.autoac.profile, t.autoac.plan
+    n_packed = 0
+    for pr, r in zip(prof.regions, plan.regions, strict=True):
+        assert r.mode == "none"
+        want = {
+            o.key
+            for o in pr.ops
+            if o.needed and not o.collective and "mxint8" in o.formats
+            and any(lv.nbytes >= prof.config.min_pack_bytes for lv in o.storages)
+        }  # fmt: skip
+        assert {k for k, d in r.saves.items() if d == "mxint8"} == want
+        assert s["regions"][r.name]["packed"] == ({"mxint8": len(want)} if want else {})
+        assert s["regions"][r.name]["held_gb"] <= s["regions"][r.name]["noac_held_gb"]
+        n_packed += len(want)
+    assert n_packed > 0
+    mem = t.step_memory()
+    assert mem["base_gb"] == pytest.approx(off_mem["base_gb"], rel=0.05)
+    assert 0 < mem["step_gb"] < off_mem["step_gb"]
+    assert mem["step_gb"] == pytest.approx(mem["peak_gb"] - mem["base_gb"])
+    losses = _losses(t)
+    assert losses != off
+    np.testing.assert_allclose(losses, off, rtol=5e-3)
+
+
+def test_ac_strategy_config_errors(micro):
+    with pytest.raises(ValueError, match="ac_strategy must be one of"):
+        override(micro, ["train.ac_strategy=all"])
+    with pytest.raises(ValueError, match="ac_strategy='pack_all' needs TrainConfig.ac_formats"):
+        override(micro, ["train.ac_strategy=pack_all"])
+    p = override(micro, ["train.ac_strategy=pack_all", "train.ac_formats=mxint8"])
+    assert p.train.ac_strategy == "pack_all"
+
+
 @pytest.mark.parametrize("scope", ["regions", "layers"])
 def test_autoac_packs_mxint8_inside_the_compiled_layers(micro, scope, monkeypatch):
     """``ac_formats=mxint8`` with ``compile``: autoac compiles each layer with the packing

@@ -55,6 +55,7 @@ SEQ_LINEAR_PRECISIONS = ("bf16", "fp8")
 RESIDUAL_DTYPES = ("float32", "autocast")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
+AC_STRATEGIES = ("fastest", "pack_all")
 ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd", "fp8_fused")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
@@ -664,6 +665,12 @@ class TrainConfig:
     ``mxint8``: autoac then compiles each sequence layer itself with the packing traced
     into its graphs (``hyperrec.autoac``'s compiled packing; the trainer raises where the
     installed torch cannot inline it). Without ``compile`` packed layers run eagerly."""
+    ac_strategy: str = "fastest"
+    """autoac's ``PlanConfig.strategy``: "fastest" (the plan that adds the least time
+    within ``ac_budget_gb``) or "pack_all" (no layer recomputed, every saved activation
+    kept in the first of ``ac_formats`` its class passed autoac's gradient-error bound:
+    what packing alone saves; needs ``ac_formats``; ``ac_budget_gb`` 0 means no budget,
+    one given must hold the packed step)."""
     attention_precision: str = "bf16"
     """"bf16", "fp8", "mxfp8" or "fp8_bwd": the sequence tower's attention through
     ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
@@ -852,6 +859,15 @@ class TrainConfig:
         bad = [f for f in self.ac_formats if f not in AC_FORMATS]
         if bad:
             raise ValueError(f"TrainConfig.ac_formats must hold names from {AC_FORMATS}, got {bad}")
+        if self.ac_strategy not in AC_STRATEGIES:
+            raise ValueError(
+                f"TrainConfig.ac_strategy must be one of {AC_STRATEGIES}, got {self.ac_strategy!r}"
+            )
+        if self.ac_strategy == "pack_all" and not self.ac_formats:
+            raise ValueError(
+                "TrainConfig.ac_strategy='pack_all' needs TrainConfig.ac_formats (the formats "
+                "to pack in), got ()"
+            )
         eager_only = [f for f in self.ac_formats if f != "mxint8"]
         if eager_only and self.compile != "off":
             raise ValueError(

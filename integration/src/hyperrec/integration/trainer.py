@@ -953,10 +953,53 @@ class Trainer:
             validate_batch(batch, self.schema)
         return batch.to(self.ctx.device)
 
-    def _ac_budgets(self) -> tuple[int, dict[str, int]]:
+    def _probe_step_fn(self) -> Callable[[torch.nn.Module], torch.Tensor]:
+        """``step(model) -> loss``: forward of the probe batch (what autoac profiles)."""
+        batch = self._probe_batch()
+        n = float(batch.num_candidates)
+
+        def step(model: torch.nn.Module) -> torch.Tensor:
+            # Each profiled / verified step starts as a training step does: with no row
+            # gradients of the sharded tables pending. They piled up over autoac's
+            # backwards (appended per backward until the optimizer's zero_grad), and a
+            # GPU's measured peak counts them: the plan's step read as over budget.
+            for opt in self._extra_optimizers:
+                opt.zero_grad(set_to_none=True)
+            with self._autocast():
+                ctr, cvr = model(batch)
+            ctr_sum, ctcvr_sum = task_loss(ctr, cvr, batch.click, batch.conversion)
+            return (ctr_sum + ctcvr_sum) / n
+
+        return step
+
+    def step_memory(self) -> dict[str, Any]:
+        """Memory of one forward + backward of the probe batch (the heaviest of the
+        first steps' batches, which autoac plans on) with the model as it is now (autoac's
+        plan in force, if any): ``{"base_gb", "peak_gb", "step_gb"}`` in GB (1e9 bytes),
+        counted as ``hyperrec.autoac.measure_step`` counts them (CUDA: the allocator;
+        CPU: live tensor storages). ``step_gb = peak_gb - base_gb``: what the step
+        allocated at its peak (activations, gradients, workspaces). Collective: run it on
+        every rank. Leaves parameter gradients and table rows as they were before the
+        step is measured (none pending)."""
+        from hyperrec import autoac
+
+        m = autoac.measure_step(self.model, self._probe_step_fn(), seed=self.preset.train.seed)
+        for opt in self._extra_optimizers:
+            opt.zero_grad(set_to_none=True)
+        assert m.base_bytes is not None  # CUDA, or a tracked CPU step
+        return {
+            "base_gb": m.base_bytes / 1e9,
+            "peak_gb": m.peak_bytes / 1e9,
+            "step_gb": (m.peak_bytes - m.base_bytes) / 1e9,
+        }
+
+    def _ac_budgets(self) -> tuple[int | None, dict[str, int]]:
         cfg = self.preset.train
+        budget: int | None
         if cfg.ac_budget_gb:
             budget = int(cfg.ac_budget_gb * 1e9)
+        elif cfg.ac_strategy == "pack_all":
+            budget = None  # packing is not searched: no budget to plan within
         elif self.ctx.device.type == "cuda":
             budget = int(0.9 * torch.cuda.get_device_properties(self.ctx.device).total_memory)
         else:
@@ -978,21 +1021,7 @@ class Trainer:
 
         cfg = self.preset.train
         budget, regions = self._ac_budgets()
-        batch = self._probe_batch()
-        n = float(batch.num_candidates)
-
-        def step(model: torch.nn.Module) -> torch.Tensor:
-            # Each profiled / verified step starts as a training step does: with no row
-            # gradients of the sharded tables pending. They piled up over autoac's
-            # backwards (appended per backward until the optimizer's zero_grad), and a
-            # GPU's measured peak counts them: the plan's step read as over budget.
-            for opt in self._extra_optimizers:
-                opt.zero_grad(set_to_none=True)
-            with self._autocast():
-                ctr, cvr = model(batch)
-            ctr_sum, ctcvr_sum = task_loss(ctr, cvr, batch.click, batch.conversion)
-            return (ctr_sum + ctcvr_sum) / n
-
+        step = self._probe_step_fn()
         # FLOP costs on the CPU and on several ranks: measured times vary with the load
         # (tests would not be reproducible) and from rank to rank (plans would differ).
         cost: Literal["time", "flops"] = (
@@ -1019,6 +1048,10 @@ class Trainer:
                 step_fn=step,
                 formats=formats,
                 profile_config=autoac.ProfileConfig(steps=1, cost=cost, seed=cfg.seed),
+                # validated by TrainConfig against the same names
+                plan_config=autoac.PlanConfig(
+                    strategy=cast(Literal["fastest", "pack_all"], cfg.ac_strategy)
+                ),
                 # The verification replans until packing is within its error bound: a
                 # number of steps that could differ between ranks, whose FSDP collectives
                 # must pair.
@@ -1050,10 +1083,13 @@ class Trainer:
             "no_ac_peak_gb": plan.no_ac_peak / 1e9,
             "floor_gb": plan.floor / 1e9,
             "added_s": plan.added_s,
+            "solver": plan.solver,
             "regions": {
                 r.name: {
                     "mode": r.mode,
                     "held_gb": r.held_bytes / 1e9,
+                    # what the layer would hold un-checkpointed and unpacked
+                    "noac_held_gb": r.noac_held_bytes / 1e9,
                     "added_s": r.added_s,
                     # the op outputs off the mode's default ("sac": recompute, "none":
                     # keep) kept, and packed per format: the mode alone does not say

@@ -42,6 +42,9 @@ __all__ = ["PRICINGS", "Plan", "PlanConfig", "RegionPlan", "plan", "price_compil
 PRICINGS: tuple[str, ...] = ("profile", "compiled")
 
 Solver = Literal["auto", "exact", "greedy"]
+Strategy = Literal["fastest", "pack_all"]
+#: Values of :attr:`PlanConfig.strategy`.
+STRATEGIES: tuple[str, ...] = ("fastest", "pack_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +78,18 @@ class PlanConfig:
     bound_iters: int = 100
     """Subgradient iterations of the lower bound (0: skip the bound)."""
 
+    strategy: Strategy = "fastest"
+    """``"fastest"``: the plan that adds the least time within the budgets (the search
+    above). ``"pack_all"``: no search: no region checkpointed (where the region allows
+    it), every saved tensor kept in the first of ``formats`` (or of the profile's
+    formats) its class passed, and kept as is where none did: the most a packed format
+    alone cuts, at no recomputation. The budgets are optional then; one given is checked
+    against the plan's predicted peak (a ``ValueError`` naming that peak if it does not
+    fit)."""
+
     def __post_init__(self) -> None:
         check_choice("solver", self.solver, ("auto", "exact", "greedy"))
+        check_choice("strategy", self.strategy, STRATEGIES)
         if self.formats is not None:
             if not isinstance(self.formats, tuple):
                 raise TypeError(
@@ -355,6 +368,23 @@ def _no_ac(prob: Problem) -> Assignment:
     return Assignment(modes, tuple(picks))
 
 
+def _pack_all(prob: Problem, formats: tuple[str, ...]) -> Assignment:
+    """No region checkpointed where it may stay un-checkpointed; every group in the
+    first of ``formats`` it offers, else kept (recomputed in a region that must be
+    checkpointed)."""
+    modes = tuple("none" if "none" in r.fixed_s else "sac" for r in prob.regions)
+    picks = []
+    for g in prob.groups:
+        opts = g.choices[modes[g.region]]
+        kinds = [c.kind for c in opts]
+        pick = next((kinds.index(f) for f in formats if f in kinds), None)
+        if pick is None:
+            none = modes[g.region] == "none"
+            pick = next(i for i, k in enumerate(kinds) if k in ("keep", "drop")) if none else 0
+        picks.append(pick)
+    return Assignment(modes, tuple(picks))
+
+
 def plan(
     profile: Profile,
     *,
@@ -375,23 +405,33 @@ def plan(
         config: :class:`PlanConfig`.
 
     Returns:
-        :class:`Plan`.
+        :class:`Plan`. With ``config.strategy="pack_all"`` no search runs: the plan packs
+        every saved tensor it can (see :class:`PlanConfig`), ``solver`` is
+        ``"pack_all"``.
 
     Raises:
         TypeError: a budget that is not a number; bad ``config``/``profile`` types.
-        ValueError: neither budget given; a budget that is negative, NaN, infinite or
-            below the floor of full recompute (the message names the smallest feasible
-            budget); an unknown region name; ``config.formats`` beyond the formats the
-            profile measured.
+        ValueError: neither budget given (except with ``"pack_all"``); a budget that is
+            negative, NaN, infinite or below the floor of full recompute (the message
+            names the smallest feasible budget); an unknown region name;
+            ``config.formats`` beyond the formats the profile measured; with
+            ``"pack_all"``, no format to pack in, or a budget below the packed plan's
+            predicted peak or held bytes (the message names them).
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
     config = PlanConfig() if config is None else config
     if not isinstance(config, PlanConfig):
         raise TypeError(f"config must be a PlanConfig, got {type(config).__name__}")
-    if budget is None and not region_budgets:
+    pack_all = config.strategy == "pack_all"
+    if budget is None and not region_budgets and not pack_all:
         raise ValueError("budget or region_budgets must be given, got neither")
     formats = profile.config.formats if config.formats is None else config.formats
+    if pack_all and not formats:
+        raise ValueError(
+            "config.strategy='pack_all' needs a packed format: give config.formats or "
+            "profile with ProfileConfig.formats (or apply(formats=...))"
+        )
     if not set(formats) <= set(profile.config.formats):
         # The profile measured no error or cost for them: the plan would silently skip them.
         raise ValueError(
@@ -455,22 +495,29 @@ def plan(
     prob.region_caps = caps
     raw.cap, raw.region_caps = prob.cap, caps
 
-    g = solve_greedy(prob, start=floor_a)
-    result = g
-    solver = "greedy"
-    use_exact = config.solver == "exact" or (
-        config.solver == "auto" and len(prob.groups) <= config.exact_max_groups
-    )
-    if use_exact:
-        result = solve_exact(prob, node_limit=config.node_limit, incumbent=g.assignment)
-        solver = "exact"
-    a = result.assignment
-    t = time_of(prob, a)
     lb = -math.inf
-    if result.proven_optimal:
-        lb = t
-    elif config.bound_iters:
-        lb = float(min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t))
+    if pack_all:
+        a = _pack_all(prob, tuple(formats))
+        t = time_of(prob, a)
+        proven, solver = False, "pack_all"
+        _check_pack_all(prob, a, cap, caps, offset)
+    else:
+        g = solve_greedy(prob, start=floor_a)
+        result = g
+        solver = "greedy"
+        use_exact = config.solver == "exact" or (
+            config.solver == "auto" and len(prob.groups) <= config.exact_max_groups
+        )
+        if use_exact:
+            result = solve_exact(prob, node_limit=config.node_limit, incumbent=g.assignment)
+            solver = "exact"
+        a = result.assignment
+        t = time_of(prob, a)
+        proven = result.proven_optimal
+        if proven:
+            lb = t
+        elif config.bound_iters:
+            lb = float(min(lagrangian_bound(prob, iters=config.bound_iters, upper=t), t))
     live = profile_of(raw, a) + offset
     # No AC is measured on the problem that has every region's "none" mode: with
     # allow_none=False ``prob`` has none, and _no_ac(prob) was full recompute, so
@@ -517,7 +564,7 @@ def plan(
         predicted_peak=int(live.max(initial=0)),
         added_s=t,
         lower_bound_s=lb,
-        proven_optimal=result.proven_optimal,
+        proven_optimal=proven,
         solver=solver,
         floor=floor,
         no_ac_peak=peak_of(noac_prob, no_ac) + offset,
@@ -526,7 +573,7 @@ def plan(
         device=profile.device,
         live=live,
     )
-    if not formats:
+    if not formats or pack_all:
         return best
     # Packed formats only add choices, but the greedy's path depends on them: on the
     # H200 (2026-12-03) a plan allowed MXFP8 chose no packed save and a different
@@ -545,6 +592,30 @@ def plan(
         lower_bound_s=min(best.lower_bound_s, plain.lower_bound_s),
         proven_optimal=best.proven_optimal,
     )
+
+
+def _check_pack_all(
+    prob: Problem, a: Assignment, cap: int | None, caps: dict[int, int], offset: int
+) -> None:
+    """A ``"pack_all"`` plan is not searched: a budget it does not fit is an error, not
+    a plan over its budget."""
+    if cap is not None:
+        peak = peak_of(prob, a) + offset
+        if peak > cap:
+            raise ValueError(
+                f"budget must be >= {peak} ({peak / 2**30:.4f} GiB), the predicted peak of "
+                f"config.strategy='pack_all', got {cap}"
+            )
+    for r, c in caps.items():
+        held = held_of(prob, a, r)
+        if held > c:
+            name = prob.regions[r].name
+            need = held + prob.regions[r].input_bytes
+            raise ValueError(
+                f"region_budgets[{name!r}] must be >= {need} ({need / 2**30:.4f} GiB), what "
+                f"the region holds under config.strategy='pack_all', got "
+                f"{c + prob.regions[r].input_bytes}"
+            )
 
 
 def restrict(profile: Profile, exclude: set[tuple[str, str]]) -> Profile:

@@ -335,6 +335,11 @@ class StepMeasurement:
         allocator_peak: CUDA allocator peak (``None`` on the CPU).
         time_s: wall time of the step (with the tracker's overhead when tracked).
         grads: the parameter gradients of the step (``keep_grads=True``) or ``None``.
+        base_bytes: what was held when the step started, counted as ``peak_bytes`` is
+            (CUDA: ``torch.cuda.memory_allocated``; CPU: the tracker's resident bytes,
+            the storages from before the step that it touched); ``None`` when not
+            known (an untracked CPU step). ``peak_bytes - base_bytes`` is what the step
+            itself allocated at its peak: activations, gradients, workspaces.
     """
 
     peak_bytes: int
@@ -342,6 +347,12 @@ class StepMeasurement:
     allocator_peak: int | None
     time_s: float
     grads: list[torch.Tensor | None] | None = None
+    base_bytes: int | None = None
+
+    @property
+    def step_bytes(self) -> int | None:
+        """``peak_bytes - base_bytes`` (``None`` when ``base_bytes`` is)."""
+        return None if self.base_bytes is None else self.peak_bytes - self.base_bytes
 
 
 def measure_step(
@@ -388,9 +399,11 @@ def measure_step(
         with torch.random.fork_rng(devices=fork):
             if seed is not None:
                 _seed_all(seed, device)
+            base = None
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+                base = int(torch.cuda.memory_allocated(device))
             t0 = time.perf_counter()
             if tracker is not None:
                 # Eagerly: Dynamo does not compile under the tracker's dispatch mode and
@@ -409,6 +422,8 @@ def measure_step(
             dt = time.perf_counter() - t0
         alloc = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
         tracked = tracker.peak_bytes() if tracker is not None else None
+        if base is None and tracker is not None:
+            base = tracker.resident_bytes
         grads = grads_of(model) if keep_grads else None
     finally:
         set_grads(model, saved)
@@ -419,6 +434,7 @@ def measure_step(
         allocator_peak=alloc,
         time_s=dt,
         grads=grads,
+        base_bytes=base,
     )
 
 
@@ -627,7 +643,8 @@ def apply(
 
     Args:
         model: the model, in train mode.
-        budget: peak memory of a training step, bytes (see :func:`plan`).
+        budget: peak memory of a training step, bytes (see :func:`plan`); optional
+            with ``plan_config=PlanConfig(strategy="pack_all")``.
         region_budgets: ``region name -> bytes`` held between forward and backward.
         regions: which modules are regions (see :func:`resolve_regions`; default:
             the blocks of the largest ``ModuleList``).
@@ -665,7 +682,8 @@ def apply(
 
     Raises:
         TypeError: bad argument types (each checked before the step is profiled).
-        ValueError: no step or no budget given, ``loss_fn`` with ``step_fn``, bad budgets
+        ValueError: no step given, no budget given (except with ``"pack_all"``, which
+            needs ``formats`` instead), ``loss_fn`` with ``step_fn``, bad budgets
             (naming the smallest feasible), bad regions, ``formats`` other than
             ``("mxint8",)`` with ``compile=True`` (or any where packing in compiled
             graphs is not supported).
@@ -687,14 +705,15 @@ def apply(
             f"region_budgets must be a mapping of region name to bytes, got "
             f"{type(region_budgets).__name__}"
         )
-    if budget is None and not region_budgets:
+    if plan_config is not None and not isinstance(plan_config, PlanConfig):
+        raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
+    pack_all = plan_config is not None and plan_config.strategy == "pack_all"
+    if budget is None and not region_budgets and not pack_all:
         raise ValueError("budget or region_budgets must be given, got neither")
     if profile_config is not None and not isinstance(profile_config, ProfileConfig):
         raise TypeError(
             f"profile_config must be a ProfileConfig, got {type(profile_config).__name__}"
         )
-    if plan_config is not None and not isinstance(plan_config, PlanConfig):
-        raise TypeError(f"plan_config must be a PlanConfig, got {type(plan_config).__name__}")
     _check_compile_kwargs(compile_kwargs)
     if loss_fn is not None:
         if not callable(loss_fn):
@@ -989,7 +1008,14 @@ def _verify(
         ):
             # Lower the planner's budget by the overshoot, while a plan can meet it.
             lowered = planned - (m.peak_bytes - budget)
-            if replan_peak and peak_replans < MAX_PEAK_REPLANS and lowered >= handle.plan.floor:
+            # a "pack_all" plan is not searched: a lower budget cannot change it
+            searched = plan_config is None or plan_config.strategy != "pack_all"
+            if (
+                replan_peak
+                and searched
+                and peak_replans < MAX_PEAK_REPLANS
+                and lowered >= handle.plan.floor
+            ):
                 planned = lowered
                 peak_replans += 1
                 _set_plan(
