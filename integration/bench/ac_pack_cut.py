@@ -15,8 +15,9 @@ The two cuts reported:
 * ``step_cut``: no AC's step bytes over pack_all's: the whole step, including what
   packing cannot touch (gradients, the embeddings and heads outside the sequence
   layers, the working set of the layer being differentiated);
-* ``layers_held_cut``: the sequence layers' held bytes un-packed over packed (what the
-  packed saves themselves shrink to).
+* ``layers_held_cut``: the regions' held bytes un-packed over packed (what the packed
+  saves themselves shrink to): the sequence layers, and with ``--regions all`` the
+  other modules called once per step too (``train.ac_regions``).
 
 Held-out quality of the same variant is ``precision_quality.py --variant``'s job.
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--formats", default="mxint8", help="train.ac_formats (comma-separated)")
+    ap.add_argument("--regions", default="layers", choices=("layers", "all"),
+                    help="train.ac_regions of the pack_all variant")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="measured steps per variant")
     ap.add_argument("--warm", type=int, default=2, help="training steps before measuring")
     ap.add_argument("--tag", default=None, help="appended to the output file's name")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> Path:
     preset = get_preset(args.preset)
     common = ["train.eval_every=0", "train.ckpt_every=0", *args.extra]
     pack = [*common, "train.activation_checkpointing=autoac", "train.ac_strategy=pack_all",
-            f"train.ac_formats={args.formats}"]  # fmt: skip
+            f"train.ac_formats={args.formats}", f"train.ac_regions={args.regions}"]  # fmt: skip
     off = _measure(preset, common, args.device, args.repeats, args.warm)
     packed = _measure(preset, pack, args.device, args.repeats, args.warm)
     result = {
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> Path:
     }
     print(
         f"{args.preset} on {args.device}: step {off['step_gb']:.4f} -> {packed['step_gb']:.4f} GB "
-        f"({result['step_cut']:.2f}x), layers held {packed['layers_noac_held_gb']:.4f} -> "
+        f"({result['step_cut']:.2f}x), regions held {packed['layers_noac_held_gb']:.4f} -> "
         f"{packed['layers_held_gb']:.4f} GB ({result['layers_held_cut']:.2f}x), "
         f"{packed['packed_ops']} op outputs packed",
         flush=True,
@@ -116,13 +119,16 @@ def main(argv: list[str] | None = None) -> Path:
         },
         "preset": args.preset,
         "formats": args.formats,
+        "regions": args.regions,
         "warm_steps": args.warm,
         "no_ac": off,
         "pack_all": packed,
         **result,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"_{args.tag}" if args.tag else ""
+    tag = ("" if args.regions == "layers" else "_all_regions") + (
+        f"_{args.tag}" if args.tag else ""
+    )
     path = args.out / f"ac_pack_cut_{args.preset}_{args.device}_{out['date']}{tag}.json"
     path.write_text(json.dumps(out, indent=1))
     print("wrote", path)

@@ -218,6 +218,43 @@ def test_autoac_pack_all_packs_every_save_it_may_and_cuts_the_step(micro, tmp_pa
     np.testing.assert_allclose(losses, off, rtol=5e-3)
 
 
+def test_autoac_all_regions_pack_more_and_recompute_exactly(micro, tmp_path):
+    """``ac_regions=all``: the modules called once per step become regions too. With
+    pack_all they pack saves the layers-only plan leaves alone and the step allocates
+    less; with every region recomputed (dropout in the MLP replayed) the losses equal
+    training without autoac bit for bit."""
+    base = ["model.seq_layers=2", "data.max_seqlen=64", "model.dim=32", "model.dropout=0.1"]
+    pack = ["train.activation_checkpointing=autoac", "train.ac_strategy=pack_all",
+            "train.ac_formats=mxint8"]  # fmt: skip
+    layers = Trainer(_micro(micro, *base, *pack), out_dir=tmp_path / "l", progress=False)
+    layers_mem, layers_summary = layers.step_memory(), layers.autoac_summary()
+    layers.close()
+    t = Trainer(_micro(micro, *base, *pack, "train.ac_regions=all"), out_dir=tmp_path / "a",
+                progress=False)  # fmt: skip
+    s = t.autoac_summary()
+    names = t.model.ac_regions("all")
+    assert set(s["regions"]) == set(names) and names[:2] == ["seq_layers.0", "seq_layers.1"]
+    assert {"pma", "cross_attention", "interaction", "mlp", "ctr_head"} <= set(names)
+    extra = {n: r for n, r in s["regions"].items() if n not in layers_summary["regions"]}
+    assert any(r["packed"] for r in extra.values())
+    assert t.step_memory()["step_gb"] < layers_mem["step_gb"]
+    t.close()
+    off = _losses(Trainer(_micro(micro, *base), out_dir=tmp_path / "off", progress=False))
+    ac = Trainer(
+        _micro(micro, *base, "train.activation_checkpointing=autoac", "train.ac_regions=all",
+               "train.ac_budget_gb=1"),
+        out_dir=tmp_path / "ac",
+        progress=False,
+    )  # fmt: skip
+    # Every region fully recomputed, set by hand: the planner leaves the modules after
+    # the layers un-checkpointed on this model (their saves are freed before its peak).
+    plan = ac.autoac.plan
+    regions = tuple(dataclasses.replace(r, mode="sac", saves={}) for r in plan.regions)
+    ac.autoac.set_plan(dataclasses.replace(plan, regions=regions))
+    assert {r.name for r in regions} == set(names)
+    assert _losses(ac) == off
+
+
 def test_ac_strategy_config_errors(micro):
     with pytest.raises(ValueError, match="ac_strategy must be one of"):
         override(micro, ["train.ac_strategy=all"])
@@ -225,6 +262,11 @@ def test_ac_strategy_config_errors(micro):
         override(micro, ["train.ac_strategy=pack_all"])
     p = override(micro, ["train.ac_strategy=pack_all", "train.ac_formats=mxint8"])
     assert p.train.ac_strategy == "pack_all"
+    with pytest.raises(ValueError, match="ac_regions must be one of"):
+        override(micro, ["train.ac_regions=some"])
+    with pytest.raises(ValueError, match="ac_regions='all' needs TrainConfig.compile='off'"):
+        override(micro, ["train.ac_regions=all", "train.compile=aot_eager"])
+    assert override(micro, ["train.ac_regions=all"]).train.ac_regions == "all"
 
 
 @pytest.mark.parametrize("scope", ["regions", "layers"])

@@ -56,6 +56,7 @@ RESIDUAL_DTYPES = ("float32", "autocast")
 OPTIMIZER_IMPLS = ("foreach", "fused")
 ACTIVATION_CHECKPOINTING = ("off", "autoac")
 AC_STRATEGIES = ("fastest", "pack_all")
+AC_REGIONS = ("layers", "all")
 ATTENTION_PRECISIONS = ("bf16", "fp8", "mxfp8", "fp8_bwd", "fp8_fused")
 MESHES = ("auto", "5d", "flat")
 SPARSE_PLACEMENTS = ("auto", "dense", "sharded")
@@ -649,9 +650,10 @@ class TrainConfig:
     """Batches each data worker keeps ready (with ``data_workers > 0``)."""
     activation_checkpointing: str = "off"
     """"off" or "autoac": ``hyperrec.autoac`` plans, per sequence layer (each
-    ``SequenceBlock`` is a region), what to keep, recompute or keep quantized so that a
-    training step's peak memory stays within ``ac_budget_gb``, from one profiled step of
-    the heaviest of the first steps' batches; the plan is checkpointed with the run."""
+    ``SequenceBlock`` is a region; more with ``ac_regions``), what to keep, recompute or
+    keep quantized so that a training step's peak memory stays within ``ac_budget_gb``,
+    from one profiled step of the heaviest of the first steps' batches; the plan is
+    checkpointed with the run."""
     ac_budget_gb: float = 0.0
     """Peak-memory budget of a training step for autoac, in GB (1e9 bytes); 0 means 90% of
     the GPU's memory (a CPU run needs an explicit budget)."""
@@ -665,6 +667,12 @@ class TrainConfig:
     ``mxint8``: autoac then compiles each sequence layer itself with the packing traced
     into its graphs (``hyperrec.autoac``'s compiled packing; the trainer raises where the
     installed torch cannot inline it). Without ``compile`` packed layers run eagerly."""
+    ac_regions: str = "layers"
+    """autoac's regions: "layers" (each ``SequenceBlock``) or "all" (those and every
+    other module the forward calls once per step: pooling, candidate attention, cross
+    network, MLP, heads; ``GEMModel.ONCE_PER_STEP``), whose saves can then be packed or
+    recomputed too. "all" needs ``compile="off"`` (the model's compiled regions and
+    autoac's would overlap)."""
     ac_strategy: str = "fastest"
     """autoac's ``PlanConfig.strategy``: "fastest" (the plan that adds the least time
     within ``ac_budget_gb``) or "pack_all" (no layer recomputed, every saved activation
@@ -859,6 +867,15 @@ class TrainConfig:
         bad = [f for f in self.ac_formats if f not in AC_FORMATS]
         if bad:
             raise ValueError(f"TrainConfig.ac_formats must hold names from {AC_FORMATS}, got {bad}")
+        if self.ac_regions not in AC_REGIONS:
+            raise ValueError(
+                f"TrainConfig.ac_regions must be one of {AC_REGIONS}, got {self.ac_regions!r}"
+            )
+        if self.ac_regions == "all" and self.compile != "off":
+            raise ValueError(
+                f"TrainConfig.ac_regions='all' needs TrainConfig.compile='off', got "
+                f"{self.compile!r}: the model's compiled regions and autoac's would overlap"
+            )
         if self.ac_strategy not in AC_STRATEGIES:
             raise ValueError(
                 f"TrainConfig.ac_strategy must be one of {AC_STRATEGIES}, got {self.ac_strategy!r}"

@@ -1227,6 +1227,28 @@ class GEMModel(nn.Module):
             )
         self._check_candidate_cap(batch, " (the naive path pads to it)")
 
+    #: Top-level modules the forward calls once per step (besides the sequence layers),
+    #: in call order: what ``TrainConfig.ac_regions="all"`` adds to autoac's regions.
+    #: The embedding tables are not among them (each is called for the history and again
+    #: for the candidates), nor ``feature_norm`` (once per feature group).
+    ONCE_PER_STEP = ("seq_norm", "candidate_proj", "dense_proj", "cross_attention", "pma",
+                     "interaction", "mlp", "ctr_head", "cvr_head")  # fmt: skip
+
+    def ac_regions(self, scope: str = "layers") -> list[str]:
+        """Module names for ``hyperrec.autoac``'s regions: the sequence layers
+        (``scope="layers"``), or those and every module of :attr:`ONCE_PER_STEP` this
+        model has (``"all"``).
+
+        Raises:
+            ValueError: another ``scope``.
+        """
+        if scope not in ("layers", "all"):
+            raise ValueError(f"scope must be 'layers' or 'all', got {scope!r}")
+        names = [f"seq_layers.{i}" for i in range(len(self.seq_layers))]
+        if scope == "all":
+            names += [n for n in self.ONCE_PER_STEP if getattr(self, n, None) is not None]
+        return names
+
     def _lookups(
         self, batch: Batch, h_owner: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1044,7 +1044,7 @@ class Trainer:
                 self.model,
                 budget=budget,
                 region_budgets=regions or None,
-                regions=[f"seq_layers.{i}" for i in range(len(self.model.seq_layers))],
+                regions=self.model.ac_regions(cfg.ac_regions),
                 step_fn=step,
                 formats=formats,
                 profile_config=autoac.ProfileConfig(steps=1, cost=cost, seed=cfg.seed),
