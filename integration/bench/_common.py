@@ -19,6 +19,7 @@ __all__ = [
     "jsonable",
     "run_steps",
     "single_rank_group",
+    "write_json",
 ]
 
 
@@ -168,3 +169,17 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return x
+
+
+def write_json(out_dir: Any, stem: str, doc: Any) -> Any:
+    """Write ``doc`` to ``out_dir/stem.json`` (the directory made if missing), say so on
+    stdout and return the path."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print("wrote", path)
+    return path

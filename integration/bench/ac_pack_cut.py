@@ -30,15 +30,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from hyperrec.integration import Trainer, get_preset, override
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json
 
 
 def _measure(preset, overrides: list[str], device: str, repeats: int, warm: int) -> dict:
@@ -125,14 +128,10 @@ def main(argv: list[str] | None = None) -> Path:
         "pack_all": packed,
         **result,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     tag = ("" if args.regions == "layers" else "_all_regions") + (
         f"_{args.tag}" if args.tag else ""
     )
-    path = args.out / f"ac_pack_cut_{args.preset}_{args.device}_{out['date']}{tag}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print("wrote", path)
-    return path
+    return write_json(args.out, f"ac_pack_cut_{args.preset}_{args.device}_{out['date']}{tag}", out)
 
 
 if __name__ == "__main__":

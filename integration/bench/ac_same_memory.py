@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from hyperrec.integration import Trainer, get_preset, override
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json
 
 
 def _summary(preset, overrides: list[str], budget_gb: float, device: str) -> dict:
@@ -109,11 +112,7 @@ def main(argv: list[str] | None = None) -> Path:
         "budget_gb": budget,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ac_same_memory_{args.preset}_{args.device}_{out['date']}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print("wrote", path)
-    return path
+    return write_json(args.out, f"ac_same_memory_{args.preset}_{args.device}_{out['date']}", out)
 
 
 if __name__ == "__main__":
