@@ -83,9 +83,11 @@ class PlanConfig:
     above). ``"pack_all"``: no search: no region checkpointed (where the region allows
     it), every saved tensor kept in the first of ``formats`` (or of the profile's
     formats) its class passed, and kept as is where none did: the most a packed format
-    alone cuts, at no recomputation. The budgets are optional then; one given is checked
-    against the plan's predicted peak (a ``ValueError`` naming that peak if it does not
-    fit)."""
+    alone cuts, at no recomputation. A region that must stay checkpointed
+    (``allow_none=False``) recomputes the saves it cannot pack. The budgets are optional
+    then; one given is checked against the plan's predicted peak (a ``ValueError``
+    naming that peak if it does not fit; the plan may peak below the floor of full
+    recompute, which does not pack)."""
 
     def __post_init__(self) -> None:
         check_choice("solver", self.solver, ("auto", "exact", "greedy"))
@@ -484,11 +486,15 @@ def plan(
     floor = peak_of(prob, floor_a) + offset
     cap = None
     if budget is not None:
+        # pack_all is checked against its own peak (_check_pack_all), which can be below
+        # the floor: least_peak does not try packed saves
         cap = _bytes(
             "budget",
             budget,
-            floor,
-            "the peak of full recompute with the regions whose checkpoint raises the "
+            0 if pack_all else floor,
+            "a number of bytes"
+            if pack_all
+            else "the peak of full recompute with the regions whose checkpoint raises the "
             "peak left un-checkpointed, the least this step can use",
         )
     prob.cap = None if cap is None else min(cap - offset, _CAP_MAX)

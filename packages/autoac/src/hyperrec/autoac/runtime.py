@@ -336,10 +336,14 @@ class StepMeasurement:
         time_s: wall time of the step (with the tracker's overhead when tracked).
         grads: the parameter gradients of the step (``keep_grads=True``) or ``None``.
         base_bytes: what was held when the step started, counted as ``peak_bytes`` is
-            (CUDA: ``torch.cuda.memory_allocated``; CPU: the tracker's resident bytes,
-            the storages from before the step that it touched); ``None`` when not
-            known (an untracked CPU step). ``peak_bytes - base_bytes`` is what the step
-            itself allocated at its peak: activations, gradients, workspaces.
+            (CUDA: ``torch.cuda.memory_allocated``, everything allocated; CPU: the
+            tracker's resident bytes: the storages the step touched that no op of the
+            step allocated, i.e. parameters, inputs and buffers it read, but also
+            tensors the step builds from host data without an op, such as
+            ``torch.from_numpy`` or ``torch.tensor(list)``, and not parameter gradients
+            it never touches); ``None`` when not known (an untracked CPU step).
+            ``peak_bytes - base_bytes`` is what the step itself allocated at its peak:
+            activations, gradients, workspaces.
     """
 
     peak_bytes: int
@@ -678,12 +682,16 @@ def apply(
             times, never below the floor; with ``replan_peak``).
 
     Returns:
-        :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``).
+        :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``). On
+        an error after the plan was put in force (pricing, verification), the model's
+        regions are taken off again before it propagates.
 
     Raises:
         TypeError: bad argument types (each checked before the step is profiled).
         ValueError: no step given, no budget given (except with ``"pack_all"``, which
-            needs ``formats`` instead), ``loss_fn`` with ``step_fn``, bad budgets
+            needs ``formats`` instead; a budget given with it can also fail after the
+            verification drops a class over the gradient bound: the plan then packs
+            less), ``loss_fn`` with ``step_fn``, bad budgets
             (naming the smallest feasible), bad regions, ``formats`` other than
             ``("mxint8",)`` with ``compile=True`` (or any where packing in compiled
             graphs is not supported).
@@ -756,23 +764,28 @@ def apply(
         prof = for_compiled_packing(prof)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
-    planned = budget
-    planned_regions = dict(region_budgets) if region_budgets else None
-    if compile:
-        planned, planned_regions = _price_within_budget(
-            handle, step_fn, budget, region_budgets, plan_config, replan_peak
-        )
-    if verify:
-        _verify(
-            handle,
-            step_fn,
-            budget,
-            region_budgets,
-            plan_config,
-            replan_peak,
-            planned,
-            planned_regions,
-        )
+    try:
+        planned = budget
+        planned_regions = dict(region_budgets) if region_budgets else None
+        if compile:
+            planned, planned_regions = _price_within_budget(
+                handle, step_fn, budget, region_budgets, plan_config, replan_peak
+            )
+        if verify:
+            _verify(
+                handle,
+                step_fn,
+                budget,
+                region_budgets,
+                plan_config,
+                replan_peak,
+                planned,
+                planned_regions,
+            )
+    except BaseException:
+        # no handle reaches the caller: leave the model as it was given
+        handle.remove()
+        raise
     return handle
 
 
