@@ -986,11 +986,11 @@ class Trainer:
         m = autoac.measure_step(self.model, self._probe_step_fn(), seed=self.preset.train.seed)
         for opt in self._extra_optimizers:
             opt.zero_grad(set_to_none=True)
-        assert m.base_bytes is not None  # CUDA, or a tracked CPU step
+        assert m.base_bytes is not None and m.step_bytes is not None  # CUDA, or tracked
         return {
             "base_gb": m.base_bytes / 1e9,
             "peak_gb": m.peak_bytes / 1e9,
-            "step_gb": (m.peak_bytes - m.base_bytes) / 1e9,
+            "step_gb": m.step_bytes / 1e9,
         }
 
     def _ac_budgets(self) -> tuple[int | None, dict[str, int]]:

@@ -358,16 +358,8 @@ def _bytes(name: str, value: Any, floor: int, what: str) -> int:
 
 
 def _no_ac(prob: Problem) -> Assignment:
-    modes = tuple("none" if "none" in r.fixed_s else "sac" for r in prob.regions)
-    picks = []
-    for g in prob.groups:
-        opts = g.choices[modes[g.region]]
-        picks.append(
-            next(i for i, c in enumerate(opts) if c.kind in ("keep", "drop"))
-            if modes[g.region] == "none"
-            else 0
-        )
-    return Assignment(modes, tuple(picks))
+    """No region checkpointed where it may stay un-checkpointed, nothing packed."""
+    return _pack_all(prob, ())
 
 
 def _pack_all(prob: Problem, formats: tuple[str, ...]) -> Assignment:
