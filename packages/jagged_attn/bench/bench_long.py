@@ -2,7 +2,8 @@
 
 A batch of one sequence of ``--length`` tokens (default 16,384), H = 8, D = 128, bf16,
 softmax, causal and not. Per instance (fresh q/k/v/dO each), in an order that rotates
-with the instance: our public call (the package default, ``validate=False``), PyTorch's
+with the instance: our public call (the package default, ``validate=False``), the same
+call with dQ fused into the dK/dV kernel (``ours_fused``: ``DQ_KERNEL = "fused"``), PyTorch's
 ``scaled_dot_product_attention`` on the same tokens as a dense ``(1, H, L, D)`` batch (its
 default backend choice), and compiled FlexAttention (no mask, or a causal block mask);
 forward and forward + backward, ``bench_gluon.time_split`` (``device_ms``: the GPU alone).
@@ -45,7 +46,30 @@ def impls(length: int, causal: bool, device, flex_fn, flex_mask):
     def flex(q, k, v):
         return flex_fn(q, k, v, block_mask=flex_mask, scale=scale)
 
-    return {"ours": (ours, "jagged"), "sdpa": (sdpa, "dense"), "flex": (flex, "dense")}
+    # "ours_fused": the same call with dQ fused into the dK/dV kernel (the switch is set
+    # around each timed call: the backward reads it when it runs)
+    return {"ours": (ours, "jagged"), "ours_fused": (ours, "jagged"),
+
+            "sdpa": (sdpa, "dense"), "flex": (flex, "dense")}  # fmt: skip
+
+
+class _DqKernel:
+    """``with _DqKernel(name):`` the Gluon backward's dQ switch for the ``ours*`` entries."""
+
+    def __init__(self, name: str):
+        self.value = "fused" if name.endswith("_fused") else None
+
+    def __enter__(self):
+        from hyperrec.jagged_attn._gluon import _bwd_launch
+
+        self.saved = _bwd_launch.DQ_KERNEL
+        if self.value is not None:
+            _bwd_launch.DQ_KERNEL = self.value
+
+    def __exit__(self, *exc):
+        from hyperrec.jagged_attn._gluon import _bwd_launch
+
+        _bwd_launch.DQ_KERNEL = self.saved
 
 
 def main() -> int:
@@ -88,8 +112,9 @@ def main() -> int:
                     with torch.no_grad():
                         return fn(*leaves)
 
-                def fwd_bwd(fn=fn, leaves=leaves, g=g):
-                    return torch.autograd.grad(fn(*leaves), leaves, g)
+                def fwd_bwd(fn=fn, leaves=leaves, g=g, name=name):
+                    with _DqKernel(name):
+                        return torch.autograd.grad(fn(*leaves), leaves, g)
 
                 for pass_, f, mult in (("fwd", fwd, 1.0), ("fwd_bwd", fwd_bwd, bg.FWD_BWD_FLOPS)):
                     try:
@@ -109,17 +134,19 @@ def main() -> int:
         rs = [r for r in rows if r["causal"] == causal]
         s: dict = {"causal": causal}
         for p in ("fwd", "fwd_bwd"):
-            for n in ("ours", "sdpa", "flex"):
+            for n in fns:
                 vals = [r["timings"][n][p]["tflops_device"] for r in rs
                         if "tflops_device" in r["timings"][n][p]]  # fmt: skip
                 if vals:
                     s[f"{n}/{p}/tflops_device"] = bg._stats(vals)
-            for peer in ("sdpa", "flex"):
-                ratios = [r["timings"][peer][p]["device_ms"] / r["timings"]["ours"][p]["device_ms"]
+            pairs = [("ours", "sdpa"), ("ours", "flex")]
+            pairs += [("ours_fused", peer) for peer in ("sdpa", "flex", "ours")]
+            for me, peer in pairs:
+                ratios = [r["timings"][peer][p]["device_ms"] / r["timings"][me][p]["device_ms"]
                           for r in rs if "device_ms" in r["timings"][peer][p]
-                          and "device_ms" in r["timings"]["ours"][p]]  # fmt: skip
+                          and "device_ms" in r["timings"][me][p]]  # fmt: skip
                 if ratios:
-                    s[f"ours_over_{peer}/{p}"] = bg._stats(ratios)
+                    s[f"{me}_over_{peer}/{p}"] = bg._stats(ratios)
         summary.append(s)
         print(json.dumps(s))
     payload = {"machine": bg.machine(), "heads": H, "head_dim": D, "length": length,

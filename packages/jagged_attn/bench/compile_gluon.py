@@ -131,6 +131,15 @@ def configs() -> list[dict]:
                     block_n=128, dynamic=False))  # fmt: skip
     out.append(dict(kernel="dq", head_dim=128, causal=True, act=0, pingpong=False, stages=3,
                     block_n=64, dynamic=False))  # fmt: skip
+    # dQ fused into the dK/dV kernel (bulk reduce-adds into an fp32 buffer)
+    for head_dim, stages in ((128, 3), (128, 2), (64, 3)):
+        for causal in (False, True):
+            for act in (0, 1):
+                out.append(dict(kernel="dkdv", head_dim=head_dim, causal=causal, act=act,
+                                pingpong=False, stages=stages, block_n=128, fused_dq=True))  # fmt: skip
+    for causal in (False, True):  # the fused dQ's query tiles in order
+        out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
+                        stages=3, block_n=128, fused_dq=True, rotate=False))  # fmt: skip
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
         out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
                         stages=3, block_n=128, early_dv=False))  # fmt: skip
@@ -257,12 +266,20 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         return _compile(fn, signature, constexprs, aligned, cfg, dump, "fp8")
     if cfg.get("kernel") == "dkdv":
         fn = mod.jagged_bwd_dkdv_kernel
-        # _gluon/_bwd_launch.py: block_m (head dim 128: 64 rows for softmax, 32 for SiLU)
-        bm = cfg.get("block_m", 64 if d <= 64 or cfg["act"] == 0 else 32)
+        fused = bool(cfg.get("fused_dq", False))
+        # _gluon/_bwd_launch.py: block_m (head dim 128: 64 rows for softmax, 32 for SiLU;
+        # 64 with the fused dQ)
+        bm = cfg.get("block_m", 64 if d <= 64 or cfg["act"] == 0 or fused else 32)
+        # _bwd_launch.py's dQ accumulator: fp32, unswizzled [bm, d / 2] boxes
+        dqa_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        cols = d // 2
+        dqa = mangle_type(TensorDescriptor(MockTensor(tl.float32, shape=[4096, heads * d]),
+                                           [4096, heads * d], [heads * d, 1], [bm, cols],
+                                           dqa_layout))  # fmt: skip
         signature = {
             "q_desc": desc(bm), "do_desc": desc(bm), "k_desc": desc(WG_ROWS),
             "v_desc": desc(WG_ROWS), "dk_desc": desc(WG_ROWS), "dv_desc": desc(WG_ROWS),
-            "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32",
+            "dqa_desc": dqa, "DK": "*bf16", "DV": "*bf16", "LSE": "*fp32",
             "DELTA": "*fp32", "tile_seq": "*i32", "tile_idx": "*i32", "q_off": "*i32",
             "kv_off": "*i32", "total_ptr": "*i32", "work": "*i32", "stride_kt": "i32",
             "stride_lh": "i32", "qk_scale": "fp32", "coef": "fp32", "dk_scale": "fp32",
@@ -272,6 +289,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "CAUSAL": cfg["causal"],
             "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
             "EARLY_DV": cfg.get("early_dv", True), "DYNAMIC": cfg.get("dynamic", True),
+            "FUSED_DQ": bool(fused), "ROTATE": bool(fused) and cfg.get("rotate", True),
         }  # fmt: skip
         aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "total_ptr", "work", "stride_kt")  # fmt: skip
@@ -345,8 +363,9 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
     }
     if dump is not None:
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
-        name += "_n{block_n}_i{isolate:d}_dyn{dynamic:d}"
-        name = name.format(**{"isolate": True, "dynamic": True, **cfg})
+        name += "_n{block_n}_i{isolate:d}_dyn{dynamic:d}_f{fused_dq:d}_e{early_dv:d}"
+        name = name.format(**{"isolate": True, "dynamic": True, "fused_dq": False,
+                              "early_dv": True, **cfg})  # fmt: skip
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
@@ -375,8 +394,8 @@ def main() -> int:
             continue
         label = cfg.get("kernel", "fwd") + (
             " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
-            "BN={block_n} isolate={isolate:d} dynamic={dynamic:d}"
-        ).format(**{"isolate": True, "dynamic": True, **cfg})
+            "BN={block_n} isolate={isolate:d} dynamic={dynamic:d} fused_dq={fused_dq:d}"
+        ).format(**{"isolate": True, "dynamic": True, "fused_dq": False, **cfg})
         try:
             rep = compile_one(modules.get(cfg.get("kernel"), mod), cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]

@@ -108,6 +108,55 @@ def test_backward_routes_to_the_gluon_kernels(env, eligible, gluon_dq, monkeypat
         assert torch.equal(dk, dk0) and torch.equal(dv, dv0)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fused_dq_routes_through_a_zeroed_fp32_buffer(act, dim, monkeypatch):
+    # DQ_KERNEL="fused": the dK/dV launcher gets a zeroed fp32 buffer of q's shape, dQ is
+    # that buffer times the scale in q's dtype, and no dQ kernel runs; SiLU at head dim 128
+    # (no 64-row tiles there) keeps the separate dQ kernel
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    lens = [5, 0, 9]
+    t = sum(lens)
+    off = torch.tensor([0, 5, 5, 14])
+    g = torch.Generator().manual_seed(1)
+    q, k, v, do = (torch.randn(t, 2, dim, generator=g).to(torch.bfloat16) for _ in range(4))
+    seen, dq_calls = [], []
+
+    def stub(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef, dq_accum=None):
+        if dq_accum is not None:
+            seen.append((dq_accum.dtype, dq_accum.shape, bool((dq_accum == 0).all()), scale))
+            dq_accum.fill_(2.0)
+        dk.zero_()
+        dv.zero_()
+
+    def dq_stub(call, grad_out, lse, delta, dq, qk_scale, scale, coef):
+        dq_calls.append(1)
+        dq.fill_(-1.0)
+        return True
+
+    monkeypatch.setattr(_bwd_launch, "DQ_KERNEL", "fused")
+    monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None)
+    monkeypatch.setattr(_launch, "_BWD_PLANS", {})
+    monkeypatch.setattr(_launch, "_gluon_dkdv", stub)
+    monkeypatch.setattr(_launch, "_gluon_dq", dq_stub)
+    monkeypatch.setenv(GLUON_BWD_ENV, "1")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = gdpa(*leaves, off, off, 9, 9, activation=act, causal=True, backend="triton")
+    dq = torch.autograd.grad(out, leaves, do)[0]
+    fused = act == "softmax" or dim <= 64
+    assert _bwd_launch.fused_dq_supported(dim, act == "softmax") is fused
+    if fused:
+        assert len(seen) == 1 and not dq_calls
+        dtype, shape, zeroed, scale = seen[0]
+        assert dtype == torch.float32 and shape == q.shape and zeroed
+        assert dq.dtype == q.dtype
+        assert torch.equal(dq, torch.full_like(dq, 2.0 * scale))
+    else:
+        assert not seen and dq_calls == [1] and (dq == -1.0).all()
+
+
 # ----------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------
@@ -180,7 +229,10 @@ def _grads(q, k, v, do, qo, ko, mq, mk, causal, act, env, monkeypatch):
     finally:
         for name, fn in real.items():
             setattr(_bwd_launch, name, fn)
-    want = ["run_dkdv"] + (["run_dq"] if _bwd_launch.DQ_KERNEL == "gluon" else [])
+    fused = _bwd_launch.DQ_KERNEL == "fused" and _bwd_launch.fused_dq_supported(
+        q.shape[2], act == "softmax"
+    )
+    want = ["run_dkdv"] + ([] if fused or _bwd_launch.DQ_KERNEL == "triton" else ["run_dq"])
     assert launches == (want if env == "1" else [])
     return grads
 
@@ -196,11 +248,15 @@ CASES = {
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("dq_kernel", ["gluon", "fused"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_gpu_gradients_against_float64(case, act, causal, dim, monkeypatch):
+def test_gpu_gradients_against_float64(case, act, causal, dim, dq_kernel, monkeypatch):
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    monkeypatch.setattr(_bwd_launch, "DQ_KERNEL", dq_kernel)
     lens, kv_lens = CASES[case]
     kv_lens = lens if kv_lens is None else kv_lens
     qo, ko = _offsets(lens), _offsets(kv_lens)
@@ -246,21 +302,31 @@ def test_gpu_gluon_dkdv_with_the_triton_dq(causal, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("dq_kernel", ["gluon", "fused"])
+@pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("where", ["q", "do", "k", "v"])
 @pytest.mark.parametrize("act", ["softmax", "silu"])
-def test_gpu_non_finite_values_stay_in_their_sequence(where, act, monkeypatch):
-    # sequence 1 (poisoned) follows sequence 0, whose last query and key tiles are partial
-    lens = [100, 64, 37]
+@pytest.mark.parametrize("poisoned_len", [64, 50])
+def test_gpu_non_finite_values_stay_in_their_sequence(where, act, dim, dq_kernel, poisoned_len,
+                                                      monkeypatch):  # fmt: skip
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    monkeypatch.setattr(_bwd_launch, "DQ_KERNEL", dq_kernel)
+    # sequence 1 (poisoned) follows sequence 0, whose last query and key tiles are partial;
+    # at length 50 its own last tiles are partial too and reach into sequence 2 (the fused
+    # dQ's reduce-add covers whole 64-row tiles)
+    lens = [100, poisoned_len, 37]
+    end = 100 + poisoned_len
     qo = _offsets(lens)
     g = torch.Generator(device="cuda").manual_seed(3)
     t = sum(lens)
-    q, k, v, do = (torch.randn(t, 2, 128, device="cuda", generator=g).bfloat16() for _ in range(4))
+    q, k, v, do = (torch.randn(t, 2, dim, device="cuda", generator=g).bfloat16() for _ in range(4))
     poisoned = dict(q=q, do=do, k=k, v=v)[where]
-    poisoned[100:164] = float("nan")
+    poisoned[100:end] = float("nan")
     dq, dk, dv = _grads(q, k, v, do, qo, qo, 100, 100, True, act, "1", monkeypatch)
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x[:100]).all(), f"{name} of sequence 0"
-        assert torch.isfinite(x[164:]).all(), f"{name} of sequence 2"
+        assert torch.isfinite(x[end:]).all(), f"{name} of sequence 2"
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")

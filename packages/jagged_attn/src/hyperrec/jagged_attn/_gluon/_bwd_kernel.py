@@ -18,9 +18,13 @@ streams the query tiles that see it.
   products are issued after ``dS^T``. dK and dV
   stay in fp32 registers for the whole item and are stored once.
 
-dQ is not computed here: the package's Triton dQ kernel runs after this one (Gluon 3.6 on
-Hopper has no bulk reduce-add, and per-element atomics lost to the separate kernel in the
-Triton backward).
+By default dQ is not computed here: ``jagged_bwd_dq_kernel`` (below) runs after this one.
+With ``FUSED_DQ`` (an opt-in, slower on every measured case; see the package README,
+"Fused dQ") each consumer also computes half of dQ's columns for the query tile, from
+both halves of ``dS^T`` (exchanged through shared memory, the warpgroups meeting at an
+mbarrier every tile) and of the key tile, and adds it into an fp32 buffer with one bulk
+reduce-add (``cp.reduce.async.bulk.tensor``, which Triton 3.6 builds but does not wrap in
+Gluon on Hopper: ``_tma_add``): five GEMMs per tile pair instead of seven.
 
 Masking: tiles that cross the end of the query or key sequence or the causal diagonal
 (bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``) select 0 for
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -60,6 +65,20 @@ from hyperrec.jagged_attn._gluon._kernel import (
 )
 
 
+@builtin
+def _tma_add(tensor_desc, coord, src, _semantic=None):
+    """Bulk reduce-add of the shared-memory tile ``src`` into the global tile of
+    ``tensor_desc`` at ``coord`` (``cp.reduce.async.bulk.tensor ... .add``): the L2 does the
+    adds. Triton 3.6's Gluon has the operation in its IR builder but no Python wrapper on
+    Hopper; this is that wrapper. Completion is awaited like a TMA store
+    (``tma.store_wait``)."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)  # fmt: skip
+
+
 @gluon.jit
 def _q_tiles(n0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """``[lo, hi)``: the query tiles that see some key of the tile starting at ``n0``."""
@@ -69,6 +88,16 @@ def _q_tiles(n0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
         lo = gl.maximum(n0 - (Lk - Lq), 0) // BLOCK_M
     hi = (Lq + BLOCK_M - 1) // BLOCK_M
     return lo, gl.maximum(hi, lo)
+
+
+@gluon.jit
+def _q_tile_at(j, lo, hi, n0, ROTATE: gl.constexpr):
+    """The query tile visited ``j - lo``-th among ``[lo, hi)``: in order, or (``ROTATE``)
+    starting at an offset set by the key tile, so that the items of one sequence running
+    side by side do not all add their dQ shares into the same rows at the same time."""
+    if ROTATE:
+        return lo + (j - lo + n0 // WG_ROWS) % (hi - lo)
+    return j
 
 
 @gluon.jit
@@ -105,7 +134,7 @@ def _load_halves(a_desc, b_desc, a_smem, b_smem, ready, empty, item_i, row0, col
 @gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-                  DYNAMIC: gl.constexpr):  # fmt: skip
+                  DYNAMIC: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
     q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats, work, item_ready = loads
     k_smem, v_smem, q_smem, do_smem, stat_smem = smem
     LSE, DELTA, stride_lh = stats
@@ -126,7 +155,8 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
         # the next item (or the end marker), published before this item's tiles
         w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
-        for i in range(lo, hi):
+        for j in range(lo, hi):
+            i = _q_tile_at(j, lo, hi, n0, ROTATE)
             st = q_it % NUM_STAGES
             ph = (q_it // NUM_STAGES) & 1
             mbarrier.wait(q_empty.index(st), ph ^ 1)
@@ -151,9 +181,11 @@ def _bwd_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr, DYNAMIC: gl.constexpr,
+    FUSED_DQ: gl.constexpr, ROTATE: gl.constexpr,
 ):  # fmt: skip
     out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work, item_ready = shared
-    dk_desc, dv_desc, DK, DV = out
+    dk_desc, dv_desc, DK, DV, fused = out
+    dqa_desc, ds_smem, dq_smem, ds_ready, k_free = fused
     qk_scale, coef, dk_scale = consts
     # S^T / dP^T: [64 keys, 64 queries]; dK / dV: [64 keys, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -164,6 +196,11 @@ def _bwd_consumer(
     )
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
     scol: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # fused dQ: this warpgroup's half of the head dim, [BLOCK_M queries, HEAD_DIM / 2]
+    HALF_D: gl.constexpr = HEAD_DIM // 2
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16]
+    )
     k_smem, v_smem, q_smem, do_smem, stat_smem = smem
     kv_ready, kv_empty, q_ready, q_empty = bars
     dtype: gl.constexpr = k_smem.dtype
@@ -186,8 +223,14 @@ def _bwd_consumer(
         dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
         dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, g_layout)
         mbarrier.wait(kv_ready.index(WG), item_i & 1)
-        for i in range(lo, hi):
-            it = q_it + (i - lo)
+        if FUSED_DQ:  # noqa: SIM102 (a constexpr, then a run-time condition)
+            # dQ += dS K reads both key halves: rows past the key sequence are the next
+            # sequence's (0 * NaN is NaN). S^T's rows there are masked anyway.
+            if r0 + WG_ROWS > Lk:
+                _clear_rows(k_smem, WG, gl.maximum(Lk - r0, 0), 2, WG_ROWS, HEAD_DIM)
+        for j in range(lo, hi):
+            i = _q_tile_at(j, lo, hi, n0, ROTATE)
+            it = q_it + (j - lo)
             st = it % NUM_STAGES
             ph = (it // NUM_STAGES) & 1
             q_buf = q_smem.index(st)
@@ -243,13 +286,58 @@ def _bwd_consumer(
                 ds = dp * coef * (sg * (1.0 + x * (1.0 - sg)))
             if need_mask:
                 ds = gl.where(_allowed(r0, m0, Lq, Lk, CAUSAL, BLOCK_M, s_layout), ds, 0.0)
-            ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+            ds_lo = ds.to(dtype)
+            if FUSED_DQ:
+                # dS^T goes to shared memory: dQ = dS K needs it transposed, and the other
+                # warpgroup needs this half (it computes the other half of dQ's columns
+                # from both halves of dS and K). Two buffers, alternating by tile: a
+                # warpgroup reaches tile t + 2's store only after the other arrived at
+                # t + 1, i.e. after its tile-t dQ product retired.
+                db = it % 2
+                ds_smem.index(2 * db + WG).store(ds_lo)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ds_ready.index(db), count=1)
+            ds_op = gl.convert_layout(ds_lo, op_layout)
             if not EARLY_DV:
                 dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
             dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
-                                                     deps=[dv, dk, p_op, ds_op])  # fmt: skip
+            if FUSED_DQ:
+                mbarrier.wait(ds_ready.index(db), (it // 2) & 1)
+                # dQ[:, half WG] = dS[:, keys 0-63] K0[:, half] + dS[:, keys 64-127] K1[:, half]
+                dq = warpgroup_mma(ds_smem.index(2 * db).permute((1, 0)),
+                                   k_smem.index(0).slice(WG * HALF_D, HALF_D, dim=1),
+                                   gl.zeros([BLOCK_M, HALF_D], gl.float32, q_layout),
+                                   use_acc=False, is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds_smem.index(2 * db + 1).permute((1, 0)),
+                                   k_smem.index(1).slice(WG * HALF_D, HALF_D, dim=1), dq,
+                                   is_async=True)  # fmt: skip
+                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(
+                    num_outstanding=0, deps=[dv, dk, p_op, ds_op, dq]
+                )
+                if m0 + BLOCK_M > Lq:
+                    # rows past the query sequence are the next sequence's: their dS is 0,
+                    # but 0 times a non-finite key of this sequence is NaN
+                    qrows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+                    dq = gl.where((qrows < Lq)[:, None], dq, 0.0)
+                # the previous tile's reduce-add has read this warpgroup's staging tile
+                # (one thread issued it and waits; the barrier holds the others)
+                tma.store_wait(0)
+                gl.thread_barrier()
+                dq_smem.index(WG).store(dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_add(dqa_desc, [q_start + m0, h * HEAD_DIM + WG * HALF_D],
+                         dq_smem.index(WG))  # fmt: skip
+            else:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
+                                                         deps=[dv, dk, p_op, ds_op])  # fmt: skip
             mbarrier.arrive(q_empty.index(st), count=1)
+        if FUSED_DQ:
+            # the other warpgroup's dQ products read this warpgroup's K half: both have
+            # retired theirs before either stages dK in its K buffer
+            mbarrier.arrive(k_free.index(1 - WG), count=1)
+            mbarrier.wait(k_free.index(WG), item_i & 1)
         q_it += hi - lo
         item_i += 1
         # read before the epilogue, which hides the load's latency
@@ -272,6 +360,9 @@ def _bwd_consumer(
         # the producer may reload this warpgroup's K/V half
         mbarrier.arrive(kv_empty.index(WG), count=1)
         w = w_next
+    if FUSED_DQ:
+        # the last reduce-add reads shared memory until it completes
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -304,11 +395,11 @@ def _store_rows(bufs, idx, valid, OUT, row0, h, stride_t, HEAD_DIM: gl.constexpr
 # compiled kernel and its direct relaunch (``_triton/_direct.py``).
 @gluon.jit(do_not_specialize=["stride_lh"])
 def jagged_bwd_dkdv_kernel(
-    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, DK, DV, LSE, DELTA, tile_seq, tile_idx,
-    q_off, kv_off, total_ptr, work, stride_kt, stride_lh, qk_scale, coef, dk_scale,
+    q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, dqa_desc, DK, DV, LSE, DELTA, tile_seq,
+    tile_idx, q_off, kv_off, total_ptr, work, stride_kt, stride_lh, qk_scale, coef, dk_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, FUSED_DQ: gl.constexpr, ROTATE: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dK/dV; see the module docstring.
 
@@ -323,6 +414,11 @@ def jagged_bwd_dkdv_kernel(
     for SiLU; ``coef``: the output multiplier; ``dk_scale``: dK's multiplier, ``scale``
     (dS already holds ``coef``). ``work``: the dynamic schedule's counter and item rings (see
     ``_kernel.jagged_fwd_kernel``).
+
+    ``FUSED_DQ``: also add each tile pair's share of dQ (``dS K``, unscaled) into
+    ``dqa_desc``, a ``(Tq, H * HEAD_DIM)`` fp32 descriptor with ``[BLOCK_M, HEAD_DIM / 2]``
+    unswizzled boxes over a zeroed buffer (``BLOCK_M`` must be 64: one warpgroup MMA's
+    rows); otherwise ``dqa_desc`` is not read.
     """
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, HEAD_DIM], k_desc.layout)
@@ -344,12 +440,27 @@ def jagged_bwd_dkdv_kernel(
         mbarrier.init(q_ready.index(s), count=1)
         # one arrival per consumer warpgroup
         mbarrier.init(q_empty.index(s), count=2)
+    if FUSED_DQ:
+        # two dS^T buffers per warpgroup (alternating tiles), one fp32 dQ staging tile per
+        # warpgroup for the reduce-add
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, WG_ROWS, BLOCK_M], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
+                                            dqa_desc.layout)  # fmt: skip
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        k_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        for c in gl.static_range(2):
+            mbarrier.init(ds_ready.index(c), count=2)
+            mbarrier.init(k_free.index(c), count=1)
+        fused = (dqa_desc, ds_smem, dq_smem, ds_ready, k_free)
+    else:
+        fused = (dqa_desc, k_smem, k_smem, kv_ready, kv_ready)  # never read
     fence_async_shared()
 
     smem = (k_smem, v_smem, q_smem, do_smem, stat_smem)
     bars = (kv_ready, kv_empty, q_ready, q_empty)
     meta = (tile_seq, tile_idx, q_off, kv_off)
-    out = (dk_desc, dv_desc, DK, DV)
+    out = (dk_desc, dv_desc, DK, DV, fused)
     item_ready = _item_barriers()
     shared = (out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work,
               item_ready)  # fmt: skip
@@ -358,12 +469,14 @@ def jagged_bwd_dkdv_kernel(
     gl.warp_specialize(
         [
             (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ,
+                             ROTATE)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ,
+                             ROTATE)),
             (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
                               (LSE, DELTA, stride_lh), work, item_ready), H, HEAD_DIM, BLOCK_M,
-                             NUM_STAGES, CAUSAL, ACT, DYNAMIC)),
+                             NUM_STAGES, CAUSAL, ACT, DYNAMIC, ROTATE)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

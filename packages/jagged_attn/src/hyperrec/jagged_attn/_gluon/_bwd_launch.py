@@ -34,9 +34,11 @@ def block_m(head_dim: int, softmax: bool = True) -> int:
 
 #: Depth of the query/dO ring (three stages: 112-160 KiB of shared memory at head dim 128).
 DEFAULT_STAGES = 3
-#: Which kernel computes dQ after the Gluon dK/dV kernel: ``"gluon"``
-#: (``jagged_bwd_dq_kernel``) or ``"triton"`` (the package's Triton dQ kernel); read at
-#: every call, a switch for benchmarks.
+#: Which kernel computes dQ: ``"gluon"`` (``jagged_bwd_dq_kernel`` after the dK/dV
+#: kernel), ``"triton"`` (the package's Triton dQ kernel after it) or ``"fused"`` (the
+#: dK/dV kernel itself, with bulk reduce-adds into an fp32 buffer: five GEMMs per tile pair
+#: instead of seven; softmax only, see :func:`fused_dq_supported`); read at every call, a
+#: switch for benchmarks.
 DQ_KERNEL = "gluon"
 #: Key rows per tile of the dQ kernel and the depth of its K/V ring.
 DQ_BLOCK_N = 64
@@ -49,6 +51,28 @@ EARLY_DV = True
 #: ``JAGGED_ATTN_GLUON_DYNAMIC=0`` turns it off too.
 DYNAMIC = True
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
+#: With the fused dQ, each key tile sweeps its query tiles from an offset of its own
+#: (``ROTATE`` in the kernel); off: all from the first. Read at every launch, a switch for
+#: benchmarks.
+ROTATE = False
+
+
+def fused_dq_supported(head_dim: int, softmax: bool) -> bool:
+    """Whether the dK/dV kernel can add dQ itself: 64-row query tiles (one warpgroup MMA's
+    rows), which SiLU at head dim 128 cannot afford (registers)."""
+    return softmax or head_dim <= 64
+
+
+def _dqa_descriptor(dqa: torch.Tensor, rows: int, cols: int) -> object:
+    """The fused dQ's fp32 accumulator as ``(T, H * D)`` with unswizzled ``[rows, cols]``
+    boxes (a swizzled box is limited to 128-byte rows)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(dqa, shape=[dqa.shape[0], dqa.shape[1] * dqa.shape[2]],
+                            strides=[dqa.stride(0), 1], block_shape=[rows, cols],
+                            layout=layout)  # fmt: skip
 
 
 def _descriptor(t: torch.Tensor, rows: int, n_heads: int, head_dim: int) -> object:
@@ -77,6 +101,7 @@ def run_dkdv(
     coef: float,
     dk_scale: float,
     num_stages: int = DEFAULT_STAGES,
+    dq_accum: torch.Tensor | None = None,
 ) -> None:
     """Write dK and dV of a validated call into ``dk``/``dv``.
 
@@ -86,7 +111,9 @@ def run_dkdv(
     kv_offsets32, tile_seq, tile_idx, total, ...)``, the dK/dV kernel's key-tile schedule
     for :data:`BLOCK_N`-key tiles (``_triton._launch._kv_schedule``). ``qk_scale``:
     ``scale * log2(e)`` (softmax) or ``scale`` (SiLU); ``coef``: the output multiplier;
-    ``dk_scale``: ``scale`` (softmax) or ``scale * coef`` (SiLU).
+    ``dk_scale``: ``scale`` (softmax) or ``scale * coef`` (SiLU). ``dq_accum``: a zeroed
+    ``(Tq, H, D)`` fp32 contiguous buffer to which the kernel adds ``dS K`` (dQ before its
+    ``scale``), where :func:`fused_dq_supported`; ``None``: dQ is left to another kernel.
     """
     from hyperrec.jagged_attn._gluon._bwd_kernel import jagged_bwd_dkdv_kernel
     from hyperrec.jagged_attn._triton import _direct
@@ -98,19 +125,22 @@ def run_dkdv(
     def desc(t: torch.Tensor, rows: int) -> object:
         return _descriptor(t, rows, n_heads, head_dim)
 
-    bm = block_m(head_dim, softmax)
+    fused = dq_accum is not None
+    bm = 64 if fused else block_m(head_dim, softmax)
+    dqa = _dqa_descriptor(dq_accum, bm, head_dim // 2) if fused else desc(dk, 64)
 
     if not softmax:
         lse = delta = dk  # never read
     items = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
     grid, work, dynamic = _persistent_grid(items, q.device, DYNAMIC, total)
     args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), desc(dk, 64), desc(dv, 64),
-            dk, dv, lse, delta, tile_seq, tile_idx,
+            dqa, dk, dv, lse, delta, tile_seq, tile_idx,
             q32, kv32, total, work, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
               ACT=0 if softmax else 1, ISOLATE_ROWS=True,
-              EARLY_DV=EARLY_DV, DYNAMIC=dynamic)  # fmt: skip
+              EARLY_DV=EARLY_DV, DYNAMIC=dynamic, FUSED_DQ=fused,
+              ROTATE=ROTATE and fused)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)
 

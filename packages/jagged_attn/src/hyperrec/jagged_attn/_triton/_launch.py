@@ -884,6 +884,12 @@ def attention_backward(
     if plan.gluon and gluon_bwd_requested(spec):
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
+        if _gluon_fused_dq(call):
+            # dQ's shares added by the dK/dV kernel into a zeroed fp32 buffer
+            dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef,
+                        dq_accum=dqa)  # fmt: skip
+            return torch.mul(dqa, scale, out=dqa).to(q.dtype), dk, dv
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
         if not _gluon_dq(call, grad_out, lse_arg, delta_arg, dq, qk_scale, scale, coef):
             _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key,
@@ -923,24 +929,37 @@ _GLUON_KEY_TILES = KernelConfig(block_m=64, block_n=GLUON_BWD_BLOCK_N, num_warps
                                 num_stages=1)  # fmt: skip
 
 
-def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef) -> None:
-    """dK and dV by the Gluon kernel (a call :func:`gluon_unsupported` accepts)."""
+def _gluon_dkdv(call, grad_out, lse, delta, dk, dv, qk_scale, scale, coef,
+                dq_accum=None) -> None:  # fmt: skip
+    """dK and dV by the Gluon kernel (a call :func:`gluon_unsupported` accepts); with
+    ``dq_accum``, dQ's unscaled shares added into it too (:func:`_gluon_fused_dq`)."""
     from hyperrec.jagged_attn._gluon._bwd_launch import run_dkdv
 
     softmax = call.spec.activation == "softmax"
     run_dkdv(
         call.q, call.k, call.v, grad_out, lse, delta, dk, dv,
         _kv_schedule(call, _GLUON_KEY_TILES), causal=call.spec.mask.causal, softmax=softmax,
-        qk_scale=qk_scale, coef=coef, dk_scale=scale,
+        qk_scale=qk_scale, coef=coef, dk_scale=scale, dq_accum=dq_accum,
     )  # fmt: skip
+
+
+def _gluon_fused_dq(call) -> bool:
+    """Whether the Gluon dK/dV kernel computes dQ too (``_gluon._bwd_launch.DQ_KERNEL ==
+    "fused"`` and a call it supports)."""
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    return _bwd_launch.DQ_KERNEL == "fused" and _bwd_launch.fused_dq_supported(
+        call.q.shape[2], call.spec.activation == "softmax"
+    )
 
 
 def _gluon_dq(call, grad_out, lse, delta, dq, qk_scale, scale, coef) -> bool:
     """dQ by the Gluon kernel, unless ``_gluon._bwd_launch.DQ_KERNEL`` says ``"triton"``
-    (then nothing is launched and False returned)."""
+    (then nothing is launched and False returned). With ``"fused"``, the calls the fused
+    kernel does not support come here."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
 
-    if _bwd_launch.DQ_KERNEL != "gluon":
+    if _bwd_launch.DQ_KERNEL == "triton":
         return False
     softmax = call.spec.activation == "softmax"
     _bwd_launch.run_dq(
