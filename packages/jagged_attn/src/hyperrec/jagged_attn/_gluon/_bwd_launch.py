@@ -127,7 +127,8 @@ def run_dkdv(
 
     fused = dq_accum is not None
     bm = 64 if fused else block_m(head_dim, softmax)
-    dqa = _dqa_descriptor(dq_accum, bm, head_dim // 2) if fused else desc(dk, 64)
+    # unread without the fused dQ
+    dqa = desc(dk, 64) if dq_accum is None else _dqa_descriptor(dq_accum, bm, head_dim // 2)
 
     if not softmax:
         lse = delta = dk  # never read
