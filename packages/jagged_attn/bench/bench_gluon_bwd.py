@@ -65,16 +65,13 @@ def set_env(setting: str) -> None:
     activations (the defaults: 64 for softmax, 32 for SiLU); ``"1-dq128"``: the dQ kernel
     with 128-key tiles and a two-stage ring (default: 64 keys, three stages); ``"1-fused"``:
     dQ fused into the dK/dV kernel (bulk reduce-adds; ``_bwd_launch.DQ_KERNEL = "fused"``,
-    64-row query tiles there), ``"1-fused-inorder"`` the same with every key tile sweeping its
-    query tiles from the first (``_bwd_launch.ROTATE = False``)."""
+    64-row query tiles there)."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
     from hyperrec.jagged_attn._triton._launch import GLUON_BWD_ENV
 
     os.environ[GLUON_BWD_ENV] = setting[0]
     _bwd_launch.EARLY_DV = setting != "1-late"
-    _bwd_launch.DQ_KERNEL = {"1-tdq": "triton", "1-fused": "fused",
-                             "1-fused-inorder": "fused"}.get(setting, "gluon")  # fmt: skip
-    _bwd_launch.ROTATE = setting != "1-fused-inorder"
+    _bwd_launch.DQ_KERNEL = {"1-tdq": "triton", "1-fused": "fused"}.get(setting, "gluon")
     _bwd_launch.BLOCK_M_D128_SOFTMAX = 32 if setting == "1-m32" else 64
     _bwd_launch.BLOCK_M_D128_SILU = 64 if setting == "1-m64" else 32
     _bwd_launch.DQ_BLOCK_N, _bwd_launch.DQ_STAGES = (128, 2) if setting == "1-dq128" else (64, 3)
@@ -122,7 +119,7 @@ def instance(dist, kind, inst, device, heads, dim, tokens, flex_cache, settings)
     if "0" in grads and "1" in grads:
         row["rel_diff"] = {n: rel_diff(a, b) for n, a, b in zip("qkv", grads["1"], grads["0"])}
         row["non_finite"] = int(sum((~torch.isfinite(g)).sum().item() for g in grads["1"]))
-    for f in ("1-fused", "1-fused-inorder"):
+    for f in ("1-fused",):
         if f in grads and "0" in grads:
             row[f"rel_diff_{f[2:]}"] = {n: rel_diff(a, b)
                                         for n, a, b in zip("qkv", grads[f], grads["0"])}  # fmt: skip
@@ -161,7 +158,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         s: dict = {"dist": dist, "kind": kind, "instances": len(rs),
                    "errors": sorted({e for r in rs for e in r["errors"]})}  # fmt: skip
         for path in ("gluon_bwd=0", "gluon_bwd=1", "gluon_bwd=1-late", "gluon_bwd=1-tdq",
-                     "gluon_bwd=1-fused", "gluon_bwd=1-fused-inorder", "flex"):  # fmt: skip
+                     "gluon_bwd=1-fused", "flex"):  # fmt: skip
             for pass_ in ("bwd", "fwd_bwd"):
                 ts = [r["timings"].get(path, {}).get(pass_) for r in rs]
                 ts = [t for t in ts if t]
@@ -191,7 +188,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                                                               "fwd_bwd", key)  # fmt: skip
             s[f"over_flex/gluon_bwd=0/fwd_bwd/{key}"] = ratio("flex", "gluon_bwd=0", "fwd_bwd",
                                                               "fwd_bwd", key)  # fmt: skip
-            for f in ("1-fused", "1-fused-inorder"):
+            for f in ("1-fused",):
                 s[f"over_flex/gluon_bwd={f}/fwd_bwd/{key}"] = ratio(
                     "flex", f"gluon_bwd={f}", "fwd_bwd", "fwd_bwd", key
                 )
@@ -203,7 +200,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         if diffs:
             s["max_rel_diff"] = {n: max(d[n] for d in diffs) for n in "qkv"}
             s["non_finite"] = sum(r.get("non_finite", 0) for r in rs)
-        for f in ("fused", "fused-inorder"):
+        for f in ("fused",):
             diffs = [r[f"rel_diff_{f}"] for r in rs if f"rel_diff_{f}" in r]
             if diffs:
                 s[f"max_rel_diff_{f}"] = {n: max(d[n] for d in diffs) for n in "qkv"}
@@ -252,7 +249,7 @@ def main() -> int:
                 tim = row["timings"]
                 cells = [f"{p}/{s} {tim[p][s]['tflops_device']:.0f}" for p in tim for s in tim[p]]
                 print(f"{dist['name']} {kind} #{inst}: {', '.join(cells)} TFLOP/s (GPU time); "
-                      f"diff {row.get('rel_diff')} fused {row.get('rel_diff_fused')} inorder {row.get('rel_diff_fused-inorder')}; errors {list(row['errors'])} "
+                      f"diff {row.get('rel_diff')} fused {row.get('rel_diff_fused')}; errors {list(row['errors'])} "
                       f"({row['seconds']} s)", flush=True)  # fmt: skip
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -137,9 +137,6 @@ def configs() -> list[dict]:
             for act in (0, 1):
                 out.append(dict(kernel="dkdv", head_dim=head_dim, causal=causal, act=act,
                                 pingpong=False, stages=stages, block_n=128, fused_dq=True))  # fmt: skip
-    for causal in (False, True):  # the fused dQ's query tiles in order
-        out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
-                        stages=3, block_n=128, fused_dq=True, rotate=False))  # fmt: skip
     for causal in (False, True):  # both GEMMs issued after dS (EARLY_DV off)
         out.append(dict(kernel="dkdv", head_dim=128, causal=causal, act=0, pingpong=False,
                         stages=3, block_n=128, early_dv=False))  # fmt: skip
@@ -289,7 +286,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "CAUSAL": cfg["causal"],
             "ACT": cfg["act"], "ISOLATE_ROWS": cfg.get("isolate", True),
             "EARLY_DV": cfg.get("early_dv", True), "DYNAMIC": cfg.get("dynamic", True),
-            "FUSED_DQ": bool(fused), "ROTATE": bool(fused) and cfg.get("rotate", True),
+            "FUSED_DQ": fused,
         }  # fmt: skip
         aligned = ("DK", "DV", "LSE", "DELTA", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "total_ptr", "work", "stride_kt")  # fmt: skip

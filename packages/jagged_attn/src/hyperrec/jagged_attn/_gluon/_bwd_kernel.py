@@ -91,16 +91,6 @@ def _q_tiles(n0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _q_tile_at(j, lo, hi, n0, ROTATE: gl.constexpr):
-    """The query tile visited ``j - lo``-th among ``[lo, hi)``: in order, or (``ROTATE``)
-    starting at an offset set by the key tile, so that the items of one sequence running
-    side by side do not all add their dQ shares into the same rows at the same time."""
-    if ROTATE:
-        return lo + (j - lo + n0 // WG_ROWS) % (hi - lo)
-    return j
-
-
-@gluon.jit
 def _allowed(r0, m0, Lq, Lk, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     """Which (key, query) entries of the ``[64, BLOCK_M]`` tile at keys ``r0``, queries
     ``m0`` the mask allows (both inside their sequence; causal: ``j <= i + Lk - Lq``)."""
@@ -134,7 +124,7 @@ def _load_halves(a_desc, b_desc, a_smem, b_smem, ready, empty, item_i, row0, col
 @gluon.jit
 def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
-                  DYNAMIC: gl.constexpr, ROTATE: gl.constexpr):  # fmt: skip
+                  DYNAMIC: gl.constexpr):  # fmt: skip
     q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr, stats, work, item_ready = loads
     k_smem, v_smem, q_smem, do_smem, stat_smem = smem
     LSE, DELTA, stride_lh = stats
@@ -155,8 +145,7 @@ def _bwd_producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.co
         # the next item (or the end marker), published before this item's tiles
         w_next = _next_item(work, item_ready, item_i + 1, pid, nprog, DYNAMIC)
         lo, hi = _q_tiles(n0, Lq, Lk, CAUSAL, BLOCK_M)
-        for j in range(lo, hi):
-            i = _q_tile_at(j, lo, hi, n0, ROTATE)
+        for i in range(lo, hi):
             st = q_it % NUM_STAGES
             ph = (q_it // NUM_STAGES) & 1
             mbarrier.wait(q_empty.index(st), ph ^ 1)
@@ -181,7 +170,7 @@ def _bwd_consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr, DYNAMIC: gl.constexpr,
-    FUSED_DQ: gl.constexpr, ROTATE: gl.constexpr,
+    FUSED_DQ: gl.constexpr,
 ):  # fmt: skip
     out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work, item_ready = shared
     dk_desc, dv_desc, DK, DV, fused = out
@@ -228,9 +217,8 @@ def _bwd_consumer(
             # sequence's (0 * NaN is NaN). S^T's rows there are masked anyway.
             if r0 + WG_ROWS > Lk:
                 _clear_rows(k_smem, WG, gl.maximum(Lk - r0, 0), 2, WG_ROWS, HEAD_DIM)
-        for j in range(lo, hi):
-            i = _q_tile_at(j, lo, hi, n0, ROTATE)
-            it = q_it + (j - lo)
+        for i in range(lo, hi):
+            it = q_it + (i - lo)
             st = it % NUM_STAGES
             ph = (it // NUM_STAGES) & 1
             q_buf = q_smem.index(st)
@@ -399,7 +387,7 @@ def jagged_bwd_dkdv_kernel(
     tile_idx, q_off, kv_off, total_ptr, work, stride_kt, stride_lh, qk_scale, coef, dk_scale,
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, ACT: gl.constexpr, ISOLATE_ROWS: gl.constexpr, EARLY_DV: gl.constexpr,
-    DYNAMIC: gl.constexpr, FUSED_DQ: gl.constexpr, ROTATE: gl.constexpr,
+    DYNAMIC: gl.constexpr, FUSED_DQ: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention dK/dV; see the module docstring.
 
@@ -469,14 +457,12 @@ def jagged_bwd_dkdv_kernel(
     gl.warp_specialize(
         [
             (_bwd_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ,
-                             ROTATE)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ)),
             (_bwd_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_M, NUM_STAGES, CAUSAL, ACT,
-                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ,
-                             ROTATE)),
+                             ISOLATE_ROWS, EARLY_DV, DYNAMIC, FUSED_DQ)),
             (_bwd_producer, ((q_desc, do_desc, k_desc, v_desc, smem, bars, meta, total_ptr,
                               (LSE, DELTA, stride_lh), work, item_ready), H, HEAD_DIM, BLOCK_M,
-                             NUM_STAGES, CAUSAL, ACT, DYNAMIC, ROTATE)),
+                             NUM_STAGES, CAUSAL, ACT, DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

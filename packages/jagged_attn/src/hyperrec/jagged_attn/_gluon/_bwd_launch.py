@@ -51,10 +51,6 @@ EARLY_DV = True
 #: ``JAGGED_ATTN_GLUON_DYNAMIC=0`` turns it off too.
 DYNAMIC = True
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
-#: With the fused dQ, each key tile sweeps its query tiles from an offset of its own
-#: (``ROTATE`` in the kernel); off: all from the first. Read at every launch, a switch for
-#: benchmarks.
-ROTATE = False
 
 
 def fused_dq_supported(head_dim: int, softmax: bool) -> bool:
@@ -140,8 +136,7 @@ def run_dkdv(
             dk_scale)  # fmt: skip
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_M=bm, NUM_STAGES=num_stages, CAUSAL=causal,
               ACT=0 if softmax else 1, ISOLATE_ROWS=True,
-              EARLY_DV=EARLY_DV, DYNAMIC=dynamic, FUSED_DQ=fused,
-              ROTATE=ROTATE and fused)  # fmt: skip
+              EARLY_DV=EARLY_DV, DYNAMIC=dynamic, FUSED_DQ=fused)  # fmt: skip
     key = ("gluon_dkdv", q.dtype, q.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_bwd_dkdv_kernel, grid, key, args, kw, _OPTIONS)
 
