@@ -22,6 +22,7 @@ import torch
 from test_gluon_protocol import (
     Barrier,
     Buffer,
+    Deadlock,
     DynamicSource,
     Race,
     Sim,
@@ -55,6 +56,11 @@ class BwdSim(Sim):
         self.fixed = [Buffer() for _ in range(2)]
         self.ring = [Buffer() for _ in range(stages)]
         self.stats = [Buffer() for _ in range(stages)]
+        # the fused dQ (dK/dV kernel): dS^T halves in two alternating buffers per
+        # warpgroup, the per-tile meeting point and the K-half hand-back
+        self.ds = [Buffer() for _ in range(4)]
+        self.ds_ready = [Barrier(2) for _ in range(2)]
+        self.k_sync = Barrier(2)
 
     def store(self, who: str, buf: Buffer, tag: object) -> None:
         """A generic-proxy store (producer's statistics, a consumer's epilogue)."""
@@ -110,7 +116,8 @@ def dkdv_producer(sim, source, causal, bm, stages, softmax):
         item = item_next
 
 
-def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited):
+def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited,
+                  fused=False, k_sync=True):  # fmt: skip
     me, it, item_i = f"wg{wg}", 0, 0
     item = yield from source.take(sim, me, 0)
     while item is not None:
@@ -118,6 +125,9 @@ def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited
         r0 = n0 + wg * WG_ROWS
         yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
         sim.read(me, sim.fixed[wg], ("kv", item_i, wg))
+        if fused and r0 + WG_ROWS > lk:
+            # the key rows past the sequence zeroed in this warpgroup's K half
+            sim.store(me, sim.fixed[wg], ("kv", item_i, wg))
         tiles = q_tiles(n0, lq, lk, causal, bm)
         for i in tiles:
             st, ph = it % stages, (it // stages) & 1
@@ -126,10 +136,28 @@ def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited
             if softmax:
                 sim.read(me, sim.stats[st], ("stats", item_i, i))
                 sim.release(me, sim.stats[st])
+            if fused:
+                # dS^T half out, meet the other warpgroup, dQ = dS K over both halves of
+                # dS and of K (the MMA retires within the tile)
+                db = it % 2
+                sim.store(me, sim.ds[2 * db + wg], ("ds", item_i, i, wg))
+                sim.ds_ready[db].arrive()
+                yield lambda db=db, ph2=(it // 2) & 1: sim.ds_ready[db].passed(ph2)
+                for c in range(2):
+                    sim.read(me, sim.ds[2 * db + c], ("ds", item_i, i, c))
+                sim.read(me, sim.fixed[1 - wg], ("kv", item_i, 1 - wg))
+                for c in range(2):
+                    sim.release(me, sim.ds[2 * db + c])
+                sim.release(me, sim.fixed[1 - wg])
             visited.add((k_start, h, r0, i))
             sim.release(me, sim.ring[st])
             sim.ring_empty[st].arrive()
             it += 1
+        if fused:
+            # both warpgroups done reading each other's K half before either stages dK
+            sim.k_sync.arrive()
+            if k_sync:
+                yield lambda i=item_i: sim.k_sync.passed(i & 1)
         item_next = yield from source.take(sim, me, item_i + 1)
         # epilogue: dK/dV staged through this warpgroup's K/V buffers
         sim.store(me, sim.fixed[wg], ("dkdv", item_i, wg))
@@ -192,7 +220,7 @@ def dq_consumer(sim, wg, source, causal, block_n, stages, written, visited):
 
 
 def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softmax=True,
-               dynamic=True, depth=4):  # fmt: skip
+               dynamic=True, depth=4, fused=False, k_sync=True):  # fmt: skip
     rng = random.Random(seed)
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
@@ -206,7 +234,7 @@ def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softma
             for b, t in tiles]  # fmt: skip
     n_items = len(meta) * heads
     written, visited = [], set()
-    bm = block_m(128, softmax)
+    bm = 64 if fused else block_m(128, softmax)
     ctas = []
     counter = [0]  # the dynamic schedule's item counter, shared by every CTA
     for pid in range(nprog):
@@ -224,7 +252,7 @@ def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softma
             procs = {"producer": dkdv_producer(sim, source, causal, bm, stages, softmax)}
             for wg in range(2):
                 procs[f"wg{wg}"] = dkdv_consumer(sim, wg, source, causal, bm, stages, softmax,
-                                                 written, visited)  # fmt: skip
+                                                 written, visited, fused, k_sync)  # fmt: skip
         else:
             procs = {"producer": dq_producer(sim, source, causal, 64, stages)}
             for wg in range(2):
@@ -273,6 +301,88 @@ def test_backward_protocols_have_no_deadlock_race_or_gap(case, causal, kind, sof
                    softmax=softmax, dynamic=dynamic)  # fmt: skip
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_dq_protocol_has_no_deadlock_race_or_gap(case, causal):
+    # the dK/dV kernel with the fused dQ (FUSED_DQ): 64-row query tiles, dS^T halves
+    # exchanged every tile, each warpgroup reading the other's K half
+    q_lens, kv_lens = case
+    kv_lens = q_lens if kv_lens is None else kv_lens
+    for seed, stages, dynamic in ((0, 1, True), (1, 3, True), (2, 3, False), (3, 2, True)):
+        run_kernel("dkdv", q_lens, kv_lens, causal, heads=2, nprog=3, stages=stages,
+                   seed=seed, dynamic=dynamic, fused=True)  # fmt: skip
+
+
+def test_fused_dq_without_the_k_sync_wait_races():
+    """The checks can fail: without waiting for the other warpgroup to finish reading its
+    K half (``k_sync``), a warpgroup stages dK there while the other's dQ product may
+    still read it."""
+
+    def run_seeds():
+        for seed in range(40):
+            run_kernel("dkdv", (300, 129, 300), (300, 129, 300), False, 1, 1, stages=2,
+                       seed=seed, dynamic=False, fused=True, k_sync=False)  # fmt: skip
+
+    with pytest.raises(Race):
+        run_seeds()
+
+
+def test_fused_dq_with_per_warpgroup_hand_back_deadlocks(monkeypatch):
+    """The model found this: the first fused version handed each K half back through a
+    count-1 barrier per warpgroup; an item with no query tile (here the third sequence's,
+    Lq = 0) lets one warpgroup run an item ahead and complete the other's barrier twice
+    before it waits: a deadlock. The kernel uses one count-2 barrier instead (above)."""
+    import test_gluon_bwd_protocol as me
+
+    def hand_back(sim, wg, *args):
+        # dkdv_consumer's fused steps (the dQ reads left out), then the first version's
+        # hand-back instead of k_sync
+        if not hasattr(sim, "k_free"):
+            sim.k_free = [Barrier(1) for _ in range(2)]
+        me_, it, item_i = f"wg{wg}", 0, 0
+        source, causal, bm, stages, softmax, written, visited = args[:7]
+        item = yield from source.take(sim, me_, 0)
+        while item is not None:
+            h, _qs, lq, k_start, lk, n0 = item
+            r0 = n0 + wg * WG_ROWS
+            yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
+            sim.read(me_, sim.fixed[wg], ("kv", item_i, wg))
+            for i in q_tiles(n0, lq, lk, causal, bm):
+                st, ph = it % stages, (it // stages) & 1
+                yield lambda st=st, ph=ph: sim.ring_ready[st].passed(ph)
+                sim.read(me_, sim.ring[st], ("q", item_i, i))
+                if softmax:
+                    sim.read(me_, sim.stats[st], ("stats", item_i, i))
+                    sim.release(me_, sim.stats[st])
+                db = it % 2
+                sim.store(me_, sim.ds[2 * db + wg], ("ds", item_i, i, wg))
+                sim.ds_ready[db].arrive()
+                yield lambda db=db, ph2=(it // 2) & 1: sim.ds_ready[db].passed(ph2)
+                visited.add((k_start, h, r0, i))
+                sim.release(me_, sim.ring[st])
+                sim.ring_empty[st].arrive()
+                it += 1
+            sim.k_free[1 - wg].arrive()
+            yield lambda i=item_i: sim.k_free[wg].passed(i & 1)
+            item_next = yield from source.take(sim, me_, item_i + 1)
+            sim.store(me_, sim.fixed[wg], ("dkdv", item_i, wg))
+            written.extend((k_start + r, h) for r in range(r0, min(r0 + WG_ROWS, lk)))
+            sim.release(me_, sim.fixed[wg])
+            sim.fixed_empty[wg].arrive()
+            item_i += 1
+            item = item_next
+
+    monkeypatch.setattr(me, "dkdv_consumer", hand_back)
+
+    def run_seeds():
+        for seed in range(10):
+            run_kernel("dkdv", (200, 50, 0), (130, 300, 7), False, heads=2, nprog=3, stages=3,
+                       seed=seed, dynamic=False, fused=True)  # fmt: skip
+
+    with pytest.raises(Deadlock):
+        run_seeds()
+
+
 @pytest.mark.parametrize("kind", ["dkdv", "dq"])
 def test_dynamic_ring_of_one_races(kind):
     """The item-index ring: the kernels' four slots are safe (above); with one the producer
@@ -292,7 +402,7 @@ def test_model_detects_an_early_release(monkeypatch):
     output there lets the next item's load race with the epilogue."""
     import test_gluon_bwd_protocol as me
 
-    def early(sim, wg, source, causal, bm, stages, softmax, written, visited):
+    def early(sim, wg, source, causal, bm, stages, softmax, written, visited, *_):
         me_, it = f"wg{wg}", 0
         for item_i, (h, _qs, lq, k_start, lk, n0) in enumerate(source.work):
             r0 = n0 + wg * WG_ROWS

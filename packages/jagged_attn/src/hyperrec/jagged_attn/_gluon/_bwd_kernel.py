@@ -174,7 +174,7 @@ def _bwd_consumer(
 ):  # fmt: skip
     out, LSE, DELTA, smem, bars, meta, total_ptr, stride_kt, stride_lh, work, item_ready = shared
     dk_desc, dv_desc, DK, DV, fused = out
-    dqa_desc, ds_smem, dq_smem, ds_ready, k_free = fused
+    dqa_desc, ds_smem, dq_smem, ds_ready, k_sync = fused
     qk_scale, coef, dk_scale = consts
     # S^T / dP^T: [64 keys, 64 queries]; dK / dV: [64 keys, HEAD_DIM]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -323,9 +323,13 @@ def _bwd_consumer(
             mbarrier.arrive(q_empty.index(st), count=1)
         if FUSED_DQ:
             # the other warpgroup's dQ products read this warpgroup's K half: both have
-            # retired theirs before either stages dK in its K buffer
-            mbarrier.arrive(k_free.index(1 - WG), count=1)
-            mbarrier.wait(k_free.index(WG), item_i & 1)
+            # retired theirs before either stages dK in its K buffer. One barrier both
+            # arrive at: a warpgroup can run a whole item ahead (an item with no query
+            # tile has no meeting at ds_ready), and a hand-back barrier per warpgroup
+            # (count 1) then completes twice before the other waits on it: a deadlock
+            # (found by the CPU model, tests/test_gluon_bwd_protocol.py).
+            mbarrier.arrive(k_sync, count=1)
+            mbarrier.wait(k_sync, item_i & 1)
         q_it += hi - lo
         item_i += 1
         # read before the epilogue, which hides the load's latency
@@ -436,11 +440,11 @@ def jagged_bwd_dkdv_kernel(
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2],
                                             dqa_desc.layout)  # fmt: skip
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-        k_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+        k_sync = gl.allocate_shared_memory(gl.int64, [1], bar)
+        mbarrier.init(k_sync, count=2)
         for c in gl.static_range(2):
             mbarrier.init(ds_ready.index(c), count=2)
-            mbarrier.init(k_free.index(c), count=1)
-        fused = (dqa_desc, ds_smem, dq_smem, ds_ready, k_free)
+        fused = (dqa_desc, ds_smem, dq_smem, ds_ready, k_sync)
     else:
         fused = (dqa_desc, k_smem, k_smem, kv_ready, kv_ready)  # never read
     fence_async_shared()
