@@ -157,6 +157,25 @@ def test_fused_dq_routes_through_a_zeroed_fp32_buffer(act, dim, monkeypatch):
         assert not seen and dq_calls == [1] and (dq == -1.0).all()
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("value", ["fuzed", "Gluon", ""])
+def test_a_misspelt_dq_switch_is_an_error(value, monkeypatch):
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    off = torch.tensor([0, 5, 14])
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(14, 2, 64, generator=g).to(torch.bfloat16) for _ in range(4))
+    monkeypatch.setattr(_launch, "gluon_unsupported", lambda call: None)
+    monkeypatch.setattr(_launch, "_BWD_PLANS", {})
+    monkeypatch.setattr(_launch, "_gluon_dkdv", lambda *a, **kw: None)
+    monkeypatch.setenv(GLUON_BWD_ENV, "1")
+    monkeypatch.setattr(_bwd_launch, "DQ_KERNEL", value)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = gdpa(*leaves, off, off, 9, 9, activation="softmax", causal=True, backend="triton")
+    with pytest.raises(ValueError, match="DQ_KERNEL must be"):
+        torch.autograd.grad(out, leaves, do)
+
+
 # ----------------------------------------------------------------------------------------
 # GPU
 # ----------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class BwdSim(Sim):
         self.ds_ready = [Barrier(2) for _ in range(2)]
         self.k_sync = Barrier(2)
         self.k_free = [Barrier(1) for _ in range(2)]  # the first version's hand-back
+        self.dq_stage = [Buffer() for _ in range(2)]  # fp32 dQ, read by the reduce-add
 
     def store(self, who: str, buf: Buffer, tag: object) -> None:
         """A generic-proxy store (producer's statistics, a consumer's epilogue)."""
@@ -118,7 +119,8 @@ def dkdv_producer(sim, source, causal, bm, stages, softmax):
 
 
 def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited,
-                  fused=False, k_sync=True, pairwise=False):  # fmt: skip
+                  fused=False, k_sync=True, pairwise=False, clear=True,
+                  store_wait=True):  # fmt: skip
     me, it, item_i = f"wg{wg}", 0, 0
     item = yield from source.take(sim, me, 0)
     while item is not None:
@@ -126,9 +128,10 @@ def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited
         r0 = n0 + wg * WG_ROWS
         yield lambda i=item_i: sim.fixed_ready[wg].passed(i & 1)
         sim.read(me, sim.fixed[wg], ("kv", item_i, wg))
-        if fused and r0 + WG_ROWS > lk:
-            # the key rows past the sequence zeroed in this warpgroup's K half
-            sim.store(me, sim.fixed[wg], ("kv", item_i, wg))
+        if fused and clear and r0 + WG_ROWS > lk:
+            # the key rows past the sequence zeroed in this warpgroup's K half (a tag of
+            # its own: the other warpgroup's dQ must read the cleared half)
+            sim.store(me, sim.fixed[wg], ("kv-cleared", item_i, wg))
         tiles = q_tiles(n0, lq, lk, causal, bm)
         for i in tiles:
             st, ph = it % stages, (it // stages) & 1
@@ -146,10 +149,16 @@ def dkdv_consumer(sim, wg, source, causal, bm, stages, softmax, written, visited
                 yield lambda db=db, ph2=(it // 2) & 1: sim.ds_ready[db].passed(ph2)
                 for c in range(2):
                     sim.read(me, sim.ds[2 * db + c], ("ds", item_i, i, c))
-                sim.read(me, sim.fixed[1 - wg], ("kv", item_i, 1 - wg))
+                other = n0 + (1 - wg) * WG_ROWS + WG_ROWS > lk
+                sim.read(me, sim.fixed[1 - wg], ("kv-cleared" if other else "kv", item_i, 1 - wg))
                 for c in range(2):
                     sim.release(me, sim.ds[2 * db + c])
                 sim.release(me, sim.fixed[1 - wg])
+                # staged for the reduce-add once the previous one has read the buffer
+                if store_wait:
+                    sim.release(f"tma-{me}", sim.dq_stage[wg])
+                sim.store(me, sim.dq_stage[wg], ("dq", item_i, i, wg))
+                sim.dq_stage[wg].readers.add(f"tma-{me}")
             visited.add((k_start, h, r0, i))
             sim.release(me, sim.ring[st])
             sim.ring_empty[st].arrive()
@@ -225,7 +234,8 @@ def dq_consumer(sim, wg, source, causal, block_n, stages, written, visited):
 
 
 def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softmax=True,
-               dynamic=True, depth=4, fused=False, k_sync=True, pairwise=False):  # fmt: skip
+               dynamic=True, depth=4, fused=False, k_sync=True, pairwise=False, clear=True,
+               store_wait=True):  # fmt: skip
     rng = random.Random(seed)
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     ko = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()])
@@ -258,7 +268,7 @@ def run_kernel(kind, q_lens, kv_lens, causal, heads, nprog, stages, seed, softma
             for wg in range(2):
                 procs[f"wg{wg}"] = dkdv_consumer(sim, wg, source, causal, bm, stages, softmax,
                                                  written, visited, fused, k_sync,
-                                                 pairwise)  # fmt: skip
+                                                 pairwise, clear, store_wait)  # fmt: skip
         else:
             procs = {"producer": dq_producer(sim, source, causal, 64, stages)}
             for wg in range(2):
@@ -328,6 +338,23 @@ def test_fused_dq_without_the_k_sync_wait_races():
         for seed in range(40):
             run_kernel("dkdv", (300, 129, 300), (300, 129, 300), False, 1, 1, stages=2,
                        seed=seed, dynamic=False, fused=True, k_sync=False)  # fmt: skip
+
+    with pytest.raises(Race):
+        run_seeds()
+
+
+@pytest.mark.parametrize("mutation", ["clear", "store_wait"])
+def test_fused_dq_model_catches_a_missing_clear_or_store_wait(mutation):
+    """The checks can fail: without zeroing the key rows past a sequence's end, the other
+    warpgroup's dQ reads an uncleared K half (a non-finite key of the next sequence would
+    reach this one's dQ); without waiting for the previous reduce-add, the dQ staging
+    buffer is overwritten while it is read."""
+
+    def run_seeds():
+        for seed in range(5):
+            run_kernel("dkdv", (200, 50, 37), (130, 100, 7), False, heads=1, nprog=2,
+                       stages=2, seed=seed, dynamic=False, fused=True,
+                       **{mutation: False})  # fmt: skip
 
     with pytest.raises(Race):
         run_seeds()

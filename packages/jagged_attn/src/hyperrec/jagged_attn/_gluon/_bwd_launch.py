@@ -37,7 +37,8 @@ DEFAULT_STAGES = 3
 #: Which kernel computes dQ: ``"gluon"`` (``jagged_bwd_dq_kernel`` after the dK/dV
 #: kernel), ``"triton"`` (the package's Triton dQ kernel after it) or ``"fused"`` (the
 #: dK/dV kernel itself, with bulk reduce-adds into an fp32 buffer: five GEMMs per tile pair
-#: instead of seven; softmax only, see :func:`fused_dq_supported`); read at every call, a
+#: instead of seven; softmax, and SiLU at head dim 64, see :func:`fused_dq_supported`; not
+#: with ``deterministic``: the adds' order varies between runs); read at every call, a
 #: switch for benchmarks.
 DQ_KERNEL = "gluon"
 #: Key rows per tile of the dQ kernel and the depth of its K/V ring.

@@ -884,8 +884,9 @@ def attention_backward(
     if plan.gluon and gluon_bwd_requested(spec):
         if not _tma_ready(grad_out):
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-        if _gluon_fused_dq(call):
-            # dQ's shares added by the dK/dV kernel into a zeroed fp32 buffer
+        if _gluon_fused_dq(call) and not deterministic:
+            # dQ's shares added by the dK/dV kernel into a zeroed fp32 buffer (in an order
+            # that varies between runs: not with ``deterministic``)
             dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef,
                         dq_accum=dqa)  # fmt: skip
@@ -948,9 +949,22 @@ def _gluon_fused_dq(call) -> bool:
     "fused"`` and a call it supports)."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
 
-    return _bwd_launch.DQ_KERNEL == "fused" and _bwd_launch.fused_dq_supported(
+    return _dq_kernel() == "fused" and _bwd_launch.fused_dq_supported(
         call.q.shape[2], call.spec.activation == "softmax"
     )
+
+
+def _dq_kernel() -> str:
+    """``_gluon._bwd_launch.DQ_KERNEL``, checked (a misspelt value would otherwise pick a
+    kernel silently)."""
+    from hyperrec.jagged_attn._gluon import _bwd_launch
+
+    value = _bwd_launch.DQ_KERNEL
+    if value not in ("gluon", "triton", "fused"):
+        raise ValueError(
+            f"_bwd_launch.DQ_KERNEL must be 'gluon', 'triton' or 'fused', got {value!r}"
+        )
+    return value
 
 
 def _gluon_dq(call, grad_out, lse, delta, dq, qk_scale, scale, coef) -> bool:
@@ -959,7 +973,7 @@ def _gluon_dq(call, grad_out, lse, delta, dq, qk_scale, scale, coef) -> bool:
     kernel does not support come here."""
     from hyperrec.jagged_attn._gluon import _bwd_launch
 
-    if _bwd_launch.DQ_KERNEL == "triton":
+    if _dq_kernel() == "triton":
         return False
     softmax = call.spec.activation == "softmax"
     _bwd_launch.run_dq(
