@@ -119,12 +119,11 @@ def instance(dist, kind, inst, device, heads, dim, tokens, flex_cache, settings)
     if "0" in grads and "1" in grads:
         row["rel_diff"] = {n: rel_diff(a, b) for n, a, b in zip("qkv", grads["1"], grads["0"])}
         row["non_finite"] = int(sum((~torch.isfinite(g)).sum().item() for g in grads["1"]))
-    for f in ("1-fused",):
-        if f in grads and "0" in grads:
-            row[f"rel_diff_{f[2:]}"] = {n: rel_diff(a, b)
-                                        for n, a, b in zip("qkv", grads[f], grads["0"])}  # fmt: skip
-            row[f"non_finite_{f[2:]}"] = int(sum((~torch.isfinite(g)).sum().item()
-                                                 for g in grads[f]))  # fmt: skip
+    if "1-fused" in grads and "0" in grads:
+        row["rel_diff_fused"] = {n: rel_diff(a, b)
+                                 for n, a, b in zip("qkv", grads["1-fused"], grads["0"])}  # fmt: skip
+        row["non_finite_fused"] = int(sum((~torch.isfinite(g)).sum().item()
+                                          for g in grads["1-fused"]))  # fmt: skip
     del grads
     if kind != "hstu" and device != "cpu":
         try:
@@ -188,23 +187,21 @@ def summarise(rows: list[dict]) -> list[dict]:
                                                               "fwd_bwd", key)  # fmt: skip
             s[f"over_flex/gluon_bwd=0/fwd_bwd/{key}"] = ratio("flex", "gluon_bwd=0", "fwd_bwd",
                                                               "fwd_bwd", key)  # fmt: skip
-            for f in ("1-fused",):
-                s[f"over_flex/gluon_bwd={f}/fwd_bwd/{key}"] = ratio(
-                    "flex", f"gluon_bwd={f}", "fwd_bwd", "fwd_bwd", key
+            s[f"over_flex/gluon_bwd=1-fused/fwd_bwd/{key}"] = ratio(
+                "flex", "gluon_bwd=1-fused", "fwd_bwd", "fwd_bwd", key
+            )
+            for pass_ in ("bwd", "fwd_bwd"):
+                s[f"fused_over_gluon/{pass_}/{key}"] = ratio(
+                    "gluon_bwd=1", "gluon_bwd=1-fused", pass_, pass_, key
                 )
-                for pass_ in ("bwd", "fwd_bwd"):
-                    s[f"{f[2:]}_over_gluon/{pass_}/{key}"] = ratio(
-                        "gluon_bwd=1", f"gluon_bwd={f}", pass_, pass_, key
-                    )
         diffs = [r["rel_diff"] for r in rs if "rel_diff" in r]
         if diffs:
             s["max_rel_diff"] = {n: max(d[n] for d in diffs) for n in "qkv"}
             s["non_finite"] = sum(r.get("non_finite", 0) for r in rs)
-        for f in ("fused",):
-            diffs = [r[f"rel_diff_{f}"] for r in rs if f"rel_diff_{f}" in r]
-            if diffs:
-                s[f"max_rel_diff_{f}"] = {n: max(d[n] for d in diffs) for n in "qkv"}
-                s[f"non_finite_{f}"] = sum(r.get(f"non_finite_{f}", 0) for r in rs)
+        diffs = [r["rel_diff_fused"] for r in rs if "rel_diff_fused" in r]
+        if diffs:
+            s["max_rel_diff_fused"] = {n: max(d[n] for d in diffs) for n in "qkv"}
+            s["non_finite_fused"] = sum(r.get("non_finite_fused", 0) for r in rs)
         out.append(s)
     return out
 

@@ -49,7 +49,6 @@ def impls(length: int, causal: bool, device, flex_fn, flex_mask):
     # "ours_fused": the same call with dQ fused into the dK/dV kernel (the switch is set
     # around each timed call: the backward reads it when it runs)
     return {"ours": (ours, "jagged"), "ours_fused": (ours, "jagged"),
-
             "sdpa": (sdpa, "dense"), "flex": (flex, "dense")}  # fmt: skip
 
 

@@ -20,11 +20,12 @@ streams the query tiles that see it.
 
 By default dQ is not computed here: ``jagged_bwd_dq_kernel`` (below) runs after this one.
 With ``FUSED_DQ`` (an opt-in, slower on every measured case; see the package README,
-"Fused dQ") each consumer also computes half of dQ's columns for the query tile, from
-both halves of ``dS^T`` (exchanged through shared memory, the warpgroups meeting at an
-mbarrier every tile) and of the key tile, and adds it into an fp32 buffer with one bulk
-reduce-add (``cp.reduce.async.bulk.tensor``, which Triton 3.6 builds but does not wrap in
-Gluon on Hopper: ``_tma_add``): five GEMMs per tile pair instead of seven.
+"Since 0.2.29: dQ fused into the dK/dV kernel") each consumer also computes half of dQ's
+columns for the query tile, from both halves of ``dS^T`` (exchanged through shared
+memory, the warpgroups meeting at an mbarrier every tile) and of the key tile, and adds
+it into an fp32 buffer with one bulk reduce-add (``cp.reduce.async.bulk.tensor``, which
+Triton 3.6 builds but does not wrap in Gluon on Hopper: ``_tma_add``): five GEMMs per
+tile pair instead of seven.
 
 Masking: tiles that cross the end of the query or key sequence or the causal diagonal
 (bottom-right aligned: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``) select 0 for
@@ -187,7 +188,7 @@ def _bwd_consumer(
     scol: gl.constexpr = gl.SliceLayout(0, s_layout)
     # fused dQ: this warpgroup's half of the head dim, [BLOCK_M queries, HEAD_DIM / 2]
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF_D, 16]
     )
     k_smem, v_smem, q_smem, do_smem, stat_smem = smem
@@ -295,7 +296,7 @@ def _bwd_consumer(
                 # dQ[:, half WG] = dS[:, keys 0-63] K0[:, half] + dS[:, keys 64-127] K1[:, half]
                 dq = warpgroup_mma(ds_smem.index(2 * db).permute((1, 0)),
                                    k_smem.index(0).slice(WG * HALF_D, HALF_D, dim=1),
-                                   gl.zeros([BLOCK_M, HALF_D], gl.float32, q_layout),
+                                   gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout),
                                    use_acc=False, is_async=True)  # fmt: skip
                 dq = warpgroup_mma(ds_smem.index(2 * db + 1).permute((1, 0)),
                                    k_smem.index(1).slice(WG * HALF_D, HALF_D, dim=1), dq,
@@ -306,7 +307,7 @@ def _bwd_consumer(
                 if m0 + BLOCK_M > Lq:
                     # rows past the query sequence are the next sequence's: their dS is 0,
                     # but 0 times a non-finite key of this sequence is NaN
-                    qrows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
+                    qrows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
                     dq = gl.where((qrows < Lq)[:, None], dq, 0.0)
                 # the previous tile's reduce-add has read this warpgroup's staging tile
                 # (one thread issued it and waits; the barrier holds the others)

@@ -124,14 +124,15 @@ def run_dkdv(
 
     fused = dq_accum is not None
     bm = 64 if fused else block_m(head_dim, softmax)
-    # unread without the fused dQ
-    dqa = desc(dk, 64) if dq_accum is None else _dqa_descriptor(dq_accum, bm, head_dim // 2)
+    dk_desc = desc(dk, 64)
+    # without the fused dQ the kernel does not read dqa_desc: dK's descriptor stands in
+    dqa = dk_desc if dq_accum is None else _dqa_descriptor(dq_accum, bm, head_dim // 2)
 
     if not softmax:
         lse = delta = dk  # never read
     items = work_upper_bound(k.shape[0], kv32.numel() - 1, BLOCK_N) * n_heads
     grid, work, dynamic = _persistent_grid(items, q.device, DYNAMIC, total)
-    args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), desc(dk, 64), desc(dv, 64),
+    args = (desc(q, bm), desc(grad_out, bm), desc(k, 64), desc(v, 64), dk_desc, desc(dv, 64),
             dqa, dk, dv, lse, delta, tile_seq, tile_idx,
             q32, kv32, total, work, dk.stride(0), lse.stride(0) if softmax else 0, qk_scale, coef,
             dk_scale)  # fmt: skip

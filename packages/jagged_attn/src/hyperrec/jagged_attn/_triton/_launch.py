@@ -890,7 +890,7 @@ def attention_backward(
             dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef,
                         dq_accum=dqa)  # fmt: skip
-            return torch.mul(dqa, scale, out=dqa).to(q.dtype), dk, dv
+            return dq.copy_(dqa.mul_(scale)), dk, dv
         _gluon_dkdv(call, grad_out, lse_arg, delta_arg, dk, dv, qk_scale, scale, coef)
         if not _gluon_dq(call, grad_out, lse_arg, delta_arg, dq, qk_scale, scale, coef):
             _launch_dq(call, plan, grad_out, lse_arg, delta_arg, dq, plan.dq_kw, plan.dq_key,
