@@ -124,6 +124,13 @@ def configs() -> list[dict]:
     for permuted in (True, False):  # V in mma_order or token order, same pipeline
         out.append(dict(kernel="fp8", head_dim=128, causal=True, act=0, pingpong=False,
                         stages=3, block_n=128, permuted_p=permuted))  # fmt: skip
+    # the P V wait kept after the softmax (GluonConfig(overlap_pv=True)); by default
+    # ptxas hoists it above
+    for act in (0, 1):
+        out.append(dict(head_dim=128, causal=False, act=act, pingpong=True, stages=2,
+                        block_n=128, overlap_pv=True))  # fmt: skip
+        out.append(dict(kernel="fp8", head_dim=128, causal=False, act=act, pingpong=True,
+                        stages=3, block_n=128, overlap_pv=True))  # fmt: skip
     # the static snake schedule (GluonConfig(dynamic=False), _bwd_launch.DYNAMIC = False)
     out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=2, block_n=128,
                     dynamic=False))  # fmt: skip
@@ -212,7 +219,15 @@ def main_loop_counts(sass: str) -> dict:
         return {}
     body = [re.sub(r"^@!?U?P[T0-9]+\s+", "", t) for a, t in ins if best[0] <= a <= best[1]]
     ops = [t.split()[0] for t in body]
+    # Where ptxas put the loop's waits for all GEMMs (``wgmma.wait_group 0``) relative
+    # to its exponentials: a wait before the last MUFU op means the GEMM it waits for
+    # no longer overlaps the rest of the softmax.
+    mufu = [i for i, o in enumerate(ops) if o.startswith("MUFU.")]
+    wait0 = [i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR.LE")
+             and t.rstrip().endswith("0x0")]  # fmt: skip
     return {
+        "loop_wait0_positions": wait0,
+        "loop_mufu_span": [mufu[0], mufu[-1]] if mufu else [],
         "loop_instructions": len(ops),
         "loop_prmt": ops.count("PRMT"),
         "loop_lop3": sum(o.startswith("LOP3") for o in ops),
@@ -257,6 +272,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"], "ACT": cfg["act"], "PINGPONG": cfg["pingpong"],
             "PERMUTED_P": cfg.get("permuted_p", True), "DYNAMIC": cfg.get("dynamic", True),
+            "OVERLAP_PV": cfg.get("overlap_pv", False),
         }  # fmt: skip
         aligned = ("O", "LSE", "QS", "KS", "VS", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "v_off", "total_ptr", "work", "stride_ot")  # fmt: skip
@@ -319,7 +335,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
         "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
         "PINGPONG": cfg["pingpong"], "ISOLATE_VALUES": cfg.get("isolate", True),
-        "DYNAMIC": cfg.get("dynamic", True),
+        "DYNAMIC": cfg.get("dynamic", True), "OVERLAP_PV": cfg.get("overlap_pv", False),
     }  # fmt: skip
     aligned = ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "work",
                "stride_ot")  # fmt: skip
@@ -360,9 +376,11 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
     }
     if dump is not None:
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
-        name += "_n{block_n}_i{isolate:d}_dyn{dynamic:d}_f{fused_dq:d}_e{early_dv:d}"
+        name += (
+            "_n{block_n}_i{isolate:d}_dyn{dynamic:d}_f{fused_dq:d}_e{early_dv:d}_o{overlap_pv:d}"
+        )
         name = name.format(**{"isolate": True, "dynamic": True, "fused_dq": False,
-                              "early_dv": True, **cfg})  # fmt: skip
+                              "early_dv": True, "overlap_pv": False, **cfg})  # fmt: skip
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
@@ -391,8 +409,10 @@ def main() -> int:
             continue
         label = cfg.get("kernel", "fwd") + (
             " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
-            "BN={block_n} isolate={isolate:d} dynamic={dynamic:d} fused_dq={fused_dq:d}"
-        ).format(**{"isolate": True, "dynamic": True, "fused_dq": False, **cfg})
+            "BN={block_n} isolate={isolate:d} dynamic={dynamic:d} fused_dq={fused_dq:d} "
+            "overlap_pv={overlap_pv:d}"
+        ).format(**{"isolate": True, "dynamic": True, "fused_dq": False, "overlap_pv": False,
+                    **cfg})  # fmt: skip
         try:
             rep = compile_one(modules.get(cfg.get("kernel"), mod), cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
@@ -401,6 +421,7 @@ def main() -> int:
                 f"{'ok  ' if ok else 'WARN'} {label}: regs {rep['registers']}/{rep['maxnreg']} "
                 f"setmaxnreg {rep['setmaxnreg']} spills {rep['spill_stores']}/{rep['spill_loads']} B "
                 f"smem {rep['shared_bytes']} B threads {rep['threads']} wgmma {rep['wgmma']} "
+                f"loop waits {rep.get('loop_wait0_positions')} MUFU {rep.get('loop_mufu_span')} "
                 f"({rep['compile_s']} s)"
             )
         except Exception as e:  # report every failure, keep going

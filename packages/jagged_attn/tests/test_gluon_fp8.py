@@ -105,6 +105,33 @@ def test_gluon_fp8_matrix(gluon_runs, cross, causal, head_dim, act):
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("act", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gluon_fp8_overlap_fence_changes_no_bit(gluon_runs, monkeypatch, causal, act):
+    """``GluonFP8Config.overlap_pv`` moves only where ptxas waits for ``P V``: the same
+    bytes with and without it."""
+    import functools
+
+    import test_fp8_attention as t8
+
+    from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
+
+    case = _case("q_shorter", causal, 128, act)
+    q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
+    real = gluon_fp8.GluonFP8Config
+    runs = []
+    for overlap in (True, False):
+        monkeypatch.setattr(gluon_fp8, "GluonFP8Config",
+                            functools.partial(real, overlap_pv=overlap))  # fmt: skip
+        runs.append(t8._forward(q, k, v, qo, ko, kvi, nt, spec, FP8Config()))
+    assert len(gluon_runs) == 2
+    assert torch.equal(runs[0][0], runs[1][0])
+    if act == "softmax":
+        assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.gpu
+@needs_gluon
 @pytest.mark.parametrize(
     "config",
     [FP8Config(hadamard=False, scale="fp32", block_q=1), FP8Config(smooth_k=False),

@@ -101,6 +101,8 @@ def test_config_checks_and_shared_memory():
         GluonConfig(num_stages=2.0)
     with pytest.raises(TypeError, match="dynamic must be a bool"):
         GluonConfig(dynamic=1)
+    with pytest.raises(TypeError, match="overlap_pv must be a bool"):
+        GluonConfig(overlap_pv=0)
     # the defaults fit Hopper's 227 KiB; three 128x128 stages at head dim 128 do not
     for d in (64, 128):
         assert shared_memory_bytes(d, default_config(d)) <= 232448 - 1024

@@ -54,6 +54,7 @@ from hyperrec.jagged_attn._gluon._kernel import (
     CONSUMER_REGS,
     PRODUCER_REGS,
     WG_ROWS,
+    _fence_after,
     _fwd_barriers,
     _item,
     _item_barriers,
@@ -212,6 +213,7 @@ def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
+    OVERLAP_PV: gl.constexpr,
 ):  # fmt: skip
     o_desc, smem, bars, turn, O, LSE, scales, meta, total_ptr, strides, work, item_ready = shared
     QS, KS, VS = scales
@@ -315,6 +317,14 @@ def _consumer(
                 p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i,
                                                        sv_prev / sv, ACT)  # fmt: skip
                 sv_prev = sv
+                if OVERLAP_PV:
+                    # the softmax before the wait for P_{j-1} V_{j-1} (the bf16 kernel's
+                    # _fence_after): the row sum, or SiLU's scale exponent, depends on
+                    # every weight of the tile
+                    if ACT == 0:
+                        l_i = _fence_after(l_i)
+                    else:
+                        k_i = _fence_after(k_i)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 mbarrier.arrive(v_empty.index(st_prev), count=1)
                 acc = acc * gl.convert_layout(ratio, orow)[:, None]
@@ -368,6 +378,7 @@ def jagged_fp8_fwd_kernel(
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
+    OVERLAP_PV: gl.constexpr,
 ):  # fmt: skip
     """Persistent FP8 jagged attention forward; see the module docstring.
 
@@ -397,9 +408,9 @@ def jagged_fp8_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P, DYNAMIC)),
+                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P, DYNAMIC)),
+                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV)),
             (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr, work,
                           item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],

@@ -39,13 +39,16 @@ class GluonFP8Config:
     (``bench/results/probe_gluon_fp8_h200_2026-12-04.json``)."""
     dynamic: bool = True
     """CTAs claim work items from a counter (see ``GluonConfig.dynamic``)."""
+    overlap_pv: bool = False
+    """Keep the wait for the previous tile's ``P V`` after this tile's softmax in the
+    compiled code (see ``GluonConfig.overlap_pv``; measured 0.94-0.99x, so off)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool):
             raise TypeError(f"num_stages must be an int, got {type(self.num_stages).__name__}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        for name in ("pingpong", "dynamic"):
+        for name in ("pingpong", "dynamic", "overlap_pv"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -150,7 +153,8 @@ def run(
             q8.scale.stride(0), qk_scale, coef)  # fmt: skip
     kw = dict(H=heads, HEAD_DIM=dim, BLOCK_N=_BLOCK_N, NUM_STAGES=config.num_stages,
               CAUSAL=causal, ACT=0 if softmax else 1, PINGPONG=config.pingpong,
-              PERMUTED_P=v8.mma_order, DYNAMIC=dynamic)  # fmt: skip
+              PERMUTED_P=v8.mma_order, DYNAMIC=dynamic,
+              OVERLAP_PV=config.overlap_pv)  # fmt: skip
     key = ("gluon_fp8_fwd", out.dtype, out.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_fp8_fwd_kernel, grid, key, args, kw, _OPTIONS)
     return out, lse

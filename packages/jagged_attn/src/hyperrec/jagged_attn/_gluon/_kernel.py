@@ -13,10 +13,12 @@ Structure of one CTA (FlashAttention-3's forward, adapted to jagged work items):
   (two arrivals: one per consumer).
 * Two **consumer** partitions (one warpgroup each, most of the registers) own rows
   ``[m0, m0 + 64)`` and ``[m0 + 64, m0 + 128)`` of the work item's 128-row query tile and
-  read the same K/V buffers. Each runs the softmax of key tile ``j`` while the tensor cores
-  compute ``Q K_{j+1}^T`` and ``P_{j-1} V_{j-1}`` (intra-warpgroup overlap: both GEMMs are
+  read the same K/V buffers. The source runs the softmax of key tile ``j`` while the
+  tensor cores compute ``P_{j-1} V_{j-1}`` (intra-warpgroup overlap: both GEMMs are
   issued asynchronously before the softmax, and waited for just before their results are
-  needed). With ``PINGPONG`` the two consumers also take turns to *issue* their GEMMs
+  needed); ptxas hoists the wait for ``P V`` above the softmax unless ``OVERLAP_PV``
+  fences it (``_fence_after``; measured no faster, so off by default). With ``PINGPONG``
+  the two consumers also take turns to *issue* their GEMMs
   (an mbarrier token passed back and forth), so that one warpgroup's softmax runs while
   the other's GEMMs occupy the tensor cores (inter-warpgroup overlap).
 * The output tile goes registers -> shared memory -> global memory through a TMA store
@@ -352,6 +354,22 @@ def _weights(s, m_i, l_i, qk_scale, ACT: gl.constexpr, SCALE_IN_EXP: gl.constexp
 
 
 @gluon.jit
+def _fence_after(x):
+    """``x`` unchanged; the GEMM wait that follows stays after the code computing ``x``.
+
+    ptxas hoists ``wgmma.wait_group`` as far up as the registers allow. The wait for
+    ``O += P_{j-1} V_{j-1}`` rose above the softmax of tile ``j`` that was meant to run
+    while that GEMM does (the softmax touches none of its registers), which cost the
+    intra-warpgroup overlap in the SASS. An instruction predicated on ``x`` is a point
+    ptxas does not move the wait across: per element one NaN test and a ``nanosleep``
+    that runs only for a NaN ``x`` (harmless if it does)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.nan.f32 p, $1, $1; @p nanosleep.u32 1; mov.b32 $0, $1; }",
+        "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _clear_rows(v_smem, st, valid, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr):  # fmt: skip
     """Zero rows ``[valid, BLOCK_N)`` of value tile ``st`` of the ring in shared memory.
@@ -394,7 +412,7 @@ def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr,
 ):  # fmt: skip
     o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh, work, item_ready = (
         shared
@@ -476,6 +494,13 @@ def _consumer(
                 s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
                             s_layout)  # fmt: skip
                 p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
+                if OVERLAP_PV:
+                    # the whole softmax before the wait: the row sum (softmax) or row
+                    # max (SiLU) depends on every weight of the tile
+                    if ACT == 0:
+                        l_i = _fence_after(l_i)
+                    else:
+                        _fence_after(gl.max(p, axis=1))
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(st_prev), count=1)
                 if ACT == 0:
@@ -531,7 +556,7 @@ def jagged_fwd_kernel(
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
-    DYNAMIC: gl.constexpr,
+    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention forward; see the module docstring.
 
@@ -565,9 +590,9 @@ def jagged_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV)),
             (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work,
                           item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],

@@ -86,6 +86,12 @@ class GluonConfig:
     producer warp hands the index to the consumers), so CTAs that drew cheap items take
     more of them. Off: CTA ``p`` takes items ``p``, ``2P - 1 - p``, ... of the
     cost-sorted list ("snake" order), which balances only lists sorted heaviest first."""
+    overlap_pv: bool = False
+    """Keep the wait for ``O += P_{j-1} V_{j-1}`` after the softmax of tile ``j`` in the
+    compiled code. ptxas hoists it above that softmax (so the softmax does not overlap
+    the GEMM it was written to overlap); on makes the SASS match the source's schedule.
+    Off by default: measured no faster (0.95-1.04x, slower with SiLU; README, "Since
+    0.2.30")."""
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_stages"):
@@ -96,7 +102,7 @@ class GluonConfig:
             raise ValueError(f"block_n must be 64 or 128, got {self.block_n}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
-        for name in ("pingpong", "isolate_values", "dynamic"):
+        for name in ("pingpong", "isolate_values", "dynamic", "overlap_pv"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -381,7 +387,8 @@ def _run(
     kw = dict(H=n_heads, HEAD_DIM=head_dim, BLOCK_N=config.block_n,
               NUM_STAGES=config.num_stages, CAUSAL=causal, ACT=0 if softmax else 1,
               SCALE_IN_EXP=softmax and scale > 0, PINGPONG=config.pingpong,
-              ISOLATE_VALUES=config.isolate_values, DYNAMIC=dynamic)  # fmt: skip
+              ISOLATE_VALUES=config.isolate_values, DYNAMIC=dynamic,
+              OVERLAP_PV=config.overlap_pv)  # fmt: skip
     # The launch key fixes everything but the arguments (``_direct.launch``'s contract):
     # the descriptors' dtype, boxes and layouts follow from (dtype, head dim, config).
     key = ("gluon_fwd", q.dtype, q.device, tuple(sorted(kw.items())))

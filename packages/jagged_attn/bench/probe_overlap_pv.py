@@ -1,0 +1,154 @@
+"""The Gluon forwards with and without the fence that keeps the ``P V`` wait after the
+softmax (``GluonConfig.overlap_pv`` / ``GluonFP8Config.overlap_pv``), in one run on one
+GPU.
+
+ptxas hoists ``wgmma.wait_group 0`` (the wait for ``O += P_{j-1} V_{j-1}``) above the
+softmax of tile ``j`` that is meant to run while that GEMM does; ``overlap_pv=True`` puts an
+instruction predicated on the softmax's row sum before the wait, which ptxas does not move
+the wait across (``bench/compile_gluon.py`` reports where the wait lands in the SASS).
+This script times what that is worth.
+
+Kernels alone, bf16 inputs, H = 8, D = 128, 65,536 tokens per batch: the bf16 Gluon forward
+(``jagged_attention_fwd_gluon``) on equal lengths 1,024 / 2,048 / 8,192, causal and not,
+and HSTU (SiLU, causal, ``max_seqlen`` normalisation) on the GEM preset's power-law lengths
+capped at 4,096; the Gluon FP8 forward (operands quantized beforehand) on 2,048 x 32,
+8,192 x 8 and causal 4,096 x 16. Per case ``--instances`` fresh instances (new lengths,
+offsets, tensors); per instance and variant the median of ``--reps`` CUDA-event timings
+after warm-up, the two variants' order alternating between instances. The outputs of the
+two variants are compared (the fence changes no arithmetic: they must be bit-identical).
+
+    python bench/probe_overlap_pv.py --out bench/results/probe_overlap_pv.json
+"""
+
+# The closures below run within the loop iteration that defines them.
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gluon import draw_lengths, offsets_of, useful_flops
+
+from hyperrec.jagged_attn import FP8Config
+from hyperrec.jagged_attn._gluon import _fp8_launch as g8
+from hyperrec.jagged_attn._gluon._launch import GluonConfig, _schedule, jagged_attention_fwd_gluon
+from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv
+from hyperrec.jagged_attn.fp8 import hadamard_scale
+
+TOKENS, H, D = 65536, 8, 128
+GEM = {"name": "gem-lomax-cap4096", "law": "lomax", "lo": 32, "hi": 4096, "scale": 600.0,
+       "alpha": 1.5}  # fmt: skip
+BF16_CASES = [
+    *({"name": f"L{L}{'-causal' if c else ''}", "L": L, "causal": c, "act": "softmax"}
+      for L in (1024, 2048, 8192) for c in (False, True)),
+    {"name": "gem-hstu", "dist": GEM, "causal": True, "act": "silu"},
+]  # fmt: skip
+FP8_CASES = [{"name": "fp8-L2048", "L": 2048, "causal": False},
+             {"name": "fp8-L8192", "L": 8192, "causal": False},
+             {"name": "fp8-L4096-causal", "L": 4096, "causal": True}]  # fmt: skip
+
+
+def time_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="probe_overlap_pv.json")
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    dev = torch.device("cuda")
+    rows = []
+    for case in BF16_CASES + FP8_CASES:
+        if only and case["name"] not in only:
+            continue
+        fp8 = case["name"].startswith("fp8")
+        for inst in range(args.instances):
+            seed = 1000 * inst + 7
+            if "dist" in case:
+                lens = draw_lengths(case["dist"], TOKENS, seed)
+            else:
+                lens = [case["L"]] * (TOKENS // case["L"])
+            off = offsets_of(lens, dev)
+            g = torch.Generator(device=dev).manual_seed(seed)
+            q, k, v = (torch.randn(TOKENS, H, D, generator=g, device=dev, dtype=torch.bfloat16)
+                       for _ in range(3))  # fmt: skip
+            max_len = max(lens)
+            flops = useful_flops(lens, H, D, case["causal"])
+            fns = {}
+            if fp8:
+                cfg8 = FP8Config()
+                qkv = quantize_qkv(q, k, v, off, off, cfg8, v_mma_order=True)
+                sched = _schedule(off, off, case["causal"], TOKENS, max_len)
+                qk_scale = math.log2(math.e) / math.sqrt(D) / hadamard_scale(cfg8, D)
+                out = torch.empty_like(q)
+                lse = torch.empty(H, TOKENS, device=dev)
+                for ov in (True, False):
+                    gc = g8.GluonFP8Config(overlap_pv=ov)
+
+                    def fn(gc=gc):
+                        return g8.run(qkv, causal=case["causal"], qk_scale=qk_scale, coef=1.0,
+                                      softmax=True, schedule=sched, out=out, lse=lse,
+                                      config=gc)[0]  # fmt: skip
+
+                    fns[ov] = fn
+            else:
+                kw = dict(causal=case["causal"], activation=case["act"])
+                if case["act"] == "silu":
+                    kw["normalization"] = "max_seqlen"
+                for ov in (True, False):
+                    cfg = GluonConfig(overlap_pv=ov)
+                    fns[ov] = lambda cfg=cfg: jagged_attention_fwd_gluon(
+                        q, k, v, off, max_len, config=cfg, **kw)[0]  # fmt: skip
+            outs = {ov: fn().clone() for ov, fn in fns.items()}
+            torch.cuda.synchronize()
+            diff = (outs[True].float() - outs[False].float()).abs().max().item()
+            order = (True, False) if inst % 2 == 0 else (False, True)
+            ms = {ov: time_ms(fns[ov], args.reps) for ov in order}
+            row = dict(case=case["name"], inst=inst, max_abs_diff=diff,
+                       ms_on=ms[True], ms_off=ms[False],
+                       tflops_on=flops / ms[True] * 1e-9, tflops_off=flops / ms[False] * 1e-9,
+                       speedup=ms[False] / ms[True])  # fmt: skip
+            rows.append(row)
+            print(f"{case['name']:18s} inst {inst}: on {row['tflops_on']:6.1f} off "
+                  f"{row['tflops_off']:6.1f} TFLOP/s  x{row['speedup']:.3f}  diff {diff:.3g}",
+                  flush=True)  # fmt: skip
+    summary = {}
+    for name in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == name]
+        summary[name] = dict(
+            tflops_on_median=statistics.median(r["tflops_on"] for r in rs),
+            tflops_off_median=statistics.median(r["tflops_off"] for r in rs),
+            speedup_median=statistics.median(r["speedup"] for r in rs),
+            speedup_min=min(r["speedup"] for r in rs),
+            bit_identical=all(r["max_abs_diff"] == 0 for r in rs),
+        )  # fmt: skip
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, instances=args.instances, reps=args.reps,
+                   rows=rows, summary=summary)  # fmt: skip
+    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
