@@ -272,7 +272,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
             "H": heads, "HEAD_DIM": d, "BLOCK_N": bn, "NUM_STAGES": cfg["stages"],
             "CAUSAL": cfg["causal"], "ACT": cfg["act"], "PINGPONG": cfg["pingpong"],
             "PERMUTED_P": cfg.get("permuted_p", True), "DYNAMIC": cfg.get("dynamic", True),
-            "OVERLAP_PV": cfg.get("overlap_pv", False),
+            "OVERLAP_PV": cfg.get("overlap_pv", False), "TREE_MAX": cfg.get("tree_max", False),
         }  # fmt: skip
         aligned = ("O", "LSE", "QS", "KS", "VS", "tile_seq", "tile_idx", "q_off", "kv_off",
                    "v_off", "total_ptr", "work", "stride_ot")  # fmt: skip
@@ -336,6 +336,7 @@ def compile_one(mod, cfg: dict, dump: Path | None) -> dict:
         "CAUSAL": cfg["causal"], "ACT": cfg["act"], "SCALE_IN_EXP": cfg["act"] == 0,
         "PINGPONG": cfg["pingpong"], "ISOLATE_VALUES": cfg.get("isolate", True),
         "DYNAMIC": cfg.get("dynamic", True), "OVERLAP_PV": cfg.get("overlap_pv", False),
+        "TREE_MAX": cfg.get("tree_max", False),
     }  # fmt: skip
     aligned = ("O", "LSE", "tile_seq", "tile_idx", "q_off", "kv_off", "total_ptr", "work",
                "stride_ot")  # fmt: skip

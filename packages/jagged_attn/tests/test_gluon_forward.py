@@ -130,10 +130,12 @@ def test_ragged_batch(head_dim, causal, pingpong):
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_overlap_fence_changes_no_bit(head_dim, causal, act):
-    """``overlap_pv`` only moves where ptxas waits for the ``P V`` GEMM: the same
-    arithmetic in the same order, so outputs and LSE are bit-identical with and without
-    it (and both within the reference's tolerance)."""
+def test_softmax_schedule_variants_change_no_bit(head_dim, causal, act, monkeypatch):
+    """``overlap_pv`` only moves where ptxas waits for the ``P V`` GEMM and the row-max
+    tree (``_launch.ROW_MAX_TREE``) only the order of exact maxima: outputs and LSE are
+    bit-identical across all four combinations (and within the reference's tolerance)."""
+    from hyperrec.jagged_attn._gluon import _launch as gluon_launch
+
     torch.manual_seed(3)
     q, k, v = (torch.randn(sum(RAGGED), 4, head_dim, device=DEV, dtype=torch.bfloat16)
                for _ in range(3))  # fmt: skip
@@ -143,12 +145,16 @@ def test_overlap_fence_changes_no_bit(head_dim, causal, act):
         kw.update(activation="silu", normalization="max_seqlen")
     runs = []
     for overlap in (True, False):
-        base = default_config(head_dim)
-        cfg = GluonConfig(block_n=base.block_n, num_stages=base.num_stages, overlap_pv=overlap)
-        runs.append(jagged_attention_fwd_gluon(q, k, v, qo, max(RAGGED), config=cfg, **kw))
-    assert torch.equal(runs[0][0], runs[1][0])
-    if act == "softmax":
-        assert torch.equal(runs[0][1], runs[1][1])
+        for tree in (True, False):
+            monkeypatch.setattr(gluon_launch, "ROW_MAX_TREE", tree)
+            base = default_config(head_dim)
+            cfg = GluonConfig(block_n=base.block_n, num_stages=base.num_stages,
+                              overlap_pv=overlap)  # fmt: skip
+            runs.append(jagged_attention_fwd_gluon(q, k, v, qo, max(RAGGED), config=cfg, **kw))
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        if act == "softmax":
+            assert torch.equal(lse, runs[0][1])
     _check(RAGGED, causal=causal, head_dim=head_dim, act=act)
 
 

@@ -107,9 +107,9 @@ def test_gluon_fp8_matrix(gluon_runs, cross, causal, head_dim, act):
 @needs_gluon
 @pytest.mark.parametrize("act", ["softmax", "silu"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_gluon_fp8_overlap_fence_changes_no_bit(gluon_runs, monkeypatch, causal, act):
-    """``GluonFP8Config.overlap_pv`` moves only where ptxas waits for ``P V``: the same
-    bytes with and without it."""
+def test_gluon_fp8_schedule_variants_change_no_bit(gluon_runs, monkeypatch, causal, act):
+    """``GluonFP8Config.overlap_pv`` moves only where ptxas waits for ``P V``, the row-max
+    tree only the order of exact maxima: the same bytes with and without either."""
     import functools
 
     import test_fp8_attention as t8
@@ -119,15 +119,19 @@ def test_gluon_fp8_overlap_fence_changes_no_bit(gluon_runs, monkeypatch, causal,
     case = _case("q_shorter", causal, 128, act)
     q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
     real = gluon_fp8.GluonFP8Config
+    from hyperrec.jagged_attn._gluon import _launch as gluon_launch
+
     runs = []
-    for overlap in (True, False):
+    for overlap, tree in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(gluon_fp8, "GluonFP8Config",
                             functools.partial(real, overlap_pv=overlap))  # fmt: skip
+        monkeypatch.setattr(gluon_launch, "ROW_MAX_TREE", tree)
         runs.append(t8._forward(q, k, v, qo, ko, kvi, nt, spec, FP8Config()))
-    assert len(gluon_runs) == 2
-    assert torch.equal(runs[0][0], runs[1][0])
-    if act == "softmax":
-        assert torch.equal(runs[0][1], runs[1][1])
+    assert len(gluon_runs) == 3
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        if act == "softmax":
+            assert torch.equal(lse, runs[0][1])
 
 
 @pytest.mark.gpu

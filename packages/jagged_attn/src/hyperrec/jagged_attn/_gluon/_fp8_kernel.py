@@ -62,6 +62,7 @@ from hyperrec.jagged_attn._gluon._kernel import (
     _load_q_halves,
     _next_item,
     _pass_turn,
+    _row_max,
     _scores,
     _store_out,
     _take,
@@ -131,13 +132,13 @@ def _producer(loads, H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _fp8_weights(s, cr, m_i, l_i, k_i, v_ratio, ACT: gl.constexpr):
+def _fp8_weights(s, cr, m_i, l_i, k_i, v_ratio, ACT: gl.constexpr, TREE_MAX: gl.constexpr):
     """(P * 2**k in fp32, running max, running sum, new P exponent ``k``, accumulator
     factor) of one key tile; ``cr`` > 0 the per-row score multiplier, ``v_ratio`` the
     previous tile's V scale over this tile's. reference_fp8._softmax_tiles /
     _activation_tiles, in the Triton kernel's arithmetic."""
     if ACT == 0:
-        t_max = gl.max(s, axis=1) * cr
+        t_max = _row_max(s, TREE_MAX) * cr
         m_new = gl.maximum(m_i, t_max)
         # A row with nothing allowed so far keeps m = -inf: shift by 0 instead of NaN.
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -152,7 +153,7 @@ def _fp8_weights(s, cr, m_i, l_i, k_i, v_ratio, ACT: gl.constexpr):
     else:
         hs = s * (cr * 0.5)[:, None]
         a = hs + hs * _tanh_approx(hs)
-        amax = gl.max(gl.abs(a), axis=1)
+        amax = _row_max(gl.abs(a), TREE_MAX)
         # (a zero row takes log2 of a tiny number and keeps its exponent below)
         k_new = gl.floor((0.0 - gl.log2(gl.maximum(amax, 1e-30))) + _P_LOG2_MAX)
         k_new = gl.minimum(gl.maximum(k_new, _NEG_P_EXP_MAX), _P_EXP_MAX)
@@ -213,7 +214,7 @@ def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
-    OVERLAP_PV: gl.constexpr,
+    OVERLAP_PV: gl.constexpr, TREE_MAX: gl.constexpr,
 ):  # fmt: skip
     o_desc, smem, bars, turn, O, LSE, scales, meta, total_ptr, strides, work, item_ready = shared
     QS, KS, VS = scales
@@ -282,7 +283,7 @@ def _consumer(
             # masked SiLU score stays far enough below 0 for silu to be exactly 0)
             s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
             # acc is zero: the first tile's factor is not applied
-            p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT)
+            p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i, 1.0, ACT, TREE_MAX)
             sv_prev = sv
             st_prev = st
             ph_prev = ph
@@ -315,7 +316,7 @@ def _consumer(
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, True, BLOCK_N, s_layout)
                 p, m_i, l_i, k_i, ratio = _fp8_weights(s, c_row * sk, m_i, l_i, k_i,
-                                                       sv_prev / sv, ACT)  # fmt: skip
+                                                       sv_prev / sv, ACT, TREE_MAX)  # fmt: skip
                 sv_prev = sv
                 if OVERLAP_PV:
                     # the softmax before the wait for P_{j-1} V_{j-1} (the bf16 kernel's
@@ -378,7 +379,7 @@ def jagged_fp8_fwd_kernel(
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     PINGPONG: gl.constexpr, PERMUTED_P: gl.constexpr, DYNAMIC: gl.constexpr,
-    OVERLAP_PV: gl.constexpr,
+    OVERLAP_PV: gl.constexpr, TREE_MAX: gl.constexpr,
 ):  # fmt: skip
     """Persistent FP8 jagged attention forward; see the module docstring.
 
@@ -408,9 +409,9 @@ def jagged_fp8_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV)),
+                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV, TREE_MAX)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV)),
+                         PINGPONG, PERMUTED_P, DYNAMIC, OVERLAP_PV, TREE_MAX)),
             (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, v_off, total_ptr, work,
                           item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperrec.jagged_attn._gluon import _launch
 from hyperrec.jagged_attn._gluon._launch import (
     _MAXNREG,
     _SMEM_LIMIT,
@@ -154,7 +155,7 @@ def run(
     kw = dict(H=heads, HEAD_DIM=dim, BLOCK_N=_BLOCK_N, NUM_STAGES=config.num_stages,
               CAUSAL=causal, ACT=0 if softmax else 1, PINGPONG=config.pingpong,
               PERMUTED_P=v8.mma_order, DYNAMIC=dynamic,
-              OVERLAP_PV=config.overlap_pv)  # fmt: skip
+              OVERLAP_PV=config.overlap_pv, TREE_MAX=_launch.ROW_MAX_TREE)  # fmt: skip
     key = ("gluon_fp8_fwd", out.dtype, out.device, tuple(sorted(kw.items())))
     _direct.launch(jagged_fp8_fwd_kernel, grid, key, args, kw, _OPTIONS)
     return out, lse

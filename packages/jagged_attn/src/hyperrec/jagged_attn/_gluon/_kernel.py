@@ -325,15 +325,35 @@ def _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL: gl.constexpr, ACT: gl.constexpr,
 
 
 @gluon.jit
-def _weights(s, m_i, l_i, qk_scale, ACT: gl.constexpr, SCALE_IN_EXP: gl.constexpr):
+def _row_max(s, TREE: gl.constexpr):
+    """``gl.max(s, axis=1)`` with a shallower dependency chain. The in-thread part of a
+    reduction is one serial chain (a thread's 32 columns of a row: 32 dependent
+    ``FMNMX``); a thread holds columns in both halves of the tile, so two rounds of
+    "max of column ``c`` and ``c + N / 2``" (register-local) leave a chain of 8."""
+    row: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+    if TREE:
+        M: gl.constexpr = s.shape[0]
+        N: gl.constexpr = s.shape[1]
+        a, b = gl.split(gl.permute(gl.reshape(s, [M, 2, N // 2]), (0, 2, 1)))
+        t = gl.maximum(a, b)
+        c, d = gl.split(gl.permute(gl.reshape(t, [M, 2, N // 4]), (0, 2, 1)))
+        m = gl.convert_layout(gl.max(gl.maximum(c, d), axis=1), row)
+    else:
+        m = gl.max(s, axis=1)
+    return m
+
+
+@gluon.jit
+def _weights(s, m_i, l_i, qk_scale, ACT: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
+             TREE_MAX: gl.constexpr):  # fmt: skip
     """(P in fp32, new running max, new running sum, accumulator rescale factor)."""
     if ACT == 0:
         if SCALE_IN_EXP:
             # qk_scale > 0: max(s) * c == max(s * c), and each exp2 argument is one fused
             # multiply-add s * c - m instead of a multiply and a subtraction.
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_new = gl.maximum(m_i, _row_max(s, TREE_MAX) * qk_scale)
         else:
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_new = gl.maximum(m_i, _row_max(s, TREE_MAX))
         # A row with nothing allowed so far keeps m = -inf; shifting by 0 then gives exact
         # zeros instead of NaN from (-inf) - (-inf).
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -412,7 +432,7 @@ def _consumer(
     shared, consts, WG: gl.constexpr, H: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
-    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr,
+    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr, TREE_MAX: gl.constexpr,
 ):  # fmt: skip
     o_desc, smem, bars, turn, O, LSE, meta, total_ptr, stride_ot, stride_lh, work, item_ready = (
         shared
@@ -470,7 +490,7 @@ def _consumer(
             mbarrier.arrive(k_empty.index(st), count=1)
             s = _scores(s, 0, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
                         s_layout)  # fmt: skip
-            p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
+            p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP, TREE_MAX)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             st_prev = st
             ph_prev = ph
@@ -493,7 +513,7 @@ def _consumer(
                 mbarrier.arrive(k_empty.index(st), count=1)
                 s = _scores(s, j, r0, Lq, Lk, qk_scale, CAUSAL, ACT, SCALE_IN_EXP, BLOCK_N,
                             s_layout)  # fmt: skip
-                p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP)
+                p, m_i, l_i, alpha = _weights(s, m_i, l_i, qk_scale, ACT, SCALE_IN_EXP, TREE_MAX)
                 if OVERLAP_PV:
                     # the whole softmax before the wait: the row sum (softmax) or row
                     # max (SiLU) depends on every weight of the tile
@@ -556,7 +576,7 @@ def jagged_fwd_kernel(
     H: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACT: gl.constexpr,
     SCALE_IN_EXP: gl.constexpr, PINGPONG: gl.constexpr, ISOLATE_VALUES: gl.constexpr,
-    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr,
+    DYNAMIC: gl.constexpr, OVERLAP_PV: gl.constexpr, TREE_MAX: gl.constexpr,
 ):  # fmt: skip
     """Persistent jagged attention forward; see the module docstring.
 
@@ -590,9 +610,11 @@ def jagged_fwd_kernel(
     gl.warp_specialize(
         [
             (_consumer, (shared, consts, 0, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV,
+                         TREE_MAX)),
             (_consumer, (shared, consts, 1, H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, ACT,
-                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV)),
+                         SCALE_IN_EXP, PINGPONG, ISOLATE_VALUES, DYNAMIC, OVERLAP_PV,
+                         TREE_MAX)),
             (_producer, ((q_desc, k_desc, v_desc, smem, bars, meta, total_ptr, work,
                           item_ready), H, HEAD_DIM, BLOCK_N, NUM_STAGES, CAUSAL, DYNAMIC)),
         ],

@@ -388,7 +388,7 @@ def _run(
               NUM_STAGES=config.num_stages, CAUSAL=causal, ACT=0 if softmax else 1,
               SCALE_IN_EXP=softmax and scale > 0, PINGPONG=config.pingpong,
               ISOLATE_VALUES=config.isolate_values, DYNAMIC=dynamic,
-              OVERLAP_PV=config.overlap_pv)  # fmt: skip
+              OVERLAP_PV=config.overlap_pv, TREE_MAX=ROW_MAX_TREE)  # fmt: skip
     # The launch key fixes everything but the arguments (``_direct.launch``'s contract):
     # the descriptors' dtype, boxes and layouts follow from (dtype, head dim, config).
     key = ("gluon_fwd", q.dtype, q.device, tuple(sorted(kw.items())))
@@ -397,6 +397,11 @@ def _run(
 
 
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
+#: The softmax's row maximum (and FP8 SiLU's row scale) as two rounds of register-local
+#: pairwise maxima before the in-thread chain (``_kernel._row_max``): a dependency chain
+#: of about 10 ``FMNMX`` instead of 32 per row and tile. Read at each launch (an
+#: experiment switch for A/B timing; part of the launch key).
+ROW_MAX_TREE = False
 # Slots of each CTA's item ring (the kernel's ``ITEM_DEPTH``).
 _ITEM_DEPTH = 4
 

@@ -1,12 +1,12 @@
-"""The Gluon forwards with and without the fence that keeps the ``P V`` wait after the
-softmax (``GluonConfig.overlap_pv`` / ``GluonFP8Config.overlap_pv``), in one run on one
-GPU.
+"""Variants of the Gluon forwards' softmax code, timed against each other in one run on
+one GPU.
 
-ptxas hoists ``wgmma.wait_group 0`` (the wait for ``O += P_{j-1} V_{j-1}``) above the
-softmax of tile ``j`` that is meant to run while that GEMM does; ``overlap_pv=True`` puts an
-instruction predicated on the softmax's row sum before the wait, which ptxas does not move
-the wait across (``bench/compile_gluon.py`` reports where the wait lands in the SASS).
-This script times what that is worth.
+* ``ptxas``: the wait for ``P V`` where ptxas puts it, the row max as one chain;
+* ``fence``: ``GluonConfig(overlap_pv=True)`` / ``GluonFP8Config(overlap_pv=True)``: an
+  instruction predicated on the softmax's row sum before that wait, which ptxas does not
+  hoist the wait across (``bench/compile_gluon.py`` reports where it lands in the SASS);
+* ``tree``: the row max through two rounds of register-local pairwise maxima
+  (``_gluon._launch.ROW_MAX_TREE``), a dependency chain of ~10 ``FMNMX`` instead of 32.
 
 Kernels alone, bf16 inputs, H = 8, D = 128, 65,536 tokens per batch: the bf16 Gluon forward
 (``jagged_attention_fwd_gluon``) on equal lengths 1,024 / 2,048 / 8,192, causal and not,
@@ -14,10 +14,13 @@ and HSTU (SiLU, causal, ``max_seqlen`` normalisation) on the GEM preset's power-
 capped at 4,096; the Gluon FP8 forward (operands quantized beforehand) on 2,048 x 32,
 8,192 x 8 and causal 4,096 x 16. Per case ``--instances`` fresh instances (new lengths,
 offsets, tensors); per instance and variant the median of ``--reps`` CUDA-event timings
-after warm-up, the two variants' order alternating between instances. The outputs of the
-two variants are compared (the fence changes no arithmetic: they must be bit-identical).
+after warm-up, the variants' order rotated between instances. Outputs are compared with
+the first variant's (none changes the arithmetic: they must be bit-identical).
 
-    python bench/probe_overlap_pv.py --out bench/results/probe_overlap_pv.json
+    python bench/probe_softmax.py --variants ptxas,tree --out bench/results/probe_softmax.json
+
+``results/probe_overlap_pv_h100_2026-12-06.json`` came from this script's first revision
+(``probe_overlap_pv.py``: the variants ``ptxas`` and ``fence`` only, as ``off`` / ``on``).
 """
 
 # The closures below run within the loop iteration that defines them.
@@ -39,6 +42,7 @@ from bench_gluon import draw_lengths, offsets_of, useful_flops
 
 from hyperrec.jagged_attn import FP8Config
 from hyperrec.jagged_attn._gluon import _fp8_launch as g8
+from hyperrec.jagged_attn._gluon import _launch as gluon_launch
 from hyperrec.jagged_attn._gluon._launch import GluonConfig, _schedule, jagged_attention_fwd_gluon
 from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv
 from hyperrec.jagged_attn.fp8 import hadamard_scale
@@ -51,6 +55,9 @@ BF16_CASES = [
       for L in (1024, 2048, 8192) for c in (False, True)),
     {"name": "gem-hstu", "dist": GEM, "causal": True, "act": "silu"},
 ]  # fmt: skip
+# name: (overlap_pv, ROW_MAX_TREE)
+VARIANTS = {"ptxas": (False, False), "fence": (True, False), "tree": (False, True),
+            "tree+fence": (True, True)}  # fmt: skip
 FP8_CASES = [{"name": "fp8-L2048", "L": 2048, "causal": False},
              {"name": "fp8-L8192", "L": 8192, "causal": False},
              {"name": "fp8-L4096-causal", "L": 4096, "causal": True}]  # fmt: skip
@@ -71,12 +78,19 @@ def time_ms(fn, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="probe_overlap_pv.json")
+    ap.add_argument("--out", default="probe_softmax.json")
+    ap.add_argument(
+        "--variants", default="ptxas,tree", help=f"comma-separated, of {list(VARIANTS)}"
+    )
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated case names")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
+    names = args.variants.split(",")
+    for n in names:
+        if n not in VARIANTS:
+            raise SystemExit(f"unknown variant {n!r}; choose from {list(VARIANTS)}")
     dev = torch.device("cuda")
     rows = []
     for case in BF16_CASES + FP8_CASES:
@@ -103,48 +117,60 @@ def main() -> None:
                 qk_scale = math.log2(math.e) / math.sqrt(D) / hadamard_scale(cfg8, D)
                 out = torch.empty_like(q)
                 lse = torch.empty(H, TOKENS, device=dev)
-                for ov in (True, False):
+                for name in names:
+                    ov, tree = VARIANTS[name]
                     gc = g8.GluonFP8Config(overlap_pv=ov)
 
-                    def fn(gc=gc):
+                    def fn(gc=gc, tree=tree):
+                        gluon_launch.ROW_MAX_TREE = tree
                         return g8.run(qkv, causal=case["causal"], qk_scale=qk_scale, coef=1.0,
                                       softmax=True, schedule=sched, out=out, lse=lse,
                                       config=gc)[0]  # fmt: skip
 
-                    fns[ov] = fn
+                    fns[name] = fn
             else:
                 kw = dict(causal=case["causal"], activation=case["act"])
                 if case["act"] == "silu":
                     kw["normalization"] = "max_seqlen"
-                for ov in (True, False):
+                for name in names:
+                    ov, tree = VARIANTS[name]
                     cfg = GluonConfig(overlap_pv=ov)
-                    fns[ov] = lambda cfg=cfg: jagged_attention_fwd_gluon(
-                        q, k, v, off, max_len, config=cfg, **kw)[0]  # fmt: skip
-            outs = {ov: fn().clone() for ov, fn in fns.items()}
+
+                    def fn(cfg=cfg, tree=tree):
+                        gluon_launch.ROW_MAX_TREE = tree
+                        return jagged_attention_fwd_gluon(q, k, v, off, max_len, config=cfg,
+                                                          **kw)[0]  # fmt: skip
+
+                    fns[name] = fn
+            outs = {name: fn().clone() for name, fn in fns.items()}
             torch.cuda.synchronize()
-            diff = (outs[True].float() - outs[False].float()).abs().max().item()
-            order = (True, False) if inst % 2 == 0 else (False, True)
-            ms = {ov: time_ms(fns[ov], args.reps) for ov in order}
-            row = dict(case=case["name"], inst=inst, max_abs_diff=diff,
-                       ms_on=ms[True], ms_off=ms[False],
-                       tflops_on=flops / ms[True] * 1e-9, tflops_off=flops / ms[False] * 1e-9,
-                       speedup=ms[False] / ms[True])  # fmt: skip
+            first = outs[names[0]].float()
+            diff = max((o.float() - first).abs().max().item() for o in outs.values())
+            k0 = inst % len(names)
+            order = names[k0:] + names[:k0]
+            ms = {name: time_ms(fns[name], args.reps) for name in order}
+            row = dict(case=case["name"], inst=inst, max_abs_diff=diff, ms=ms,
+                       tflops={n: flops / m * 1e-9 for n, m in ms.items()},
+                       speedup={n: ms[names[0]] / m for n, m in ms.items()})  # fmt: skip
             rows.append(row)
-            print(f"{case['name']:18s} inst {inst}: on {row['tflops_on']:6.1f} off "
-                  f"{row['tflops_off']:6.1f} TFLOP/s  x{row['speedup']:.3f}  diff {diff:.3g}",
+            print(f"{case['name']:18s} inst {inst}: "
+                  + "  ".join(f"{n} {row['tflops'][n]:6.1f}" for n in names)
+                  + f" TFLOP/s; x{row['speedup'][names[-1]]:.3f}; diff {diff:.3g}",
                   flush=True)  # fmt: skip
     summary = {}
-    for name in dict.fromkeys(r["case"] for r in rows):
-        rs = [r for r in rows if r["case"] == name]
-        summary[name] = dict(
-            tflops_on_median=statistics.median(r["tflops_on"] for r in rs),
-            tflops_off_median=statistics.median(r["tflops_off"] for r in rs),
-            speedup_median=statistics.median(r["speedup"] for r in rs),
-            speedup_min=min(r["speedup"] for r in rs),
+    for cname in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == cname]
+        summary[cname] = dict(
+            tflops_median={n: statistics.median(r["tflops"][n] for r in rs) for n in names},
+            speedup_median={n: statistics.median(r["speedup"][n] for r in rs) for n in names},
+            speedup_min={n: min(r["speedup"][n] for r in rs) for n in names},
+            speedup_max={n: max(r["speedup"][n] for r in rs) for n in names},
             bit_identical=all(r["max_abs_diff"] == 0 for r in rs),
         )  # fmt: skip
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__, instances=args.instances, reps=args.reps,
+                   variants={n: dict(zip(("overlap_pv", "row_max_tree"), VARIANTS[n],
+                                         strict=True)) for n in names},
                    rows=rows, summary=summary)  # fmt: skip
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
