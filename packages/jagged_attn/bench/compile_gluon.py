@@ -131,6 +131,16 @@ def configs() -> list[dict]:
                         block_n=128, overlap_pv=True))  # fmt: skip
         out.append(dict(kernel="fp8", head_dim=128, causal=False, act=act, pingpong=True,
                         stages=3, block_n=128, overlap_pv=True))  # fmt: skip
+    # the row maximum as a tree (_launch.ROW_MAX_TREE = True)
+    for causal in (False, True):
+        for head_dim, stages in ((128, 2), (64, 3)):
+            out.append(dict(head_dim=head_dim, causal=causal, act=0, pingpong=True,
+                            stages=stages, block_n=128, tree_max=True))  # fmt: skip
+        for act in (0, 1):
+            out.append(dict(kernel="fp8", head_dim=128, causal=causal, act=act, pingpong=True,
+                            stages=3, block_n=128, tree_max=True))  # fmt: skip
+    out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=3, block_n=64,
+                    tree_max=True))  # fmt: skip
     # the static snake schedule (GluonConfig(dynamic=False), _bwd_launch.DYNAMIC = False)
     out.append(dict(head_dim=128, causal=True, act=0, pingpong=True, stages=2, block_n=128,
                     dynamic=False))  # fmt: skip
@@ -379,9 +389,11 @@ def _compile(fn, signature, constexprs, aligned, cfg: dict, dump: Path | None, k
         name = kind + "_d{head_dim}_c{causal:d}_a{act}_pp{pingpong:d}_s{stages}"
         name += (
             "_n{block_n}_i{isolate:d}_dyn{dynamic:d}_f{fused_dq:d}_e{early_dv:d}_o{overlap_pv:d}"
+            "_t{tree_max:d}"
         )
         name = name.format(**{"isolate": True, "dynamic": True, "fused_dq": False,
-                              "early_dv": True, "overlap_pv": False, **cfg})  # fmt: skip
+                              "early_dv": True, "overlap_pv": False, "tree_max": False,
+                              **cfg})  # fmt: skip
         dump.mkdir(parents=True, exist_ok=True)
         for ext in ("ttgir", "llir", "ptx"):
             (dump / f"{name}.{ext}").write_text(kernel.asm[ext])
@@ -411,9 +423,9 @@ def main() -> int:
         label = cfg.get("kernel", "fwd") + (
             " D={head_dim} causal={causal:d} act={act} pingpong={pingpong:d} stages={stages} "
             "BN={block_n} isolate={isolate:d} dynamic={dynamic:d} fused_dq={fused_dq:d} "
-            "overlap_pv={overlap_pv:d}"
+            "overlap_pv={overlap_pv:d} tree_max={tree_max:d}"
         ).format(**{"isolate": True, "dynamic": True, "fused_dq": False, "overlap_pv": False,
-                    **cfg})  # fmt: skip
+                    "tree_max": False, **cfg})  # fmt: skip
         try:
             rep = compile_one(modules.get(cfg.get("kernel"), mod), cfg, args.dump)
             ok = rep["ptxas_ok"] and rep["shared_fits"] and not rep["spill_stores"]
