@@ -13,8 +13,9 @@ Kernels alone, bf16 inputs, H = 8, D = 128, 65,536 tokens per batch: the bf16 Gl
 and HSTU (SiLU, causal, ``max_seqlen`` normalisation) on the GEM preset's power-law lengths
 capped at 4,096; the Gluon FP8 forward (operands quantized beforehand) on 2,048 x 32,
 8,192 x 8 and causal 4,096 x 16. Per case ``--instances`` fresh instances (new lengths,
-offsets, tensors); per instance and variant the median of ``--reps`` CUDA-event timings
-after warm-up, the variants' order rotated between instances. Outputs are compared with
+offsets, tensors); per instance and variant the median of ``bench_gluon.time_ms``'s
+CUDA-event timings (10 after 3 warm-ups; the committed runs took 20, recorded as ``reps``
+in their files), the variants' order rotated between instances. Outputs are compared with
 the first variant's (none changes the arithmetic: they must be bit-identical).
 
     python bench/probe_softmax.py --variants ptxas,tree --out bench/results/probe_softmax.json
@@ -38,7 +39,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gluon import draw_lengths, offsets_of, useful_flops
+from bench_gluon import draw_lengths, offsets_of, time_ms, useful_flops
 
 from hyperrec.jagged_attn import FP8Config
 from hyperrec.jagged_attn._gluon import _fp8_launch as g8
@@ -63,19 +64,6 @@ FP8_CASES = [{"name": "fp8-L2048", "L": 2048, "causal": False},
              {"name": "fp8-L4096-causal", "L": 4096, "causal": True}]  # fmt: skip
 
 
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends, strict=True):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="probe_softmax.json")
@@ -83,7 +71,6 @@ def main() -> None:
         "--variants", default="ptxas,tree", help=f"comma-separated, of {list(VARIANTS)}"
     )
     ap.add_argument("--instances", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", default="", help="comma-separated case names")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
@@ -148,7 +135,7 @@ def main() -> None:
             diff = max((o.float() - first).abs().max().item() for o in outs.values())
             k0 = inst % len(names)
             order = names[k0:] + names[:k0]
-            ms = {name: time_ms(fns[name], args.reps) for name in order}
+            ms = {name: time_ms(fns[name], dev) for name in order}
             row = dict(case=case["name"], inst=inst, max_abs_diff=diff, ms=ms,
                        tflops={n: flops / m * 1e-9 for n, m in ms.items()},
                        speedup={n: ms[names[0]] / m for n, m in ms.items()})  # fmt: skip
@@ -168,7 +155,7 @@ def main() -> None:
             bit_identical=all(r["max_abs_diff"] == 0 for r in rs),
         )  # fmt: skip
     payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=triton.__version__, instances=args.instances, reps=args.reps,
+                   triton=triton.__version__, instances=args.instances,
                    variants={n: dict(zip(("overlap_pv", "row_max_tree"), VARIANTS[n],
                                          strict=True)) for n in names},
                    rows=rows, summary=summary)  # fmt: skip
