@@ -6,7 +6,7 @@ one GPU.
   instruction predicated on the softmax's row sum before that wait, which ptxas does not
   hoist the wait across (``bench/compile_gluon.py`` reports where it lands in the SASS);
 * ``tree``: the row max through two rounds of register-local pairwise maxima
-  (``_gluon._launch.ROW_MAX_TREE``), a dependency chain of ~10 ``FMNMX`` instead of 32.
+  (``_gluon._launch.ROW_MAX_TREE``): a chain of 8 dependent ``FMNMX`` instead of 32.
 
 Kernels alone, bf16 inputs, H = 8, D = 128, 65,536 tokens per batch: the bf16 Gluon forward
 (``jagged_attention_fwd_gluon``) on equal lengths 1,024 / 2,048 / 8,192, causal and not,
@@ -40,6 +40,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gluon import draw_lengths, offsets_of, time_ms, useful_flops
+from probe_dynamic import GEM
 
 from hyperrec.jagged_attn import FP8Config
 from hyperrec.jagged_attn._gluon import _fp8_launch as g8
@@ -49,8 +50,6 @@ from hyperrec.jagged_attn._triton._fp8_launch import quantize_qkv
 from hyperrec.jagged_attn.fp8 import hadamard_scale
 
 TOKENS, H, D = 65536, 8, 128
-GEM = {"name": "gem-lomax-cap4096", "law": "lomax", "lo": 32, "hi": 4096, "scale": 600.0,
-       "alpha": 1.5}  # fmt: skip
 BF16_CASES = [
     *({"name": f"L{L}{'-causal' if c else ''}", "L": L, "causal": c, "act": "softmax"}
       for L in (1024, 2048, 8192) for c in (False, True)),

@@ -115,12 +115,11 @@ def test_gluon_fp8_schedule_variants_change_no_bit(gluon_runs, monkeypatch, caus
     import test_fp8_attention as t8
 
     from hyperrec.jagged_attn._gluon import _fp8_launch as gluon_fp8
+    from hyperrec.jagged_attn._gluon import _launch as gluon_launch
 
     case = _case("q_shorter", causal, 128, act)
     q, k, v, _, qo, ko, kvi, nt, spec = build(case, 0)
     real = gluon_fp8.GluonFP8Config
-    from hyperrec.jagged_attn._gluon import _launch as gluon_launch
-
     runs = []
     for overlap, tree in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(gluon_fp8, "GluonFP8Config",

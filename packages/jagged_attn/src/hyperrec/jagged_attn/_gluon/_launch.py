@@ -398,9 +398,9 @@ def _run(
 
 _OPTIONS = {"num_warps": 4, "maxnreg": _MAXNREG}
 #: The softmax's row maximum (and FP8 SiLU's row scale) as two rounds of register-local
-#: pairwise maxima before the in-thread chain (``_kernel._row_max``): a dependency chain
-#: of about 10 ``FMNMX`` instead of 32 per row and tile. Read at each launch (an
-#: experiment switch for A/B timing; part of the launch key).
+#: pairwise maxima before the in-thread chain (``_kernel._row_max``): a chain of 8
+#: dependent ``FMNMX`` instead of 32 per row and tile. Read at each launch (an experiment
+#: switch for A/B timing, off: measured no faster; part of the launch key).
 ROW_MAX_TREE = False
 # Slots of each CTA's item ring (the kernel's ``ITEM_DEPTH``).
 _ITEM_DEPTH = 4
