@@ -104,10 +104,24 @@ class HSTULayer(nn.Module):
         self.out_norm = nn.LayerNorm(heads * head_dim)
         self.out = nn.Linear(heads * head_dim, dim)
 
+        # Two spans a plan may checkpoint apart (``span_free_bound.py --spans``); the layer
+        # computes the same either way.
+        self.proj_span = autoac.Span(self._proj)
+        self.attn_span = autoac.Span(self._attn)
+
+    def _proj(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.uvqk(self.norm(x)))
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attn_span(x, self.proj_span(x), mask)
+
+    def spans(self) -> list[nn.Module]:
+        return [self.proj_span, self.attn_span]
+
+    def _attn(self, x: torch.Tensor, uvqk: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         hd = self.h * self.dh
-        u, v, q, k = F.silu(self.uvqk(self.norm(x))).split(hd, dim=-1)
+        u, v, q, k = uvqk.split(hd, dim=-1)
         q = q.view(b, n, self.h, self.dh).transpose(1, 2)
         k = k.view(b, n, self.h, self.dh).transpose(1, 2)
         v = v.view(b, n, self.h, self.dh).transpose(1, 2)
@@ -169,14 +183,25 @@ class LlamaBlock(nn.Module):
         self.w1 = nn.Linear(dim, ffn, bias=False)
         self.w3 = nn.Linear(dim, ffn, bias=False)
         self.w2 = nn.Linear(ffn, dim, bias=False)
+        # Two spans a plan may checkpoint apart (``span_free_bound.py --spans``).
+        self.attn_span = autoac.Span(self._attn)
+        self.mlp_span = autoac.Span(self._mlp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.mlp_span(self.attn_span(x, cos, sin))
+
+    def _attn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.wqkv(self.n1(x)).view(b, t, 3, self.h, self.dh).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True)
-        x = x + self.wo(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.wo(a.transpose(1, 2).reshape(b, t, d))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.n2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+    def spans(self) -> list[nn.Module]:
+        return [self.attn_span, self.mlp_span]
 
 
 class Llama(nn.Module):
@@ -518,6 +543,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         fm = () if kind == "autoac" else None
         p = autoac.plan(prof, budget=b_eff, config=autoac.PlanConfig(formats=fm))
         plan_s = time.monotonic() - t1
+        # what any plan within this budget adds, whatever its regions
+        span_free = autoac.span_free_bound(prof, b_eff, formats=fm)
         plans[name] = p.to_dict()
         handle: list = []
 
@@ -535,6 +562,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             predicted_peak=p.predicted_peak,
             predicted_added_ms=p.added_s * 1e3,
             lower_bound_ms=(p.lower_bound_s * 1e3) if math.isfinite(p.lower_bound_s) else None,
+            span_free_bound=span_free.to_dict(),
             solver=p.solver,
             proven_optimal=p.proven_optimal,
             plan_s=round(plan_s, 3),
@@ -872,13 +900,18 @@ def _write(args: argparse.Namespace, out: dict) -> Path:
         if args.smoke
         else ("h200_quick" if args.quick else ("h200_compiled" if args.compiled else "h200"))
     )
+    return write_out(path / f"{tag}_{stamp}.json", out)
+
+
+def write_out(dest: Path, out: dict) -> Path:
+    """``out`` as JSON at ``dest``, with the machine block where hyperrec-testing is
+    installed."""
     try:
         from hyperrec.testing import write_result
 
-        return write_result(path / f"{tag}_{stamp}.json", out)
+        return write_result(dest, out)
     except ImportError:  # hyperrec-testing absent: write without the machine block
-        path.mkdir(parents=True, exist_ok=True)
-        dest = path / f"{tag}_{stamp}.json"
+        dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(json.dumps(out, indent=2, default=str) + "\n")
         return dest
 

@@ -38,3 +38,25 @@ def test_compiled_smoke_run_records_the_packed_points(tmp_path):
     assert "time_ms_median" in packed and packed["activation_reduction_vs_compiled_no_ac"] > 0
     # every region of the pack-all plan packed saved nodes inside its graph
     assert packed["packed_in_graph"] and all(packed["packed_in_graph"].values())
+
+
+def test_span_free_bound_smoke_run_records_both_region_kinds(tmp_path):
+    """``bench/span_free_bound.py``: layers and two spans per layer, the bound at each
+    budget beside the region plan, and the plan at full AC's peak measured."""
+    script = BENCH.parent / "span_free_bound.py"
+    for spans in ([], ["--spans"]):
+        cmd = [sys.executable, str(script), "--smoke", "--models", "llama",
+               "--fractions", "0", "0.5", "--out", str(tmp_path), *spans]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    docs = {json.loads(p.read_text())["regions"]: json.loads(p.read_text())
+            for p in tmp_path.glob("span_free_bound*.json")}  # fmt: skip
+    assert set(docs) == {"layers", "two spans per layer"}
+    for doc in docs.values():
+        points = doc["models"]["llama"]["points"]
+        assert len(points) == 4  # 2 budgets x (no format, mxint8)
+        for row in points:
+            assert row["lower_bound_ms"] is not None
+            assert row["lower_bound_ms"] <= row["plan_added_ms"] + 1e-9
+        measured = [r for r in points if r["budget_fraction"] == 0 or not r["formats"]]
+        assert len(measured) == 3 and all("time_ms_median" in r["plan_measured"] for r in measured)

@@ -9,12 +9,16 @@
 - :func:`apply` (profile + plan + apply in one call) / :func:`apply_plan`: eager
   selective checkpointing and saved-tensor packing, or per-region ``torch.compile``
   (MXINT8 packed saves traced into the compiled graphs where torch supports it).
+- :func:`span_free_bound`: the least time any plan within a budget could add, whatever
+  its regions (finer spans included): whether marking finer regions could reach a speed
+  target at all.
 - Safe by construction: random ops replay with the same numbers; collectives are never
   replayed; packed formats only where the measured gradient error is within a bound.
 """
 
 from hyperrec.autoac import reference
 from hyperrec.autoac._version import __version__
+from hyperrec.autoac.bound import SpanFreeBound, span_free_bound
 from hyperrec.autoac.formats import SAVE_FORMATS, SaveFormat
 from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan, price_compiled_saves
 from hyperrec.autoac.profiler import (
@@ -53,6 +57,7 @@ __all__ = [
     "SaveFormat",
     "SavedOp",
     "Span",
+    "SpanFreeBound",
     "StepMeasurement",
     "StorageLife",
     "__version__",
@@ -69,4 +74,5 @@ __all__ = [
     "reference",
     "remove",
     "resolve_regions",
+    "span_free_bound",
 ]
