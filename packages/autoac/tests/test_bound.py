@@ -114,7 +114,7 @@ def test_bound_counts_only_needed_outputs(mlp_profile):
     )
     rows = sum(1 for r in mlp_profile.regions for o in r.ops if any(lv.needed for lv in o.storages))
     assert bd.needed_bytes == need and bd.decisions == rows > 0
-    assert bd.resident == mlp_profile.resident_bytes
+    assert bd.resident == mlp_profile.resident_at_backward == mlp_profile.resident_bytes
 
 
 def test_bad_arguments(mlp_profile):

@@ -87,8 +87,8 @@ class _Up(nn.Module):
         self.g = torch.Generator().manual_seed(seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(x.shape[0], self.up.out_features, generator=self.g)
-        return self.up(x) + 0.01 * noise
+        h = self.up(x)
+        return h + 0.01 * torch.randn(h.shape, generator=self.g)
 
 
 class _Down(nn.Module):
@@ -317,6 +317,10 @@ def test_bad_arguments_name_the_argument(small_profile):
         autoac.span_free_bound(dict(vars(prof)), 1e6)
     with pytest.raises(ValueError, match="formats"):
         autoac.span_free_bound(prof, 1e6, formats=("mx4",))
+
+
+def test_huge_integer_arguments_raise_value_error(small_profile):
+    prof = small_profile
     # a budget too large for a float is an infinite budget: a ValueError naming it,
     # not an OverflowError from float()
     with pytest.raises(ValueError, match="budget"):

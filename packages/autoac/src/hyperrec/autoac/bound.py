@@ -12,8 +12,8 @@ whatever the regions (finer spans, a different split, per-op checkpointing):
   (kept or packed) or produced again before it (recomputed; at least its own op's
   time, once).
 * Everything held is alive at once when the forward ends, together with what the
-  step found resident (parameters, optimizer state, inputs). So the held bytes fit in
-  ``budget - resident``.
+  step found resident and had not released by then (parameters, optimizer state,
+  inputs the caller still holds). So the held bytes fit in ``budget - resident``.
 
 Minimising the added time (recomputation plus packing) subject to that one capacity is
 a multiple-choice knapsack; its linear relaxation, solved exactly through its dual
@@ -47,8 +47,11 @@ class SpanFreeBound:
         budget: the peak budget asked about.
         capacity: ``budget - resident``: what held tensors may occupy at the end of the
             forward (negative: no plan fits).
-        resident: bytes the step found allocated and used (``Profile.resident_bytes``)
-            plus what regions that cannot be checkpointed always hold.
+        resident: bytes the step found allocated, used and still held when its
+            forward ended (``Profile.resident_at_backward``; 0 for a profile made
+            before 0.1.17, which does not record it). What regions that cannot be
+            checkpointed hold is not counted: part of it may be held only by another
+            region's checkpoint, which other plans drop.
         lower_bound_s: no plan within ``budget`` adds less time than this over keeping
             everything (``inf`` when even recomputing everything that can be does not
             fit).
@@ -116,19 +119,16 @@ class SpanFreeBound:
         }
 
 
-def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, int]:
+def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Per needed op output: (time, bytes) of each choice; ``inf`` where not allowed.
 
-    Columns: keep, recompute, then one per format. Returns times, bytes and the bytes
-    regions that cannot be checkpointed hold whatever the plan.
+    Columns: keep, recompute, then one per format. (A region that cannot be checkpointed
+    lists no ops: its saves are neither items nor counted, which only lowers the bound.)
     """
     times: list[list[float]] = []
     nbytes: list[list[float]] = []
-    fixed = 0
     for r in profile.regions:
         replayable = "sac" in r.modes
-        if not replayable:
-            fixed += r.plain_held_bytes
         for o in r.ops:
             need = [lv for lv in o.storages if lv.needed]
             if not need:
@@ -158,7 +158,6 @@ def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np
     return (
         np.asarray(times, dtype=np.float64).reshape(-1, k),
         np.asarray(nbytes, dtype=np.float64).reshape(-1, k),
-        fixed,
     )
 
 
@@ -217,8 +216,10 @@ def span_free_bound(
                 f"got {formats}"
             )
         fmts = formats
-    t, b, fixed = _choices(profile, fmts)
-    resident = int(profile.resident_bytes) + int(fixed)
+    t, b = _choices(profile, fmts)
+    # Resident storages the forward released (a batch reduced and dropped) are not
+    # there when it ends; a profile without the count gets none (a lower bound still).
+    resident = int(profile.resident_at_backward or 0)
     cap = float(int(bud) - resident)
     full = sum(r.full_recompute_s for r in profile.regions if "sac" in r.modes)
     needed = int(b[:, 0].sum()) if b.size else 0

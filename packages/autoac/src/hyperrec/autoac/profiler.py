@@ -237,6 +237,9 @@ class Profile:
         diagnostics: counts that show whether the trace saw what it should: ops per
             phase, threads per phase (on CUDA the backward runs on a device thread),
             ops the checkpoint policy numbered per region, recomputed ops per region.
+        resident_at_backward: bytes of the resident storages still alive when the
+            forward ended (a batch the step reduces and drops is resident but gone by
+            then); ``None`` in profiles made before 0.1.17.
     """
 
     regions: tuple[RegionProfile, ...]
@@ -252,6 +255,7 @@ class Profile:
     pack_costs: dict[str, dict[str, float]]
     config: ProfileConfig = field(repr=False)
     diagnostics: dict[str, Any] = field(default_factory=dict, repr=False)
+    resident_at_backward: int | None = None
 
     def saved_tensors(self) -> list[dict[str, Any]]:
         """One row per op output of every region (what the profiler saw)."""
@@ -1000,6 +1004,10 @@ def _profile(
             sum(1 for o in last.ops if o.region == j and o.phase == "rc") for j in range(len(names))
         ],
     }
+    fwd_end = next((o.position for o in last.ops if o.phase != "fwd"), len(last.deltas))
+    resident_at_bwd = sum(
+        s.nbytes for s in last.storages if s.alloc == -1 and (s.free is None or s.free >= fwd_end)
+    )
     return Profile(
         regions=regions_p,
         live=live,
@@ -1014,6 +1022,7 @@ def _profile(
         pack_costs=pack_costs,
         config=config,
         diagnostics=diagnostics,
+        resident_at_backward=resident_at_bwd,
     )
 
 
