@@ -72,10 +72,7 @@ def check_float(
     elif isinstance(value, float):
         out = value  # passes through, as in check_int
     else:
-        try:
-            out = float(value)
-        except OverflowError:  # an int beyond float's range
-            raise ValueError(f"{name} must be finite, got {_what(value)}") from None
+        out = float(value)
     # Comparisons rather than math.isfinite: they also trace symbolic floats.
     if finite and not -float("inf") < out < float("inf"):
         raise ValueError(f"{name} must be finite, got {out}")

@@ -39,6 +39,15 @@ from hyperrec.autoac.profiler import Profile
 __all__ = ["SpanFreeBound", "span_free_bound"]
 
 
+def _real(name: str, value: object, *, minimum: float, exclusive: bool = False) -> float:
+    """``check_float``, with an int beyond float's range a ``ValueError`` naming the
+    argument (``float()`` raises ``OverflowError`` on it)."""
+    try:
+        return check_float(name, value, minimum=minimum, exclusive=exclusive)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got an int beyond float's range") from None
+
+
 @dataclass(frozen=True)
 class SpanFreeBound:
     """Result of :func:`span_free_bound`. Bytes are ints, times seconds.
@@ -93,8 +102,8 @@ class SpanFreeBound:
             ValueError: a time that is not positive and finite, or ``full_ac_s`` below
                 ``no_ac_s``.
         """
-        n = check_float("no_ac_s", no_ac_s, minimum=0.0, exclusive=True)
-        f = check_float("full_ac_s", full_ac_s, minimum=0.0, exclusive=True)
+        n = _real("no_ac_s", no_ac_s, minimum=0.0, exclusive=True)
+        f = _real("full_ac_s", full_ac_s, minimum=0.0, exclusive=True)
         if f < n:
             raise ValueError(f"full_ac_s must be >= no_ac_s ({n}), got {f}")
         if not math.isfinite(self.lower_bound_s):
@@ -200,7 +209,7 @@ def span_free_bound(
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
-    bud = check_float("budget", budget, minimum=0.0)
+    bud = _real("budget", budget, minimum=0.0)
     measured = tuple(profile.config.formats)
     if formats is None:
         fmts = measured
