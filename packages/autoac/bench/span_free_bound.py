@@ -101,7 +101,7 @@ def run(case: ba.Case, args: argparse.Namespace, log: Any) -> dict[str, Any]:
                 f"  budget {f:4.2f} formats {','.join(fm) or '-':6}: any regions adds >= "
                 f"{lb_ms:.1f} ms (full recompute {bd.full_recompute_s * 1e3:.1f}), so runs at "
                 f"most {speedup:.3f}x full AC; "
-                f"layer plan adds {p.added_s * 1e3:.1f} ms"
+                f"region plan adds {p.added_s * 1e3:.1f} ms"
                 + (
                     f", measured {row['plan_measured']['time_ms_median']:.1f} ms"
                     if "plan_measured" in row

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperrec.autoac._validate import check_float
-from hyperrec.autoac.formats import SAVE_FORMATS, can_pack, packed_nbytes
-from hyperrec.autoac.model import _pack_time
+from hyperrec.autoac.formats import packed_nbytes
+from hyperrec.autoac.model import _pack_time, _packable
+from hyperrec.autoac.planner import PlanConfig, measured_formats
 from hyperrec.autoac.profiler import Profile
 
 __all__ = ["SpanFreeBound", "span_free_bound"]
@@ -152,9 +153,7 @@ def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np
                     continue
                 tq, bq = 0.0, 0.0
                 for lv in need:
-                    if lv.nbytes >= max(profile.config.min_pack_bytes, 1) and can_pack(
-                        lv.dtype, lv.numel, fmt
-                    ):
+                    if _packable(profile, lv, fmt):
                         tq += _pack_time(profile, fmt, lv.numel)
                         bq += packed_nbytes(lv.numel, fmt)
                     else:
@@ -210,21 +209,8 @@ def span_free_bound(
     if not isinstance(profile, Profile):
         raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
     bud = _real("budget", budget, minimum=0.0)
-    measured = tuple(profile.config.formats)
-    if formats is None:
-        fmts = measured
-    else:
-        if not isinstance(formats, tuple) or not all(isinstance(f, str) for f in formats):
-            raise TypeError(f"formats must be a tuple of format names, got {formats!r}")
-        unknown = [f for f in formats if f not in SAVE_FORMATS]
-        if unknown:
-            raise ValueError(f"formats has unknown names {unknown}; known: {SAVE_FORMATS}")
-        if not set(formats) <= set(measured):
-            raise ValueError(
-                f"formats must be a subset of the formats the profile measured {measured}, "
-                f"got {formats}"
-            )
-        fmts = formats
+    # PlanConfig checks the type and the names, as for plan(formats=...)
+    fmts = measured_formats(profile, PlanConfig(formats=formats).formats, "formats")
     t, b = _choices(profile, fmts)
     # Resident storages the forward released (a batch reduced and dropped) are not
     # there when it ends; a profile without the count gets none (a lower bound still).

@@ -344,6 +344,25 @@ class Plan:
 _CAP_MAX = 2**62
 
 
+def measured_formats(
+    profile: Profile, formats: tuple[str, ...] | None, name: str
+) -> tuple[str, ...]:
+    """``formats`` (``None``: every format the profile measured), which must be among
+    those the profile measured: it has no error or cost for the others, and a plan
+    would silently skip them.
+
+    Raises:
+        ValueError: a format the profile did not measure (the message names ``name``).
+    """
+    measured = tuple(profile.config.formats)
+    out = measured if formats is None else tuple(formats)
+    if not set(out) <= set(measured):
+        raise ValueError(
+            f"{name} must be a subset of the formats the profile measured {measured}, got {out}"
+        )
+    return out
+
+
 def _bytes(name: str, value: Any, floor: int, what: str) -> int:
     """A budget in bytes, or a ValueError that names the smallest feasible one."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -420,17 +439,11 @@ def plan(
     pack_all = config.strategy == "pack_all"
     if budget is None and not region_budgets and not pack_all:
         raise ValueError("budget or region_budgets must be given, got neither")
-    formats = profile.config.formats if config.formats is None else config.formats
+    formats = measured_formats(profile, config.formats, "config.formats")
     if pack_all and not formats:
         raise ValueError(
             "config.strategy='pack_all' needs a packed format: give config.formats or "
             "profile with ProfileConfig.formats (or apply(formats=...))"
-        )
-    if not set(formats) <= set(profile.config.formats):
-        # The profile measured no error or cost for them: the plan would silently skip them.
-        raise ValueError(
-            f"config.formats must be a subset of the formats the profile measured "
-            f"{tuple(profile.config.formats)}, got {tuple(formats)}"
         )
     raw = build_problem(profile, formats=tuple(formats), allow_none=config.allow_none)
     prob = compress(raw)
