@@ -467,13 +467,13 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     noac = point("no_ac", None)
     full = point("full_ac", lambda: full_ac(case.model))
-    osac = point("op_sac", lambda: op_sac(case.model))
+    osac = None if args.pack_all else point("op_sac", lambda: op_sac(case.model))
     if noac is None or full is None or "peak_bytes" not in noac or "peak_bytes" not in full:
         return {"points": rows, "error": "baselines failed"}
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
     # The strongest peer first: a compile takes ~20-40 s, and the deadline cuts from
     # the end (autoac's eager points take ~1 s each after the profile).
-    tb = budget_point(0.5)
+    tb = None if args.pack_all else budget_point(0.5)
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
@@ -690,12 +690,20 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                     res["activation_bytes"], 1
                 )
 
-    def pack_all_point(fmt: str) -> None:
+    def pack_all_point(fmt: str, inputs: bool = True) -> None:
         """Memory of quantized saves: nothing checkpointed, every saved tensor whose
         class passed the gradient-error bound in ``fmt`` packed (the planner's choice
-        aside). Named ``pack_all`` for MXFP8 (as in earlier runs), else ``pack_all_<fmt>``."""
-        name = "pack_all" if fmt == "mxfp8" else f"pack_all_{fmt}"
-        p = pack_all_plan(prof, free, fmt)
+        aside). Named ``pack_all`` for MXFP8 (as in earlier runs), else ``pack_all_<fmt>``;
+        ``_no_inputs`` appended with ``inputs=False`` (the regions' inputs kept, as
+        before 0.1.18; measured only where the profile offers an input to pack)."""
+        name = ("pack_all" if fmt == "mxfp8" else f"pack_all_{fmt}") + (
+            "" if inputs else "_no_inputs"
+        )
+        if not inputs and not any(
+            o.is_input and fmt in o.formats for r in prof.regions for o in r.ops
+        ):
+            return
+        p = pack_all_plan(prof, free, fmt, inputs)
         if p is None:
             rows.append({"method": name, "skipped": "no packable saved tensor"})
             return
@@ -708,13 +716,14 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
         # What the profile says autograd holds for the backward, and how much of it the
         # plan packs: bounds the activation cut that packing alone can reach.
-        needed = packed = 0
+        needed = packed = inputs_packed = 0
         for rp, r in zip(prof.regions, p.regions):
             for o in rp.ops:
                 held = sum(lv.nbytes for lv in o.storages if lv.needed)
                 needed += held
                 if r.saves.get(o.key) == fmt:
                     packed += held
+                    inputs_packed += held if o.is_input else 0
         res = point(
             name,
             setup,
@@ -723,6 +732,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             regions_saved_bytes=needed,
             regions_packed_bytes=packed,
             regions_packed_fraction=packed / max(needed, 1),
+            regions_inputs_packed_bytes=inputs_packed,
         )
         if res is not None and "peak_bytes" in res:
             record_activation_cut(res)
@@ -737,6 +747,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if prof.pack_errors:
             for fmt in formats:
                 pack_all_point(fmt)
+                pack_all_point(fmt, inputs=False)
         autoac_point("autoac", 0.0, matched=osac)
         if not args.quick:
             budget_point(1.0)
@@ -751,7 +762,11 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 f_tb = min(max((tb["peak_bytes"] - lo) / max(hi - lo, 1), 0.0), 1.0)
                 autoac_compiled_point(f_tb, matched=tb["method"])
 
-    if args.compiled:
+    if args.pack_all:
+        for fmt in formats if prof.pack_errors else ():
+            pack_all_point(fmt)
+            pack_all_point(fmt, inputs=False)
+    elif args.compiled:
         # The compiled comparison alone: autoac's plan under torch.compile against torch's
         # compiled budget at the same memory and compiled no-AC (eager autoac beside it);
         # with "mxint8" among --formats, autoac's plan with packed saves compiled too.
@@ -778,14 +793,19 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     return {"points": rows, "autoac": info, "plans": plans}
 
 
-def pack_all_plan(prof: Any, free: Any, fmt: str) -> Any:
+def pack_all_plan(prof: Any, free: Any, fmt: str, inputs: bool = True) -> Any:
     """``free`` (nothing checkpointed) with every saved tensor packed in ``fmt`` where
-    the profile allows ``fmt`` for it; ``None`` if there is none."""
+    the profile allows ``fmt`` for it (with ``inputs=False`` not the regions' inputs,
+    as before autoac 0.1.18); ``None`` if there is none."""
     import dataclasses
 
     regions = []
     for rp, r in zip(prof.regions, free.regions):
-        saves = {o.key: fmt for o in rp.ops if o.needed and fmt in o.formats}
+        saves = {
+            o.key: fmt
+            for o in rp.ops
+            if o.needed and fmt in o.formats and (inputs or not o.is_input)
+        }
         regions.append(dataclasses.replace(r, mode="none", saves=saves))
     if not any(r.saves for r in regions):
         return None
@@ -841,6 +861,12 @@ def main() -> None:
         action="store_true",
         help="baselines, torch's compiled budget, compiled no AC and autoac under torch.compile only",
     )
+    ap.add_argument(
+        "--pack-all",
+        action="store_true",
+        help="no AC, full AC and the pack_all points only (each with and without the "
+        "regions' inputs packed)",
+    )
     args = ap.parse_args()
     t_start = time.monotonic()
     # Start-up (imports, CUDA context) and the last point's overrun fit in the rest of
@@ -857,7 +883,11 @@ def main() -> None:
         "benchmark": "autoac",
         "mode": "smoke"
         if args.smoke
-        else ("quick" if args.quick else ("compiled" if args.compiled else "full")),
+        else (
+            "quick"
+            if args.quick
+            else ("compiled" if args.compiled else ("pack_all" if args.pack_all else "full"))
+        ),
         "device": device,
         "dtype": str(dtype),
         "ceilings_h200": H200,
@@ -900,6 +930,12 @@ def _write(args: argparse.Namespace, out: dict) -> Path:
         if args.smoke
         else ("h200_quick" if args.quick else ("h200_compiled" if args.compiled else "h200"))
     )
+    if args.pack_all and not args.smoke:
+        # the card's model, not always an H200
+        name = torch.cuda.get_device_name().lower()
+        tag = ("h100" if "h100" in name else "h200" if "h200" in name else "gpu") + "_pack_all"
+    elif args.pack_all:
+        tag = "smoke_pack_all"
     return write_out(path / f"{tag}_{stamp}.json", out)
 
 

@@ -129,7 +129,9 @@ def test_mxint8_saves_pass_a_bound_that_mxfp8_fails(mlp_case):
         FLOPS, formats=("mxfp8", "mxint8"), min_pack_bytes=4096, max_grad_error=1.0
     )
     prof = _cheap_packing(autoac.profile(model, step, config=cfg))
-    classes = {c for c, _ in prof.pack_errors}
+    # op classes; the layers' inputs (after a layer norm's input, 0.1.18) are gentler on
+    # MXFP8 and may pass either format
+    classes = {c for c, _ in prof.pack_errors if c != "<input>"}
     assert classes
     for c in classes:
         assert prof.pack_errors[(c, "mxint8")] < 0.6 * prof.pack_errors[(c, "mxfp8")], c
@@ -137,7 +139,7 @@ def test_mxint8_saves_pass_a_bound_that_mxfp8_fails(mlp_case):
     assert bound < min(prof.pack_errors[(c, "mxfp8")] for c in classes)
     prof_b = autoac.profile(model, step, config=dataclasses.replace(cfg, max_grad_error=bound))
     prof_b = _cheap_packing(prof_b)
-    allowed = {f for r in prof_b.regions for o in r.ops for f in o.formats}
+    allowed = {f for r in prof_b.regions for o in r.ops if not o.is_input for f in o.formats}
     assert allowed == {"mxint8"}
     b = _budgets(prof_b, (0.15,))[0]
     h = AutoAC(model, autoac.plan(prof_b, budget=b), profile_=prof_b)

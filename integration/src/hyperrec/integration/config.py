@@ -679,6 +679,10 @@ class TrainConfig:
     kept in the first of ``ac_formats`` its class passed autoac's gradient-error bound:
     what packing alone saves; needs ``ac_formats``; ``ac_budget_gb`` 0 means no budget,
     one given must hold the packed step)."""
+    ac_pack_inputs: bool = True
+    """autoac's ``PlanConfig.pack_inputs``: an un-checkpointed region may pack the inputs
+    its ops save (a layer's input, the previous layer's output) where autoac's profile
+    shows no other holder of them; False keeps them as given (autoac before 0.1.18)."""
     attention_precision: str = "bf16"
     """"bf16", "fp8", "mxfp8" or "fp8_bwd": the sequence tower's attention through
     ``hyperrec.jagged_attn``'s ``precision=`` path (FP8 forward with block-quantized Q/K/V
@@ -837,6 +841,10 @@ class TrainConfig:
         if not isinstance(self.validate_inputs, bool):
             raise TypeError(
                 f"TrainConfig.validate_inputs must be a bool, got {self.validate_inputs!r}"
+            )
+        if not isinstance(self.ac_pack_inputs, bool):
+            raise TypeError(
+                f"TrainConfig.ac_pack_inputs must be a bool, got {self.ac_pack_inputs!r}"
             )
 
     def _check_tables_and_ac(self) -> None:

@@ -1050,7 +1050,8 @@ class Trainer:
                 profile_config=autoac.ProfileConfig(steps=1, cost=cost, seed=cfg.seed),
                 # validated by TrainConfig against the same names
                 plan_config=autoac.PlanConfig(
-                    strategy=cast(Literal["fastest", "pack_all"], cfg.ac_strategy)
+                    strategy=cast(Literal["fastest", "pack_all"], cfg.ac_strategy),
+                    pack_inputs=cfg.ac_pack_inputs,
                 ),
                 # The verification replans until packing is within its error bound: a
                 # number of steps that could differ between ranks, whose FSDP collectives

@@ -63,6 +63,26 @@ _RNG_GUARD = True
 _NAMES: dict[Any, str] = {}
 
 
+#: The op name of a region's inputs in decision keys: ``(INPUT, k)`` is the ``k``-th
+#: distinct storage among the tensor arguments of the call (see :func:`input_storages`).
+#: Only an un-checkpointed region packs its inputs (a checkpoint holds them as given).
+INPUT = "<input>"
+
+
+def input_storages(tree: PyTree) -> list[torch.Tensor]:
+    """One tensor per distinct storage among the tensor leaves of ``tree``, in order
+    (the numbering of :data:`INPUT` decision keys)."""
+    seen: set[int] = set()
+    out = []
+    for x in tree_leaves(tree):
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                out.append(x)
+    return out
+
+
 def op_name(func: Any) -> str:
     """Stable name of an op overload, e.g. ``"aten.mm.default"`` (cached: the policy
     asks for every op of every checkpointed region)."""
@@ -442,6 +462,11 @@ def _run_none_packed(
             full = x.packed.dequantize_shared()
         return full.as_strided(x.size, x.stride, x.offset)
 
+    for k, t in enumerate(input_storages((args, kwargs))):
+        decision = decisions.saves.get((INPUT, k))
+        if decision in SAVE_FORMATS and t.is_floating_point():
+            st = t.untyped_storage()
+            marks[st._cdata] = (weakref.ref(st), decision)
     with saved_tensors_hooks(pack, unpack), marker:
         return fn(*args, **kwargs)
 

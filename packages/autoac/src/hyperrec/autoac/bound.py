@@ -140,6 +140,9 @@ def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np
     for r in profile.regions:
         replayable = "sac" in r.modes
         for o in r.ops:
+            if o.is_input:
+                # another region's output (or the step's input): counted there, if at all
+                continue
             need = [lv for lv in o.storages if lv.needed]
             if not need:
                 continue

@@ -182,7 +182,38 @@ def _sac_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> list
     return out
 
 
+def _input_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> list[Choice]:
+    """An un-checkpointed region's input (see ``profiler._with_input_ops``): kept as the
+    trace holds it, or packed: the packed copy from the region's first op to the
+    trace's release, the input itself gone from its last forward read to its first
+    backward read (``rc_alloc``, where the backward unpacks it)."""
+    out = [Choice("keep", 0.0, ())]
+    for fmt in formats:
+        if fmt not in o.formats:
+            continue
+        ivs: list[Interval] = []
+        tq = 0.0
+        for lv in o.storages:
+            if not _packable(profile, lv, fmt) or lv.rc_alloc is None or lv.rc_free is None:
+                continue
+            pb = packed_nbytes(lv.numel, fmt)
+            ivs += _iv(lv.fwd_alloc, max(lv.rc_free, lv.rc_alloc + 1), pb)
+            ivs += _iv(lv.fwd_free, lv.rc_alloc, -lv.nbytes)
+            ivs += _iv(
+                lv.fwd_alloc, lv.fwd_alloc + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)
+            )
+            ivs += _iv(
+                lv.rc_alloc, lv.rc_alloc + 1, _ws(profile, fmt, "unpack_ws_per_elem", lv.numel)
+            )
+            tq += _pack_time(profile, fmt, lv.numel)
+        if ivs:
+            out.append(Choice(fmt, tq, tuple(ivs)))
+    return out
+
+
 def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> list[Choice]:
+    if o.is_input:
+        return _input_choices(profile, o, formats)
     keep: list[Interval] = []
     for lv in o.storages:
         if lv.needed:

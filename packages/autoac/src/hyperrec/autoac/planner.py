@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hyperrec.autoac._exec import RegionDecisions
+from hyperrec.autoac._exec import INPUT, RegionDecisions
 from hyperrec.autoac._validate import check_bool, check_choice, check_float, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.model import (
@@ -89,6 +89,11 @@ class PlanConfig:
     naming that peak if it does not fit; the plan may peak below the floor of full
     recompute, which does not pack)."""
 
+    pack_inputs: bool = True
+    """Allow an un-checkpointed region to pack the inputs its ops save (0.1.18), where
+    the profile offers them (``SavedOp.is_input``: the profiled trace shows no other
+    holder). ``False``: a region's inputs are kept as given, as before 0.1.18."""
+
     def __post_init__(self) -> None:
         check_choice("solver", self.solver, ("auto", "exact", "greedy"))
         check_choice("strategy", self.strategy, STRATEGIES)
@@ -100,6 +105,7 @@ class PlanConfig:
             for f in self.formats:
                 check_choice("formats entry", f, SAVE_FORMATS)
         check_bool("allow_none", self.allow_none)
+        check_bool("pack_inputs", self.pack_inputs)
         check_int("exact_max_groups", self.exact_max_groups, minimum=0)
         check_int("node_limit", self.node_limit, minimum=1)
         check_int("bound_iters", self.bound_iters, minimum=0)
@@ -440,6 +446,8 @@ def plan(
     if budget is None and not region_budgets and not pack_all:
         raise ValueError("budget or region_budgets must be given, got neither")
     formats = measured_formats(profile, config.formats, "config.formats")
+    if not config.pack_inputs:
+        profile = restrict(profile, {(INPUT, f) for f in SAVE_FORMATS})
     if pack_all and not formats:
         raise ValueError(
             "config.strategy='pack_all' needs a packed format: give config.formats or "

@@ -19,7 +19,7 @@ import time
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -29,10 +29,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hyperrec.autoac import regions as _regions
 from hyperrec.autoac._exec import (
+    INPUT,
     SAC_IGNORED_OPS,
     RegionDecisions,
     bind_kwargs,
     explicit_generator,
+    input_storages,
     keep_module_state,
     no_compile,
     op_name,
@@ -150,6 +152,9 @@ class SavedOp:
         needed: autograd needs one of its storages in the backward.
         formats: packed formats allowed for it (dtype, size and class error).
         shapes: output shapes of its storages.
+        is_input: not an op but an input of the region (op and class ``"<input>"``),
+            which the region may pack when it runs un-checkpointed (0.1.18); never
+            recomputed by the region, and held by its checkpoint when checkpointed.
     """
 
     ordinal: int
@@ -168,6 +173,7 @@ class SavedOp:
     needed: bool
     formats: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    is_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,7 @@ class Profile:
                         "time_s": o.time_s,
                         "flops": o.flops,
                         "needed": o.needed,
+                        "input": o.is_input,
                         "recomputed": o.recomputed,
                         "random": o.random,
                         "collective": o.collective,
@@ -315,6 +322,10 @@ class _ProfilingTracker(MemoryTracker):
         self.input_versions: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
         #: region -> bytes of each input the step created
         self.region_inputs: dict[int, list[int]] = {}
+        #: region -> ``(k, storage id, dtype)`` of each input the step created, ``k``
+        #: its position among the distinct storages of the call's tensor arguments (the
+        #: key a plan packs it under, see ``_exec._mark_inputs``)
+        self.input_storages: dict[int, list[tuple[int, int, torch.dtype]]] = {}
 
     def written_after(self) -> set[int]:
         """Regions one of whose inputs was written in place after the region returned."""
@@ -361,11 +372,14 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
         # Inputs the step created (activations); resident ones (parameters, a shared
         # mask) are held anyway.
         seen: dict[int, int] = {}
-        for t in _regions.flat_tensors((args, kwargs)):
+        keyed: list[tuple[int, int, torch.dtype]] = []
+        for k, t in enumerate(input_storages((args, kwargs))):
             sid = tracker._live.get(t.untyped_storage()._cdata)
             if sid is not None and tracker.storages[sid].alloc >= 0:
                 seen[sid] = tracker.storages[sid].nbytes
+                keyed.append((k, sid, t.dtype))
         tracker.region_inputs[j] = list(seen.values())
+        tracker.input_storages[j] = keyed
         if j in plain or not torch.is_grad_enabled():
             prev = tracker.region
             tracker.region = j
@@ -603,6 +617,8 @@ def _build_regions(
     # where the backward begins: a storage allocated before it and freed in it was
     # saved for it
     bwd_pos = next((o.position for o in tracker.ops if o.phase == "bwd"), end)
+    # forward storages some region's backward needs (a plan may keep them there)
+    needed_sids: set[int] = set()
     for j, name in enumerate(names):
         fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
         rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
@@ -685,6 +701,7 @@ def _build_regions(
                         needed=needed,
                     )
                 )
+            needed_sids.update(s for s, lv in zip(o.new, lives) if lv.needed)
             mutated = any(written.get(s, -1) > o.index for s in o.new)
             fmts = tuple(
                 f
@@ -730,6 +747,120 @@ def _build_regions(
                 forward_s=forward_s,
             )
         )
+    return _with_input_ops(tracker, tuple(out), needed_sids, written, config)
+
+
+def _with_input_ops(
+    tracker: _ProfilingTracker,
+    regions: tuple[RegionProfile, ...],
+    needed_sids: set[int],
+    written: dict[int, int],
+    config: ProfileConfig,
+) -> tuple[RegionProfile, ...]:
+    """Add to every checkpointable region one :class:`SavedOp` per input an
+    un-checkpointed run of it may pack (key ``(INPUT, k)``, ``is_input=True``).
+
+    In the profiled (checkpointed) trace a region's checkpoint holds its inputs until
+    its recomputation. Un-checkpointed, its ops save the inputs they need; packing those
+    saves frees the input itself only if nothing else holds it, so an input is offered
+    only where the trace shows no other holder: the input of this region alone, not a
+    tensor a region's backward needs (a plan may keep it there), not written after the
+    region ran, no backward use before this region's recomputation, and released by the
+    trace before the next region's recomputation begins. Its packed copy is counted from
+    the region's first op to the trace's release; the input itself is taken off from
+    the position after the last forward op that read it up to the first backward op
+    that reads it (where the backward unpacks it; stored as ``rc_alloc``).
+    Holders the trace cannot show (an op outside the regions that saves the input for
+    a backward run in the same window, a Python reference kept without use) make the
+    prediction low; the verification measures the peak.
+    """
+    if not config.formats:
+        return regions
+    st = tracker.storages
+    count: Counter[int] = Counter(sid for v in tracker.input_storages.values() for _, sid, _ in v)
+    rc_starts = sorted(r.rc_start for r in regions if r.rc_start is not None)
+    # last forward read and every backward read (recomputation included) per storage
+    last_read: dict[int, int] = {}
+    bwd_reads: defaultdict[int, list[tuple[int, str]]] = defaultdict(list)
+    next_pos = [o.position for o in tracker.ops[1:]] + [len(tracker.deltas)]
+    for o, nxt in zip(tracker.ops, next_pos):
+        for sid in o.inputs:
+            if o.phase == "fwd":
+                last_read[sid] = max(last_read.get(sid, -1), nxt)
+            elif o.phase in ("rc", "bwd"):
+                bwd_reads[sid].append((o.position, o.phase))
+    out = []
+    for r in regions:
+        rc = r.rc_start
+        if rc is None or "sac" not in r.modes:
+            out.append(r)
+            continue
+        later = [p for p in rc_starts if p > rc]
+        horizon = later[0] if later else len(tracker.deltas)
+        first_fwd = next(
+            (o.index for o in tracker.ops if o.region == r.index and o.phase == "fwd"), None
+        )
+        extra = []
+        for k, sid, dtype in tracker.input_storages.get(r.index, []):
+            s = st[sid]
+            release = last_read.get(sid)
+            if (
+                count[sid] != 1
+                or sid in needed_sids
+                or s.free is None
+                or not rc <= s.free <= horizon
+                or release is None
+                or release >= rc
+                or any(p < rc for p, _ in bwd_reads.get(sid, ()))
+                or (first_fwd is not None and written.get(sid, -1) >= first_fwd)
+            ):
+                continue
+            numel = s.nbytes // max(torch.empty((), dtype=dtype).element_size(), 1)
+            fmts = tuple(
+                f
+                for f in config.formats
+                if s.nbytes >= max(config.min_pack_bytes, 1) and can_pack(dtype, numel, f)
+            )
+            if not fmts:
+                continue
+            # Un-checkpointed, the input comes back when the first backward node that
+            # saved it unpacks it: the trace's first backward (not recomputation) read.
+            uses = [p for p, ph in bwd_reads.get(sid, ()) if ph == "bwd" and p >= rc]
+            unpack = min(uses) if uses else rc
+            life = StorageLife(
+                nbytes=s.nbytes,
+                dtype=dtype,
+                numel=numel,
+                fwd_alloc=r.fwd_start,
+                fwd_free=release,
+                rc_alloc=unpack,
+                rc_free=max(s.free, unpack),
+                bwd_use=unpack,
+                needed=True,
+            )
+            extra.append(
+                SavedOp(
+                    ordinal=-1 - k,
+                    key=(INPUT, k),
+                    op=INPUT,
+                    op_class=INPUT,
+                    nbytes=s.nbytes,
+                    storages=(life,),
+                    time_s=0.0,
+                    measured_s=0.0,
+                    flops=0.0,
+                    random=False,
+                    collective=False,
+                    mutated=False,
+                    recomputed=False,
+                    needed=True,
+                    formats=fmts,
+                    shapes=((numel,),),
+                    is_input=True,
+                )
+            )
+        extra.sort(key=lambda o: o.ordinal)
+        out.append(replace(r, ops=tuple(extra) + r.ops) if extra else r)
     return tuple(out)
 
 
@@ -1042,13 +1173,18 @@ def _class_errors(
         for fmt in config.formats:
             decisions: dict[int, RegionDecisions] = {}
             any_op = False
+            # Inputs are packed only by un-checkpointed regions: their class is measured
+            # with every checkpointable region run un-checkpointed.
+            mode = "none" if cls == INPUT else "sac"
             for r in regions_p:
                 if "sac" not in r.modes:
                     continue
                 saves = {o.key: fmt for o in r.ops if o.op_class == cls and fmt in o.formats}
                 any_op = any_op or bool(saves)
                 decisions[r.index] = RegionDecisions(
-                    mode="sac", saves=saves, min_pack_bytes=config.min_pack_bytes
+                    mode=mode if "none" in r.modes else "sac",
+                    saves=saves,
+                    min_pack_bytes=config.min_pack_bytes,
                 )
             if not any_op:
                 continue
@@ -1066,8 +1202,6 @@ def _class_errors(
 def _restrict_formats(
     regions_p: tuple[RegionProfile, ...], errors: dict[tuple[str, str], float], bound: float
 ) -> tuple[RegionProfile, ...]:
-    from dataclasses import replace
-
     out = []
     for r in regions_p:
         ops = tuple(

@@ -49,7 +49,7 @@ from hyperrec.autoac._compiled_pack import (
     pack_hooks,
 )
 from hyperrec.autoac._compiled_saves import graph_saves, sequence_now, storage_keys
-from hyperrec.autoac._exec import RegionDecisions, no_compile, run_region
+from hyperrec.autoac._exec import INPUT, RegionDecisions, no_compile, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.planner import Plan, PlanConfig, plan, price_compiled_saves, restrict
@@ -298,6 +298,9 @@ def _packed_classes(d: RegionDecisions) -> dict[str, str] | None:
     for (op, _), f in d.saves.items():
         if f not in SAVE_FORMATS:
             continue
+        if op == INPUT:
+            # a compiled graph's packing hooks see its saved nodes, not the call's inputs
+            return None
         if f not in COMPILED_FORMATS or classes.setdefault(op, f) != f:
             return None
     return classes
