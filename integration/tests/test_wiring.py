@@ -269,6 +269,33 @@ def test_ac_strategy_config_errors(micro):
     assert override(micro, ["train.ac_regions=all"]).train.ac_regions == "all"
 
 
+def test_autoac_pack_inputs_packs_the_layers_inputs_and_can_be_turned_off(micro, tmp_path):
+    """``ac_pack_inputs`` (autoac 0.1.18): with pack_all the second layer's input (the
+    first layer's output, saved by its norm) is packed and the step allocates less than
+    with the inputs kept; ``False`` keeps every input as before."""
+    base = ["model.seq_layers=2", "data.max_seqlen=64", "model.dim=32",
+            "train.activation_checkpointing=autoac", "train.ac_strategy=pack_all",
+            "train.ac_formats=mxint8"]  # fmt: skip
+    mem, inputs = {}, {}
+    for flag in (True, False):
+        t = Trainer(_micro(micro, *base, f"train.ac_pack_inputs={str(flag).lower()}"),
+                    out_dir=tmp_path / str(flag), progress=False)  # fmt: skip
+        try:
+            mem[flag] = t.step_memory()["step_gb"]
+            inputs[flag] = {
+                r.name: [k for k, d in r.saves.items() if k[0] == "<input>" and d == "mxint8"]
+                for r in t.autoac.plan.regions
+            }
+        finally:
+            t.close()
+    assert inputs[True]["seq_layers.1"] and not any(inputs[False].values())
+    assert mem[True] < mem[False]
+    with pytest.raises(ValueError, match="train.ac_pack_inputs: expected a bool"):
+        override(micro, ["train.ac_pack_inputs=maybe"])
+    with pytest.raises(TypeError, match="TrainConfig.ac_pack_inputs must be a bool"):
+        dataclasses.replace(micro.train, ac_pack_inputs=1)
+
+
 @pytest.mark.parametrize("scope", ["regions", "layers"])
 def test_autoac_packs_mxint8_inside_the_compiled_layers(micro, scope, monkeypatch):
     """``ac_formats=mxint8`` with ``compile``: autoac compiles each layer with the packing

@@ -888,6 +888,7 @@ def main() -> None:
             if args.quick
             else ("compiled" if args.compiled else ("pack_all" if args.pack_all else "full"))
         ),
+        "pack_all_only": args.pack_all,
         "device": device,
         "dtype": str(dtype),
         "ceilings_h200": H200,

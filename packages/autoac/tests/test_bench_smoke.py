@@ -60,3 +60,22 @@ def test_span_free_bound_smoke_run_records_both_region_kinds(tmp_path):
             assert row["lower_bound_ms"] <= row["plan_added_ms"] + 1e-9
         measured = [r for r in points if r["budget_fraction"] == 0 or not r["formats"]]
         assert len(measured) == 3 and all("time_ms_median" in r["plan_measured"] for r in measured)
+
+
+def test_pack_all_smoke_run_measures_with_and_without_inputs(tmp_path):
+    """``--pack-all``: the baselines and each format's pack_all point with the regions'
+    inputs packed (0.1.18) and without them, in one run."""
+    cmd = [sys.executable, str(BENCH), "--smoke", "--pack-all", "--formats", "mxint8",
+           "--models", "hstu,llama", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("smoke_pack_all_*.json")
+    doc = json.loads(path.read_text())
+    assert doc["mode"] == "smoke" and doc["pack_all_only"]
+    for model in ("hstu", "llama"):
+        rows = {r["method"]: r for r in doc["models"][model]["points"]}
+        assert set(rows) == {"no_ac", "full_ac", "pack_all_mxint8", "pack_all_mxint8_no_inputs"}
+        packed, kept = rows["pack_all_mxint8"], rows["pack_all_mxint8_no_inputs"]
+        assert packed["regions_inputs_packed_bytes"] > 0 == kept["regions_inputs_packed_bytes"]
+        assert packed["packed_ops"] > kept["packed_ops"]
+        assert packed["activation_reduction_vs_no_ac"] > 1 and "time_ms_median" in kept
