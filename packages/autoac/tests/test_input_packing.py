@@ -207,6 +207,10 @@ def test_bound_ignores_inputs_and_compiled_regions_run_them_eagerly():
         budget,
     )
     assert a.lower_bound_s == b.lower_bound_s and a.needed_bytes == b.needed_bytes
+    # compiled plans are made from for_compiled_packing's profile: no input offered
+    cprof = autoac.for_compiled_packing(prof)
+    assert not any(o.formats for r in cprof.regions for o in r.ops if o.is_input)
+    assert any(o.formats for r in cprof.regions for o in r.ops if not o.is_input)
     d = RegionDecisions(mode="none", saves={(INPUT, 0): "mxint8", ("aten.mm.default", 0): "mxint8"})
     assert d.quantized and _packed_classes(d) is None
     assert _packed_classes(RegionDecisions(mode="none", saves={("aten.mm.default", 0): "mxint8"}))

@@ -324,7 +324,7 @@ class _ProfilingTracker(MemoryTracker):
         self.region_inputs: dict[int, list[int]] = {}
         #: region -> ``(k, storage id, dtype)`` of each input the step created, ``k``
         #: its position among the distinct storages of the call's tensor arguments (the
-        #: key a plan packs it under, see ``_exec._mark_inputs``)
+        #: key a plan packs it under, see ``_exec._run_none_packed``)
         self.input_storages: dict[int, list[tuple[int, int, torch.dtype]]] = {}
 
     def written_after(self) -> set[int]:

@@ -939,7 +939,9 @@ def for_compiled_packing(profile_: Profile) -> Profile:
     pass). Traced into a compiled graph (:data:`COMPILED_FORMATS`) there is no call: the
     per-call terms are dropped and the per-element ones kept, the time of a standalone
     pass, which is an upper bound on what the pack costs fused into its neighbours.
-    Other formats keep their eager costs (those regions run eagerly).
+    Other formats keep their eager costs (those regions run eagerly). The regions'
+    inputs are not offered for packing (0.1.18): a graph's packing hooks see the nodes
+    it saves, not the call's inputs, so a region packing one would run eagerly.
 
     Raises:
         TypeError: ``profile_`` not a :class:`~hyperrec.autoac.profiler.Profile`.
@@ -950,7 +952,7 @@ def for_compiled_packing(profile_: Profile) -> Profile:
         f: ({**c, "pack_call_s": 0.0, "unpack_call_s": 0.0} if f in COMPILED_FORMATS else c)
         for f, c in profile_.pack_costs.items()
     }
-    return replace(profile_, pack_costs=costs)
+    return restrict(replace(profile_, pack_costs=costs), {(INPUT, f) for f in SAVE_FORMATS})
 
 
 #: ``apply(..., verify=True)`` plans again with a lower budget while the measured peak
