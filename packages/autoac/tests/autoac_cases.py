@@ -67,6 +67,17 @@ def attn_tower(n: int = 3, dim: int = 32, heads: int = 4, p: float = 0.0, seed: 
     return Tower([AttnBlock(dim, heads, p) for _ in range(n)], dim)
 
 
+def measure_under(model: nn.Module, step, plan_):
+    """``autoac.measure_step`` (gradients kept) with ``plan_`` in force, then removed."""
+    from hyperrec import autoac
+
+    h = autoac.apply_plan(model, plan_)
+    try:
+        return autoac.measure_step(model, step, keep_grads=True)
+    finally:
+        h.remove()
+
+
 def step_for(x: torch.Tensor):
     def step(m: nn.Module) -> torch.Tensor:
         return m(x).float().square().mean()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from autoac_cases import mlp_tower, step_for
+from autoac_cases import measure_under, mlp_tower, step_for
 from torch import nn
 
 from hyperrec import autoac
@@ -29,14 +29,6 @@ from hyperrec.autoac.model import Assignment, build_problem, compress, profile_o
 from hyperrec.autoac.reference import live_bytes
 
 FLOPS = autoac.ProfileConfig(cost="flops", steps=1)
-
-
-def _measure(model, step, plan_):
-    h = autoac.apply_plan(model, plan_)
-    try:
-        return autoac.measure_step(model, step, keep_grads=True)
-    finally:
-        h.remove()
 
 
 # --------------------------------------------------------------------------- no-AC baseline
@@ -148,7 +140,7 @@ def test_packed_save_of_a_twice_saved_tensor_within_its_predicted_peak(mode):
     prediction and above no AC's own peak (a second dequantized copy for ``a * a``)."""
     model, step, prof = _square_case()
     p = _forced_plan(prof, mode, "aten.tanh.default", "mxfp8")
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert m.peak_bytes <= p.predicted_peak
     assert m.peak_bytes < autoac.plan(prof, budget=1e15).no_ac_peak
 
@@ -230,7 +222,7 @@ def test_floor_is_the_least_peak_not_full_recompute():
     )
     assert free.floor == least + prof.device_offset
     p = autoac.plan(prof, budget=noac)  # was a ValueError
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert m.peak_bytes <= p.predicted_peak <= noac
     with pytest.raises(ValueError, match=str(free.floor)):
         autoac.plan(prof, budget=free.floor - 1)
@@ -288,7 +280,7 @@ def test_odd_saves_exact_peak_and_never_packed():
     for f in (0.0, 0.5):
         b = free.floor + f * (free.no_ac_peak - free.floor)
         p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=()))
-        m = _measure(model, step, p)
+        m = measure_under(model, step, p)
         assert m.peak_bytes == p.predicted_peak <= b
         for g0, g1 in zip(ref.grads, m.grads):
             assert torch.equal(g0, g1)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hyperrec import autoac
+from hyperrec.autoac import profiler
 from hyperrec.autoac.bound import _lp_bound
 
 CFG = autoac.ProfileConfig(
@@ -186,10 +187,13 @@ def _case(name: str, seed: int):
 
 
 @pytest.mark.parametrize("name", ["dropout", "mutated", "bf16", "tiny"])
-def test_planner_plans_of_every_region_choice_stay_above_every_bound(name):
+def test_planner_plans_of_every_region_choice_stay_above_every_bound(name, monkeypatch):
     """Plans from each region choice (the default blocks, the whole model as one region,
-    a subset) against the bound of each, FLOP prices (re-measured per profile: a few
-    percent apart), with and without packing."""
+    a subset) against the bound of each, FLOP prices, with and without packing. The
+    FLOP and copy rates are fixed: measured per profile they are timings of a few
+    hundred microseconds, which a loaded machine moved far enough between two profiles
+    that the bound of one came out 12x the plan of the other (no packing involved)."""
+    monkeypatch.setattr(profiler, "_measure_rates", lambda device, dtype: (2e10, 5e9))
     seed = int(np.random.default_rng().integers(1000))
     m, step, choices = _case(name, seed)
     profs = [autoac.profile(m, step, regions=r, config=CFG) for r in choices]

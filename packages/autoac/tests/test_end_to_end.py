@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from autoac_cases import attn_tower, mlp_tower, step_for
+from autoac_cases import attn_tower, measure_under, mlp_tower, step_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,14 +21,6 @@ FLOPS = autoac.ProfileConfig(cost="flops", steps=1)
 def _budgets(prof: autoac.Profile, fracs=(0.0, 0.2, 0.5, 0.8, 1.0)) -> list[float]:
     p = autoac.plan(prof, budget=1e15)
     return [p.floor + f * (p.no_ac_peak - p.floor) for f in fracs]
-
-
-def _measure(model, step, plan_):
-    h = autoac.apply_plan(model, plan_)
-    try:
-        return autoac.measure_step(model, step, keep_grads=True)
-    finally:
-        h.remove()
 
 
 @pytest.mark.parametrize("case", ["mlp", "attn"])
@@ -47,7 +39,7 @@ def test_predicted_peak_matches_measured(case):
         for allow_none in (True, False):
             p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(allow_none=allow_none))
             assert p.predicted_peak <= b
-            m = _measure(model, step, p)
+            m = measure_under(model, step, p)
             assert abs(m.peak_bytes / p.predicted_peak - 1) <= 0.10, (b, allow_none)
         # More budget never costs more time.
         if prev is not None:
@@ -62,7 +54,7 @@ def test_pure_recompute_gradients_bit_identical(attn_case):
     for b in _budgets(prof, (0.0, 0.3, 0.7)):
         p = autoac.plan(prof, budget=b, config=autoac.PlanConfig(formats=()))
         assert not p.packed
-        m = _measure(model, step, p)
+        m = measure_under(model, step, p)
         for g0, g1 in zip(ref.grads, m.grads):
             assert torch.equal(g0, g1)
 
@@ -99,7 +91,7 @@ def test_packed_saves_peak_and_gradient_bound(mlp_case):
     for b in _budgets(prof, (0.0, 0.15, 0.4)):
         p = autoac.plan(prof, budget=b)
         used_pack |= p.packed
-        m = _measure(model, step, p)
+        m = measure_under(model, step, p)
         assert abs(m.peak_bytes / p.predicted_peak - 1) <= 0.10
         assert m.peak_bytes <= b * 1.001
     assert used_pack
@@ -188,7 +180,7 @@ def test_region_budgets(mlp_case):
     p = autoac.plan(prof, region_budgets=caps)
     for r in p.regions:
         assert r.held_bytes <= caps[r.name]
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert abs(m.peak_bytes / p.predicted_peak - 1) <= 0.10
     assert p.added_s > 0
 
@@ -321,7 +313,7 @@ def test_span_region():
     prof = autoac.profile(model, step, regions=["span"], config=FLOPS)
     p = autoac.plan(prof, budget=prof.tracked_peak)
     assert p.regions[0].mode in ("sac", "none")
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert all(torch.equal(a, b) for a, b in zip(ref.grads, m.grads))
     assert math.isfinite(p.added_s)
 
@@ -341,7 +333,7 @@ def test_predicted_peak_matches_measured_sweep(n, dim, rows, frac, seed):
     prof = autoac.profile(model, step, config=FLOPS)
     b = _budgets(prof, (frac,))[0]
     p = autoac.plan(prof, budget=b)
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert p.predicted_peak <= b
     assert abs(m.peak_bytes / p.predicted_peak - 1) <= 0.10
     assert all(torch.equal(a, c) for a, c in zip(ref.grads, m.grads))
@@ -352,7 +344,7 @@ def test_empty_batch():
     step = step_for(torch.randn(0, 32))
     prof = autoac.profile(model, step, config=FLOPS)
     p = autoac.plan(prof, budget=autoac.plan(prof, budget=1e15).floor)
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert m.peak_bytes == p.predicted_peak
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from autoac_cases import mlp_tower, step_for
+from autoac_cases import measure_under, mlp_tower, step_for
 from torch import nn
 
 from hyperrec import autoac
@@ -27,14 +27,6 @@ NO_INPUTS = {(INPUT, "mxint8")}
 
 def _inputs(prof):
     return {r.name: [o for o in r.ops if o.is_input] for r in prof.regions}
-
-
-def _measure(model, step, p):
-    h = autoac.apply_plan(model, p)
-    try:
-        return autoac.measure_step(model, step, keep_grads=True)
-    finally:
-        h.remove()
 
 
 def test_layer_inputs_are_offered_packed_and_cut_the_measured_peak():
@@ -64,8 +56,8 @@ def test_layer_inputs_are_offered_packed_and_cut_the_measured_peak():
     # what each region holds drops by the input's bytes less its packed copy
     for a, b in zip(with_inputs.regions, without.regions):
         assert a.held_bytes < b.held_bytes
-    m_in = _measure(model, step, with_inputs)
-    m_out = _measure(model, step, without)
+    m_in = measure_under(model, step, with_inputs)
+    m_out = measure_under(model, step, without)
     assert m_in.peak_bytes < m_out.peak_bytes
     assert abs(m_in.peak_bytes / with_inputs.predicted_peak - 1) <= 0.10
     assert grad_error(ref.grads, m_in.grads) <= CFG.max_grad_error
@@ -162,7 +154,7 @@ def test_input_keys_count_every_distinct_tensor_argument():
     assert [o.key for o in ops] == [(INPUT, 1)]
     p = autoac.plan(prof, config=PACK_ALL)
     assert p.regions[0].saves[(INPUT, 1)] == "mxint8"
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert grad_error(ref.grads, m.grads) <= CFG.max_grad_error
     idx = (x[:, 0] > 0).long()
     h = model.inp(x)

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from autoac_cases import MLPBlock, attn_tower, step_for
+from autoac_cases import MLPBlock, attn_tower, measure_under, step_for
 from torch import nn
 
 from hyperrec import autoac
@@ -30,14 +30,6 @@ TOL = 0.10
 
 def _offered(prof) -> dict[str, list[tuple[str, int]]]:
     return {r.name: [o.key for o in r.ops if o.is_input] for r in prof.regions}
-
-
-def _measure(model, step, p):
-    h = autoac.apply_plan(model, p)
-    try:
-        return autoac.measure_step(model, step, keep_grads=True)
-    finally:
-        h.remove()
 
 
 # --------------------------------------------------------------------------- blocks
@@ -154,8 +146,8 @@ def outside_holder_runs():
         out[name] = (
             prof,
             with_in,
-            _measure(model, step, with_in),
-            _measure(model, step, without),
+            measure_under(model, step, with_in),
+            measure_under(model, step, without),
             autoac.measure_step(model, step, keep_grads=True),
         )
     return out
@@ -211,15 +203,16 @@ class _Unrolled(nn.Module):
         return self.head(h4)
 
 
-class _HiddenStatesThin(nn.Module):
+class _HiddenStates(nn.Module):
     """HF-style ``output_hidden_states``: the forward returns every layer's input; the
-    step drops them only when the forward has returned (the forward's end is the peak)."""
+    step drops them only when the forward has returned (with thin layers the forward's
+    end is the peak)."""
 
-    def __init__(self, n: int = 8, dim: int = 32) -> None:
+    def __init__(self, block=None, n: int = 8, dim: int = 32) -> None:
         super().__init__()
         torch.manual_seed(3)
         self.inp = nn.Linear(dim, dim)
-        self.layers = nn.ModuleList([_Thin(dim) for _ in range(n)])
+        self.layers = nn.ModuleList([(block or _Thin)(dim) for _ in range(n)])
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x):
@@ -234,7 +227,7 @@ class _HiddenStatesThin(nn.Module):
 _X1024 = torch.randn(1024, 32)
 _PY_HOLDERS = {
     "unrolled_locals": (_Unrolled, step_for(_X1024)),
-    "hidden_states_returned": (_HiddenStatesThin, lambda m: m(_X1024)[0].square().mean()),
+    "hidden_states_returned": (_HiddenStates, lambda m: m(_X1024)[0].square().mean()),
 }
 
 
@@ -244,8 +237,8 @@ def test_pack_all_peak_with_inputs_kept_by_python_references(name):
     model = make()
     prof = autoac.profile(model, step, config=CFG)
     p = autoac.plan(prof, config=PACK_ALL)
-    m_in = _measure(model, step, p)
-    m_out = _measure(model, step, autoac.plan(prof, config=PACK_ALL_NO_INPUTS))
+    m_in = measure_under(model, step, p)
+    m_out = measure_under(model, step, autoac.plan(prof, config=PACK_ALL_NO_INPUTS))
     ratio = m_in.peak_bytes / p.predicted_peak
     assert ratio <= 1 + TOL, (
         f"measured {m_in.peak_bytes} vs predicted {p.predicted_peak} ({ratio:.3f}x); "
@@ -376,25 +369,6 @@ class _ListCat(nn.Module):
         return self.head(torch.cat(outs, -1))
 
 
-class _HiddenStates(nn.Module):
-    """Returns every layer's input (HF ``output_hidden_states``); the step drops them."""
-
-    def __init__(self, n: int = 4, dim: int = 48) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.inp = nn.Linear(dim, dim)
-        self.layers = nn.ModuleList([MLPBlock(dim) for _ in range(n)])
-        self.head = nn.Linear(dim, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        hs = []
-        for layer in self.layers:
-            hs.append(x)
-            x = layer(x)
-        return self.head(x), hs
-
-
 class _OnBatch(nn.Module):
     """The first region's input is the step's batch."""
 
@@ -455,7 +429,10 @@ _PATTERNS = {
     "int_mixed": (_IntMixed, step_for(_X)),
     "dropout": (_Dropout, step_for(_X)),
     "list_cat": (_ListCat, step_for(_X48)),
-    "hidden_states_dropped": (_HiddenStates, lambda m: m(_X48)[0].square().mean()),
+    "hidden_states_dropped": (
+        lambda: _HiddenStates(MLPBlock, n=4, dim=48),
+        lambda m: m(_X48)[0].square().mean(),
+    ),
     "batch_resident": (_OnBatch, step_for(_X)),
     "batch_clone": (_OnBatch, lambda m: m(_X.clone()).square().mean()),
     "batch_requires_grad": (_OnBatch, lambda m: m(_X.clone().requires_grad_()).square().mean()),
@@ -480,7 +457,7 @@ def test_caller_patterns_pack_inputs_safely(name):
                 (lv,) = o.storages
                 assert lv.fwd_alloc < lv.fwd_free <= lv.rc_alloc <= lv.rc_free, (r.name, lv)
     p = autoac.plan(prof, config=PACK_ALL)
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert grad_error(ref.grads, m.grads) <= CFG.max_grad_error
     assert m.peak_bytes / p.predicted_peak <= 1 + TOL, (m.peak_bytes, p.predicted_peak)
     if name == "batch_resident":
@@ -527,7 +504,7 @@ def test_input_key_packs_the_argument_it_names():
     for k, packed, exact in ((2, "lna.", "lnb."), (3, "lnb.", "lna.")):
         (r,) = p.regions
         only = dataclasses.replace(r, saves={(INPUT, k): "mxint8"})
-        m = _measure(model, step, dataclasses.replace(p, regions=(only,)))
+        m = measure_under(model, step, dataclasses.replace(p, regions=(only,)))
         assert grad_error(ref.grads, m.grads) <= CFG.max_grad_error
         diff = {n: not torch.equal(g0, g1) for n, g0, g1 in zip(names, ref.grads, m.grads)}
         # only the LayerNorm that saved the packed argument sees a quantized input
@@ -571,7 +548,7 @@ def test_inputs_too_sensitive_to_pack_stay_unpacked():
     assert all(not o.formats for r in prof.regions for o in r.ops if o.is_input)
     p = autoac.plan(prof, config=PACK_ALL)
     assert all(k[0] != INPUT for r in p.regions for k in r.saves)
-    m = _measure(model, step, p)
+    m = measure_under(model, step, p)
     assert grad_error(ref.grads, m.grads) <= CFG.max_grad_error
 
 
@@ -628,5 +605,5 @@ def test_inputs_with_a_visible_other_holder_are_not_offered(cls):
     ref = autoac.measure_step(model, step, keep_grads=True)
     prof = autoac.profile(model, step, config=CFG)
     assert all(not v for v in _offered(prof).values()), _offered(prof)
-    m = _measure(model, step, autoac.plan(prof, config=PACK_ALL))
+    m = measure_under(model, step, autoac.plan(prof, config=PACK_ALL))
     assert grad_error(ref.grads, m.grads) <= CFG.max_grad_error

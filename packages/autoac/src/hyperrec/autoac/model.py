@@ -145,6 +145,16 @@ def _ws(profile: Profile, fmt: str, key: str, numel: int) -> int:
     return 0 if c is None else int(c[key] * numel)
 
 
+def _workspaces(
+    profile: Profile, fmt: str, lv: StorageLife, pack_at: int, unpack_at: int, held: int = 0
+) -> list[Interval]:
+    """The packer's workspace at ``pack_at`` and the unpacker's at ``unpack_at`` (plus
+    ``held`` bytes there), one position each."""
+    return _iv(pack_at, pack_at + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)) + _iv(
+        unpack_at, unpack_at + 1, held + _ws(profile, fmt, "unpack_ws_per_elem", lv.numel)
+    )
+
+
 def _packable(profile: Profile, lv: StorageLife, fmt: str) -> bool:
     return lv.nbytes >= max(profile.config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, fmt)
 
@@ -171,12 +181,7 @@ def _sac_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> list
                 continue
             pb = packed_nbytes(lv.numel, fmt)
             ivs += _iv(lv.fwd_alloc, lv.rc_alloc, pb)
-            ivs += _iv(
-                lv.fwd_alloc, lv.fwd_alloc + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)
-            )
-            ivs += _iv(
-                lv.rc_alloc, lv.rc_alloc + 1, pb + _ws(profile, fmt, "unpack_ws_per_elem", lv.numel)
-            )
+            ivs += _workspaces(profile, fmt, lv, lv.fwd_alloc, lv.rc_alloc, held=pb)
             tq += _pack_time(profile, fmt, lv.numel)
         out.append(Choice(fmt, tq, tuple(ivs)))
     return out
@@ -199,12 +204,7 @@ def _input_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> li
             pb = packed_nbytes(lv.numel, fmt)
             ivs += _iv(lv.fwd_alloc, max(lv.rc_free, lv.rc_alloc + 1), pb)
             ivs += _iv(lv.fwd_free, lv.rc_alloc, -lv.nbytes)
-            ivs += _iv(
-                lv.fwd_alloc, lv.fwd_alloc + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)
-            )
-            ivs += _iv(
-                lv.rc_alloc, lv.rc_alloc + 1, _ws(profile, fmt, "unpack_ws_per_elem", lv.numel)
-            )
+            ivs += _workspaces(profile, fmt, lv, lv.fwd_alloc, lv.rc_alloc)
             tq += _pack_time(profile, fmt, lv.numel)
         if ivs:
             out.append(Choice(fmt, tq, tuple(ivs)))
@@ -246,10 +246,7 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
             pb = packed_nbytes(lv.numel, fmt)
             ivs += _iv(lv.fwd_alloc, use, pb)
             ivs += _iv(lv.rc_alloc, use, -lv.nbytes)
-            ivs += _iv(
-                lv.fwd_alloc, lv.fwd_alloc + 1, _ws(profile, fmt, "pack_ws_per_elem", lv.numel)
-            )
-            ivs += _iv(use, use + 1, _ws(profile, fmt, "unpack_ws_per_elem", lv.numel))
+            ivs += _workspaces(profile, fmt, lv, lv.fwd_alloc, use)
             # The packed copy is held by every backward node that saved a view of the
             # storage, until the last one releases it (where the trace frees the
             # recomputed copy, rc_free), not only until the first use: ending it at the
