@@ -737,6 +737,12 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None and "peak_bytes" in res:
             record_activation_cut(res)
 
+    def pack_all_points() -> None:
+        """Each format's ``pack_all`` point, with and without the regions' inputs."""
+        for fmt in formats if prof.pack_errors else ():
+            pack_all_point(fmt)
+            pack_all_point(fmt, inputs=False)
+
     def _eager_and_other_points() -> None:
         # Most informative points first: the deadline cuts from the end.
         autoac_point("autoac", 0.0)
@@ -744,10 +750,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         autoac_point("autoac_quant", 0.0)
         autoac_point("autoac", 0.5)
         autoac_point("autoac_quant", 0.5)
-        if prof.pack_errors:
-            for fmt in formats:
-                pack_all_point(fmt)
-                pack_all_point(fmt, inputs=False)
+        pack_all_points()
         autoac_point("autoac", 0.0, matched=osac)
         if not args.quick:
             budget_point(1.0)
@@ -763,9 +766,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 autoac_compiled_point(f_tb, matched=tb["method"])
 
     if args.pack_all:
-        for fmt in formats if prof.pack_errors else ():
-            pack_all_point(fmt)
-            pack_all_point(fmt, inputs=False)
+        pack_all_points()
     elif args.compiled:
         # The compiled comparison alone: autoac's plan under torch.compile against torch's
         # compiled budget at the same memory and compiled no-AC (eager autoac beside it);

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hyperrec.autoac.formats import can_pack, packed_nbytes
-from hyperrec.autoac.profiler import Profile, SavedOp, StorageLife
+from hyperrec.autoac.formats import packed_nbytes
+from hyperrec.autoac.profiler import Profile, SavedOp, StorageLife, packable
 
 __all__ = [
     "Assignment",
@@ -156,7 +156,7 @@ def _workspaces(
 
 
 def _packable(profile: Profile, lv: StorageLife, fmt: str) -> bool:
-    return lv.nbytes >= max(profile.config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, fmt)
+    return packable(lv, fmt, profile.config.min_pack_bytes)
 
 
 def _sac_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> list[Choice]:

@@ -128,6 +128,16 @@ class StorageLife:
     needed: bool
 
 
+def packable(lv: StorageLife, fmt: str, min_pack_bytes: int) -> bool:
+    """Whether the storage ``lv`` is large enough (``min_pack_bytes``, at least one
+    byte) and of a dtype and size that ``fmt`` packs."""
+    return lv.nbytes >= max(min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, fmt)
+
+
+def _numel(nbytes: int, dtype: torch.dtype) -> int:
+    return nbytes // max(dtype.itemsize, 1)
+
+
 @dataclass(frozen=True)
 class SavedOp:
     """One op call in a region's forward whose outputs a plan can keep, pack or recompute.
@@ -320,8 +330,6 @@ class _ProfilingTracker(MemoryTracker):
         #: in the measured timeline) and their versions when it returned: a later
         #: in-place write by the caller fails the checkpoint's backward the same way
         self.input_versions: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
-        #: region -> bytes of each input the step created
-        self.region_inputs: dict[int, list[int]] = {}
         #: region -> ``(k, storage id, dtype)`` of each input the step created, ``k``
         #: its position among the distinct storages of the call's tensor arguments (the
         #: key a plan packs it under, see ``_exec._run_none_packed``)
@@ -371,14 +379,11 @@ def _recording_runner(tracker: _ProfilingTracker, plain: set[int]) -> Callable[.
         j = state.index
         # Inputs the step created (activations); resident ones (parameters, a shared
         # mask) are held anyway.
-        seen: dict[int, int] = {}
         keyed: list[tuple[int, int, torch.dtype]] = []
         for k, t in enumerate(input_storages((args, kwargs))):
             sid = tracker._live.get(t.untyped_storage()._cdata)
             if sid is not None and tracker.storages[sid].alloc >= 0:
-                seen[sid] = tracker.storages[sid].nbytes
                 keyed.append((k, sid, t.dtype))
-        tracker.region_inputs[j] = list(seen.values())
         tracker.input_storages[j] = keyed
         if j in plain or not torch.is_grad_enabled():
             prev = tracker.region
@@ -667,7 +672,7 @@ def _build_regions(
     for j, name in enumerate(names):
         fwd = [o for o in tracker.ops if o.region == j and o.phase == "fwd"]
         rc = [o for o in tracker.ops if o.region == j and o.phase == "rc"]
-        inputs = sum(tracker.region_inputs.get(j, []))
+        inputs = sum(st[sid].nbytes for _, sid, _ in tracker.input_storages.get(j, []))
         fwd_start = fwd[0].position if fwd else 0
         forward_s = sum(times.get(o.index, o.time_s) for o in fwd)
         if j in plain or not rc:
@@ -737,7 +742,7 @@ def _build_regions(
                     StorageLife(
                         nbytes=fs.nbytes,
                         dtype=dtype,
-                        numel=fs.nbytes // max(torch.empty((), dtype=dtype).element_size(), 1),
+                        numel=_numel(fs.nbytes, dtype),
                         fwd_alloc=fs.alloc,
                         fwd_free=end if fs.free is None else fs.free,
                         rc_alloc=None if rs is None else rs.alloc,
@@ -752,10 +757,7 @@ def _build_regions(
                 f
                 for f in config.formats
                 if not (o.random or o.collective or mutated)
-                and any(
-                    lv.nbytes >= max(config.min_pack_bytes, 1) and can_pack(lv.dtype, lv.numel, f)
-                    for lv in lives
-                )
+                and any(packable(lv, f, config.min_pack_bytes) for lv in lives)
             )
             saved = SavedOp(
                 ordinal=ordinal,
@@ -827,8 +829,11 @@ def _with_input_ops(
     # last forward read and every backward read (recomputation included) per storage
     last_read: dict[int, int] = {}
     bwd_reads: defaultdict[int, list[tuple[int, str]]] = defaultdict(list)
+    first_fwd: dict[int, int] = {}
     next_pos = [o.position for o in tracker.ops[1:]] + [len(tracker.deltas)]
     for o, nxt in zip(tracker.ops, next_pos):
+        if o.phase == "fwd":
+            first_fwd.setdefault(o.region, o.index)
         for sid in o.inputs:
             if o.phase == "fwd":
                 last_read[sid] = max(last_read.get(sid, -1), nxt)
@@ -842,9 +847,7 @@ def _with_input_ops(
             continue
         later = [p for p in rc_starts if p > rc]
         horizon = later[0] if later else len(tracker.deltas)
-        first_fwd = next(
-            (o.index for o in tracker.ops if o.region == r.index and o.phase == "fwd"), None
-        )
+        first = first_fwd.get(r.index)
         extra = []
         for k, sid, dtype in tracker.input_storages.get(r.index, []):
             s = st[sid]
@@ -857,17 +860,10 @@ def _with_input_ops(
                 or release is None
                 or release >= rc
                 or any(p < rc for p, _ in bwd_reads.get(sid, ()))
-                or (first_fwd is not None and written.get(sid, -1) >= first_fwd)
+                or (first is not None and written.get(sid, -1) >= first)
             ):
                 continue
-            numel = s.nbytes // max(torch.empty((), dtype=dtype).element_size(), 1)
-            fmts = tuple(
-                f
-                for f in config.formats
-                if s.nbytes >= max(config.min_pack_bytes, 1) and can_pack(dtype, numel, f)
-            )
-            if not fmts:
-                continue
+            numel = _numel(s.nbytes, dtype)
             # Un-checkpointed, the input comes back when the first backward node that
             # saved it unpacks it: the trace's first backward (not recomputation) read.
             uses = [p for p, ph in bwd_reads.get(sid, ()) if ph == "bwd" and p >= rc]
@@ -883,6 +879,9 @@ def _with_input_ops(
                 bwd_use=unpack,
                 needed=True,
             )
+            fmts = tuple(f for f in config.formats if packable(life, f, config.min_pack_bytes))
+            if not fmts:
+                continue
             extra.append(
                 SavedOp(
                     ordinal=-1 - k,
