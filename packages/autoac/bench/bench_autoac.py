@@ -86,6 +86,9 @@ H200 = {"bf16_tflops": 780.0, "fp8_tflops": 1250.0, "copy_tbps": 4.2}
 #: Seconds a compiled point needs (Inductor compiles one layer graph, shared by every
 #: layer; 18 s for the Llama point on the H200 run of 2026-12-01).
 COMPILE_S = 30.0
+#: ``--curve``: torch's ``activation_memory_budget`` values (0.5 first: the point the
+#: other modes measure too; smoke runs the first two).
+CURVE_FRACTIONS = (0.5, 0.0, 0.75, 0.25, 1.0)
 #: Relative error of the profiled no-AC / full-AC peaks against the measured ones above
 #: which the JSON carries a warning (the model is then not to be trusted).
 CHECK_REL = 0.10
@@ -477,7 +480,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
-    few = args.quick or args.smoke or args.compiled
+    few = args.quick or args.smoke or args.compiled or args.curve
     if args.formats:
         formats = tuple(f for f in args.formats.split(",") if f)
     else:
@@ -670,6 +673,65 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None:
             res.update(seen)
 
+    def fitted_compiled_point(peer: dict | None, quant: bool = False) -> None:
+        """autoac at a peer point's measured peak, through the public call a user makes:
+        ``autoac.apply(..., compile=True, profile_=prof)`` prices the plan from its
+        compiled graphs and plans again while that is over the budget, then verifies one
+        measured step (replanning on a measured overshoot); exact (keep / recompute) or
+        with MXINT8 saves."""
+        if peer is None or "peak_bytes" not in peer or (quant and not compiled_quant):
+            return
+        b = max(peer["peak_bytes"], free.floor)
+        seen: dict = {}
+        handle: list = []
+
+        def setup():
+            torch._dynamo.reset()
+            h = autoac.apply(
+                case.model,
+                budget=b,
+                step_fn=case.step_fn(0),
+                profile_=prof,
+                formats=("mxint8",) if quant else (),
+                plan_config=None if quant else autoac.PlanConfig(formats=()),
+                compile=True,
+                compile_kwargs={"backend": backend},
+            )
+            handle.append(h)
+
+            def undo():
+                h = handle.pop()
+                v = h.verification or {}
+                seen.update(
+                    predicted_peak_priced=h.plan.predicted_peak,
+                    predicted_added_ms=h.plan.added_s * 1e3,
+                    planned_budget=v.get("planned_budget"),
+                    peak_replans=v.get("peak_replans"),
+                    within_budget=v.get("within_budget"),
+                    grad_error=v.get("grad_error"),
+                    modes=[r.mode for r in h.plan.regions],
+                    packed=h.plan.packed,
+                    packed_in_graph=h.packed_in_graph,
+                )
+                h.remove()
+                torch._dynamo.reset()
+
+            return undo
+
+        name = f"autoac_apply_compiled{'_quant' if quant else ''}@{peer['method']}"
+        res = point(name, setup, need_s=3 * COMPILE_S, matched=peer["method"],
+                    budget_bytes=int(b), budget_used=int(b))  # fmt: skip
+        if res is not None:
+            res.update(seen)
+
+    def curve_points() -> None:
+        """torch's compiled budget at several fractions, each followed by autoac at the
+        peak it measured (pairs first: the deadline cuts from the end)."""
+        for f in CURVE_FRACTIONS[: 2 if args.smoke else None]:
+            peer = tb if f == 0.5 else budget_point(f)
+            fitted_compiled_point(peer)
+            fitted_compiled_point(peer, quant=True)
+
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the
         graphs (``autoac.compiled_packing_supported``) instead of one Python call a save."""
@@ -767,6 +829,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     if args.pack_all:
         pack_all_points()
+    elif args.curve:
+        curve_points()
     elif args.compiled:
         # The compiled comparison alone: autoac's plan under torch.compile against torch's
         # compiled budget at the same memory and compiled no-AC (eager autoac beside it);
@@ -863,6 +927,12 @@ def main() -> None:
         help="baselines, torch's compiled budget, compiled no AC and autoac under torch.compile only",
     )
     ap.add_argument(
+        "--curve",
+        action="store_true",
+        help="baselines, torch's compiled budget at each of CURVE_FRACTIONS and autoac.apply"
+        "(compile=True) at each one's measured peak (exact, and MXINT8 with mxint8 in --formats)",
+    )
+    ap.add_argument(
         "--pack-all",
         action="store_true",
         help="no AC, full AC and the pack_all points only (each with and without the "
@@ -887,7 +957,11 @@ def main() -> None:
         else (
             "quick"
             if args.quick
-            else ("compiled" if args.compiled else ("pack_all" if args.pack_all else "full"))
+            else (
+                "compiled"
+                if args.compiled
+                else ("pack_all" if args.pack_all else ("curve" if args.curve else "full"))
+            )
         ),
         "pack_all_only": args.pack_all,
         "device": device,
@@ -934,11 +1008,19 @@ def _write(args: argparse.Namespace, out: dict) -> Path:
     )
     if args.pack_all and not args.smoke:
         # the card's model, not always an H200
-        name = torch.cuda.get_device_name().lower()
-        tag = ("h100" if "h100" in name else "h200" if "h200" in name else "gpu") + "_pack_all"
+        tag = _card() + "_pack_all"
     elif args.pack_all:
         tag = "smoke_pack_all"
+    if args.curve:
+        dev = "smoke" if args.smoke else _card()
+        tag = f"{dev}_curve_{args.models.replace(',', '_')}"
     return write_out(path / f"{tag}_{stamp}.json", out)
+
+
+def _card() -> str:
+    """The GPU's model for file names (the runs are not always on an H200)."""
+    name = torch.cuda.get_device_name().lower()
+    return "h100" if "h100" in name else "h200" if "h200" in name else "gpu"
 
 
 def write_out(dest: Path, out: dict) -> Path:

@@ -5,7 +5,8 @@
 Writes ``<result>.png`` beside the JSON (or ``--out``). Every point is a measurement of
 the result file (median step time, ``max_memory_allocated`` peak); nothing is
 interpolated. autoac's points (keep/recompute plans at several budgets) are joined into
-its memory-time curve; the peers are single markers. Compiled points are drawn hollow:
+its memory-time curve, and so are torch's compiled budgets; the other peers are single
+markers. Compiled points are drawn hollow:
 they are not comparable with the eager ones on speed (see the package README).
 """
 
@@ -21,6 +22,8 @@ GIB = 2.0**30
 
 #: method prefix -> (label, marker, colour); the first match wins
 STYLES: tuple[tuple[str, str, str, str], ...] = (
+    ("autoac_apply_compiled_quant", "autoac.apply, compiled, MXINT8 saves", "X", "tab:pink"),
+    ("autoac_apply_compiled", "autoac.apply, compiled", "d", "tab:purple"),
     ("autoac_compiled", "autoac, compiled", "D", "tab:purple"),
     ("autoac_quant", "autoac + packed saves", "x", "tab:orange"),
     ("pack_all_mxint8", "pack every save as MXINT8", "*", "tab:olive"),
@@ -29,6 +32,7 @@ STYLES: tuple[tuple[str, str, str, str], ...] = (
     ("full_ac", "full AC", "^", "tab:red"),
     ("op_sac", "op-level SAC (torchtitan-style)", "v", "tab:green"),
     ("torch_budget", "torch activation_memory_budget (compiled)", "P", "tab:brown"),
+    ("compiled_no_ac", "torch activation_memory_budget (compiled)", "P", "tab:brown"),
     ("pack_all", "pack every save (MXFP8) that passed", "*", "tab:gray"),
 )
 
@@ -71,7 +75,7 @@ def plot(result: dict[str, Any], out: Path) -> Path:
             ax.scatter([x], [y], marker=marker, s=60, label=None if label in seen else label,
                        zorder=3, **colours)  # fmt: skip
             seen.add(label)
-            if p["method"].startswith("autoac"):
+            if p["method"].startswith(("autoac", "torch_budget", "compiled_no_ac")):
                 curves.setdefault(label, []).append((x, y))
         for label, xy in curves.items():
             xy.sort()

@@ -40,6 +40,27 @@ def test_compiled_smoke_run_records_the_packed_points(tmp_path):
     assert packed["packed_in_graph"] and all(packed["packed_in_graph"].values())
 
 
+@pytest.mark.skipif(not autoac.compiled_packing_supported(), reason="no inlined hooks")
+def test_curve_smoke_run_pairs_each_torch_budget_with_autoac_at_its_peak(tmp_path):
+    cmd = [sys.executable, str(BENCH), "--smoke", "--curve", "--formats", "mxint8",
+           "--models", "llama", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (path,) = tmp_path.glob("smoke_curve_llama_*.json")
+    result = json.loads(path.read_text())
+    rows = {r["method"]: r for r in result["models"]["llama"]["points"]}
+    for frac in ("0.5", "0"):
+        peer = rows[f"torch_budget@{frac}"]
+        for kind in ("", "_quant"):
+            r = rows[f"autoac_apply_compiled{kind}@torch_budget@{frac}"]
+            assert "time_ms_median" in r, r
+            # asked for the peer's measured peak (or autoac's floor, if above it)
+            assert r["budget_bytes"] >= peer["peak_bytes"]
+            assert r["predicted_peak_priced"] <= r["budget_bytes"] or r["peak_replans"]
+            assert r["within_budget"] is not None
+            assert bool(r["packed"]) == (kind == "_quant") or not r["packed"]
+
+
 def test_span_free_bound_smoke_run_records_both_region_kinds(tmp_path):
     """``bench/span_free_bound.py``: layers and two spans per layer, the bound at each
     budget beside the region plan, and the plan at full AC's peak measured."""

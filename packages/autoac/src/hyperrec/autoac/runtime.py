@@ -645,6 +645,7 @@ def apply(
     replan_peak: bool | None = None,
     compile: bool = False,
     compile_kwargs: Mapping[str, Any] | None = None,
+    profile_: Profile | None = None,
 ) -> AutoAC:
     """Profile a step, plan within the budget, and put the plan in force: one call.
 
@@ -683,6 +684,15 @@ def apply(
             step), and planned again with the budget lowered by the predicted overshoot
             while that prediction exceeds ``budget`` (at most :data:`MAX_PEAK_REPLANS`
             times, never below the floor; with ``replan_peak``).
+        profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
+            (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
+            the step again: put the plans for several budgets in force one after
+            another (``.remove()`` the previous one first) at the cost of one profile.
+            ``regions`` and ``profile_config`` must then be left out (the profile's
+            apply); ``formats``, if given, must be among the profile's formats and
+            limit the plan to them (as ``PlanConfig(formats=...)``), else the plan may
+            use every format the profile measured. ``step_fn`` (or ``sample_inputs``)
+            is still needed: compiled pricing and the verification run it.
 
     Returns:
         :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``). On
@@ -697,7 +707,9 @@ def apply(
             less), ``loss_fn`` with ``step_fn``, bad budgets
             (naming the smallest feasible), bad regions, ``formats`` other than
             ``("mxint8",)`` with ``compile=True`` (or any where packing in compiled
-            graphs is not supported).
+            graphs is not supported); with ``profile_``: ``regions`` or
+            ``profile_config`` given, ``formats`` the profile did not measure, or
+            ``formats`` together with ``plan_config.formats``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -759,10 +771,14 @@ def apply(
                 f"formats with compile=True must be from {COMPILED_FORMATS} (packed inside "
                 f"the compiled graphs), got {eager_only}, which pack eagerly only"
             )
-    pc = ProfileConfig() if profile_config is None else profile_config
-    if formats:
-        pc = replace(pc, formats=formats)
-    prof = profile(model, step_fn, regions=regions, config=pc)
+    if profile_ is not None:
+        plan_config = _with_profile(profile_, regions, profile_config, formats, plan_config)
+        prof = profile_
+    else:
+        pc = ProfileConfig() if profile_config is None else profile_config
+        if formats:
+            pc = replace(pc, formats=formats)
+        prof = profile(model, step_fn, regions=regions, config=pc)
     if compile:
         prof = for_compiled_packing(prof)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
@@ -790,6 +806,38 @@ def apply(
         handle.remove()
         raise
     return handle
+
+
+def _with_profile(
+    profile_: Any,
+    regions: Any,
+    profile_config: ProfileConfig | None,
+    formats: tuple[str, ...],
+    plan_config: PlanConfig | None,
+) -> PlanConfig | None:
+    """``apply``'s checks of a given profile; the plan config limited to ``formats``."""
+    if not isinstance(profile_, Profile):
+        raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
+    if regions is not None:
+        raise ValueError("regions must be left out with profile_: the profile's regions apply")
+    if profile_config is not None:
+        raise ValueError(
+            "profile_config must be left out with profile_: the step is not profiled again"
+        )
+    if not formats:
+        return plan_config
+    missing = [f for f in formats if f not in profile_.config.formats]
+    if missing:
+        raise ValueError(
+            f"formats {missing} were not measured by profile_ (its formats: "
+            f"{profile_.config.formats}); profile with them"
+        )
+    if plan_config is not None and plan_config.formats is not None:
+        raise ValueError(
+            "give formats or plan_config.formats with profile_, not both "
+            f"(got {formats} and {plan_config.formats})"
+        )
+    return replace(plan_config or PlanConfig(), formats=formats)
 
 
 def _set_plan(handle: AutoAC, plan_: Plan, step_fn: Callable[[nn.Module], torch.Tensor]) -> None:
