@@ -30,6 +30,9 @@ Strategies, per model (each a point: measured peak, step time):
   ``pack_all_compiled_mxint8``: ``pack_all_mxint8`` compiled the same way;
   ``autoac_apply_compiled_quant@b``: the public ``autoac.apply`` with those settings,
   whose verification replans while the measured peak exceeds the budget.
+  ``--curve``: ``autoac_apply_compiled[_fused][_quant]@torch_budget@f``, the public
+  ``autoac.apply(..., compile=True)`` from the one profile at the peak each torch point
+  measured (``_fused``: recomputing the ops Inductor fuses priced as free).
 * ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
   ``torch_budget@0.5``): the matched-budget comparison.
 * ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
@@ -673,12 +676,13 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None:
             res.update(seen)
 
-    def fitted_compiled_point(peer: dict | None, quant: bool = False) -> None:
+    def fitted_compiled_point(peer: dict | None, quant: bool = False, fused: bool = False) -> None:
         """autoac at a peer point's measured peak, through the public call a user makes:
         ``autoac.apply(..., compile=True, profile_=prof)`` prices the plan from its
         compiled graphs and plans again while that is over the budget, then verifies one
         measured step (replanning on a measured overshoot); exact (keep / recompute) or
-        with MXINT8 saves."""
+        with MXINT8 saves; ``fused``: the recomputation of ops Inductor fuses priced as
+        free (``for_compiled_packing(..., fused_recompute=True)``)."""
         if peer is None or "peak_bytes" not in peer or (quant and not compiled_quant):
             return
         b = max(peer["peak_bytes"], free.floor)
@@ -691,7 +695,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 case.model,
                 budget=b,
                 step_fn=case.step_fn(0),
-                profile_=prof,
+                profile_=autoac.for_compiled_packing(prof, fused_recompute=True) if fused else prof,
                 formats=("mxint8",) if quant else (),
                 plan_config=None if quant else autoac.PlanConfig(formats=()),
                 compile=True,
@@ -718,7 +722,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
             return undo
 
-        name = f"autoac_apply_compiled{'_quant' if quant else ''}@{peer['method']}"
+        kind = ("_fused" if fused else "") + ("_quant" if quant else "")
+        name = f"autoac_apply_compiled{kind}@{peer['method']}"
         res = point(name, setup, need_s=3 * COMPILE_S, matched=peer["method"],
                     budget_bytes=int(b), budget_used=int(b))  # fmt: skip
         if res is not None:
@@ -730,6 +735,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         for f in CURVE_FRACTIONS[: 2 if args.smoke else None]:
             peer = tb if f == 0.5 else budget_point(f)
             fitted_compiled_point(peer)
+            fitted_compiled_point(peer, fused=True)
             fitted_compiled_point(peer, quant=True)
 
     def pack_all_compiled_point() -> None:

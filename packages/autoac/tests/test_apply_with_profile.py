@@ -115,3 +115,55 @@ def test_formats_and_plan_config_formats_together_are_refused():
     with pytest.raises(ValueError, match="give formats or plan_config.formats"):
         autoac.apply(model, budget=1e12, step_fn=step, profile_=prof, formats=("mxint8",),
                      plan_config=autoac.PlanConfig(formats=()))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- fused pricing
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        ("aten.silu.default", True),
+        ("aten.mul.Tensor", True),
+        ("aten.gelu.default", True),
+        ("aten.native_layer_norm.default", True),
+        ("aten._to_copy.default", True),
+        ("aten.addmm.default", False),
+        ("aten.mm.default", False),
+        ("aten._scaled_dot_product_flash_attention.default", False),
+        ("aten.no_such_op.default", False),
+        ("aten.silu.no_such_overload", False),
+        ("mylib.silu.default", False),
+        ("<input>", False),
+    ],
+)
+def test_fuses_names_the_ops_inductor_fuses(op, expected):
+    assert rt.fuses(op) is expected
+
+
+def test_fused_pricing_frees_the_fused_ops_only():
+    model = attn_tower()
+    step = step_for(torch.randn(2, 64, 32))
+    prof = autoac.profile(model, step, config=autoac.ProfileConfig(steps=1))
+    plain = autoac.for_compiled_packing(prof)
+    fused = autoac.for_compiled_packing(prof, fused_recompute=True)
+    n_free = 0
+    for r0, r1 in zip(plain.regions, fused.regions, strict=True):
+        assert r1.fixed_recompute_s == r0.fixed_recompute_s
+        for o0, o1 in zip(r0.ops, r1.ops, strict=True):
+            assert (o0.key, o0.nbytes, o0.measured_s) == (o1.key, o1.nbytes, o1.measured_s)
+            if rt.fuses(o0.op):
+                assert o1.time_s == 0.0
+                n_free += o0.time_s > 0
+            else:
+                assert o1.time_s == o0.time_s
+    assert n_free > 0  # the tower has element-wise ops and norms with measured times
+    # Every price is at most the eager one, so the best plan at a budget adds at most
+    # what the best eagerly priced plan adds.
+    free = autoac.plan(prof, budget=1e15)
+    for f in (0.0, 0.3, 0.6):
+        b = free.floor + f * (free.no_ac_peak - free.floor)
+        pf = autoac.plan(fused, budget=b)
+        pe = autoac.plan(plain, budget=b)
+        assert pf.predicted_peak <= b
+        assert pf.added_s <= pe.added_s + 1e-12
+    with pytest.raises(TypeError, match="fused_recompute"):
+        autoac.for_compiled_packing(prof, fused_recompute=1)

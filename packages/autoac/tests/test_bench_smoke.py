@@ -51,7 +51,7 @@ def test_curve_smoke_run_pairs_each_torch_budget_with_autoac_at_its_peak(tmp_pat
     rows = {r["method"]: r for r in result["models"]["llama"]["points"]}
     for frac in ("0.5", "0"):
         peer = rows[f"torch_budget@{frac}"]
-        for kind in ("", "_quant"):
+        for kind in ("", "_fused", "_quant"):
             r = rows[f"autoac_apply_compiled{kind}@torch_budget@{frac}"]
             assert "time_ms_median" in r, r
             # asked for the peer's measured peak (or autoac's floor, if above it)

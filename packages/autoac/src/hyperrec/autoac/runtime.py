@@ -979,7 +979,42 @@ def price_compiled(
     return price_compiled_saves(handle.plan, handle.profile, saved)
 
 
-def for_compiled_packing(profile_: Profile) -> Profile:
+#: Op packets Inductor fuses into the kernels around them besides those torch tags
+#: ``pointwise`` (the decomposed norms, softmax and reductions, casts, copies).
+_FUSED_PACKETS = frozenset(
+    {
+        "aten._to_copy",
+        "aten.clone",
+        "aten.sum",
+        "aten.mean",
+        "aten.amax",
+        "aten.var_mean",
+        "aten._softmax",
+        "aten._log_softmax",
+        "aten.native_layer_norm",
+        "aten._fused_rms_norm",
+    }
+)
+
+
+def fuses(op: str) -> bool:
+    """Whether Inductor fuses ``op`` (a profiled op name, ``"aten.silu.default"``) into
+    the kernels around it, so that recomputing it in a compiled backward adds no pass of
+    its own: the ops torch tags ``pointwise`` and :data:`_FUSED_PACKETS`. Matmuls,
+    attention kernels, custom ops and anything not resolvable return ``False``."""
+    parts = op.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        return False
+    if f"aten.{parts[1]}" in _FUSED_PACKETS:
+        return True
+    try:
+        overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return False
+    return torch.Tag.pointwise in getattr(overload, "tags", ())
+
+
+def for_compiled_packing(profile_: Profile, *, fused_recompute: bool = False) -> Profile:
     """``profile_`` with the pack costs a compiled region pays, for :func:`plan`.
 
     The profile times a pack and an unpack as eager calls back to back: a per-call term
@@ -991,11 +1026,31 @@ def for_compiled_packing(profile_: Profile) -> Profile:
     inputs are not offered for packing (0.1.18): a graph's packing hooks see the nodes
     it saves, not the call's inputs, so a region packing one would run eagerly.
 
+    With ``fused_recompute`` (for Inductor), recomputing an op Inductor fuses into its
+    neighbours (:func:`fuses`: element-wise ops, casts, decomposed norms and softmax) is
+    priced as free, as torch's partitioner prices it (by FLOPs) for
+    ``activation_memory_budget``: the eager profile times each such op as a kernel of its
+    own, which a compiled backward does not launch. Matmuls and attention keep their
+    measured times.
+
     Raises:
-        TypeError: ``profile_`` not a :class:`~hyperrec.autoac.profiler.Profile`.
+        TypeError: ``profile_`` not a :class:`~hyperrec.autoac.profiler.Profile`,
+            ``fused_recompute`` not a bool.
     """
     if not isinstance(profile_, Profile):
         raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
+    check_bool("fused_recompute", fused_recompute)
+    if fused_recompute:
+        regions = tuple(
+            replace(
+                r,
+                ops=tuple(
+                    replace(o, time_s=0.0) if not o.is_input and fuses(o.op) else o for o in r.ops
+                ),
+            )
+            for r in profile_.regions
+        )
+        profile_ = replace(profile_, regions=regions)
     costs = {
         f: ({**c, "pack_call_s": 0.0, "unpack_call_s": 0.0} if f in COMPILED_FORMATS else c)
         for f, c in profile_.pack_costs.items()
