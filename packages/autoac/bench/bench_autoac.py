@@ -70,7 +70,7 @@ import math
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -730,10 +730,16 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             res.update(seen)
 
     def curve_points() -> None:
-        """torch's compiled budget at several fractions, each followed by autoac at the
-        peak it measured (pairs first: the deadline cuts from the end)."""
-        for f in CURVE_FRACTIONS[: 2 if args.smoke else None]:
-            peer = tb if f == 0.5 else budget_point(f)
+        """autoac at eager full AC's peak (the 1.2x target's budget), then torch's
+        compiled budget at several fractions, each followed by autoac at the peak it
+        measured (pairs together: the deadline cuts from the end)."""
+
+        def peers() -> Iterator[dict | None]:
+            yield full
+            for f in CURVE_FRACTIONS[: 2 if args.smoke else None]:
+                yield tb if f == 0.5 else budget_point(f)
+
+        for peer in peers():
             fitted_compiled_point(peer)
             fitted_compiled_point(peer, fused=True)
             fitted_compiled_point(peer, quant=True)

@@ -49,10 +49,10 @@ def test_curve_smoke_run_pairs_each_torch_budget_with_autoac_at_its_peak(tmp_pat
     (path,) = tmp_path.glob("smoke_curve_llama_*.json")
     result = json.loads(path.read_text())
     rows = {r["method"]: r for r in result["models"]["llama"]["points"]}
-    for frac in ("0.5", "0"):
-        peer = rows[f"torch_budget@{frac}"]
+    for peer_name in ("full_ac", "torch_budget@0.5", "torch_budget@0"):
+        peer = rows[peer_name]
         for kind in ("", "_fused", "_quant"):
-            r = rows[f"autoac_apply_compiled{kind}@torch_budget@{frac}"]
+            r = rows[f"autoac_apply_compiled{kind}@{peer_name}"]
             assert "time_ms_median" in r, r
             # asked for the peer's measured peak (or autoac's floor, if above it)
             assert r["budget_bytes"] >= peer["peak_bytes"]
