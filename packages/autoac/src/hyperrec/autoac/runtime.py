@@ -485,6 +485,7 @@ class AutoAC:
             raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
         _check_compile_kwargs(compile_kwargs)
         _check_plan_regions(model, plan_)
+        _check_no_plan_in_force(model)
         self.model = model
         self.profile = profile_
         self.compiled = compiled
@@ -569,6 +570,20 @@ def _check_compile_kwargs(compile_kwargs: Any) -> None:
     if compile_kwargs is not None and not isinstance(compile_kwargs, Mapping):
         raise TypeError(
             f"compile_kwargs must be a mapping or None, got {type(compile_kwargs).__name__}"
+        )
+
+
+def _check_no_plan_in_force(model: nn.Module) -> None:
+    # Two handles on one model would share its region wrappers: removing the older one
+    # would take the newer plan off (and a failed apply would take off both).
+    installed = _regions.installed_regions(model)
+    if installed:
+        names = {id(m): n for n, m in model.named_modules()}
+        raise ValueError(
+            "model already has an autoac plan in force on "
+            f"{sorted(names.get(id(m), '?') or '<root>' for m in installed)}: remove() its "
+            "handle (or call autoac.remove(model)) before putting another plan in force, "
+            "or replace it with handle.set_plan(plan)"
         )
 
 
@@ -663,7 +678,9 @@ def apply(
         formats: packed formats to consider (``"mxfp8"``, ``"fp8_e4m3"``,
             ``"fp8_e5m2"``, ``"mx4"``, ``"mxint8"``); overrides ``profile_config.formats``.
             With ``compile=True`` only ``"mxint8"``, where
-            :func:`compiled_packing_supported`.
+            :func:`compiled_packing_supported`; the plan then packs only in such
+            formats, also where the profile's formats come from ``profile_config`` or
+            ``profile_`` (unless ``plan_config.formats`` names others).
         profile_config, plan_config: see :class:`ProfileConfig`, :class:`PlanConfig`.
         verify: run the planned step once: record predicted vs measured peak and the
             gradient error against the exact step in :attr:`AutoAC.verification`. If
@@ -714,6 +731,7 @@ def apply(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_bool("verify", verify)
+    _check_no_plan_in_force(model)  # before the (expensive) profiled step
     if replan_peak is None:
         dist = torch.distributed
         replan_peak = not (dist.is_available() and dist.is_initialized()
@@ -779,6 +797,14 @@ def apply(
         if formats:
             pc = replace(pc, formats=formats)
         prof = profile(model, step_fn, regions=regions, config=pc)
+    if compile and (plan_config is None or plan_config.formats is None):
+        # a packed save in a format the graphs cannot pack would run its region eagerly
+        # (the profile's formats may come from profile_config or profile_, unchecked)
+        compiled = COMPILED_FORMATS if compiled_packing_supported() else ()
+        plan_config = replace(
+            plan_config or PlanConfig(),
+            formats=tuple(f for f in prof.config.formats if f in compiled),
+        )
     if compile:
         prof = for_compiled_packing(prof)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
@@ -1005,12 +1031,12 @@ def fuses(op: str) -> bool:
     parts = op.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return False
-    if f"aten.{parts[1]}" in _FUSED_PACKETS:
-        return True
     try:
         overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
     except (AttributeError, RuntimeError):
         return False
+    if f"aten.{parts[1]}" in _FUSED_PACKETS:
+        return True
     return torch.Tag.pointwise in getattr(overload, "tags", ())
 
 
