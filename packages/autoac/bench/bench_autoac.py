@@ -425,6 +425,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     rows: list[dict] = []
     warm, steps = (1, 2) if args.smoke else (2, 5 if not args.quick else 3)
     backend = "aot_eager_decomp_partition" if args.smoke else "inductor"
+    partial = Path(args.out) / f"partial_{case.name}.json"
+    if not args.smoke:
+        partial.parent.mkdir(parents=True, exist_ok=True)
 
     def point(
         method: str,
@@ -455,6 +458,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 torch.cuda.empty_cache()
         res["wall_s"] = round(time.monotonic() - t0, 2)
         rows.append(res)
+        if not args.smoke:  # kept if the run is killed before the model's JSON is written
+            partial.write_text(json.dumps(rows, indent=1, default=str) + "\n")
         if "peak_bytes" in res:
             log(
                 f"  {method:<24} peak {res['peak_bytes'] / 2**30:7.2f} GiB  "
@@ -1007,6 +1012,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         out["wall_s"] = round(time.monotonic() - t_start, 1)
         dest = _write(args, out)  # after every model: a later failure keeps this one
+        (Path(args.out) / f"partial_{name}.json").unlink(missing_ok=True)
     log(f"wrote {dest} in {out['wall_s']} s")
 
 
