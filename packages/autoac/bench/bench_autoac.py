@@ -478,7 +478,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
     noac = point("no_ac", None)
     full = point("full_ac", lambda: full_ac(case.model))
-    osac = None if args.pack_all else point("op_sac", lambda: op_sac(case.model))
+    osac = None if args.pack_all or args.curve else point("op_sac", lambda: op_sac(case.model))
     if noac is None or full is None or "peak_bytes" not in noac or "peak_bytes" not in full:
         return {"points": rows, "error": "baselines failed"}
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
@@ -490,7 +490,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     t0 = time.monotonic()
     few = args.quick or args.smoke or args.compiled or args.curve
     if args.formats:
-        formats = tuple(f for f in args.formats.split(",") if f)
+        formats = tuple(f for f in args.formats.split(",") if f and f != "none")
     else:
         formats = ("mxfp8",) if few else ("mxfp8", "fp8_e4m3", "mx4")
     pcfg = autoac.ProfileConfig(
@@ -735,14 +735,15 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             res.update(seen)
 
     def curve_points() -> None:
-        """autoac at eager full AC's peak (the 1.2x target's budget), then torch's
-        compiled budget at several fractions, each followed by autoac at the peak it
-        measured (pairs together: the deadline cuts from the end)."""
+        """autoac at the peak of torch's compiled budget 0.5 (measured first), at eager
+        full AC's peak (the 1.2x target's budget), then at the peaks of torch's other
+        compiled budgets, each measured just before (the deadline cuts from the end)."""
 
         def peers() -> Iterator[dict | None]:
+            yield tb
             yield full
-            for f in CURVE_FRACTIONS[: 2 if args.smoke else None]:
-                yield tb if f == 0.5 else budget_point(f)
+            for f in CURVE_FRACTIONS[1 : 2 if args.smoke else None]:
+                yield budget_point(f)
 
         for peer in peers():
             fitted_compiled_point(peer)
@@ -936,7 +937,7 @@ def main() -> None:
         "--formats",
         default="",
         help="comma-separated packed formats to profile (default: mxfp8 with --quick/--smoke, "
-        "else mxfp8,fp8_e4m3,mx4); one pack_all point per format",
+        "else mxfp8,fp8_e4m3,mx4; 'none': none); one pack_all point per format",
     )
     ap.add_argument(
         "--compiled",
