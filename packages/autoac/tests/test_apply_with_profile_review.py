@@ -48,16 +48,22 @@ def _packed_profile(formats=("mxint8",), seed=0):
 
 
 # --------------------------------------------------------------------------- plans in force
+def _plan_in_force():
+    """An MLP tower with its floor plan in force: (model, step, profile, free plan, handle)."""
+    model = mlp_tower()
+    step = step_for(torch.randn(256, 32))
+    prof = autoac.profile(model, step, config=FLOPS)
+    free = autoac.plan(prof, budget=1e15)
+    return model, step, prof, free, autoac.apply(model, budget=free.floor, step_fn=step,
+                                                 profile_=prof)  # fmt: skip
+
+
 def test_failed_apply_over_a_plan_in_force_keeps_that_plan():
     # Found by review: apply(..., profile_=...) over a plan in force, with a step that
     # fails in the verification, took every region off in its clean-up (the plan of the
     # handle h1 the caller still held too). apply now refuses a model with a plan in
     # force before anything runs.
-    model = mlp_tower()
-    step = step_for(torch.randn(256, 32))
-    prof = autoac.profile(model, step, config=FLOPS)
-    free = autoac.plan(prof, budget=1e15)
-    h1 = autoac.apply(model, budget=free.floor, step_fn=step, profile_=prof)
+    model, _, prof, free, h1 = _plan_in_force()
     try:
         before = _wrapped(model)
         assert before  # h1's plan is in force
@@ -76,11 +82,7 @@ def test_a_second_handle_on_one_model_is_refused():
     # Found by review: a second apply on a model whose handle was not removed reused the
     # installed region dispatchers, and the older handle's remove() took the newer plan
     # off. apply and apply_plan now refuse; set_plan replaces a plan in force.
-    model = mlp_tower()
-    step = step_for(torch.randn(256, 32))
-    prof = autoac.profile(model, step, config=FLOPS)
-    free = autoac.plan(prof, budget=1e15)
-    h1 = autoac.apply(model, budget=free.floor, step_fn=step, profile_=prof)
+    model, step, prof, free, h1 = _plan_in_force()
     try:
         with pytest.raises(ValueError, match=r"in force on \['layers.0', 'layers.1'"):
             autoac.apply(model, budget=_span(free, 0.5), step_fn=step, profile_=prof)

@@ -16,14 +16,20 @@ from hyperrec import autoac
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_autoac.py"
 
 
-@pytest.mark.skipif(not autoac.compiled_packing_supported(), reason="no inlined hooks")
-def test_compiled_smoke_run_records_the_packed_points(tmp_path):
-    cmd = [sys.executable, str(BENCH), "--smoke", "--compiled", "--formats", "mxint8",
-           "--models", "hstu", "--out", str(tmp_path)]  # fmt: skip
+def _smoke_rows(tmp_path: Path, mode: str, model: str) -> dict[str, dict]:
+    """Run the benchmark's ``--smoke`` in ``mode`` with MXINT8 on one model: its points
+    by method."""
+    cmd = [sys.executable, str(BENCH), "--smoke", mode, "--formats", "mxint8",
+           "--models", model, "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (path,) = tmp_path.glob("*.json")
-    rows = {r["method"]: r for r in json.loads(path.read_text())["models"]["hstu"]["points"]}
+    return {r["method"]: r for r in json.loads(path.read_text())["models"][model]["points"]}
+
+
+@pytest.mark.skipif(not autoac.compiled_packing_supported(), reason="no inlined hooks")
+def test_compiled_smoke_run_records_the_packed_points(tmp_path):
+    rows = _smoke_rows(tmp_path, "--compiled", "hstu")
     for name in ("no_ac", "full_ac", "compiled_no_ac", "autoac_compiled@0.5"):
         assert "time_ms_median" in rows[name], rows.get(name)
     quant = [r for n, r in rows.items() if n.startswith("autoac_compiled_quant@")]
@@ -42,13 +48,8 @@ def test_compiled_smoke_run_records_the_packed_points(tmp_path):
 
 @pytest.mark.skipif(not autoac.compiled_packing_supported(), reason="no inlined hooks")
 def test_curve_smoke_run_pairs_each_torch_budget_with_autoac_at_its_peak(tmp_path):
-    cmd = [sys.executable, str(BENCH), "--smoke", "--curve", "--formats", "mxint8",
-           "--models", "llama", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (path,) = tmp_path.glob("smoke_curve_llama_*.json")
-    result = json.loads(path.read_text())
-    rows = {r["method"]: r for r in result["models"]["llama"]["points"]}
+    rows = _smoke_rows(tmp_path, "--curve", "llama")
+    assert [p.name for p in tmp_path.glob("*.json")][0].startswith("smoke_curve_llama_")
     for peer_name in ("full_ac", "torch_budget@0.5", "torch_budget@0"):
         peer = rows[peer_name]
         for kind in ("", "_fused", "_quant"):
