@@ -425,7 +425,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     rows: list[dict] = []
     warm, steps = (1, 2) if args.smoke else (2, 5 if not args.quick else 3)
     backend = "aot_eager_decomp_partition" if args.smoke else "inductor"
-    partial = Path(args.out) / f"partial_{case.name}.json"
+    partial = _partial_path(args, case.name)
     if not args.smoke:
         partial.parent.mkdir(parents=True, exist_ok=True)
 
@@ -641,6 +641,37 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None and "predicted_peak_priced" in seen:
             res["predicted_peak_priced"] = seen["predicted_peak_priced"]
 
+    def apply_compiled_setup(
+        b: float, seen: dict, record: Callable[[Any], dict], **kwargs: Any
+    ) -> Callable[[], Callable[[], None]]:
+        """``setup`` for :func:`point` of ``autoac.apply(case.model, budget=b,
+        compile=True, **kwargs)``; ``seen`` gets ``record(handle)`` before the plan is
+        removed."""
+        handle: list = []
+
+        def setup():
+            torch._dynamo.reset()
+            handle.append(
+                autoac.apply(
+                    case.model,
+                    budget=b,
+                    step_fn=case.step_fn(0),
+                    compile=True,
+                    compile_kwargs={"backend": backend},
+                    **kwargs,
+                )
+            )
+
+            def undo():
+                h = handle.pop()
+                seen.update(record(h))
+                h.remove()
+                torch._dynamo.reset()
+
+            return undo
+
+        return setup
+
     def apply_compiled_quant_point(f: float) -> None:
         """``autoac.apply(..., formats=("mxint8",), compile=True)``, the public call: it
         profiles again, plans, compiles and verifies, replanning while the measured peak
@@ -650,32 +681,18 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return
         b = max(lo + f * (hi - lo), free.floor)
         seen: dict = {}
-        handle: list = []
-
-        def setup():
-            torch._dynamo.reset()
-            handle.append(
-                autoac.apply(
-                    case.model,
-                    budget=b,
-                    regions=list(case.model.layers),
-                    step_fn=case.step_fn(0),
-                    formats=("mxint8",),
-                    profile_config=pcfg,
-                    compile=True,
-                    compile_kwargs={"backend": backend},
-                )  # fmt: skip
-            )
-
-            def undo():
-                h = handle.pop()
-                seen.update(verification=h.verification, packed_in_graph=h.packed_in_graph,
-                            predicted_peak=h.plan.predicted_peak)  # fmt: skip
-                h.remove()
-                torch._dynamo.reset()
-
-            return undo
-
+        setup = apply_compiled_setup(
+            b,
+            seen,
+            lambda h: {
+                "verification": h.verification,
+                "packed_in_graph": h.packed_in_graph,
+                "predicted_peak": h.plan.predicted_peak,
+            },  # fmt: skip
+            regions=list(case.model.layers),
+            formats=("mxint8",),
+            profile_config=pcfg,
+        )
         res = point(f"autoac_apply_compiled_quant@{f:g}", setup, need_s=2 * COMPILE_S,
                     budget_fraction=f, budget_bytes=int(b))  # fmt: skip
         if res is not None:
@@ -692,41 +709,29 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             return
         b = max(peer["peak_bytes"], free.floor)
         seen: dict = {}
-        handle: list = []
 
-        def setup():
-            torch._dynamo.reset()
-            h = autoac.apply(
-                case.model,
-                budget=b,
-                step_fn=case.step_fn(0),
-                profile_=autoac.for_compiled_packing(prof, fused_recompute=True) if fused else prof,
-                formats=("mxint8",) if quant else (),
-                plan_config=None if quant else autoac.PlanConfig(formats=()),
-                compile=True,
-                compile_kwargs={"backend": backend},
-            )
-            handle.append(h)
+        def record(h: Any) -> dict:
+            v = h.verification or {}
+            return {
+                "predicted_peak_priced": h.plan.predicted_peak,
+                "predicted_added_ms": h.plan.added_s * 1e3,
+                "planned_budget": v.get("planned_budget"),
+                "peak_replans": v.get("peak_replans"),
+                "within_budget": v.get("within_budget"),
+                "grad_error": v.get("grad_error"),
+                "modes": [r.mode for r in h.plan.regions],
+                "packed": h.plan.packed,
+                "packed_in_graph": h.packed_in_graph,
+            }
 
-            def undo():
-                h = handle.pop()
-                v = h.verification or {}
-                seen.update(
-                    predicted_peak_priced=h.plan.predicted_peak,
-                    predicted_added_ms=h.plan.added_s * 1e3,
-                    planned_budget=v.get("planned_budget"),
-                    peak_replans=v.get("peak_replans"),
-                    within_budget=v.get("within_budget"),
-                    grad_error=v.get("grad_error"),
-                    modes=[r.mode for r in h.plan.regions],
-                    packed=h.plan.packed,
-                    packed_in_graph=h.packed_in_graph,
-                )
-                h.remove()
-                torch._dynamo.reset()
-
-            return undo
-
+        setup = apply_compiled_setup(
+            b,
+            seen,
+            record,
+            profile_=autoac.for_compiled_packing(prof, fused_recompute=True) if fused else prof,
+            formats=("mxint8",) if quant else (),
+            plan_config=None if quant else autoac.PlanConfig(formats=()),
+        )
         kind = ("_fused" if fused else "") + ("_quant" if quant else "")
         name = f"autoac_apply_compiled{kind}@{peer['method']}"
         res = point(name, setup, need_s=3 * COMPILE_S, matched=peer["method"],
@@ -970,16 +975,9 @@ def main() -> None:
     models = [m for m in args.models.split(",") if m]
     out: dict[str, Any] = {
         "benchmark": "autoac",
-        "mode": "smoke"
-        if args.smoke
-        else (
-            "quick"
-            if args.quick
-            else (
-                "compiled"
-                if args.compiled
-                else ("pack_all" if args.pack_all else ("curve" if args.curve else "full"))
-            )
+        "mode": next(
+            (m for m in ("smoke", "quick", "compiled", "pack_all", "curve") if getattr(args, m)),
+            "full",
         ),
         "pack_all_only": args.pack_all,
         "device": device,
@@ -1013,7 +1011,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         out["wall_s"] = round(time.monotonic() - t_start, 1)
         dest = _write(args, out)  # after every model: a later failure keeps this one
-        (Path(args.out) / f"partial_{name}.json").unlink(missing_ok=True)
+        _partial_path(args, name).unlink(missing_ok=True)
     log(f"wrote {dest} in {out['wall_s']} s")
 
 
@@ -1034,6 +1032,11 @@ def _write(args: argparse.Namespace, out: dict) -> Path:
         dev = "smoke" if args.smoke else _card()
         tag = f"{dev}_curve_{args.models.replace(',', '_')}"
     return write_out(path / f"{tag}_{stamp}.json", out)
+
+
+def _partial_path(args: argparse.Namespace, model: str) -> Path:
+    """Where a model's points are kept while it runs (deleted once its result is written)."""
+    return Path(args.out) / f"partial_{model}.json"
 
 
 def _card() -> str:
