@@ -126,6 +126,8 @@ def test_formats_and_plan_config_formats_together_are_refused():
         ("aten.gelu.default", True),
         ("aten.native_layer_norm.default", True),
         ("aten._to_copy.default", True),
+        ("aten._safe_softmax.default", True),
+        ("aten.native_dropout.default", False),
         ("aten.addmm.default", False),
         ("aten.mm.default", False),
         ("aten._scaled_dot_product_flash_attention.default", False),

@@ -709,7 +709,10 @@ def apply(
             apply); ``formats``, if given, must be among the profile's formats and
             limit the plan to them (as ``PlanConfig(formats=...)``), else the plan may
             use every format the profile measured. ``step_fn`` (or ``sample_inputs``)
-            is still needed: compiled pricing and the verification run it.
+            is still needed: compiled pricing and the verification run it. Nothing
+            checks that the profile was made with this step's shapes: a profile of
+            smaller inputs predicts too low a peak, which only the verification's
+            measured peak shows (and replans on); keep ``verify=True`` with it.
 
     Returns:
         :class:`AutoAC` (``.plan``, ``.profile``, ``.verification``, ``.remove()``). On
@@ -1016,6 +1019,7 @@ _FUSED_PACKETS = frozenset(
         "aten.amax",
         "aten.var_mean",
         "aten._softmax",
+        "aten._safe_softmax",
         "aten._log_softmax",
         "aten.native_layer_norm",
         "aten._fused_rms_norm",
@@ -1027,7 +1031,9 @@ def fuses(op: str) -> bool:
     """Whether Inductor fuses ``op`` (a profiled op name, ``"aten.silu.default"``) into
     the kernels around it, so that recomputing it in a compiled backward adds no pass of
     its own: the ops torch tags ``pointwise`` and :data:`_FUSED_PACKETS`. Matmuls,
-    attention kernels, custom ops and anything not resolvable return ``False``."""
+    attention kernels, custom ops and anything not resolvable return ``False``; so do
+    random ops (``native_dropout``): torch's partitioner does not recompute them unless
+    the RNG ops are functionalised, so their recomputation is not free there."""
     parts = op.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         return False
