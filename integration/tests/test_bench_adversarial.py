@@ -73,6 +73,7 @@ def test_ablation_row_median_of_an_even_number_of_timed_steps(monkeypatch):
     assert row["fraction_of_measured_matmul"] == pytest.approx(0.06 / 0.4 / 0.5)
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_step_variants_one_timed_step(tmp_path):
     """With ``--steps 1`` the only timed step's read-back is the untimed last one: no
     ``finish_step`` median (the child died on ``statistics.median([])`` of an empty
@@ -225,6 +226,7 @@ def test_precision_quality_passes_a_variants_environment_to_its_run_only(tmp_pat
     assert doc["variant_env"] == {"nogluon": {"JAGGED_ATTN_GLUON": "0"}}
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_precision_quality_real_runs_record_gradient_norms(tmp_path):
     """Two real training runs (micro preset, 4 steps, side by side): the record holds each
     run's test metrics and the gradient norms of its logged steps."""

@@ -369,6 +369,7 @@ def test_jit_log_attributes_compiles_to_timed_steps_only():
     assert log.per_step([], 4.0) == []
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_step_variants_smoke(tmp_path):
     """Two variants in fresh processes on the CPU: figures recorded, the GIL switch
     interval set from the variant's environment, a failing variant recorded as failed
@@ -403,6 +404,7 @@ def run_step_variants_child(tmp_path, *, steps: int) -> dict:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_step_variants_allocator_counters_per_step(tmp_path, monkeypatch):
     """The allocator counters are read before the first timed step and after the drain and
     reported per timed step (a CPU has no CUDA allocator: a counting stand-in replaces it;
@@ -501,6 +503,7 @@ def test_quality_of_given_variants_and_seq_linears(tmp_path, monkeypatch):
     assert seen == {"run-a-seed0": ([], {"X": "1"})}
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_cublas_host_smoke_writes_its_result(tmp_path):
     import cublas_host
 
@@ -512,6 +515,7 @@ def test_cublas_host_smoke_writes_its_result(tmp_path):
     assert all(v["min_us"] <= v["median_us"] <= v["max_us"] for v in case.values())
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_ac_same_memory_trains_longer_histories_within_the_no_ac_peak(tmp_path):
     """``bench/ac_same_memory.py`` on ``tiny``: twice the history lengths train under the
     no-AC peak of the preset's own (autoac's measured peak within it), three times do
@@ -528,6 +532,7 @@ def test_ac_same_memory_trains_longer_histories_within_the_no_ac_peak(tmp_path):
     assert not x3["fits"] and x3["floor_gb"] > doc["budget_gb"]
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_ac_pack_cut_measures_both_variants_alike(tmp_path):
     """``bench/ac_pack_cut.py`` on ``tiny`` (CPU, float32 saves): both variants start from
     the same held bytes, pack_all allocates less in the step, and its cuts are the
@@ -549,6 +554,7 @@ def test_ac_pack_cut_measures_both_variants_alike(tmp_path):
     assert doc["layers_held_cut"] > doc["step_cut"]
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_feature_scales_records_every_module_each_interval(tmp_path):
     import feature_scales
 
@@ -564,6 +570,7 @@ def test_feature_scales_records_every_module_each_interval(tmp_path):
         assert r["loss"] > 0
 
 
+@pytest.mark.slow  # a bench script's smoke run: not in `nox -s lowest`
 def test_tower_influence_measures_both_changes(tmp_path):
     import tower_influence
 

@@ -303,7 +303,10 @@ def _same_steps(xs, ys):
         _assert_same_batch(x.batch, y.batch)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize(
+    "workers",
+    [0, pytest.param(1, marks=pytest.mark.slow)],  # workers: not in `nox -s lowest`
+)
 def test_close_then_next_continues_after_the_last_step_handed_out(micro_data, workers):
     """close() dropped the batches read ahead but left the stream past them: the next
     step after a close skipped them silently."""
@@ -325,6 +328,7 @@ def test_close_then_next_continues_after_the_last_step_handed_out(micro_data, wo
     _same_steps(got, want)
 
 
+@pytest.mark.slow  # loader worker processes (own internals): not in `nox -s lowest`
 @pytest.mark.parametrize(
     "layout",
     [

@@ -123,6 +123,7 @@ def test_the_device_step_reads_no_device_values(micro, micro_data, impl, fused):
         assert norm.device.type == "meta"
 
 
+@pytest.mark.slow  # loader worker processes (own internals): not in `nox -s lowest`
 def test_loader_workers_deliver_the_inline_batches_and_states(micro, micro_data):
     def stream():
         return TrainStream(micro_data, sub_batch_size=16, sub_batches_per_step=2, window_steps=2)
@@ -227,6 +228,7 @@ def test_both_table_layouts_start_from_the_same_values(micro):
     assert abs(float(sep.item_embedding.weight.detach().std()) - std) < 0.1 * std
 
 
+@pytest.mark.slow  # loader worker processes (own internals): not in `nox -s lowest`
 def test_resume_is_exact_with_data_workers_reading_ahead(micro, tmp_path):
     from hyperrec.integration import Trainer
 
