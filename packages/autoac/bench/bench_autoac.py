@@ -32,7 +32,8 @@ Strategies, per model (each a point: measured peak, step time):
   whose verification replans while the measured peak exceeds the budget.
   ``--curve``: ``autoac_apply_compiled[_fused][_quant]@torch_budget@f``, the public
   ``autoac.apply(..., compile=True)`` from the one profile at the peak each torch point
-  measured (``_fused``: recomputing the ops Inductor fuses priced as free).
+  measured (``_fused``: recomputing the ops Inductor fuses priced as free, apply's
+  default with Inductor; without it: ``fused_recompute=False``, eager op times).
 * ``autoac@<peer>``: autoac at the measured peak of a peer point (``op_sac``,
   ``torch_budget@0.5``): the matched-budget comparison.
 * ``pack_all``: nothing checkpointed, every saved tensor packed whose class passed the
@@ -704,7 +705,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         compiled graphs and plans again while that is over the budget, then verifies one
         measured step (replanning on a measured overshoot); exact (keep / recompute) or
         with MXINT8 saves; ``fused``: the recomputation of ops Inductor fuses priced as
-        free (``for_compiled_packing(..., fused_recompute=True)``)."""
+        free (``fused_recompute=True``, apply's default with Inductor since 0.1.20; the
+        points without it pass ``False``: eager op times, as before)."""
         if peer is None or "peak_bytes" not in peer or (quant and not compiled_quant):
             return
         b = max(peer["peak_bytes"], free.floor)
@@ -728,7 +730,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             b,
             seen,
             record,
-            profile_=autoac.for_compiled_packing(prof, fused_recompute=True) if fused else prof,
+            profile_=prof,
+            fused_recompute=fused,
             formats=("mxint8",) if quant else (),
             plan_config=None if quant else autoac.PlanConfig(formats=()),
         )
@@ -754,6 +757,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             fitted_compiled_point(peer)
             fitted_compiled_point(peer, fused=True)
             fitted_compiled_point(peer, quant=True)
+            fitted_compiled_point(peer, quant=True, fused=True)
 
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the

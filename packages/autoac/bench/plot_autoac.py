@@ -22,8 +22,15 @@ GIB = 2.0**30
 
 #: method prefix -> (label, marker, colour); the first match wins
 STYLES: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "autoac_apply_compiled_fused_quant",
+        "autoac.apply, compiled, fused pricing, MXINT8",
+        "X",
+        "tab:olive",
+    ),  # fmt: skip
+    ("autoac_apply_compiled_fused", "autoac.apply, compiled, fused pricing", "d", "tab:blue"),
     ("autoac_apply_compiled_quant", "autoac.apply, compiled, MXINT8 saves", "X", "tab:pink"),
-    ("autoac_apply_compiled", "autoac.apply, compiled", "d", "tab:purple"),
+    ("autoac_apply_compiled", "autoac.apply, compiled, eager op times", "d", "tab:purple"),
     ("autoac_compiled", "autoac, compiled", "D", "tab:purple"),
     ("autoac_quant", "autoac + packed saves", "x", "tab:orange"),
     ("pack_all_mxint8", "pack every save as MXINT8", "*", "tab:olive"),
