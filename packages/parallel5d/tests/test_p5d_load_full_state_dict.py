@@ -69,17 +69,41 @@ def _load(mesh_shape: tuple[int, ...], broadcast: bool, tied_name: str) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    ("world", "shape", "broadcast", "tied"),
-    [
-        (2, (2,), True, "head.weight"),
-        (3, (3,), True, "emb.weight"),
-        (3, (3,), False, "head.weight"),
-        (4, (2, 2), True, "emb.weight"),
-    ],
-)
-def test_full_state_dict_loads_into_split_parameters(world, shape, broadcast, tied):
-    results = run_on_ranks(_load, world, shape, broadcast, tied, timeout_s=300)
+def _each(fn, cases: list[tuple]) -> list:
+    """``fn(*case)`` for every case in turn, in one launch of the ranks (spawning the
+    ranks costs more than a case)."""
+    return [fn(*case) for case in cases]
+
+
+LOAD_CASES = [
+    (2, (2,), True, "head.weight"),
+    (3, (3,), True, "emb.weight"),
+    (3, (3,), False, "head.weight"),
+    (4, (2, 2), True, "emb.weight"),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """Per world size, one launch that loads every case of that size: case -> per-rank
+    results."""
+    done: dict[tuple, list[dict]] = {}
+
+    def get(world: int, *case) -> list[dict]:
+        if (world, *case) not in done:
+            cases = [c[1:] for c in LOAD_CASES if c[0] == world]
+            runs = run_on_ranks(_each, world, _load, cases, timeout_s=300)
+            for i, c in enumerate(cases):
+                done[(world, *c)] = [r[i] for r in runs]
+        return done[(world, *case)]
+
+    return get
+
+
+@pytest.mark.parametrize(("world", "shape", "broadcast", "tied"), LOAD_CASES)
+def test_full_state_dict_loads_into_split_parameters(loaded, world, shape, broadcast, tied):
+    results = loaded(world, shape, broadcast, tied)
+    assert len(results) == world
     for r in results:
         # both names of the tied weight, as state_dict() has them
         keys = ["bn.bias", "bn.weight", "emb.weight", "fc.bias", "fc.weight", "head.weight"]
@@ -108,6 +132,15 @@ def _bad(case: str) -> str:
     return "no error"
 
 
+@pytest.fixture(scope="module")
+def bad_messages() -> dict[str, list[str]]:
+    """Every bad dict, one after the other on the same two ranks (one launch): case ->
+    each rank's message."""
+    cases = ["missing", "unexpected", "shape"]
+    runs = run_on_ranks(_each, 2, _bad, [(c,) for c in cases], timeout_s=300)
+    return {c: [r[i] for r in runs] for i, c in enumerate(cases)}
+
+
 @pytest.mark.parametrize(
     ("case", "match"),
     [
@@ -116,8 +149,10 @@ def _bad(case: str) -> str:
         ("shape", "state_dict['fc.weight'] has shape (64, 63)"),
     ],  # fmt: skip
 )
-def test_bad_full_state_dicts_raise_on_every_rank(case, match):
-    for msg in run_on_ranks(_bad, 2, case, timeout_s=300):
+def test_bad_full_state_dicts_raise_on_every_rank(bad_messages, case, match):
+    msgs = bad_messages[case]
+    assert len(msgs) == 2
+    for msg in msgs:
         assert match in msg, msg
 
 
