@@ -128,7 +128,13 @@ def _check(per_rank: list[dict]) -> None:
         assert max(r["trained"].values()) <= 2e-6, (rank, r["trained"])
 
 
-@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["3-ranks", "hsdp-2x2"])
+@pytest.mark.parametrize(
+    "mesh_shape",
+    # HSDP on 4 ranks repeats the uneven 3-rank load (HSDP parity: test_p5d_parity): not
+    # in `nox -s lowest`
+    [(3,), pytest.param((2, 2), marks=pytest.mark.slow)],
+    ids=["3-ranks", "hsdp-2x2"],
+)
 def test_load_state_dict_of_fsdp2_in_memory(mesh_shape):
     world = 1
     for n in mesh_shape:

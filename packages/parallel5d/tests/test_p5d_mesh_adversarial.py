@@ -124,6 +124,7 @@ def _rank_in_slot(topo: Topology) -> list[int]:
 # ----------------------------------------------------------------------------- arithmetic
 
 
+@pytest.mark.slow  # this package's own mesh arithmetic (no sibling API): not in `nox -s lowest`
 @settings(max_examples=120, deadline=None)
 @given(cfg=_configs())
 @example(cfg=(Topology(gpus_per_host=1, hosts=1), _ONES))
