@@ -15,6 +15,10 @@ from hyperrec import autoac
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_autoac.py"
 
+# Bench-script smoke runs (tens of seconds together): `nox -s lowest` leaves them to the
+# normal session; they test this package's benchmark, not the siblings' APIs.
+pytestmark = pytest.mark.slow
+
 
 def _smoke_rows(tmp_path: Path, mode: str, model: str) -> dict[str, dict]:
     """Run the benchmark's ``--smoke`` in ``mode`` with MXINT8 on one model: its points
