@@ -114,14 +114,28 @@ def _style_colour(label: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", help="a bench_autoac.py JSON")
-    p.add_argument("--out", help="PNG path (default: the JSON's path with .png)")
+    p.add_argument(
+        "results", nargs="+", help="bench_autoac.py JSONs (several: one figure of their models)"
+    )
+    p.add_argument("--out", help="PNG path (default: the first JSON's path with .png)")
     args = p.parse_args(argv)
-    path = Path(args.result)
-    result = json.loads(path.read_text())
-    out = Path(args.out) if args.out else path.with_suffix(".png")
+    paths = [Path(r) for r in args.results]
+    result = merge([json.loads(path.read_text()) for path in paths])
+    out = Path(args.out) if args.out else paths[0].with_suffix(".png")
     print(f"wrote {plot(result, out)}")
     return 0
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result of several runs' models (a model in two runs: the first run's); the
+    machine block and mode of the first."""
+    merged = {**results[0], "models": {}, "sizes": {}}
+    for r in results:
+        for name, model in r.get("models", {}).items():
+            if name not in merged["models"]:
+                merged["models"][name] = model
+                merged["sizes"][name] = r.get("sizes", {}).get(name, {})
+    return merged
 
 
 if __name__ == "__main__":

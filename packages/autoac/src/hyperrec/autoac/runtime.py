@@ -710,8 +710,8 @@ def apply(
             fuses into their neighbours as free (:func:`for_compiled_packing`).
             Default (``None``): yes where the regions compile with Inductor (no
             ``backend`` in ``compile_kwargs``, or ``"inductor"``), no otherwise. On an
-            H100 (2026-12-07) compiled plans priced so ran 0-7% faster than plans
-            priced with eager op times at the same budgets (README). Give ``profile_``
+            H100 (2026-12-07) compiled plans priced so ran 0.98-1.07x the speed of
+            plans priced with eager op times at the same budgets (README). Give ``profile_``
             as :func:`~hyperrec.autoac.profiler.profile` made it (not already through
             :func:`for_compiled_packing`).
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
