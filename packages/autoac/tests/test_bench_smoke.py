@@ -56,14 +56,14 @@ def test_curve_smoke_run_pairs_each_torch_budget_with_autoac_at_its_peak(tmp_pat
     assert [p.name for p in tmp_path.glob("*.json")][0].startswith("smoke_curve_llama_")
     for peer_name in ("full_ac", "torch_budget@0.5", "torch_budget@0"):
         peer = rows[peer_name]
-        for kind in ("", "_fused", "_quant"):
+        for kind in ("", "_fused", "_quant", "_fused_quant"):
             r = rows[f"autoac_apply_compiled{kind}@{peer_name}"]
             assert "time_ms_median" in r, r
             # asked for the peer's measured peak (or autoac's floor, if above it)
             assert r["budget_bytes"] >= peer["peak_bytes"]
             assert r["predicted_peak_priced"] <= r["budget_bytes"] or r["peak_replans"]
             assert r["within_budget"] is not None
-            assert bool(r["packed"]) == (kind == "_quant") or not r["packed"]
+            assert bool(r["packed"]) == kind.endswith("_quant") or not r["packed"]
 
 
 def test_span_free_bound_smoke_run_records_both_region_kinds(tmp_path):
