@@ -90,9 +90,8 @@ H200 = {"bf16_tflops": 780.0, "fp8_tflops": 1250.0, "copy_tbps": 4.2}
 #: Seconds a compiled point needs (Inductor compiles one layer graph, shared by every
 #: layer; 18 s for the Llama point on the H200 run of 2026-12-01).
 COMPILE_S = 30.0
-#: ``--curve``: torch's ``activation_memory_budget`` values (0.5 first: the point the
-#: other modes measure too; smoke runs the first two).
-CURVE_FRACTIONS = (0.5, 0.0, 0.75, 0.25, 1.0)
+#: ``--curve --variants``: autoac's ways of planning at a peer's peak.
+CURVE_VARIANTS = ("eager", "fused", "quant", "fused_quant")
 #: Relative error of the profiled no-AC / full-AC peaks against the measured ones above
 #: which the JSON carries a warning (the model is then not to be trusted).
 CHECK_REL = 0.10
@@ -485,7 +484,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
     # The strongest peer first: a compile takes ~20-40 s, and the deadline cuts from
     # the end (autoac's eager points take ~1 s each after the profile).
-    tb = None if args.pack_all else budget_point(0.5)
+    curve_peers = _curve_peers(args.peers) if args.curve else []
+    tb = None if args.pack_all or (args.curve and 0.5 not in curve_peers) else budget_point(0.5)
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
@@ -748,16 +748,16 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         compiled budgets, each measured just before (the deadline cuts from the end)."""
 
         def peers() -> Iterator[dict | None]:
-            yield tb
-            yield full
-            for f in CURVE_FRACTIONS[1 : 2 if args.smoke else None]:
-                yield budget_point(f)
+            for f in curve_peers[: 3 if args.smoke else None]:
+                yield tb if f == 0.5 else full if f == "full_ac" else budget_point(f)
 
+        variants = [v for v in args.variants.split(",") if v]
+        bad = sorted(set(variants) - set(CURVE_VARIANTS))
+        if bad:
+            raise SystemExit(f"--variants: {bad} not among {CURVE_VARIANTS}")
         for peer in peers():
-            fitted_compiled_point(peer)
-            fitted_compiled_point(peer, fused=True)
-            fitted_compiled_point(peer, quant=True)
-            fitted_compiled_point(peer, quant=True, fused=True)
+            for v in variants:
+                fitted_compiled_point(peer, quant="quant" in v, fused="fused" in v)
 
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the
@@ -956,8 +956,20 @@ def main() -> None:
     ap.add_argument(
         "--curve",
         action="store_true",
-        help="baselines, torch's compiled budget at each of CURVE_FRACTIONS and autoac.apply"
+        help="baselines, torch's compiled budget at each of --peers and autoac.apply"
         "(compile=True) at each one's measured peak (exact, and MXINT8 with mxint8 in --formats)",
+    )
+    ap.add_argument(
+        "--peers",
+        default="0.5,full_ac,0,0.75,0.25,1",
+        help="--curve: the peers autoac is matched to, in order: torch budget fractions "
+        "(1: compiled no AC) or full_ac",
+    )
+    ap.add_argument(
+        "--variants",
+        default="eager,fused,quant,fused_quant",
+        help="--curve: autoac variants at each peer (eager: eager op times; fused: fused "
+        "recompute priced free, apply's default; quant: MXINT8 saves)",
     )
     ap.add_argument(
         "--pack-all",
@@ -1017,6 +1029,23 @@ def main() -> None:
         dest = _write(args, out)  # after every model: a later failure keeps this one
         _partial_path(args, name).unlink(missing_ok=True)
     log(f"wrote {dest} in {out['wall_s']} s")
+
+
+def _curve_peers(spec: str) -> list[float | str]:
+    """``--peers``: fractions in [0, 1] or ``full_ac``."""
+    out: list[float | str] = []
+    for tok in (t.strip() for t in spec.split(",") if t.strip()):
+        if tok == "full_ac":
+            out.append(tok)
+            continue
+        try:
+            f = float(tok)
+        except ValueError:
+            raise SystemExit(f"--peers: {tok!r} is neither a fraction nor full_ac") from None
+        if not 0.0 <= f <= 1.0:
+            raise SystemExit(f"--peers: fraction {f} outside [0, 1]")
+        out.append(f)
+    return out
 
 
 def _write(args: argparse.Namespace, out: dict) -> Path:
