@@ -50,6 +50,11 @@ nox.options.sessions = ["lint", "tests", "integration", "lowest", "install"]
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
 PYTHON = "3.11"
+#: Session venvs get no pip of their own: ensurepip (and then removing its setuptools,
+#: see ``_link_base``) cost seconds per venv, and the base's pip, visible through the
+#: ``.pth`` line that every session writes before it installs anything, installs into
+#: the session's venv. (``wheels`` keeps its own pip: it builds before linking the base.)
+NO_PIP = ["--without-pip"]
 _REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?:>=\s*([0-9][0-9.]*))?")
 
 #: Packages mypy does not check yet, with the reason; removing a line is the whole fix.
@@ -259,7 +264,7 @@ def _pytest(session: nox.Session, tests: Path, *extra: str) -> None:
 # -- lint -----------------------------------------------------------------------------------
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, venv_params=NO_PIP)
 def lint(session: nox.Session) -> None:
     """ruff, mypy --strict on every package's sources, and the repository invariants."""
     _link_base(session)
@@ -372,7 +377,7 @@ def _test_name_problems() -> list[str]:
 # -- tests ----------------------------------------------------------------------------------
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, venv_params=NO_PIP)
 @nox.parametrize("package", PACKAGES, ids=PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """One package's CPU tests in its own venv (Triton under the interpreter)."""
@@ -382,7 +387,7 @@ def tests(session: nox.Session, package: str) -> None:
     _pytest(session, path / "tests")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, venv_params=NO_PIP)
 def integration(session: nox.Session) -> None:
     """The GEM-style model's tests (tiny presets, gloo on CPU)."""
     path = ROOT / "integration"
@@ -393,7 +398,7 @@ def integration(session: nox.Session) -> None:
     _pytest(session, path / "tests")
 
 
-@nox.session(python=PYTHON, default=False)
+@nox.session(python=PYTHON, venv_params=NO_PIP, default=False)
 def dev(session: nox.Session) -> None:
     """Every package editable in one venv; the whole suite in one pytest process.
 
@@ -416,11 +421,11 @@ def _build_wheels(session: nox.Session, dirs: list[Path], out: Path, *, isolated
     environment, as for a user; otherwise the base's pinned hatchling builds."""
     out.mkdir(parents=True, exist_ok=True)
     flags = [] if isolated else ["--no-build-isolation"]
-    for d in dirs:
-        session.run(
-            "python", "-m", "pip", "wheel", "-q", "--no-deps", *flags, "-w", str(out), str(d),
-            env=_CLEAN,
-        )  # fmt: skip
+    # One pip process builds them all (a pip start per distribution was seconds each).
+    session.run(
+        "python", "-m", "pip", "wheel", "-q", "--no-deps", *flags, "-w", str(out),
+        *(str(d) for d in dirs), env=_CLEAN,
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON, default=False)
@@ -449,7 +454,7 @@ print(f"{sys.argv[1]} {mod.__version__}: {len(mod.__all__)} names in __all__ res
 """
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, venv_params=NO_PIP)
 def install(session: nox.Session) -> None:
     """Users' install path: each distribution alone from the wheelhouse into a fresh venv.
 
@@ -487,7 +492,9 @@ def install(session: nox.Session) -> None:
 
 
 def _fresh_venv(session: nox.Session, where: Path) -> str:
-    session.run("python", "-m", "venv", str(where), silent=True)
+    # No pip of its own (ensurepip took seconds per venv): the base's pip, visible through
+    # the .pth line, installs into this venv (pip installs for the interpreter running it).
+    session.run("python", "-m", "venv", "--without-pip", str(where), silent=True)
     python = str(where / "bin" / "python")
     _link_base(session, python)
     return python
@@ -561,7 +568,7 @@ def _lowest_versions(path: Path) -> dict[str, tuple[str, str]]:
     return chosen
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, venv_params=NO_PIP)
 @nox.parametrize("package", DEPENDENT, ids=[d.removeprefix("hyperrec-") for d in DEPENDENT])
 def lowest(session: nox.Session, package: str) -> None:
     """A package's tests against the lowest hyperrec sibling versions it declares.
@@ -606,7 +613,7 @@ def lowest(session: nox.Session, package: str) -> None:
 # -- jobs -------------------------------------------------------------------------------------
 
 
-@nox.session(python=PYTHON, default=False)
+@nox.session(python=PYTHON, venv_params=NO_PIP, default=False)
 def train(session: nox.Session) -> None:
     """The main job: train the GEM-style model's tiny preset on the CPU (about a minute).
 
@@ -617,7 +624,7 @@ def train(session: nox.Session) -> None:
     session.run("hyperrec-train", "--preset", "tiny", *session.posargs, env=_CLEAN)
 
 
-@nox.session(python=PYTHON, default=False)
+@nox.session(python=PYTHON, venv_params=NO_PIP, default=False)
 def simulate(session: nox.Session) -> None:
     """The Base Batch Shuffling load-balance simulation (``python -m hyperrec.bbs.simulate``).
 
