@@ -9,7 +9,7 @@
     nox -s simulate          the Base Batch Shuffling load-balance simulation
     nox -s "bench(bbs)"      a package's benchmarks (GPU packages need CUDA)
 
-Environments. The third-party stack (torch, triton, numpy, pytest, hypothesis,
+Environments. The third-party stack (torch, triton, numpy, pytest, pytest-xdist, hypothesis,
 matplotlib, hatchling, ruff, mypy; pinned in ``constraints/cpu.txt``, the CPU torch) is
 installed once, into ``.nox/_base``, which holds no hyperrec distribution. Every session's
 venv sees it read-only through a ``.pth`` file and installs only hyperrec packages of its
@@ -67,6 +67,7 @@ BASE_PACKAGES = (
     "triton",
     "numpy",
     "pytest",
+    "pytest-xdist",
     "hypothesis",
     "matplotlib",
     "hatchling",
@@ -221,6 +222,13 @@ def _check_isolation(session: nox.Session, path: Path, extras: tuple[str, ...]) 
 
 #: Keep a developer's PYTHONPATH (e.g. every src/ dir) from leaking into the venvs.
 _CLEAN = {"PYTHONPATH": ""}
+
+
+#: Packages whose CPU tests are single-threaded compute (Triton's interpreter, no process
+#: groups, no timings) and minutes long: they use both of CI's cores, one pytest-xdist
+#: worker per core, a test file per worker at a time (module fixtures are built once).
+PARALLEL_TESTS = {"jagged_attn"}
+_XDIST = ("-n", "2", "--dist", "loadfile")
 
 
 def _pytest(session: nox.Session, tests: Path, *extra: str) -> None:
@@ -384,7 +392,7 @@ def tests(session: nox.Session, package: str) -> None:
     path = ROOT / "packages" / package
     _install_local(session, path)
     _check_isolation(session, path, ("test",))
-    _pytest(session, path / "tests")
+    _pytest(session, path / "tests", *(_XDIST if package in PARALLEL_TESTS else ()))
 
 
 @nox.session(python=PYTHON, venv_params=NO_PIP)
