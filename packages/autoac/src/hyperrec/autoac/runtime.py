@@ -31,7 +31,7 @@ import contextlib
 import numbers
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
@@ -947,6 +947,10 @@ def _price_within_budget(
     handle.plan = price_compiled(handle, step_fn, seed=prof.config.seed)
     planned = budget
     planned_regions = dict(region_budgets) if region_budgets else None
+    # the least planner budget whose plan was priced over ``budget``, and those plans:
+    # a raise after a lowering goes no higher, nor back to one of them
+    ceiling: float | None = None
+    over_plans: list[Any] = []
     for _ in range(MAX_PEAK_REPLANS):
         over = handle.plan.predicted_peak - budget if budget is not None else 0
         region_over = _region_overshoots(handle.plan, region_budgets)
@@ -957,7 +961,7 @@ def _price_within_budget(
             # recomputes element-wise ops of regions kept whole): plans on the eager
             # prices leave memory unused that would spare recomputation.
             raised = _raise_into_headroom(handle, step_fn, budget, planned, region_budgets,
-                                          plan_config)  # fmt: skip
+                                          plan_config, ceiling, over_plans)  # fmt: skip
             if raised is None:
                 break
             planned = raised
@@ -966,6 +970,8 @@ def _price_within_budget(
         if planned is not None and over > 0:
             if planned <= handle.plan.floor:
                 break
+            ceiling = planned if ceiling is None else min(ceiling, planned)
+            over_plans.append(_decisions(handle.plan))
             # no lower than the floor: the planner rejects budgets below it
             lowered = max(planned - over, handle.plan.floor)
         lowered_regions = planned_regions
@@ -976,14 +982,14 @@ def _price_within_budget(
         except ValueError:
             # a region's budget lowered below its floor: no plan holds it in the graphs
             break
-        previous = handle.plan
+        previous, fractions = handle.plan, handle._runner.fractions
         try:
             _set_plan(handle, p, step_fn)
         except _COMPILE_ERRORS as err:
             # Some plans do not compile (torch 2.13's Inductor, a selective checkpoint
             # with a packed save: "could not find saved tensor ... in bw_g_inputs"):
             # keep the plan that did, and say what it misses below.
-            handle.set_plan(previous)
+            _restore_plan(handle, previous, fractions)
             warnings.warn(
                 f"autoac: the plan replanned for the budgets did not compile "
                 f"({type(err).__name__}: {_last_line(err)}); "
@@ -1009,35 +1015,48 @@ def _raise_into_headroom(
     planned: float | None,
     region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
+    ceiling: float | None = None,
+    over_plans: Sequence[Any] = (),
 ) -> float | None:
     """One upward replan of :func:`_price_within_budget`: the planner's budget raised by
-    the priced plan's headroom under ``budget``. Returns the raised budget if its plan is
-    now in force (priced, within ``budget``, less added time), else ``None`` with the
-    plan in force unchanged."""
-    current = handle.plan
+    the priced plan's headroom under ``budget`` (to ``ceiling`` at most, and not to a
+    plan of ``over_plans``, the decisions already priced over ``budget``). Returns the
+    raised budget if its plan is now in force (priced, within ``budget``, less added
+    time), else ``None`` with the plan in force unchanged."""
+    current, fractions = handle.plan, handle._runner.fractions
     if budget is None or planned is None or region_budgets:
         return None
     headroom = budget - current.predicted_peak
     if headroom <= PEAK_TOLERANCE * budget or current.added_s <= 0:
         return None
-    raised = planned + headroom
+    raised = planned + headroom if ceiling is None else min(planned + headroom, ceiling)
+    if raised <= planned:
+        return None
     prof = handle.profile
     assert prof is not None
     try:
         p = plan(prof, budget=raised, config=plan_config)
     except ValueError:
         return None
-    if _decisions(p) == _decisions(current) or p.added_s >= current.added_s:
+    if _decisions(p) in (_decisions(current), *over_plans) or p.added_s >= current.added_s:
         return None
     try:
         _set_plan(handle, p, step_fn)
     except _COMPILE_ERRORS:
-        handle.set_plan(current)
+        _restore_plan(handle, current, fractions)
         return None
     if handle.plan.predicted_peak > budget:
-        handle.set_plan(current)  # priced over the budget: the lower plan stays
+        _restore_plan(handle, current, fractions)  # priced over: the lower plan stays
         return None
     return raised
+
+
+def _restore_plan(handle: AutoAC, priced: Plan, fractions: dict[str, float]) -> None:
+    """Put back a plan priced from its graphs, compiled as it was priced: its regions'
+    ``held_bytes`` are now the graphs', and the ``"memory_budget"`` mechanism would
+    otherwise compile it with the fractions of those (another partition)."""
+    handle.set_plan(priced)
+    handle._runner.fractions = fractions
 
 
 def _decisions(p: Plan) -> list[tuple[str, str, dict[tuple[str, int], str]]]:

@@ -1,0 +1,105 @@
+"""Review of 0.1.20's compiled headroom raise and fused pricing (apply(compile=True))."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from autoac_cases import step_for
+from test_compiled_headroom import FLOPS, PARTITION, ChainTower
+
+from hyperrec import autoac
+from hyperrec.autoac import runtime as rt
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _chain_case(frac: float):
+    model = ChainTower()
+    step = step_for(torch.randn(64, 64))
+    prof = autoac.profile(model, step, config=FLOPS)
+    free = autoac.plan(autoac.for_compiled_packing(prof), budget=1e15)
+    return model, step, prof, free.floor + frac * (free.no_ac_peak - free.floor)
+
+
+def test_rejected_raise_restores_the_fractions_the_plan_was_priced_with(monkeypatch):
+    # BUG (fixed in runtime._restore_plan): a raise priced over the budget put the
+    # previous plan back with handle.set_plan(priced plan), whose held_bytes are the
+    # graphs'; the "memory_budget" mechanism then compiled its regions with fractions
+    # of those (here 0.4 and 0.0 for 1.0 and 0.2), another partition than the one
+    # handle.plan was priced from. Failed before the fix.
+    model, step, prof, budget = _chain_case(0.6)
+    monkeypatch.setattr(rt, "compile_mechanism", lambda: "memory_budget")
+    priced: list = []
+    fractions: list = []
+    real = rt.price_compiled
+
+    def over_after_first(handle, *a, **k):
+        fractions.append(dict(handle._runner.fractions))
+        p = real(handle, *a, **k)
+        if priced:
+            p = dataclasses.replace(p, predicted_peak=int(budget) + 1)
+        priced.append(p)
+        return p
+
+    monkeypatch.setattr(rt, "price_compiled", over_after_first)
+    h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
+                     compile_kwargs=PARTITION, verify=False)  # fmt: skip
+    try:
+        assert len(priced) == 2
+        assert h.mechanism == "memory_budget"
+        assert h._runner.fractions == fractions[0]
+    finally:
+        h.remove()
+
+
+def test_the_callers_profile_is_left_as_given():
+    model, step, prof, budget = _chain_case(0.6)
+    times = [o.time_s for r in prof.regions for o in r.ops]
+    h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
+                     compile_kwargs=PARTITION, fused_recompute=True, verify=False)  # fmt: skip
+    try:
+        assert [o.time_s for r in prof.regions for o in r.ops] == times
+        assert h.profile is not prof
+    finally:
+        h.remove()
+
+
+def test_a_raise_after_a_lowering_goes_no_higher_than_the_budget_priced_over(monkeypatch):
+    # BUG (oscillation; fixed in _price_within_budget / _raise_into_headroom): the first
+    # plan priced 1% over, the lowered one well under, and the raise then asked the
+    # planner for more than the budget whose plan was already priced over: a faster
+    # plan, compiled and run once more only to be priced over and dropped (on a GPU a
+    # recompilation and a step per oscillation). Failed before the fix (3 plans priced,
+    # the third faster than the first).
+    model, step, prof, budget = _chain_case(0.6)
+    real = rt.price_compiled
+    priced: list = []
+    over: list = []
+
+    def first_plan_over(handle, *a, **k):
+        p = real(handle, *a, **k)
+        if not over:
+            over.append(rt._decisions(p))
+            over.append(p.added_s)
+        if p.added_s <= over[1]:  # plans as fast as the first hold more: 1% over
+            p = dataclasses.replace(p, predicted_peak=int(1.01 * budget))
+        priced.append(p)
+        return p
+
+    monkeypatch.setattr(rt, "price_compiled", first_plan_over)
+    h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
+                     compile_kwargs=PARTITION, verify=False)  # fmt: skip
+    try:
+        assert len(priced) == 2
+        assert all(p.added_s > over[1] for p in priced[1:])
+        assert rt._decisions(h.plan) == rt._decisions(priced[1])
+        assert h.plan.predicted_peak <= budget
+    finally:
+        h.remove()
