@@ -1273,11 +1273,15 @@ def _verify(
             ):
                 planned = lowered
                 peak_replans += 1
-                _set_plan(
-                    handle,
-                    plan(prof, budget=planned, region_budgets=planned_regions, config=plan_config),
-                    step_fn,
-                )
+                p = plan(prof, budget=planned, region_budgets=planned_regions, config=plan_config)
+                if _decisions(p) == _decisions(handle.plan) and p.predicted_peak > p.floor:
+                    # A planner budget raised into compiled headroom can lie above the
+                    # plan's own peak by more than the overshoot: below that peak, so
+                    # that the replan changes the plan.
+                    planned = min(planned, p.predicted_peak - 1)
+                    p = plan(prof, budget=planned, region_budgets=planned_regions,
+                             config=plan_config)  # fmt: skip
+                _set_plan(handle, p, step_fn)
                 continue
         break
     handle.profile = prof
