@@ -122,3 +122,28 @@ def test_a_measured_overshoot_after_a_raise_changes_the_plan_at_each_replan():
         assert h.verification["peak_replans"] == 1
     finally:
         h.remove()
+
+
+def test_raises_and_rejected_raises_leave_no_grad_behind(monkeypatch):
+    # fine (not a bug): every priced raise restores the parameters' .grad
+    model, step, prof, budget = _chain_case(0.6)
+    priced: list = []
+    real = rt.price_compiled
+
+    def over_after_second(*a, **k):
+        p = real(*a, **k)
+        if len(priced) >= 2:
+            p = dataclasses.replace(p, predicted_peak=int(budget) + 1)
+        priced.append(p)
+        return p
+
+    monkeypatch.setattr(rt, "price_compiled", over_after_second)
+    h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
+                     compile_kwargs=PARTITION, verify=False)  # fmt: skip
+    try:
+        assert len(priced) >= 2
+        assert all(p.grad is None for p in model.parameters())
+        assert h.plan.predicted_peak <= budget
+        assert h._runner.decisions == h.plan.decisions()
+    finally:
+        h.remove()
