@@ -101,19 +101,28 @@ def test_compiled_plan_is_raised_into_the_headroom_its_graphs_leave(monkeypatch)
         h.remove()
 
 
-def test_a_raised_plan_priced_over_the_budget_is_not_kept(monkeypatch):
-    model, step, prof, budget = _chain_case(0.6)
+def price_over_after(monkeypatch, budget: float, n: int, seen=None) -> list:
+    """``price_compiled`` priced as is for its first ``n`` calls and just over ``budget``
+    after; the plans priced, in order (``seen(handle)`` called before each pricing)."""
     priced: list = []
     real = rt.price_compiled
 
-    def over_after_first(*a, **k):
-        p = real(*a, **k)
-        if priced:  # every replanned plan priced over the budget
+    def spy(handle, *a, **k):
+        if seen is not None:
+            seen(handle)
+        p = real(handle, *a, **k)
+        if len(priced) >= n:
             p = dataclasses.replace(p, predicted_peak=int(budget) + 1)
         priced.append(p)
         return p
 
-    monkeypatch.setattr(rt, "price_compiled", over_after_first)
+    monkeypatch.setattr(rt, "price_compiled", spy)
+    return priced
+
+
+def test_a_raised_plan_priced_over_the_budget_is_not_kept(monkeypatch):
+    model, step, prof, budget = _chain_case(0.6)
+    priced = price_over_after(monkeypatch, budget, 1)  # every replanned plan over
     h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
                      compile_kwargs=PARTITION, verify=False)  # fmt: skip
     try:

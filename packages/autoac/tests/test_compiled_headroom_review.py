@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-import torch
-from autoac_cases import step_for
-from test_compiled_headroom import FLOPS, PARTITION, ChainTower
+from test_compiled_headroom import (
+    PARTITION,
+    _chain_case,
+    _fresh_dynamo,  # noqa: F401  (autouse: fresh Dynamo)
+    price_over_after,
+)
 
 from hyperrec import autoac
 from hyperrec.autoac import runtime as rt
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _chain_case(frac: float):
-    model = ChainTower()
-    step = step_for(torch.randn(64, 64))
-    prof = autoac.profile(model, step, config=FLOPS)
-    free = autoac.plan(autoac.for_compiled_packing(prof), budget=1e15)
-    return model, step, prof, free.floor + frac * (free.no_ac_peak - free.floor)
 
 
 def test_rejected_raise_restores_the_fractions_the_plan_was_priced_with(monkeypatch):
@@ -36,19 +23,10 @@ def test_rejected_raise_restores_the_fractions_the_plan_was_priced_with(monkeypa
     # handle.plan was priced from. Failed before the fix.
     model, step, prof, budget = _chain_case(0.6)
     monkeypatch.setattr(rt, "compile_mechanism", lambda: "memory_budget")
-    priced: list = []
     fractions: list = []
-    real = rt.price_compiled
-
-    def over_after_first(handle, *a, **k):
-        fractions.append(dict(handle._runner.fractions))
-        p = real(handle, *a, **k)
-        if priced:
-            p = dataclasses.replace(p, predicted_peak=int(budget) + 1)
-        priced.append(p)
-        return p
-
-    monkeypatch.setattr(rt, "price_compiled", over_after_first)
+    priced = price_over_after(
+        monkeypatch, budget, 1, seen=lambda h: fractions.append(dict(h._runner.fractions))
+    )
     h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
                      compile_kwargs=PARTITION, verify=False)  # fmt: skip
     try:
@@ -127,17 +105,7 @@ def test_a_measured_overshoot_after_a_raise_changes_the_plan_at_each_replan():
 def test_raises_and_rejected_raises_leave_no_grad_behind(monkeypatch):
     # fine (not a bug): every priced raise restores the parameters' .grad
     model, step, prof, budget = _chain_case(0.6)
-    priced: list = []
-    real = rt.price_compiled
-
-    def over_after_second(*a, **k):
-        p = real(*a, **k)
-        if len(priced) >= 2:
-            p = dataclasses.replace(p, predicted_peak=int(budget) + 1)
-        priced.append(p)
-        return p
-
-    monkeypatch.setattr(rt, "price_compiled", over_after_second)
+    priced = price_over_after(monkeypatch, budget, 2)
     h = autoac.apply(model, budget=budget, step_fn=step, profile_=prof, compile=True,
                      compile_kwargs=PARTITION, verify=False)  # fmt: skip
     try:
