@@ -484,8 +484,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
     lo, hi = full["peak_bytes"], noac["peak_bytes"]
     # The strongest peer first: a compile takes ~20-40 s, and the deadline cuts from
     # the end (autoac's eager points take ~1 s each after the profile).
-    curve_peers = _curve_peers(args.peers) if args.curve else []
-    tb = None if args.pack_all or (args.curve and 0.5 not in curve_peers) else budget_point(0.5)
+    tb = None if args.pack_all or (args.curve and 0.5 not in args.peers) else budget_point(0.5)
 
     # autoac: one profile (fully checkpointed step), then a plan per budget.
     t0 = time.monotonic()
@@ -748,15 +747,11 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         compiled budgets, each measured just before (the deadline cuts from the end)."""
 
         def peers() -> Iterator[dict | None]:
-            for f in curve_peers[: 3 if args.smoke else None]:
+            for f in args.peers[: 3 if args.smoke else None]:
                 yield tb if f == 0.5 else full if f == "full_ac" else budget_point(f)
 
-        variants = [v for v in args.variants.split(",") if v]
-        bad = sorted(set(variants) - set(CURVE_VARIANTS))
-        if bad:
-            raise SystemExit(f"--variants: {bad} not among {CURVE_VARIANTS}")
         for peer in peers():
-            for v in variants:
+            for v in args.variants:
                 fitted_compiled_point(peer, quant="quant" in v, fused="fused" in v)
 
     def pack_all_compiled_point() -> None:
@@ -978,6 +973,13 @@ def main() -> None:
         "regions' inputs packed)",
     )
     args = ap.parse_args()
+    # checked before any measurement (a typo would otherwise end a GPU run after its
+    # baselines and profile)
+    args.peers = _curve_peers(args.peers)
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = sorted(set(args.variants) - set(CURVE_VARIANTS))
+    if bad:
+        raise SystemExit(f"--variants: {bad} not among {CURVE_VARIANTS}")
     t_start = time.monotonic()
     # Start-up (imports, CUDA context) and the last point's overrun fit in the rest of
     # the 2.5 / 8 minutes.

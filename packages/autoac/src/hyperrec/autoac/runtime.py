@@ -861,8 +861,7 @@ def apply(
 
 def _inductor(compile_kwargs: Mapping[str, Any] | None) -> bool:
     """Whether ``torch.compile(**compile_kwargs)`` compiles with Inductor."""
-    backend = (compile_kwargs or {}).get("backend", "inductor")
-    return isinstance(backend, str) and backend == "inductor"
+    return bool((compile_kwargs or {}).get("backend", "inductor") == "inductor")
 
 
 def _with_profile(
