@@ -718,7 +718,6 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 "predicted_added_ms": h.plan.added_s * 1e3,
                 "planned_budget": v.get("planned_budget"),
                 "peak_replans": v.get("peak_replans"),
-                "slack_replans": v.get("slack_replans"),
                 "within_budget": v.get("within_budget"),
                 "grad_error": v.get("grad_error"),
                 "modes": [r.mode for r in h.plan.regions],

@@ -690,14 +690,8 @@ def apply(
             measured peak exceeds ``budget`` by more than :data:`PEAK_TOLERANCE`, the
             step is replanned with the budget lowered by the overshoot (at most
             :data:`MAX_PEAK_REPLANS` times, never below the floor; see
-            ``replan_peak``). If it lies under both ``budget`` and the predicted peak
-            by more than :data:`RAISE_SLACK` of ``budget`` and the plan adds time
-            (predicted peaks can be high), the step is replanned with the planner's
-            budget raised by that slack, and the raised plan kept only if its measured peak is within
-            ``budget`` (else the plan before it is put back; step budgets only; these
-            count towards the same :data:`MAX_PEAK_REPLANS`). The verification records
-            ``planned_budget``, ``peak_replans``, ``slack_replans`` and
-            ``within_budget``.
+            ``replan_peak``); the verification records ``planned_budget``,
+            ``peak_replans`` and ``within_budget``.
         replan_peak: whether ``verify`` replans on a measured peak over the budget.
             Default (``None``): yes, except with ``torch.distributed`` initialised on
             more than one rank, where ranks measure different peaks and would replan a
@@ -1208,14 +1202,6 @@ PEAK_TOLERANCE = 0.05
 #: regions of a compiled plan).
 MAX_PEAK_REPLANS = 3
 
-#: ``apply(verify=True)`` plans again with a higher budget when the measured peak lies
-#: under both the budget and the predicted peak by more than this fraction of the
-#: budget and the plan adds time: the predicted peak can be high (on an H100 the profile's prediction of a Llama block's
-#: peak was 0.46 GiB over the measured one, and plans priced from compiled graphs left
-#: 4-7% of their budgets unused). The raised plan is kept only if its measured peak is
-#: within the budget.
-RAISE_SLACK = 0.02
-
 
 def _verify(
     handle: AutoAC,
@@ -1239,24 +1225,11 @@ def _verify(
     if planned_regions is None:
         planned_regions = region_budgets
     peak_replans = 0
-    slack_replans = 0
-    # the least planner budget whose plan measured over ``budget``: no raise goes back
-    ceiling: float | None = None
-    # before a raise: the plan in force, its runner's fractions, measurement, gradient
-    # error and planner budget, put back if the raised plan measures over the budget
-    kept: tuple[Plan, dict[str, float], Any, float | None, float | None] | None = None
-    # a "pack_all" plan is not searched: another budget cannot change it
-    searched = plan_config is None or plan_config.strategy != "pack_all"
     while True:
         # autoac's own compiled regions are what it verifies; the model's compiled
         # functions run eagerly, as they did when profiled (see ``no_compile``)
         with contextlib.nullcontext() if handle.compiled else no_compile():
             m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
-        if kept is not None and budget is not None and m.peak_bytes > budget:
-            # the raised plan measured over the budget: the plan before it stays
-            previous, fractions, m, err, planned = kept
-            _restore_plan(handle, previous, fractions)
-            break
         err = None
         if handle.plan.packed:
             if ref is None:
@@ -1289,13 +1262,14 @@ def _verify(
         ):
             # Lower the planner's budget by the overshoot, while a plan can meet it.
             lowered = planned - (m.peak_bytes - budget)
+            # a "pack_all" plan is not searched: a lower budget cannot change it
+            searched = plan_config is None or plan_config.strategy != "pack_all"
             if (
                 replan_peak
                 and searched
-                and peak_replans + slack_replans < MAX_PEAK_REPLANS
+                and peak_replans < MAX_PEAK_REPLANS
                 and lowered >= handle.plan.floor
             ):
-                ceiling = planned if ceiling is None else min(ceiling, planned)
                 planned = lowered
                 peak_replans += 1
                 p = plan(prof, budget=planned, region_budgets=planned_regions, config=plan_config)
@@ -1307,30 +1281,6 @@ def _verify(
                     p = plan(prof, budget=planned, region_budgets=planned_regions,
                              config=plan_config)  # fmt: skip
                 _set_plan(handle, p, step_fn)
-                continue
-        if (
-            budget is not None
-            and planned is not None
-            and not region_budgets
-            and replan_peak
-            and searched
-            and peak_replans + slack_replans < MAX_PEAK_REPLANS
-            # the slack a prediction too high leaves (not that of a plan's discrete
-            # choices, which the planner already had)
-            and (slack := min(budget, handle.plan.predicted_peak) - m.peak_bytes)
-            > RAISE_SLACK * budget
-        ):
-            raised = _raise_by_slack(handle, prof, slack, planned, ceiling, plan_config)
-            if raised is not None:
-                p, raised_budget = raised
-                kept = (handle.plan, handle._runner.fractions, m, err, planned)
-                try:
-                    _set_plan(handle, p, step_fn)
-                except _COMPILE_ERRORS:
-                    _restore_plan(handle, kept[0], kept[1])
-                    break
-                planned = raised_budget
-                slack_replans += 1
                 continue
         break
     handle.profile = prof
@@ -1348,7 +1298,6 @@ def _verify(
         "budget": budget,
         "planned_budget": planned,
         "peak_replans": peak_replans,
-        "slack_replans": slack_replans,
         "within_budget": None
         if budget is None
         else m.peak_bytes <= budget * (1.0 + PEAK_TOLERANCE),
@@ -1369,34 +1318,6 @@ def _verify(
             "see AutoAC.verification",
             stacklevel=3,
         )
-
-
-def _raise_by_slack(
-    handle: AutoAC,
-    prof: Profile,
-    slack: float,
-    planned: float,
-    ceiling: float | None,
-    plan_config: PlanConfig | None,
-) -> tuple[Plan, float] | None:
-    """The plan for the planner's budget raised by ``slack``, by which a measured peak
-    lies under the budget and the predicted peak (below ``ceiling``, a planner budget whose plan measured over), and that
-    budget; ``None`` where it would not change the plan or add less time."""
-    current = handle.plan
-    if current.added_s <= 0:
-        return None
-    raised = planned + slack
-    if ceiling is not None:
-        raised = min(raised, ceiling - 1)
-    if raised <= planned:
-        return None
-    try:
-        p = plan(prof, budget=raised, config=plan_config)
-    except ValueError:
-        return None
-    if _decisions(p) == _decisions(current) or p.added_s >= current.added_s:
-        return None
-    return p, raised
 
 
 def _reference_grads(
