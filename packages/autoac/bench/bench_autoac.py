@@ -91,7 +91,7 @@ H200 = {"bf16_tflops": 780.0, "fp8_tflops": 1250.0, "copy_tbps": 4.2}
 #: layer; 18 s for the Llama point on the H200 run of 2026-12-01).
 COMPILE_S = 30.0
 #: ``--curve --variants``: autoac's ways of planning at a peer's peak.
-CURVE_VARIANTS = ("eager", "fused", "quant", "fused_quant")
+CURVE_VARIANTS = ("eager", "fused", "quant", "fused_quant", "fused_calib")
 #: Relative error of the profiled no-AC / full-AC peaks against the measured ones above
 #: which the JSON carries a warning (the model is then not to be trusted).
 CHECK_REL = 0.10
@@ -698,14 +698,18 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         if res is not None:
             res.update(seen)
 
-    def fitted_compiled_point(peer: dict | None, quant: bool = False, fused: bool = False) -> None:
+    def fitted_compiled_point(
+        peer: dict | None, quant: bool = False, fused: bool = False, calib: bool = False
+    ) -> None:
         """autoac at a peer point's measured peak, through the public call a user makes:
         ``autoac.apply(..., compile=True, profile_=prof)`` prices the plan from its
         compiled graphs and plans again while that is over the budget, then verifies one
         measured step (replanning on a measured overshoot); exact (keep / recompute) or
         with MXINT8 saves; ``fused``: the recomputation of ops Inductor fuses priced as
         free (``fused_recompute=True``, apply's default with Inductor since 0.1.20; the
-        points without it pass ``False``: eager op times, as before)."""
+        points without it pass ``False``: eager op times, as before); ``calib``: the
+        un-checkpointed regions priced at what their graphs save before planning
+        (``calibrate_none=True``, experimental)."""
         if peer is None or "peak_bytes" not in peer or (quant and not compiled_quant):
             return
         b = max(peer["peak_bytes"], free.floor)
@@ -731,10 +735,13 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             record,
             profile_=prof,
             fused_recompute=fused,
+            calibrate_none=calib,
             formats=("mxint8",) if quant else (),
             plan_config=None if quant else autoac.PlanConfig(formats=()),
         )
-        kind = ("_fused" if fused else "") + ("_quant" if quant else "")
+        kind = (
+            ("_fused" if fused else "") + ("_quant" if quant else "") + ("_calib" if calib else "")
+        )
         name = f"autoac_apply_compiled{kind}@{peer['method']}"
         res = point(name, setup, need_s=3 * COMPILE_S, matched=peer["method"],
                     budget_bytes=int(b), budget_used=int(b))  # fmt: skip
@@ -752,7 +759,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
 
         for peer in peers():
             for v in args.variants:
-                fitted_compiled_point(peer, quant="quant" in v, fused="fused" in v)
+                fitted_compiled_point(peer, quant="quant" in v, fused="fused" in v,
+                                      calib="calib" in v)  # fmt: skip
 
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the
@@ -964,7 +972,8 @@ def main() -> None:
         "--variants",
         default="eager,fused,quant,fused_quant",
         help="--curve: autoac variants at each peer (eager: eager op times; fused: fused "
-        "recompute priced free, apply's default; quant: MXINT8 saves)",
+        "recompute priced free, apply's default; quant: MXINT8 saves; fused_calib: fused "
+        "with calibrate_none=True, experimental, not in the default list)",
     )
     ap.add_argument(
         "--pack-all",

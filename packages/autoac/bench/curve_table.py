@@ -27,6 +27,7 @@ VARIANTS: tuple[tuple[str, str], ...] = (
     ("autoac_apply_compiled_fused", "autoac, fused-priced recompute"),
     ("autoac_apply_compiled_quant", "autoac, MXINT8 saves, eager-priced"),
     ("autoac_apply_compiled_fused_quant", "autoac, MXINT8 saves, fused-priced"),
+    ("autoac_apply_compiled_fused_calib", "autoac, fused-priced, calibrate_none"),
 )
 
 

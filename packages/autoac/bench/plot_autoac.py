@@ -28,6 +28,12 @@ STYLES: tuple[tuple[str, str, str, str], ...] = (
         "X",
         "tab:olive",
     ),  # fmt: skip
+    (
+        "autoac_apply_compiled_fused_calib",
+        "autoac.apply, compiled, fused pricing, calibrated",
+        "d",
+        "tab:cyan",
+    ),  # fmt: skip
     ("autoac_apply_compiled_fused", "autoac.apply, compiled, fused pricing", "d", "tab:blue"),
     ("autoac_apply_compiled_quant", "autoac.apply, compiled, MXINT8 saves", "X", "tab:pink"),
     ("autoac_apply_compiled", "autoac.apply, compiled, eager op times", "d", "tab:purple"),

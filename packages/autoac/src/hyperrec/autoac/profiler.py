@@ -165,6 +165,10 @@ class SavedOp:
         is_input: not an op but an input of the region (op and class ``"<input>"``),
             which the region may pack when it runs un-checkpointed (0.1.18); never
             recomputed by the region, and held by its checkpoint when checkpointed.
+        none_held: the fraction of its needed bytes the region holds when it runs
+            un-checkpointed (1.0: all, as the eager step held them; less where a
+            compiled graph recomputes the op in its backward instead, see
+            :func:`hyperrec.autoac.runtime.calibrate_none`).
     """
 
     ordinal: int
@@ -184,6 +188,7 @@ class SavedOp:
     formats: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     is_input: bool = False
+    none_held: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ __all__ = [
     "StepMeasurement",
     "apply",
     "apply_plan",
+    "calibrate_none",
     "compile_mechanism",
     "compiled_packing_supported",
     "for_compiled_packing",
@@ -662,6 +663,7 @@ def apply(
     compile_kwargs: Mapping[str, Any] | None = None,
     profile_: Profile | None = None,
     fused_recompute: bool | None = None,
+    calibrate_none: bool = False,
 ) -> AutoAC:
     """Profile a step, plan within the budget, and put the plan in force: one call.
 
@@ -714,6 +716,10 @@ def apply(
             plans priced with eager op times at the same budgets (README). Give ``profile_``
             as :func:`~hyperrec.autoac.profiler.profile` made it (not already through
             :func:`for_compiled_packing`).
+        calibrate_none: with ``compile=True``, compile the plan for an unbounded budget
+            once and fit each un-checkpointed region's held bytes to what its graph
+            saves before planning (:func:`calibrate_none`; one more compiled step).
+            Experimental and off by default: not yet measured on a GPU.
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
             (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
             the step again: put the plans for several budgets in force one after
@@ -743,7 +749,7 @@ def apply(
             graphs is not supported); with ``profile_``: ``regions`` or
             ``profile_config`` given, ``formats`` the profile did not measure, or
             ``formats`` together with ``plan_config.formats``; ``fused_recompute=True``
-            without ``compile=True``.
+            or ``calibrate_none=True`` without ``compile=True``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -755,6 +761,12 @@ def apply(
                            and dist.get_world_size() > 1)  # fmt: skip
     check_bool("replan_peak", replan_peak)
     check_bool("compile", compile)
+    check_bool("calibrate_none", calibrate_none)
+    if calibrate_none and not compile:
+        raise ValueError(
+            "calibrate_none=True needs compile=True: it fits the regions to what their "
+            "compiled graphs save"
+        )
     if fused_recompute is not None:
         check_bool("fused_recompute", fused_recompute)
         if fused_recompute and not compile:
@@ -832,6 +844,8 @@ def apply(
     if compile:
         fused = _inductor(compile_kwargs) if fused_recompute is None else fused_recompute
         prof = for_compiled_packing(prof, fused_recompute=fused)
+        if calibrate_none:
+            prof = _calibrated(model, prof, step_fn, plan_config, compile_kwargs)
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
     try:
@@ -1099,14 +1113,86 @@ def price_compiled(
         raise ValueError("handle must run its regions compiled (apply_plan(..., compile=True))")
     if handle.profile is None:
         raise ValueError("handle must carry the profile its plan was made from (handle.profile)")
+    return price_compiled_saves(handle.plan, handle.profile, _graph_saves(handle, step_fn, seed))
+
+
+def _graph_saves(
+    handle: AutoAC, step_fn: Callable[[nn.Module], torch.Tensor], seed: int | None
+) -> dict[str, int]:
+    """Region name -> bytes its compiled graph saves for the backward (one step)."""
     runner = handle._runner
     runner.probe = {}
     try:
         measure_step(handle.model, step_fn, track=False, seed=seed)
-        saved = {n: sum(s.values()) for n, s in runner.probe.items()}
+        return {n: sum(s.values()) for n, s in runner.probe.items()}
     finally:
         runner.probe = None
-    return price_compiled_saves(handle.plan, handle.profile, saved)
+
+
+def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> Profile:
+    """``profile_`` with each un-checkpointed region's held bytes fitted to what its
+    compiled graph saves (experimental, 0.1.21; not yet measured on a GPU).
+
+    The profile prices an un-checkpointed region at every tensor the eager step saved;
+    AOTAutograd's partitioner saves less: it recomputes element-wise ops in the backward
+    (on the CPU a Llama block's compiled graph held 78-79% of the eager bytes). The
+    planner then checkpoints regions it could leave whole. For each region that
+    ``plan_`` leaves un-checkpointed and ``saved`` names, the ops Inductor fuses
+    (:func:`fuses`) get :attr:`~hyperrec.autoac.profiler.SavedOp.none_held` set so that
+    the region's un-checkpointed bytes match ``saved`` (in ``[0, 1]``: a graph that saves
+    more than the eager step, or less than the other ops alone, is matched as far as the
+    fraction allows; :func:`price_compiled` still prices every plan from its graphs).
+
+    Args:
+        profile_: the profile ``plan_`` was made from.
+        plan_: a plan whose un-checkpointed regions were compiled and measured (the
+            plan for an unbounded budget: every region that may be left whole, is).
+        saved: region name -> bytes its compiled graph saved beyond its inputs,
+            outputs and parameters (as :func:`price_compiled` reads them).
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: ``plan_``'s regions are not ``profile_``'s.
+    """
+    if not isinstance(profile_, Profile):
+        raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
+    if not isinstance(plan_, Plan):
+        raise TypeError(f"plan_ must be a Plan, got {type(plan_).__name__}")
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
+    if [r.name for r in plan_.regions] != [r.name for r in profile_.regions]:
+        raise ValueError("plan_ must be a plan of profile_'s regions")
+    regions = []
+    for r, rp in zip(profile_.regions, plan_.regions):
+        fused = [o for o in r.ops if o.needed and not o.is_input and fuses(o.op)]
+        fused_bytes = sum(lv.nbytes for o in fused for lv in o.storages if lv.needed)
+        if rp.mode != "none" or r.name not in saved or fused_bytes == 0:
+            regions.append(r)
+            continue
+        held = check_int(f"saved[{r.name!r}]", saved[r.name], minimum=0)
+        excess = (rp.held_bytes - rp.input_bytes) - held
+        frac = min(max(1.0 - excess / fused_bytes, 0.0), 1.0)
+        ids = {id(o) for o in fused}
+        ops = tuple(replace(o, none_held=frac) if id(o) in ids else o for o in r.ops)
+        regions.append(replace(r, ops=ops))
+    return replace(profile_, regions=tuple(regions))
+
+
+def _calibrated(
+    model: nn.Module,
+    prof: Profile,
+    step_fn: Callable[[nn.Module], torch.Tensor],
+    plan_config: PlanConfig | None,
+    compile_kwargs: Mapping[str, Any] | None,
+) -> Profile:
+    """:func:`calibrate_none` from one compiled step of the plan for an unbounded budget."""
+    whole = plan(prof, budget=1e18, config=plan_config)
+    h = AutoAC(model, whole, profile_=prof, compiled=True, compile_kwargs=compile_kwargs)
+    try:
+        saved = _graph_saves(h, step_fn, prof.config.seed)
+    finally:
+        h.remove()
+    return calibrate_none(prof, whole, saved)
 
 
 #: Op packets Inductor fuses into the kernels around them besides those torch tags

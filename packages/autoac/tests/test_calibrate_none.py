@@ -1,0 +1,140 @@
+"""``calibrate_none`` / ``apply(compile=True, calibrate_none=True)`` (experimental,
+0.1.21): an un-checkpointed region priced at what its compiled graph saves before the
+plan is made, not at the eager step's saves.
+
+The chain tower's compiled graphs save the first matmul's output and recompute the
+element-wise chain the eager step saved link by link, so the eager prices hold every
+un-checkpointed region at several times its graph's bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from autoac_cases import step_for
+from test_compiled_headroom import FLOPS, PARTITION, ChainTower
+
+from hyperrec import autoac
+from hyperrec.autoac import runtime as rt
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _case():
+    model = ChainTower()
+    step = step_for(torch.randn(64, 64))
+    prof = autoac.for_compiled_packing(autoac.profile(model, step, config=FLOPS))
+    return model, step, prof
+
+
+def _fused_bytes(region) -> int:
+    return sum(
+        lv.nbytes
+        for o in region.ops
+        if o.needed and not o.is_input and rt.fuses(o.op)
+        for lv in o.storages
+        if lv.needed
+    )
+
+
+def test_fractions_fit_the_saved_bytes_and_stay_in_range():
+    _, _, prof = _case()
+    whole = autoac.plan(prof, budget=1e18)
+    assert all(r.mode == "none" for r in whole.regions)
+    r0, r1, r2 = prof.regions[:3]
+    eager = {rp.name: rp.held_bytes - rp.input_bytes for rp in whole.regions}
+    f0 = _fused_bytes(r0)
+    assert f0 > 0
+    saved = {
+        r0.name: eager[r0.name] - f0 // 4,  # a quarter of the fused bytes recomputed
+        r1.name: eager[r1.name] + 10**6,  # more than the eager step: clipped to 1
+        r2.name: 0,  # less than the other ops alone: clipped to 0
+    }
+    cal = rt.calibrate_none(prof, whole, saved)
+    held = {r.name: {o.none_held for o in r.ops if rt.fuses(o.op) and o.needed
+                     and not o.is_input} for r in cal.regions}  # fmt: skip
+    (frac,) = held[r0.name]
+    assert frac == pytest.approx(0.75, abs=1e-3)
+    assert held[r1.name] == {1.0} and held[r2.name] == {0.0}
+    # regions not named keep the eager prices; other ops keep everything
+    assert cal.regions[3] == prof.regions[3]
+    for r in cal.regions:
+        assert all(o.none_held == 1.0 for o in r.ops if not rt.fuses(o.op) or o.is_input)
+    # the planner now holds region 0 at the saved bytes
+    again = autoac.plan(cal, budget=1e18)
+    assert again.regions[0].held_bytes - again.regions[0].input_bytes == pytest.approx(
+        saved[r0.name], rel=1e-3
+    )
+
+
+def test_a_checkpointed_region_is_not_calibrated():
+    _, _, prof = _case()
+    whole = autoac.plan(prof, budget=1e18)
+    sac = dataclasses.replace(whole.regions[0], mode="sac")
+    p = dataclasses.replace(whole, regions=(sac, *whole.regions[1:]))
+    cal = rt.calibrate_none(prof, p, {r.name: 0 for r in whole.regions})
+    assert cal.regions[0] == prof.regions[0]
+    assert cal.regions[1] != prof.regions[1]
+
+
+def test_calibrate_none_checks():
+    _, _, prof = _case()
+    whole = autoac.plan(prof, budget=1e18)
+    with pytest.raises(TypeError, match="profile_"):
+        rt.calibrate_none(whole, whole, {})
+    with pytest.raises(TypeError, match="plan_"):
+        rt.calibrate_none(prof, prof, {})
+    with pytest.raises(TypeError, match="saved"):
+        rt.calibrate_none(prof, whole, [1, 2])
+    short = dataclasses.replace(whole, regions=whole.regions[:2])
+    with pytest.raises(ValueError, match="regions"):
+        rt.calibrate_none(prof, short, {})
+    with pytest.raises(ValueError, match="saved"):
+        rt.calibrate_none(prof, whole, {whole.regions[0].name: -1})
+
+
+def test_apply_calibrated_prices_whole_regions_as_their_graphs_and_keeps_more_whole():
+    model, step, prof = _case()
+    raw = autoac.profile(model, step, config=FLOPS)
+    whole = autoac.plan(prof, budget=1e18)
+    # the graphs of the whole plan, priced: what the calibrated planner should predict
+    h = rt.AutoAC(model, whole, profile_=prof, compiled=True, compile_kwargs=PARTITION)
+    priced = rt.price_compiled(h, step, seed=0)
+    h.remove()
+    assert priced.predicted_peak < 0.9 * whole.predicted_peak  # the eager prices are high
+    budget = whole.floor + 0.8 * (priced.predicted_peak - whole.floor)
+    # No verification: on the CPU the measured step runs the regions eagerly (under the
+    # memory tracker's dispatch mode), where an un-checkpointed region saves what the
+    # eager step saves. The plans are held to the budget as priced from their graphs.
+    common = dict(budget=budget, step_fn=step, profile_=raw, compile=True,
+                  compile_kwargs=PARTITION, replan_peak=False, verify=False)  # fmt: skip
+    plain = autoac.apply(model, **common)
+    plain_plan = plain.plan
+    plain.remove()
+    cal = autoac.apply(model, calibrate_none=True, **common)
+    try:
+        assert cal.plan.pricing == "compiled" and plain_plan.pricing == "compiled"
+        assert cal.plan.predicted_peak <= budget
+        n_whole = sum(r.mode == "none" for r in cal.plan.regions)
+        assert n_whole > sum(r.mode == "none" for r in plain_plan.regions)
+        assert cal.plan.added_s < plain_plan.added_s
+        # the calibrated profile holds an un-checkpointed region at its graph's bytes
+        cal_whole = autoac.plan(cal.profile, budget=1e18)
+        assert cal_whole.predicted_peak == pytest.approx(priced.predicted_peak, rel=0.02)
+    finally:
+        cal.remove()
+
+
+def test_calibrate_none_argument_checks():
+    model, step, _ = _case()
+    with pytest.raises(ValueError, match="calibrate_none=True needs compile=True"):
+        autoac.apply(model, budget=1e9, step_fn=step, calibrate_none=True)
+    with pytest.raises(TypeError, match="calibrate_none"):
+        autoac.apply(model, budget=1e9, step_fn=step, compile=True, calibrate_none="yes")
