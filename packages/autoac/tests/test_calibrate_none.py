@@ -74,14 +74,27 @@ def test_fractions_fit_the_saved_bytes_and_stay_in_range():
     )
 
 
-def test_a_checkpointed_region_is_not_calibrated():
+def test_a_checkpointed_region_takes_the_fit_of_an_identical_whole_one():
     _, _, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     sac = dataclasses.replace(whole.regions[0], mode="sac")
     p = dataclasses.replace(whole, regions=(sac, *whole.regions[1:]))
-    cal = rt.calibrate_none(prof, p, {r.name: 0 for r in whole.regions})
-    assert cal.regions[0] == prof.regions[0]
-    assert cal.regions[1] != prof.regions[1]
+    r1 = prof.regions[1]
+    eager = whole.regions[1].held_bytes - whole.regions[1].input_bytes
+    # only region 1 measured: a quarter of its fused bytes recomputed by its graph
+    cal = rt.calibrate_none(prof, p, {r1.name: eager - _fused_bytes(r1) // 4})
+    for r in cal.regions:  # the layers are identical: every one gets region 1's fit
+        fused = {o.none_held for o in r.ops if rt.fuses(o.op) and o.needed and not o.is_input}
+        assert len(fused) == 1 and fused.pop() == pytest.approx(0.75, abs=1e-3), r.name
+    # a region whose fused ops differ (here: other bytes) keeps the eager prices
+    r3 = prof.regions[3]
+    i = next(k for k, o in enumerate(r3.ops) if rt.fuses(o.op) and o.needed)
+    odd_op = dataclasses.replace(r3.ops[i], nbytes=r3.ops[i].nbytes + 1)
+    odd = dataclasses.replace(r3, ops=(*r3.ops[:i], odd_op, *r3.ops[i + 1 :]))
+    prof2 = dataclasses.replace(prof, regions=(*prof.regions[:3], odd))
+    cal2 = rt.calibrate_none(prof2, p, {r1.name: eager - _fused_bytes(r1) // 4})
+    assert cal2.regions[3] == odd
+    assert cal2.regions[0] != prof2.regions[0]
 
 
 def test_calibrate_none_checks():
@@ -138,3 +151,34 @@ def test_calibrate_none_argument_checks():
         autoac.apply(model, budget=1e9, step_fn=step, calibrate_none=True)
     with pytest.raises(TypeError, match="calibrate_none"):
         autoac.apply(model, budget=1e9, step_fn=step, compile=True, calibrate_none="yes")
+
+
+def test_the_calibration_step_runs_the_plan_for_the_budget(monkeypatch):
+    """Not the plan for an unbounded budget: that step would peak at no AC's memory,
+    which the budget exists to avoid."""
+    model, step, prof = _case()
+    raw = autoac.profile(model, step, config=FLOPS)
+    whole = autoac.plan(prof, budget=1e18)
+    budget = whole.floor + 0.7 * (whole.predicted_peak - whole.floor)
+    at_budget = autoac.plan(prof, budget=budget, config=autoac.PlanConfig(formats=()))
+    assert {r.mode for r in at_budget.regions} == {"none", "sac"}
+    probes: list = []
+    real = rt._graph_saves
+
+    def spy(handle, *a, **k):
+        probes.append(handle.plan)
+        return real(handle, *a, **k)
+
+    monkeypatch.setattr(rt, "_graph_saves", spy)
+    h = autoac.apply(model, budget=budget, step_fn=step, profile_=raw, compile=True,
+                     compile_kwargs=PARTITION, verify=False, calibrate_none=True)  # fmt: skip
+    try:
+        probe = probes[0]
+        assert rt._decisions(probe) == rt._decisions(at_budget)
+        assert probe.predicted_peak <= budget
+        # the regions it left whole were measured, the others take their fit
+        fits = [{o.none_held for o in r.ops if rt.fuses(o.op) and o.needed
+                 and not o.is_input} for r in h.profile.regions]  # fmt: skip
+        assert all(len(f) == 1 and f.pop() < 1.0 for f in fits)
+    finally:
+        h.remove()

@@ -716,10 +716,12 @@ def apply(
             plans priced with eager op times at the same budgets (README). Give ``profile_``
             as :func:`~hyperrec.autoac.profiler.profile` made it (not already through
             :func:`for_compiled_packing`).
-        calibrate_none: with ``compile=True``, compile the plan for an unbounded budget
-            once and fit each un-checkpointed region's held bytes to what its graph
-            saves before planning (:func:`calibrate_none`; one more compiled step).
-            Experimental and off by default: not yet measured on a GPU.
+        calibrate_none: with ``compile=True``, compile the plan for the budgets
+            (without packing) once and fit the held bytes of the regions it leaves
+            un-checkpointed, and of regions with the same ops, to what their graphs save
+            before planning (:func:`calibrate_none`; one more compiled step). Nothing is
+            calibrated where that plan checkpoints every region. Experimental and off
+            by default: not yet measured on a GPU.
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
             (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
             the step again: put the plans for several budgets in force one after
@@ -845,7 +847,9 @@ def apply(
         fused = _inductor(compile_kwargs) if fused_recompute is None else fused_recompute
         prof = for_compiled_packing(prof, fused_recompute=fused)
         if calibrate_none:
-            prof = _calibrated(model, prof, step_fn, plan_config, compile_kwargs)
+            prof = _calibrated(
+                model, prof, step_fn, budget, region_budgets, plan_config, compile_kwargs
+            )
     p = plan(prof, budget=budget, region_budgets=region_budgets, config=plan_config)
     handle = AutoAC(model, p, profile_=prof, compiled=compile, compile_kwargs=compile_kwargs)
     try:
@@ -1135,24 +1139,31 @@ def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> 
 
     The profile prices an un-checkpointed region at every tensor the eager step saved;
     AOTAutograd's partitioner saves less: it recomputes element-wise ops in the backward
-    (on the CPU a Llama block's compiled graph held 78-79% of the eager bytes). The
-    planner then checkpoints regions it could leave whole. For each region that
-    ``plan_`` leaves un-checkpointed and ``saved`` names, the ops Inductor fuses
+    (on the CPU a Llama block's compiled graph held 78% of the eager bytes). The planner
+    then checkpoints regions it could leave whole. For each region that ``plan_`` leaves
+    un-checkpointed (and packs nothing in) and ``saved`` names, the ops Inductor fuses
     (:func:`fuses`) get :attr:`~hyperrec.autoac.profiler.SavedOp.none_held` set so that
     the region's un-checkpointed bytes match ``saved`` (in ``[0, 1]``: a graph that saves
     more than the eager step, or less than the other ops alone, is matched as far as the
-    fraction allows; :func:`price_compiled` still prices every plan from its graphs).
+    fraction allows). Every other region whose fused ops are those of a calibrated region
+    (same ops, same bytes: the identical layers of a stack) gets that region's fraction
+    (the largest, where several differ). :func:`price_compiled` still prices every plan
+    from its graphs.
 
     Args:
-        profile_: the profile ``plan_`` was made from.
-        plan_: a plan whose un-checkpointed regions were compiled and measured (the
-            plan for an unbounded budget: every region that may be left whole, is).
+        profile_: the profile ``plan_`` was made from (already calibrated or not: the
+            fractions are fitted from the bytes ``profile_`` prices).
+        plan_: a plan priced from ``profile_`` (not :func:`price_compiled`'s) whose
+            un-checkpointed regions were compiled and measured; ``apply`` uses the plan
+            for the budget asked for, without packing, so that the measured step fits
+            the budget.
         saved: region name -> bytes its compiled graph saved beyond its inputs,
             outputs and parameters (as :func:`price_compiled` reads them).
 
     Raises:
         TypeError: arguments of the wrong type.
-        ValueError: ``plan_``'s regions are not ``profile_``'s.
+        ValueError: ``plan_``'s regions are not ``profile_``'s, ``plan_`` priced from
+            compiled graphs, ``saved`` naming other regions or negative bytes.
     """
     if not isinstance(profile_, Profile):
         raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
@@ -1162,16 +1173,47 @@ def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> 
         raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
     if [r.name for r in plan_.regions] != [r.name for r in profile_.regions]:
         raise ValueError("plan_ must be a plan of profile_'s regions")
-    regions = []
+    if plan_.pricing != "profile":
+        # its held bytes are already the graphs': nothing would be calibrated
+        raise ValueError(
+            f"plan_ must be priced from profile_ (pricing 'profile'), got {plan_.pricing!r}"
+        )
+    unknown = sorted(map(str, set(saved) - {r.name for r in plan_.regions}))
+    if unknown:
+        raise ValueError(f"saved names regions {unknown} that plan_ does not have")
+    checked = {n: check_int(f"saved[{n!r}]", v, minimum=0) for n, v in saved.items()}
+
+    def fused_ops(r: Any) -> list[Any]:
+        return [o for o in r.ops if o.needed and not o.is_input and fuses(o.op)]
+
+    def signature(r: Any) -> tuple[Any, ...]:
+        return tuple((o.key, o.op, o.nbytes) for o in fused_ops(r))
+
+    fitted: dict[str, float] = {}
     for r, rp in zip(profile_.regions, plan_.regions):
-        fused = [o for o in r.ops if o.needed and not o.is_input and fuses(o.op)]
+        fused = fused_ops(r)
         fused_bytes = sum(lv.nbytes for o in fused for lv in o.storages if lv.needed)
-        if rp.mode != "none" or r.name not in saved or fused_bytes == 0:
+        packed = any(d in SAVE_FORMATS for d in rp.saves.values())
+        if rp.mode != "none" or packed or r.name not in saved or fused_bytes == 0:
+            continue
+        # the fused ops' bytes as profile_ prices them now (a calibrated profile: less)
+        priced = sum(
+            round(lv.nbytes * o.none_held) for o in fused for lv in o.storages if lv.needed
+        )
+        excess = (rp.held_bytes - rp.input_bytes) - checked[r.name]
+        fitted[r.name] = min(max((priced - excess) / fused_bytes, 0.0), 1.0)
+    by_signature: dict[tuple[Any, ...], float] = {}
+    for r in profile_.regions:
+        if r.name in fitted:
+            sig = signature(r)
+            by_signature[sig] = max(by_signature.get(sig, 0.0), fitted[r.name])
+    regions = []
+    for r in profile_.regions:
+        frac = fitted.get(r.name, by_signature.get(signature(r)))
+        fused = fused_ops(r)
+        if frac is None or not fused:
             regions.append(r)
             continue
-        held = check_int(f"saved[{r.name!r}]", saved[r.name], minimum=0)
-        excess = (rp.held_bytes - rp.input_bytes) - held
-        frac = min(max(1.0 - excess / fused_bytes, 0.0), 1.0)
         ids = {id(o) for o in fused}
         ops = tuple(replace(o, none_held=frac) if id(o) in ids else o for o in r.ops)
         regions.append(replace(r, ops=ops))
@@ -1182,17 +1224,28 @@ def _calibrated(
     model: nn.Module,
     prof: Profile,
     step_fn: Callable[[nn.Module], torch.Tensor],
+    budget: float | None,
+    region_budgets: Mapping[str, float] | None,
     plan_config: PlanConfig | None,
     compile_kwargs: Mapping[str, Any] | None,
 ) -> Profile:
-    """:func:`calibrate_none` from one compiled step of the plan for an unbounded budget."""
-    whole = plan(prof, budget=1e18, config=plan_config)
-    h = AutoAC(model, whole, profile_=prof, compiled=True, compile_kwargs=compile_kwargs)
+    """:func:`calibrate_none` from one compiled step of the plan for the budgets asked
+    for (unbounded where none is given), unpacked: the step fits the budget (the eager
+    prices of un-checkpointed regions are the high ones being corrected)."""
+    # kept, not packed, whatever the plan will be (calibrate_none fits the keep prices;
+    # "pack_all" would pack every save); allow_none as asked
+    config = replace(plan_config or PlanConfig(), strategy="fastest", formats=())
+    if budget is None and not region_budgets:
+        budget = 1e18
+    probe = plan(prof, budget=budget, region_budgets=region_budgets, config=config)
+    if all(r.mode != "none" for r in probe.regions):
+        return prof  # nothing to calibrate: no compiled step
+    h = AutoAC(model, probe, profile_=prof, compiled=True, compile_kwargs=compile_kwargs)
     try:
         saved = _graph_saves(h, step_fn, prof.config.seed)
     finally:
         h.remove()
-    return calibrate_none(prof, whole, saved)
+    return calibrate_none(prof, probe, saved)
 
 
 #: Op packets Inductor fuses into the kernels around them besides those torch tags
