@@ -78,8 +78,8 @@ def graph_saves(
 ) -> dict[tuple[str, int], int]:
     """Storages held for the backward by the autograd nodes created since sequence
     number ``since`` that ``outputs`` reach, as ``storage key -> bytes`` (each storage
-    once; those in ``exclude``, the region's inputs, outputs and parameters, left out:
-    they are held whatever the region saves)."""
+    once; those in ``exclude``, the region's inputs and parameters, left out: they are
+    held whatever the region saves)."""
     seen: set[int] = set()
     stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
     saves: dict[tuple[str, int], int] = {}

@@ -680,7 +680,7 @@ def price_compiled_saves(plan_: Plan, profile: Profile, saved: Mapping[str, int]
         plan_: a plan made by :func:`plan` from ``profile`` (with :attr:`Plan.live`).
         profile: the profile it was made from.
         saved: region name -> bytes its compiled graph saves for the backward beyond
-            its inputs, outputs and parameters (see
+            its inputs and parameters (see
             :func:`hyperrec.autoac.price_compiled`). Regions left out, and regions
             profiled un-checkpointed, keep their planned bytes.
 

@@ -249,7 +249,11 @@ class _Runner:
     ) -> None:
         assert self.probe is not None
         outs = _regions.flat_tensors(out)
-        held = [*_regions.flat_tensors((args, kwargs)), *outs]
+        # Inputs and parameters are held whatever the region saves. Its outputs are not
+        # excluded: where its own backward keeps one (a block ending in tanh), the graph
+        # holds it until that backward, as the profile prices it (before 0.1.21 such a
+        # region was priced low by the output's bytes).
+        held = list(_regions.flat_tensors((args, kwargs)))
         owner = getattr(fn, "__self__", None)
         # a Span's function may be another module's bound method: its parameters too
         inner = getattr(getattr(owner, "fn", None), "__self__", None)
@@ -1089,7 +1093,7 @@ def price_compiled(
     mode: this works on any device and backend, Inductor included) and reads, for each
     compiled region, the tensors the autograd node its call created holds for the
     backward (see ``_compiled_saves``): the bytes the region holds from its forward to
-    its backward, packed or not, beyond its inputs, outputs and parameters. The plan's
+    its backward, packed or not, beyond its inputs and parameters. The plan's
     prediction is then corrected region by region with
     :func:`~hyperrec.autoac.planner.price_compiled_saves`. Regions that run eagerly
     (packed in formats compiled graphs cannot pack) keep the profile's prices. The
@@ -1157,8 +1161,8 @@ def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> 
             un-checkpointed regions were compiled and measured; ``apply`` uses the plan
             for the budget asked for, without packing, so that the measured step fits
             the budget.
-        saved: region name -> bytes its compiled graph saved beyond its inputs,
-            outputs and parameters (as :func:`price_compiled` reads them).
+        saved: region name -> bytes its compiled graph saved beyond its inputs and
+            parameters (as :func:`price_compiled` reads them).
 
     Raises:
         TypeError: arguments of the wrong type.
