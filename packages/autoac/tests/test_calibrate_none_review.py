@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from autoac_cases import step_for
-from test_compiled_headroom import FLOPS, PARTITION, ChainTower
+from test_compiled_headroom import FLOPS, PARTITION, ChainBlock, ChainTower
 from torch import nn
 
 from hyperrec import autoac
@@ -41,6 +41,12 @@ def _eager_saves(whole) -> dict[str, int]:
     return {r.name: (r.held_bytes - r.input_bytes) // 2 for r in whole.regions}
 
 
+def _assert_whole_held(prof, held) -> None:
+    """The plan for an unbounded budget on ``prof`` holds each region at ``held``."""
+    for rp in autoac.plan(prof, budget=1e18).regions:
+        assert rp.held_bytes - rp.input_bytes == pytest.approx(held[rp.name], rel=1e-3)
+
+
 def test_calibrating_a_calibrated_profile_keeps_the_fit():
     # calibrate_none(profile_, plan_, saved) with plan_ made from profile_: a profile
     # already calibrated (none_held < 1) was reset to the eager prices (excess 0 ->
@@ -51,9 +57,7 @@ def test_calibrating_a_calibrated_profile_keeps_the_fit():
     once = rt.calibrate_none(prof, whole, saved)
     twice = rt.calibrate_none(once, autoac.plan(once, budget=1e18), saved)
     assert _fused_held(twice) == _fused_held(once)
-    again = autoac.plan(twice, budget=1e18)
-    for rp in again.regions:
-        assert rp.held_bytes - rp.input_bytes == pytest.approx(saved[rp.name], rel=1e-3)
+    _assert_whole_held(twice, saved)
 
 
 def test_a_plan_priced_from_its_graphs_is_refused():
@@ -156,37 +160,18 @@ def test_the_plan_runs_compiled_after_the_calibration_step():
         h.remove()
 
 
-class _OutBlock(nn.Module):
+class _OutBlock(ChainBlock):
     """The chain block with a ``tanh`` at its end: its output is a save of its own."""
 
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        a = nn.functional.gelu(h) * torch.sigmoid(h)
-        return torch.tanh(x + self.fc2(torch.tanh(a) * h))
-
-
-class _OutTower(nn.Module):
-    def __init__(self, n: int = 2, dim: int = 64) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([_OutBlock(dim) for _ in range(n)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return torch.tanh(super().forward(x))
 
 
 def test_a_region_output_its_graph_saves_stays_priced(monkeypatch):
     # found by review (fixed in _Runner._record_saves): a region's outputs were left out
     # of its graph's saves, which the profile counts where the region's backward keeps
     # them (price_compiled priced such regions low too)
-    model = _OutTower()
+    model = ChainTower(n=2, block=_OutBlock)
     step = step_for(torch.randn(64, 64))
     prof = autoac.for_compiled_packing(autoac.profile(model, step, config=FLOPS))
     cal = rt._calibrated(model, prof, step, None, None, None, PARTITION)
@@ -205,9 +190,7 @@ def test_a_region_output_its_graph_saves_stays_priced(monkeypatch):
         held = rt._graph_saves(h, step, 0)
     finally:
         h.remove()
-    again = autoac.plan(cal, budget=1e18)
-    for rp in again.regions:
-        assert rp.held_bytes - rp.input_bytes == pytest.approx(held[rp.name], rel=1e-3)
+    _assert_whole_held(cal, held)
 
 
 def test_the_span_free_bound_stays_a_bound_on_a_calibrated_profile():

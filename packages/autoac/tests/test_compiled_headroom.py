@@ -40,10 +40,10 @@ class ChainBlock(nn.Module):
 
 
 class ChainTower(nn.Module):
-    def __init__(self, n: int = 4, dim: int = 64) -> None:
+    def __init__(self, n: int = 4, dim: int = 64, block: type[nn.Module] = ChainBlock) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList([ChainBlock(dim) for _ in range(n)])
+        self.layers = nn.ModuleList([block(dim) for _ in range(n)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
