@@ -663,6 +663,17 @@ def _held_span(r: RegionProfile) -> tuple[int, int] | None:
     return min(start, r.rc_start), r.rc_start
 
 
+def check_saves_args(plan_: Any, profile: Any, saved: Any, profile_arg: str) -> None:
+    """The type checks of :func:`price_compiled_saves` and ``calibrate_none`` (the
+    profile's argument named ``profile_arg``)."""
+    if not isinstance(plan_, Plan):
+        raise TypeError(f"plan_ must be a Plan, got {type(plan_).__name__}")
+    if not isinstance(profile, Profile):
+        raise TypeError(f"{profile_arg} must be a Profile, got {type(profile).__name__}")
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
+
+
 def price_compiled_saves(plan_: Plan, profile: Profile, saved: Mapping[str, int]) -> Plan:
     """``plan_`` with the held bytes of the regions in ``saved`` priced from their
     compiled graphs.
@@ -693,12 +704,7 @@ def price_compiled_saves(plan_: Plan, profile: Profile, saved: Mapping[str, int]
             another length than the profile's trace, an unknown region name, a negative
             byte count.
     """
-    if not isinstance(plan_, Plan):
-        raise TypeError(f"plan_ must be a Plan, got {type(plan_).__name__}")
-    if not isinstance(profile, Profile):
-        raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
-    if not isinstance(saved, Mapping):
-        raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
+    check_saves_args(plan_, profile, saved, "profile")
     if plan_.live is None or len(plan_.live) != len(profile.live):
         raise ValueError(
             "plan_ must carry the live bytes of a plan made from profile (plan_.live), got "

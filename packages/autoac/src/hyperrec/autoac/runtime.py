@@ -52,7 +52,14 @@ from hyperrec.autoac._compiled_saves import graph_saves, sequence_now, storage_k
 from hyperrec.autoac._exec import INPUT, RegionDecisions, no_compile, run_region
 from hyperrec.autoac._validate import check_bool, check_choice, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
-from hyperrec.autoac.planner import Plan, PlanConfig, plan, price_compiled_saves, restrict
+from hyperrec.autoac.planner import (
+    Plan,
+    PlanConfig,
+    check_saves_args,
+    plan,
+    price_compiled_saves,
+    restrict,
+)
 from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
@@ -1169,12 +1176,7 @@ def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> 
         ValueError: ``plan_``'s regions are not ``profile_``'s, ``plan_`` priced from
             compiled graphs, ``saved`` naming other regions or negative bytes.
     """
-    if not isinstance(profile_, Profile):
-        raise TypeError(f"profile_ must be a Profile, got {type(profile_).__name__}")
-    if not isinstance(plan_, Plan):
-        raise TypeError(f"plan_ must be a Plan, got {type(plan_).__name__}")
-    if not isinstance(saved, Mapping):
-        raise TypeError(f"saved must be a mapping of region name to bytes, got {saved!r}")
+    check_saves_args(plan_, profile_, saved, "profile_")
     if [r.name for r in plan_.regions] != [r.name for r in profile_.regions]:
         raise ValueError("plan_ must be a plan of profile_'s regions")
     if plan_.pricing != "profile":
