@@ -182,3 +182,16 @@ def test_the_calibration_step_runs_the_plan_for_the_budget(monkeypatch):
         assert all(len(f) == 1 and f.pop() < 1.0 for f in fits)
     finally:
         h.remove()
+
+
+def test_no_unpacked_plan_within_the_budget_calibrates_nothing(monkeypatch):
+    """``pack_all`` may be asked for less than full recompute's floor (packing every
+    save can hold less); no unpacked plan fits such a budget: nothing is measured and
+    the profile comes back as it was, for the plan itself to accept or refuse."""
+    model, step, prof = _case()
+    floor = autoac.plan(prof, budget=1e18).floor
+    steps: list = []
+    monkeypatch.setattr(rt, "_graph_saves", lambda *a, **k: steps.append(a) or {})
+    cfg = autoac.PlanConfig(strategy="pack_all")
+    out = rt._calibrated(model, prof, step, floor * 0.5, None, cfg, PARTITION)
+    assert out is prof and not steps

@@ -1243,7 +1243,12 @@ def _calibrated(
     config = replace(plan_config or PlanConfig(), strategy="fastest", formats=())
     if budget is None and not region_budgets:
         budget = 1e18
-    probe = plan(prof, budget=budget, region_budgets=region_budgets, config=config)
+    try:
+        probe = plan(prof, budget=budget, region_budgets=region_budgets, config=config)
+    except ValueError:
+        # no unpacked plan within the budgets ("pack_all" may be asked for less than
+        # the floor): nothing to measure; the plan itself says what is wrong, if anything
+        return prof
     if all(r.mode != "none" for r in probe.regions):
         return prof  # nothing to calibrate: no compiled step
     h = AutoAC(model, probe, profile_=prof, compiled=True, compile_kwargs=compile_kwargs)
