@@ -27,25 +27,29 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _case():
+def _case(formats: tuple[str, ...] = ()):
+    """The chain tower, its step, its profile and that profile for compiled plans."""
     model = ChainTower()
     step = step_for(torch.randn(64, 64))
-    prof = autoac.for_compiled_packing(autoac.profile(model, step, config=FLOPS))
-    return model, step, prof
+    raw = autoac.profile(model, step, config=dataclasses.replace(FLOPS, formats=formats))
+    return model, step, raw, autoac.for_compiled_packing(raw)
+
+
+def _fused(region) -> list:
+    return [o for o in region.ops if o.needed and not o.is_input and rt.fuses(o.op)]
 
 
 def _fused_bytes(region) -> int:
-    return sum(
-        lv.nbytes
-        for o in region.ops
-        if o.needed and not o.is_input and rt.fuses(o.op)
-        for lv in o.storages
-        if lv.needed
-    )
+    return sum(lv.nbytes for o in _fused(region) for lv in o.storages if lv.needed)
+
+
+def _fused_held(profile) -> list[set[float]]:
+    """Per region, the ``none_held`` of its fused ops."""
+    return [{o.none_held for o in _fused(r)} for r in profile.regions]
 
 
 def test_fractions_fit_the_saved_bytes_and_stay_in_range():
-    _, _, prof = _case()
+    _, _, _, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     assert all(r.mode == "none" for r in whole.regions)
     r0, r1, r2 = prof.regions[:3]
@@ -58,8 +62,7 @@ def test_fractions_fit_the_saved_bytes_and_stay_in_range():
         r2.name: 0,  # less than the other ops alone: clipped to 0
     }
     cal = rt.calibrate_none(prof, whole, saved)
-    held = {r.name: {o.none_held for o in r.ops if rt.fuses(o.op) and o.needed
-                     and not o.is_input} for r in cal.regions}  # fmt: skip
+    held = dict(zip((r.name for r in cal.regions), _fused_held(cal), strict=True))
     (frac,) = held[r0.name]
     assert frac == pytest.approx(0.75, abs=1e-3)
     assert held[r1.name] == {1.0} and held[r2.name] == {0.0}
@@ -75,7 +78,7 @@ def test_fractions_fit_the_saved_bytes_and_stay_in_range():
 
 
 def test_a_checkpointed_region_takes_the_fit_of_an_identical_whole_one():
-    _, _, prof = _case()
+    _, _, _, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     sac = dataclasses.replace(whole.regions[0], mode="sac")
     p = dataclasses.replace(whole, regions=(sac, *whole.regions[1:]))
@@ -83,9 +86,9 @@ def test_a_checkpointed_region_takes_the_fit_of_an_identical_whole_one():
     eager = whole.regions[1].held_bytes - whole.regions[1].input_bytes
     # only region 1 measured: a quarter of its fused bytes recomputed by its graph
     cal = rt.calibrate_none(prof, p, {r1.name: eager - _fused_bytes(r1) // 4})
-    for r in cal.regions:  # the layers are identical: every one gets region 1's fit
-        fused = {o.none_held for o in r.ops if rt.fuses(o.op) and o.needed and not o.is_input}
-        assert len(fused) == 1 and fused.pop() == pytest.approx(0.75, abs=1e-3), r.name
+    # the layers are identical: every one gets region 1's fit
+    for fused in _fused_held(cal):
+        assert len(fused) == 1 and fused.pop() == pytest.approx(0.75, abs=1e-3)
     # a region whose fused ops differ (here: other bytes) keeps the eager prices
     r3 = prof.regions[3]
     i = next(k for k, o in enumerate(r3.ops) if rt.fuses(o.op) and o.needed)
@@ -98,7 +101,7 @@ def test_a_checkpointed_region_takes_the_fit_of_an_identical_whole_one():
 
 
 def test_calibrate_none_checks():
-    _, _, prof = _case()
+    _, _, _, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     with pytest.raises(TypeError, match="profile_"):
         rt.calibrate_none(whole, whole, {})
@@ -114,8 +117,7 @@ def test_calibrate_none_checks():
 
 
 def test_apply_calibrated_prices_whole_regions_as_their_graphs_and_keeps_more_whole():
-    model, step, prof = _case()
-    raw = autoac.profile(model, step, config=FLOPS)
+    model, step, raw, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     # the graphs of the whole plan, priced: what the calibrated planner should predict
     h = rt.AutoAC(model, whole, profile_=prof, compiled=True, compile_kwargs=PARTITION)
@@ -146,7 +148,7 @@ def test_apply_calibrated_prices_whole_regions_as_their_graphs_and_keeps_more_wh
 
 
 def test_calibrate_none_argument_checks():
-    model, step, _ = _case()
+    model, step, _, _ = _case()
     with pytest.raises(ValueError, match="calibrate_none=True needs compile=True"):
         autoac.apply(model, budget=1e9, step_fn=step, calibrate_none=True)
     with pytest.raises(TypeError, match="calibrate_none"):
@@ -156,8 +158,7 @@ def test_calibrate_none_argument_checks():
 def test_the_calibration_step_runs_the_plan_for_the_budget(monkeypatch):
     """Not the plan for an unbounded budget: that step would peak at no AC's memory,
     which the budget exists to avoid."""
-    model, step, prof = _case()
-    raw = autoac.profile(model, step, config=FLOPS)
+    model, step, raw, prof = _case()
     whole = autoac.plan(prof, budget=1e18)
     budget = whole.floor + 0.7 * (whole.predicted_peak - whole.floor)
     at_budget = autoac.plan(prof, budget=budget, config=autoac.PlanConfig(formats=()))
@@ -177,9 +178,7 @@ def test_the_calibration_step_runs_the_plan_for_the_budget(monkeypatch):
         assert rt._decisions(probe) == rt._decisions(at_budget)
         assert probe.predicted_peak <= budget
         # the regions it left whole were measured, the others take their fit
-        fits = [{o.none_held for o in r.ops if rt.fuses(o.op) and o.needed
-                 and not o.is_input} for r in h.profile.regions]  # fmt: skip
-        assert all(len(f) == 1 and f.pop() < 1.0 for f in fits)
+        assert all(len(f) == 1 and f.pop() < 1.0 for f in _fused_held(h.profile))
     finally:
         h.remove()
 
@@ -188,7 +187,7 @@ def test_no_unpacked_plan_within_the_budget_calibrates_nothing(monkeypatch):
     """``pack_all`` may be asked for less than full recompute's floor (packing every
     save can hold less); no unpacked plan fits such a budget: nothing is measured and
     the profile comes back as it was, for the plan itself to accept or refuse."""
-    model, step, prof = _case()
+    model, step, _, prof = _case()
     floor = autoac.plan(prof, budget=1e18).floor
     steps: list = []
     monkeypatch.setattr(rt, "_graph_saves", lambda *a, **k: steps.append(a) or {})

@@ -8,32 +8,16 @@ import dataclasses
 import pytest
 import torch
 from autoac_cases import step_for
+from test_calibrate_none import (
+    _case,
+    _fresh_dynamo,  # noqa: F401  (autouse: fresh Dynamo)
+    _fused_held,
+)
 from test_compiled_headroom import FLOPS, PARTITION, ChainBlock, ChainTower
 from torch import nn
 
 from hyperrec import autoac
 from hyperrec.autoac import runtime as rt
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _case(formats: tuple[str, ...] = ()):
-    model = ChainTower()
-    step = step_for(torch.randn(64, 64))
-    raw = autoac.profile(model, step, config=dataclasses.replace(FLOPS, formats=formats))
-    return model, step, raw, autoac.for_compiled_packing(raw)
-
-
-def _fused_held(profile) -> list[set[float]]:
-    return [
-        {o.none_held for o in r.ops if o.needed and not o.is_input and rt.fuses(o.op)}
-        for r in profile.regions
-    ]
 
 
 def _eager_saves(whole) -> dict[str, int]:

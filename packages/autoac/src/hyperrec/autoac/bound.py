@@ -148,7 +148,7 @@ def _choices(profile: Profile, formats: tuple[str, ...]) -> tuple[np.ndarray, np
                 continue
             # an un-checkpointed compiled region may hold less of it (``none_held``,
             # calibrated); the least a keep can hold keeps this a lower bound
-            kept = float(sum(round(lv.nbytes * o.none_held) for lv in need))
+            kept = float(sum(o.none_held_bytes(lv) for lv in need))
             t = [0.0, o.time_s if (replayable and not o.collective) else math.inf]
             b = [kept, 0.0]
             for fmt in formats:

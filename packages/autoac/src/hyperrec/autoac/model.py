@@ -219,7 +219,7 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
         if lv.needed:
             # a compiled graph may hold only part of it (recomputing the rest in its
             # backward); the backward's copy stays in the base trace
-            keep += _iv(lv.fwd_free, lv.rc_alloc, round(lv.nbytes * o.none_held))
+            keep += _iv(lv.fwd_free, lv.rc_alloc, o.none_held_bytes(lv))
         else:
             keep += _iv(lv.rc_alloc, lv.rc_free, -lv.nbytes)
     out = [Choice("keep" if o.needed else "drop", 0.0, tuple(keep))]

@@ -190,6 +190,10 @@ class SavedOp:
     is_input: bool = False
     none_held: float = 1.0
 
+    def none_held_bytes(self, lv: StorageLife) -> int:
+        """Bytes of its storage ``lv`` the region holds when it runs un-checkpointed."""
+        return round(lv.nbytes * self.none_held)
+
 
 @dataclass(frozen=True)
 class RegionProfile:

@@ -1189,34 +1189,30 @@ def calibrate_none(profile_: Profile, plan_: Plan, saved: Mapping[str, int]) -> 
         raise ValueError(f"saved names regions {unknown} that plan_ does not have")
     checked = {n: check_int(f"saved[{n!r}]", v, minimum=0) for n, v in saved.items()}
 
-    def fused_ops(r: Any) -> list[Any]:
-        return [o for o in r.ops if o.needed and not o.is_input and fuses(o.op)]
-
-    def signature(r: Any) -> tuple[Any, ...]:
-        return tuple((o.key, o.op, o.nbytes) for o in fused_ops(r))
-
+    fused_of = {
+        r.name: [o for o in r.ops if o.needed and not o.is_input and fuses(o.op)]
+        for r in profile_.regions
+    }
+    # same fused ops, same bytes: the identical layers of a stack
+    signature = {n: tuple((o.key, o.op, o.nbytes) for o in ops) for n, ops in fused_of.items()}
     fitted: dict[str, float] = {}
+    by_signature: dict[tuple[Any, ...], float] = {}
     for r, rp in zip(profile_.regions, plan_.regions):
-        fused = fused_ops(r)
+        fused = fused_of[r.name]
         fused_bytes = sum(lv.nbytes for o in fused for lv in o.storages if lv.needed)
         packed = any(d in SAVE_FORMATS for d in rp.saves.values())
         if rp.mode != "none" or packed or r.name not in saved or fused_bytes == 0:
             continue
         # the fused ops' bytes as profile_ prices them now (a calibrated profile: less)
-        priced = sum(
-            round(lv.nbytes * o.none_held) for o in fused for lv in o.storages if lv.needed
-        )
+        priced = sum(o.none_held_bytes(lv) for o in fused for lv in o.storages if lv.needed)
         excess = (rp.held_bytes - rp.input_bytes) - checked[r.name]
         fitted[r.name] = min(max((priced - excess) / fused_bytes, 0.0), 1.0)
-    by_signature: dict[tuple[Any, ...], float] = {}
-    for r in profile_.regions:
-        if r.name in fitted:
-            sig = signature(r)
-            by_signature[sig] = max(by_signature.get(sig, 0.0), fitted[r.name])
+        sig = signature[r.name]
+        by_signature[sig] = max(by_signature.get(sig, 0.0), fitted[r.name])
     regions = []
     for r in profile_.regions:
-        frac = fitted.get(r.name, by_signature.get(signature(r)))
-        fused = fused_ops(r)
+        frac = fitted.get(r.name, by_signature.get(signature[r.name]))
+        fused = fused_of[r.name]
         if frac is None or not fused:
             regions.append(r)
             continue
