@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hyperrec.autoac.formats import packed_nbytes
-from hyperrec.autoac.profiler import Profile, SavedOp, StorageLife, packable
+from hyperrec.autoac.profiler import Profile, RegionProfile, SavedOp, StorageLife, packable
 
 __all__ = [
     "Assignment",
@@ -260,6 +260,54 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
     return out
 
 
+def _backward_span(profile: Profile, r: RegionProfile) -> tuple[int, int] | None:
+    """Positions ``[a, b)`` of region ``r``'s recomputation and backward in the trace:
+    from its recomputation to the next region's (or the end)."""
+    a = r.rc_start
+    if a is None or a < 1:
+        return None
+    later = [q.rc_start for q in profile.regions if q.rc_start is not None and q.rc_start > a]
+    return a, min(later, default=len(profile.live))
+
+
+def _none_backward_fit(profile: Profile, r: RegionProfile, groups: list[Group]) -> list[Interval]:
+    """Intervals that make the un-checkpointed region's backward allocate
+    ``r.none_backward_bytes`` at most beyond the live bytes where it starts (the most,
+    where the trace allocates less): the eager backward the trace recorded allocates
+    what a compiled one fuses away (every element-wise gradient). Computed on the
+    region's un-packed un-checkpointed choices; other regions' choices are constant
+    over the span (their held bytes)."""
+    span = _backward_span(profile, r)
+    cap = r.none_backward_bytes
+    if span is None or cap is None:
+        return []
+    a, b = span
+    lo = a - 1
+    diff = np.zeros(b - lo + 1, dtype=np.int64)
+    for g in groups:
+        opts = g.choices.get("none", [])
+        c = next((c for c in opts if c.kind in ("keep", "drop")), None)
+        for s, e, d in () if c is None else c.intervals:
+            s, e = max(s, lo), min(e, b)
+            if s < e:
+                diff[s - lo] += d
+                diff[e - lo] -= d
+    live = np.asarray(profile.live[lo:b], dtype=np.int64) + np.cumsum(diff[:-1])
+    ws = live[1:] - live[0]
+    cut = -np.maximum(ws - cap, 0)
+    top = int(np.argmax(ws)) if len(ws) else 0
+    if len(ws) and cap > ws[top]:
+        cut[top] += cap - int(ws[top])  # the compiled backward allocates more
+    ivs: list[Interval] = []
+    start = 0
+    for i in range(1, len(cut) + 1):
+        if i == len(cut) or cut[i] != cut[start]:
+            if cut[start] != 0:
+                ivs.append((a + start, a + i, int(cut[start])))
+            start = i
+    return ivs
+
+
 def build_problem(
     profile: Profile,
     *,
@@ -297,6 +345,16 @@ def build_problem(
                 continue
             rm.groups.append(len(groups))
             groups.append(Group(region=r.index, op=o, choices=ch))
+        if r.none_backward_bytes is not None and "none" in modes:
+            ivs = _none_backward_fit(profile, r, [groups[g] for g in rm.groups])
+            if ivs:
+                # the same in every plan that leaves the region un-checkpointed: one
+                # option per mode ("drop": no decision of the plan)
+                rm.groups.append(len(groups))
+                ch = {"none": [Choice("drop", 0.0, tuple(ivs))]}
+                if "sac" in modes:
+                    ch["sac"] = [Choice("drop", 0.0, ())]
+                groups.append(Group(region=r.index, op=None, choices=ch))
     base = np.asarray(profile.live, dtype=np.int64)
     prob = Problem(
         base=base,

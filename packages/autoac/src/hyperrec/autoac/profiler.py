@@ -218,6 +218,10 @@ class RegionProfile:
             its forward allocated that stay live into the backward (what it saves for
             it): its held bytes beyond its inputs, which no plan can lower. 0 otherwise
             (a checkpointable region's held bytes come from its ops' decisions).
+        none_backward_bytes: the most bytes its backward allocates beyond what was
+            allocated when it started, when it runs un-checkpointed, as measured in a
+            compiled step (see :func:`hyperrec.autoac.runtime.calibrate_none`); ``None``:
+            as the profiled eager step allocated them (the default).
     """
 
     name: str
@@ -231,6 +235,7 @@ class RegionProfile:
     modes: tuple[str, ...]
     forward_s: float
     plain_held_bytes: int = 0
+    none_backward_bytes: int | None = None
 
     @property
     def full_recompute_s(self) -> float:

@@ -1,0 +1,121 @@
+"""What each region's backward allocates beyond what was allocated when it started.
+
+Measured in a real (compiled) step: hooks on the autograd node of a region's output run
+before and after that node, which for a compiled region is its whole backward graph.
+On CUDA the allocator's counters are read there (``memory_allocated`` at the start, the
+peak reset, ``max_memory_allocated`` at the end). On the CPU there is no allocator
+counter: the step runs under ``torch.profiler`` with ``profile_memory=True`` and the
+hooks make marker allocations whose sizes name the region and the edge; the bytes come
+from the allocation events between them. (autoac's memory tracker cannot measure a
+compiled step: Dynamo does not compile under a dispatch mode.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Marker allocation sizes (bytes, odd, above any scalar's): region ``i`` allocates
+#: ``_MARK + 4 i`` when its backward starts and ``_MARK + 4 i + 2`` when it ends.
+_MARK = 1_000_001
+
+
+class BackwardProbe:
+    """Per region, the most bytes its backward allocated beyond its start (one step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.index: dict[str, int] = {}
+        self.result: dict[str, int] = {}
+        self.skip: set[str] = set()
+        self._base: dict[str, int] = {}
+        self._handles: list[Any] = []
+
+    def watch(self, name: str, outputs: Iterable[torch.Tensor]) -> None:
+        """Hook the one autograd node of a region call's outputs (a region whose
+        outputs come from several nodes, or none, is not measured)."""
+        nodes = {id(t.grad_fn): t.grad_fn for t in outputs if t.grad_fn is not None}
+        if len(nodes) != 1 or name in self.index:
+            # a second call of the region in one step: its edges would be ambiguous
+            self.skip.add(name)
+            return
+        (node,) = nodes.values()
+        i = self.index[name] = len(self.index)
+        self._handles.append(node.register_prehook(lambda g: self._start(name, i)))
+        self._handles.append(node.register_hook(lambda gi, go: self._end(name, i)))
+
+    def _start(self, name: str, i: int) -> None:
+        if self.cuda:
+            self._base[name] = int(torch.cuda.memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            torch.empty(_MARK + 4 * i, dtype=torch.uint8)
+
+    def _end(self, name: str, i: int) -> None:
+        if self.cuda:
+            if name in self._base:
+                peak = int(torch.cuda.max_memory_allocated(self.device))
+                self.result[name] = max(peak - self._base[name], 0)
+        else:
+            torch.empty(_MARK + 4 * i + 2, dtype=torch.uint8)
+
+    def run(self, step: Callable[[], Any]) -> dict[str, int]:
+        """Run ``step`` (which must make the region calls that :meth:`watch` sees)
+        and return region name -> bytes."""
+        try:
+            if self.cuda:
+                step()
+            elif torch.autograd.profiler._is_profiler_enabled:
+                # a profiler of the caller's is running: a second one cannot start, and
+                # that one's events are not ours to read; nothing is measured
+                self.skip.update(self.index)
+                step()
+            else:
+                self._from_events(_allocation_events(step))
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+        return {n: b for n, b in self.result.items() if n not in self.skip}
+
+    def _from_events(self, events: list[int]) -> None:
+        marks = {_MARK + 4 * i + k: (n, k) for n, i in self.index.items() for k in (0, 2)}
+        rest: list[int] = []
+        at: dict[tuple[str, int], list[int]] = {}
+        for nbytes in events:
+            m = marks.get(abs(nbytes))
+            if m is None:
+                rest.append(nbytes)
+            elif nbytes > 0:
+                # where the marker was made, among the step's own events
+                at.setdefault(m, []).append(len(rest))
+        live = np.concatenate(([0], np.cumsum(np.asarray(rest, dtype=np.int64))))
+        for name in self.index:
+            s, e = at.get((name, 0), []), at.get((name, 2), [])
+            if len(s) != 1 or len(e) != 1 or e[0] < s[0]:
+                continue  # not reached, or a size the step allocated itself
+            self.result[name] = max(int(live[s[0] : e[0] + 1].max()) - int(live[s[0]]), 0)
+
+
+def _allocation_events(step: Callable[[], Any]) -> list[int]:
+    """CPU allocations (+bytes) and frees (-bytes) while ``step`` runs, in time order."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events: list[tuple[int, bool, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            n = e.extra_fields.alloc_size
+            # at equal times an allocation before a free (a marker's pair stays in order)
+            events.append((e.start_time_ns, n < 0, n))
+        stack.extend(e.children)
+    events.sort()
+    return [n for _, _, n in events]
