@@ -21,6 +21,7 @@ from hyperrec import autoac
 from hyperrec.autoac import model as md
 from hyperrec.autoac import runtime as rt
 from hyperrec.autoac._backward_mem import _MARK, BackwardProbe
+from hyperrec.autoac._compiled_saves import sequence_now
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +47,17 @@ class _Allocates(torch.autograd.Function):
         return out, None
 
 
-def _probe(*sizes: int, watch=None) -> dict[str, int]:
+def _probe(*sizes: int, watch=None, after=None) -> dict[str, int]:
+    """Regions ``r0, r1, ...`` each one ``_Allocates`` (then ``after`` of it)."""
     x = torch.randn(1000, requires_grad=True)
     probe = BackwardProbe(torch.device("cpu"))
     y = x
     for i, n in enumerate(sizes):
+        since = sequence_now()
         y = _Allocates.apply(y, n)
-        probe.watch(f"r{i}", [y])
+        if after is not None:
+            y = after(y)
+        probe.watch(f"r{i}", [y], since)
     if watch is not None:
         watch(probe, y)
     return probe.run(lambda: y.sum().backward())
@@ -69,23 +74,37 @@ def test_cpu_probe_measures_each_backward_from_its_start():
 
 def test_cpu_probe_leaves_out_what_it_cannot_tell_apart():
     # a region called twice in one step: which call's backward is which is unknown
-    got = _probe(2_000_000, watch=lambda p, y: p.watch("r0", [y * 1]))
+    got = _probe(2_000_000, watch=lambda p, y: p.watch("r0", [y * 1], sequence_now()))
     assert "r0" not in got
     # a step that allocates a marker's size itself: not measured, not wrong
     assert "r0" not in _probe(_MARK, 10)
     # outputs from two nodes: no one node is the region's backward
     x = torch.randn(10, requires_grad=True)
     probe = BackwardProbe(torch.device("cpu"))
+    since = sequence_now()
     a, b = x * 2, x * 3
-    probe.watch("two", [a, b])
+    probe.watch("two", [a, b], since)
+    # no node made by the call (its output made before), or no sequence number known
+    probe.watch("old", [a], sequence_now())
+    probe.watch("unknown", [b], None)
     assert probe.run(lambda: (a + b).sum().backward()) == {}
+
+
+def test_cpu_probe_spans_the_regions_nodes_from_its_outputs_to_its_first():
+    """A region of several nodes (an eager one, or a compiled one whose outputs are
+    views): from its outputs' node to the earliest node it made."""
+    n = 2_000_000
+    for after in (lambda y: y.view(10, 100) * 3, lambda y: y[:500]):
+        got = _probe(n, after=after)
+        assert n <= got["r0"] <= n + 4 * 1000 * 4
 
 
 def test_probe_removes_its_hooks():
     x = torch.randn(1000, requires_grad=True)
+    since = sequence_now()
     y = _Allocates.apply(x, 1_000_000)
     probe = BackwardProbe(torch.device("cpu"))
-    probe.watch("r", [y])
+    probe.watch("r", [y], since)
     probe.run(lambda: y.sum().backward(retain_graph=True))
     # a second backward through the same node makes no marker allocation
     again = BackwardProbe(torch.device("cpu"))

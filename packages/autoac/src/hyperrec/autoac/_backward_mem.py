@@ -35,18 +35,22 @@ class BackwardProbe:
         self._base: dict[str, int] = {}
         self._handles: list[Any] = []
 
-    def watch(self, name: str, outputs: Iterable[torch.Tensor]) -> None:
-        """Hook the one autograd node of a region call's outputs (a region whose
-        outputs come from several nodes, or none, is not measured)."""
+    def watch(self, name: str, outputs: Iterable[torch.Tensor], since: int | None) -> None:
+        """Hook a region call's backward: it starts at its outputs' node and ends after
+        the earliest node the call created (autograd sequence number ``since`` or
+        later; for a compiled region its backward graph's node, under any view nodes on
+        its outputs). A region without such a node, with outputs from several nodes,
+        or called twice in the step, is not measured."""
         nodes = {id(t.grad_fn): t.grad_fn for t in outputs if t.grad_fn is not None}
-        if len(nodes) != 1 or name in self.index:
+        first = _earliest_since(list(nodes.values()), since)
+        if len(nodes) != 1 or first is None or name in self.index:
             # a second call of the region in one step: its edges would be ambiguous
             self.skip.add(name)
             return
         (node,) = nodes.values()
         i = self.index[name] = len(self.index)
         self._handles.append(node.register_prehook(lambda g: self._start(name, i)))
-        self._handles.append(node.register_hook(lambda gi, go: self._end(name, i)))
+        self._handles.append(first.register_hook(lambda gi, go: self._end(name, i)))
 
     def _start(self, name: str, i: int) -> None:
         if self.cuda:
@@ -99,6 +103,32 @@ class BackwardProbe:
             if len(s) != 1 or len(e) != 1 or e[0] < s[0]:
                 continue  # not reached, or a size the step allocated itself
             self.result[name] = max(int(live[s[0] : e[0] + 1].max()) - int(live[s[0]]), 0)
+
+
+def _earliest_since(outputs: list[Any], since: int | None) -> Any:
+    """Of the autograd nodes reachable from ``outputs`` with a sequence number of at
+    least ``since`` (made by the call), the earliest made: the last its backward runs.
+    ``None`` where there is none or ``since`` is unknown."""
+    if since is None:
+        return None
+    best, best_seq = None, None
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        seq_fn = getattr(node, "_sequence_nr", None)
+        if hasattr(node, "variable") or not callable(seq_fn):
+            continue  # a leaf's AccumulateGrad
+        seq = int(seq_fn())
+        if seq < since:
+            continue  # made before the call: its inputs' graph
+        if best_seq is None or seq < best_seq:
+            best, best_seq = node, seq
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return best
 
 
 def _allocation_events(step: Callable[[], Any]) -> list[int]:

@@ -239,7 +239,8 @@ class _Runner:
         if c is None:
             c = self._build(state.name, fn)
             self._compiled[state.name] = c
-        since = sequence_now() if self.probe is not None else None
+        probing = self.probe is not None or self.backward_probe is not None
+        since = sequence_now() if probing else None
         if hooks is not None:
             with torch.autograd.graph.saved_tensors_hooks(*hooks):
                 out = c(*args, **kwargs)
@@ -248,7 +249,7 @@ class _Runner:
         if self.probe is not None and since is not None:
             self._record_saves(state.name, fn, args, kwargs, out, since)
         if self.backward_probe is not None:
-            self.backward_probe.watch(state.name, _regions.flat_tensors(out))
+            self.backward_probe.watch(state.name, _regions.flat_tensors(out), since)
         return out
 
     def _record_saves(
