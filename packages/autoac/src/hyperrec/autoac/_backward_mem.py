@@ -1,12 +1,14 @@
 """What each region's backward allocates beyond what was allocated when it started.
 
-Measured in a real (compiled) step: hooks on the autograd node of a region's output run
-before and after that node, which for a compiled region is its whole backward graph.
-On CUDA the allocator's counters are read there (``memory_allocated`` at the start, the
-peak reset, ``max_memory_allocated`` at the end). On the CPU there is no allocator
-counter: the step runs under ``torch.profiler`` with ``profile_memory=True`` and the
-hooks make marker allocations whose sizes name the region and the edge; the bytes come
-from the allocation events between them. (autoac's memory tracker cannot measure a
+Measured in a real (compiled) step: a hook before the autograd node of a region's
+outputs marks the start of its backward, a hook after the earliest node its call made
+(for a compiled region its backward graph's node, under any view nodes on its outputs;
+for an eager region its first op's) marks the end. On CUDA the allocator's counters are
+read there (``memory_allocated`` at the start, the peak reset, ``max_memory_allocated``
+at the end). On the CPU there is no allocator counter: the step runs under
+``torch.profiler`` with ``profile_memory=True`` and the hooks make marker allocations
+whose sizes name the region and the edge; the bytes come from the allocation events
+between them. (autoac's memory tracker cannot measure a
 compiled step: Dynamo does not compile under a dispatch mode.)
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import kineto_available
 
 #: Marker allocation sizes (bytes, odd, above any scalar's): region ``i`` allocates
 #: ``_MARK + 4 i`` when its backward starts and ``_MARK + 4 i + 2`` when it ends.
@@ -57,7 +60,7 @@ class BackwardProbe:
             self._base[name] = int(torch.cuda.memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            torch.empty(_MARK + 4 * i, dtype=torch.uint8)
+            torch.empty(_MARK + 4 * i, dtype=torch.uint8, device="cpu")
 
     def _end(self, name: str, i: int) -> None:
         if self.cuda:
@@ -65,17 +68,20 @@ class BackwardProbe:
                 peak = int(torch.cuda.max_memory_allocated(self.device))
                 self.result[name] = max(peak - self._base[name], 0)
         else:
-            torch.empty(_MARK + 4 * i + 2, dtype=torch.uint8)
+            torch.empty(_MARK + 4 * i + 2, dtype=torch.uint8, device="cpu")
 
     def run(self, step: Callable[[], Any]) -> dict[str, int]:
-        """Run ``step`` (which must make the region calls that :meth:`watch` sees)
-        and return region name -> bytes."""
+        """Run ``step`` and return region name -> bytes. ``step`` must run the forward
+        (the region calls :meth:`watch` sees) as well as the backward: on the CPU the
+        allocator's events are read while it runs, and a backward alone would miss the
+        frees of the forward's tensors it releases (too many bytes)."""
         try:
             if self.cuda:
                 step()
-            elif torch.autograd.profiler._is_profiler_enabled:
-                # a profiler of the caller's is running: a second one cannot start, and
-                # that one's events are not ours to read; nothing is measured
+            elif torch.autograd.profiler._is_profiler_enabled or not kineto_available():
+                # a profiler of the caller's is running (a second one cannot start, and
+                # that one's events are not ours to read), or this build has none:
+                # nothing is measured
                 self.skip.update(self.index)
                 step()
             else:

@@ -262,12 +262,19 @@ def _none_choices(profile: Profile, o: SavedOp, formats: tuple[str, ...]) -> lis
 
 def _backward_span(profile: Profile, r: RegionProfile) -> tuple[int, int] | None:
     """Positions ``[a, b)`` of region ``r``'s recomputation and backward in the trace:
-    from its recomputation to the next region's (or the end)."""
+    from its recomputation to the release of the last tensor it recomputed (its
+    backward's end: the backward of what comes before it in the forward, regions
+    profiled un-checkpointed or modules outside regions, follows), and never past the
+    next region's recomputation."""
     a = r.rc_start
     if a is None or a < 1:
         return None
     later = [q.rc_start for q in profile.regions if q.rc_start is not None and q.rc_start > a]
-    return a, min(later, default=len(profile.live))
+    b = min(later, default=len(profile.live))
+    frees = [lv.rc_free for o in r.ops for lv in o.storages if lv.rc_free is not None]
+    if frees:
+        b = min(b, max(max(frees) + 1, a + 1))
+    return a, b
 
 
 def _none_backward_fit(profile: Profile, r: RegionProfile, groups: list[Group]) -> list[Interval]:
@@ -345,7 +352,10 @@ def build_problem(
                 continue
             rm.groups.append(len(groups))
             groups.append(Group(region=r.index, op=o, choices=ch))
-        if r.none_backward_bytes is not None and "none" in modes:
+        # not where the region may pack: the fit is of its unpacked backward, and a
+        # packed region's live bytes there are other (the measured step packs nothing)
+        can_pack = any(f in o.formats for o in r.ops for f in formats)
+        if r.none_backward_bytes is not None and "none" in modes and not can_pack:
             ivs = _none_backward_fit(profile, r, [groups[g] for g in rm.groups])
             if ivs:
                 # the same in every plan that leaves the region un-checkpointed: one

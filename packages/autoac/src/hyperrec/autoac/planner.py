@@ -558,7 +558,9 @@ def plan(
                 continue
             op = prob.groups[gi].op
             if op is None:
-                # build_problem gives every group its op; only hand-built problems lack one.
+                # build_problem gives every group a plan can decide for its op (the
+                # backward fit's groups have none, and only "drop" options); only
+                # hand-built problems lack one.
                 raise RuntimeError(f"group {gi} of the planning problem has no op")
             saves[op.key] = c.kind
         rp = profile.regions[r]

@@ -1270,8 +1270,9 @@ def calibrate_none(
     for r in profile_.regions:
         frac = fitted.get(r.name, by_signature.get(signature[r.name]))
         fused = fused_of[r.name]
-        nb = bwd_of.get(r.name, bwd_by_layer.get(layer[r.name]))
-        if nb is not None and "none" in r.modes:
+        nb = bwd_of.get(r.name, bwd_by_layer.get(layer[r.name]) if r.ops else None)
+        if nb is not None and "sac" in r.modes:
+            # (a region profiled un-checkpointed only is never fitted: nothing set)
             r = replace(r, none_backward_bytes=nb)
         if frac is None or not fused:
             regions.append(r)
