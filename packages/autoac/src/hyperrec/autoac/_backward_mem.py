@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch.profiler import kineto_available
 
+from hyperrec.autoac._compiled_saves import nodes_since
+
 #: Marker allocation sizes (bytes, odd, above any scalar's): region ``i`` allocates
 #: ``_MARK + 4 i`` when its backward starts and ``_MARK + 4 i + 2`` when it ends.
 _MARK = 1_000_001
@@ -117,24 +119,8 @@ def _earliest_since(outputs: list[Any], since: int | None) -> Any:
     ``None`` where there is none or ``since`` is unknown."""
     if since is None:
         return None
-    best, best_seq = None, None
-    seen: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        seq_fn = getattr(node, "_sequence_nr", None)
-        if hasattr(node, "variable") or not callable(seq_fn):
-            continue  # a leaf's AccumulateGrad
-        seq = int(seq_fn())
-        if seq < since:
-            continue  # made before the call: its inputs' graph
-        if best_seq is None or seq < best_seq:
-            best, best_seq = node, seq
-        stack.extend(f for f, _ in node.next_functions if f is not None)
-    return best
+    made = list(nodes_since(outputs, since))
+    return min(made, key=lambda ns: ns[1])[0] if made else None
 
 
 def _allocation_events(step: Callable[[], Any]) -> list[int]:

@@ -16,12 +16,12 @@ increase), so the graph of the region's inputs is not walked.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["graph_saves", "sequence_now", "storage_keys"]
+__all__ = ["graph_saves", "nodes_since", "sequence_now", "storage_keys"]
 
 
 def sequence_now() -> int | None:
@@ -73,16 +73,12 @@ def storage_keys(tensors: Iterable[Any]) -> set[tuple[str, int]]:
     return keys
 
 
-def graph_saves(
-    outputs: Iterable[torch.Tensor], since: int, exclude: set[tuple[str, int]]
-) -> dict[tuple[str, int], int]:
-    """Storages held for the backward by the autograd nodes created since sequence
-    number ``since`` that ``outputs`` reach, as ``storage key -> bytes`` (each storage
-    once; those in ``exclude``, the region's inputs and parameters, left out: they are
-    held whatever the region saves)."""
+def nodes_since(roots: Iterable[Any], since: int) -> Iterator[tuple[Any, int]]:
+    """``(node, sequence number)`` of each autograd node reachable from ``roots`` that
+    was made at sequence number ``since`` or later (by a region's call: its inputs'
+    graph, and leaves' ``AccumulateGrad``, are not walked), each once."""
     seen: set[int] = set()
-    stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    saves: dict[tuple[str, int], int] = {}
+    stack: list[Any] = list(roots)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -92,6 +88,19 @@ def graph_saves(
         # AccumulateGrad (a parameter's or input's) and nodes made before the call
         if hasattr(node, "variable") or not callable(seq) or int(seq()) < since:
             continue
+        yield node, int(seq())
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+
+
+def graph_saves(
+    outputs: Iterable[torch.Tensor], since: int, exclude: set[tuple[str, int]]
+) -> dict[tuple[str, int], int]:
+    """Storages held for the backward by the autograd nodes created since sequence
+    number ``since`` that ``outputs`` reach, as ``storage key -> bytes`` (each storage
+    once; those in ``exclude``, the region's inputs and parameters, left out: they are
+    held whatever the region saves)."""
+    saves: dict[tuple[str, int], int] = {}
+    for node, _ in nodes_since((t.grad_fn for t in outputs if t.grad_fn is not None), since):
         for t in _node_saves(node):
             if t.device.type == "meta":
                 continue
@@ -99,5 +108,4 @@ def graph_saves(
             key = (str(t.device), st.data_ptr())
             if key not in exclude and st.nbytes() > 0:
                 saves[key] = st.nbytes()
-        stack.extend(f for f, _ in node.next_functions if f is not None)
     return saves
