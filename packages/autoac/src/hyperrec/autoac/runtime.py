@@ -737,9 +737,11 @@ def apply(
         calibrate_none: with ``compile=True``, compile the plan for the budgets
             (without packing) once and fit the held bytes of the regions it leaves
             un-checkpointed, and of regions with the same ops, to what their graphs save
-            before planning (:func:`calibrate_none`; one more compiled step). Nothing is
-            calibrated where that plan checkpoints every region. Experimental and off
-            by default: not yet measured on a GPU.
+            before planning (:func:`calibrate_none`; one more compiled step), and
+            (0.1.22) their backwards to what the compiled backwards allocate (a second
+            step). Nothing is calibrated where that plan checkpoints every region.
+            Experimental and off by default (measured at two budgets per benchmark
+            model on one GPU: exact predictions, level or no faster; README).
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
             (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
             the step again: put the plans for several budgets in force one after
@@ -1173,7 +1175,7 @@ def calibrate_none(
     backward: Mapping[str, int] | None = None,
 ) -> Profile:
     """``profile_`` with each un-checkpointed region's held bytes fitted to what its
-    compiled graph saves (experimental, 0.1.21; not yet measured on a GPU).
+    compiled graph saves (experimental, 0.1.21; the backward fit 0.1.22).
 
     The profile prices an un-checkpointed region at every tensor the eager step saved;
     AOTAutograd's partitioner saves less: it recomputes element-wise ops in the backward
