@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_autoac import HSTUTower, Llama, hstu_batch, llama_batch, torch_budget
 
 from hyperrec import autoac
+from hyperrec.autoac._backward_mem import allocation_peak, module_backward_bytes
+from hyperrec.autoac.model import _backward_span
 
 GIB = 2**30
 
@@ -45,85 +46,6 @@ SIZES = {
     "hstu": dict(layers=4, dim=1024, heads=8, head_dim=128, b=2, n=1024),
     "llama": dict(layers=4, dim=512, heads=8, ffn=1408, b=2, t=1024),
 }
-
-
-def allocation_events(fn: Callable[[], Any]) -> list[int]:
-    """The CPU allocator's allocations (+bytes) and frees (-bytes) while ``fn`` runs, in
-    time order (the profiler's allocation events)."""
-    from torch._C._profiler import _EventType
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        stack.extend(e.children)
-    events.sort()
-    return [nbytes for _, nbytes in events]
-
-
-def allocation_peak(fn: Callable[[], Any]) -> tuple[int, int]:
-    """``(peak, end)``: the largest and the final sum of CPU bytes allocated minus
-    freed while ``fn`` runs."""
-    live = np.cumsum([0, *allocation_events(fn)])
-    return int(live.max()), int(live[-1])
-
-
-#: Marker allocations a region's backward makes when it starts and when it ends (their
-#: sizes identify region and edge in the allocation events; 1 byte apart, never a
-#: size the step allocates itself: odd and above any scalar's).
-_MARK = 1_000_001
-
-
-def region_working_sets(model: torch.nn.Module, step: Callable) -> list[float]:
-    """Per layer (forward order): the largest bytes its compiled backward allocated
-    beyond what was allocated when it started, GiB (marker allocations at the start and
-    end of the autograd node of the layer's output)."""
-    handles: list[Any] = []
-    saved = []
-
-    def mark(size: int) -> None:
-        torch.empty(size, dtype=torch.uint8)
-
-    for i, layer in enumerate(model.layers):
-        saved.append(layer.__dict__.get("forward"))
-        inner = layer.forward
-
-        def wrapped(*a: Any, _inner: Callable = inner, _i: int = i, **k: Any) -> Any:
-            out = _inner(*a, **k)
-            node = out.grad_fn
-            handles.append(node.register_prehook(lambda g, _i=_i: mark(_MARK + 4 * _i)))
-            handles.append(node.register_hook(lambda gi, go, _i=_i: mark(_MARK + 4 * _i + 2)))
-            return out
-
-        layer.forward = wrapped
-    try:
-        events = allocation_events(lambda: step(model).backward())
-    finally:
-        for layer, f in zip(model.layers, saved):
-            if f is None:
-                del layer.forward
-            else:
-                layer.forward = f
-        for h in handles:
-            h.remove()
-        for p in model.parameters():
-            p.grad = None
-    live = np.cumsum([0, *events])
-    sizes = np.asarray(events)
-    out = []
-    for i in range(len(model.layers)):
-        (s,) = np.nonzero(sizes == _MARK + 4 * i)
-        (e,) = np.nonzero(sizes == _MARK + 4 * i + 2)
-        if len(s) != 1 or len(e) != 1:
-            out.append(float("nan"))
-            continue
-        a, b = s[0] + 1, e[0] + 1
-        out.append(float(live[a : b + 1].max() - live[a]) / GIB)
-    return out
 
 
 def build(name: str) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], torch.Tensor]]:
@@ -185,7 +107,11 @@ def run_model(name: str, fractions: list[float], log: Callable[[str], None]) -> 
             p = h.plan
             assert p.live is not None
             got = measure(model, step, resident)
-            ws_meas = region_working_sets(model, step)
+            names = [f"layers.{i}" for i in range(len(model.layers))]
+            ws = module_backward_bytes(model, lambda: step(model).backward(), names)
+            for q in model.parameters():
+                q.grad = None
+            ws_meas = [ws.get(n, float("nan")) / GIB for n in names]
             h.remove()
             torch._dynamo.reset()
             pred = {"peak_gib": p.predicted_peak / GIB, "held_gib": float(p.live[bwd]) / GIB}
@@ -218,16 +144,15 @@ def run_model(name: str, fractions: list[float], log: Callable[[str], None]) -> 
 
 
 def _predicted_working_sets(prof: Any, live: np.ndarray) -> list[float]:
-    """Per region: the plan's largest live bytes from its recomputation's start to the
-    previous region's, beyond the live bytes just before it, GiB."""
-    starts = [r.rc_start for r in prof.regions]
+    """Per region: the plan's largest live bytes over its backward (the planner's span),
+    beyond the live bytes just before it, GiB."""
     out = []
-    for i, a in enumerate(starts):
-        if a is None:
+    for r in prof.regions:
+        span = _backward_span(prof, r)
+        if span is None:
             out.append(float("nan"))
             continue
-        later = [s for s in starts[:i] if s is not None and s > a]
-        b = min(later) if later else len(live)
+        a, b = span
         out.append(float(live[a:b].max() - live[a - 1]) / GIB)
     return out
 

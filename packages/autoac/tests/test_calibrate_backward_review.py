@@ -21,7 +21,7 @@ from torch import nn
 from hyperrec import autoac
 from hyperrec.autoac import model as md
 from hyperrec.autoac import runtime as rt
-from hyperrec.autoac._backward_mem import BackwardProbe
+from hyperrec.autoac._backward_mem import BackwardProbe, module_backward_bytes
 from hyperrec.autoac._compiled_saves import sequence_now
 from hyperrec.autoac.planner import Plan
 
@@ -73,26 +73,11 @@ def _step(x):
 def _eager_backwards(model, step, names) -> dict[str, int]:
     """Each region's eager backward, beyond its start (one eager step, forward included
     under the probe, as ``_backward_bytes`` runs it)."""
-    probe = BackwardProbe(torch.device("cpu"))
-    since: dict[str, int | None] = {}
-    hooks = []
-    for n in names:
-        mod = model.get_submodule(n)
-
-        def pre(_m, _a, n=n):
-            since[n] = sequence_now()
-
-        def post(_m, _a, out, n=n):
-            probe.watch(n, [out], since[n])
-
-        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    for p in model.parameters():
+        p.grad = None
     try:
-        for p in model.parameters():
-            p.grad = None
-        return probe.run(lambda: step(model).backward())
+        return module_backward_bytes(model, lambda: step(model).backward(), names)
     finally:
-        for h in hooks:
-            h.remove()
         for p in model.parameters():
             p.grad = None
 

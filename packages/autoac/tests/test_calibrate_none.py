@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 from autoac_cases import step_for
@@ -19,7 +18,7 @@ from test_compiled_headroom import FLOPS, PARTITION, ChainTower
 
 from hyperrec import autoac
 from hyperrec.autoac import runtime as rt
-from hyperrec.autoac._backward_mem import _allocation_events
+from hyperrec.autoac._backward_mem import allocation_peak
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +34,10 @@ def compiled_peak(model, step) -> int:
     step(model).backward()
     for p in model.parameters():
         p.grad = None
-    events = _allocation_events(lambda: step(model).backward())
+    peak, _ = allocation_peak(lambda: step(model).backward())
     for p in model.parameters():
         p.grad = None
-    return int(np.cumsum([0, *events]).max())
+    return peak
 
 
 def _case(formats: tuple[str, ...] = ()):

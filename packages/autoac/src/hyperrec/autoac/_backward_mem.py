@@ -8,24 +8,30 @@ read there (``memory_allocated`` at the start, the peak reset, ``max_memory_allo
 at the end). On the CPU there is no allocator counter: the step runs under
 ``torch.profiler`` with ``profile_memory=True`` and the hooks make marker allocations
 whose sizes name the region and the edge; the bytes come from the allocation events
-between them. (autoac's memory tracker cannot measure a
-compiled step: Dynamo does not compile under a dispatch mode.)
+between them. (autoac's memory tracker cannot measure a compiled step: Dynamo does not
+compile under a dispatch mode.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.profiler import kineto_available
 
-from hyperrec.autoac._compiled_saves import nodes_since
+from hyperrec.autoac._compiled_saves import nodes_since, sequence_now
+from hyperrec.autoac.regions import flat_tensors
 
 #: Marker allocation sizes (bytes, odd, above any scalar's): region ``i`` allocates
 #: ``_MARK + 4 i`` when its backward starts and ``_MARK + 4 i + 2`` when it ends.
 _MARK = 1_000_001
+
+
+def _marker(i: int, end: bool) -> int:
+    return _MARK + 4 * i + (2 if end else 0)
 
 
 class BackwardProbe:
@@ -62,7 +68,7 @@ class BackwardProbe:
             self._base[name] = int(torch.cuda.memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            torch.empty(_MARK + 4 * i, dtype=torch.uint8, device="cpu")
+            torch.empty(_marker(i, False), dtype=torch.uint8, device="cpu")
 
     def _end(self, name: str, i: int) -> None:
         if self.cuda:
@@ -70,7 +76,7 @@ class BackwardProbe:
                 peak = int(torch.cuda.max_memory_allocated(self.device))
                 self.result[name] = max(peak - self._base[name], 0)
         else:
-            torch.empty(_MARK + 4 * i + 2, dtype=torch.uint8, device="cpu")
+            torch.empty(_marker(i, True), dtype=torch.uint8, device="cpu")
 
     def run(self, step: Callable[[], Any]) -> dict[str, int]:
         """Run ``step`` and return region name -> bytes. ``step`` must run the forward
@@ -95,9 +101,9 @@ class BackwardProbe:
         return {n: b for n, b in self.result.items() if n not in self.skip}
 
     def _from_events(self, events: list[int]) -> None:
-        marks = {_MARK + 4 * i + k: (n, k) for n, i in self.index.items() for k in (0, 2)}
+        marks = {_marker(i, end): (n, end) for n, i in self.index.items() for end in (False, True)}
         rest: list[int] = []
-        at: dict[tuple[str, int], list[int]] = {}
+        at: dict[tuple[str, bool], list[int]] = {}
         for nbytes in events:
             m = marks.get(abs(nbytes))
             if m is None:
@@ -107,7 +113,7 @@ class BackwardProbe:
                 at.setdefault(m, []).append(len(rest))
         live = np.concatenate(([0], np.cumsum(np.asarray(rest, dtype=np.int64))))
         for name in self.index:
-            s, e = at.get((name, 0), []), at.get((name, 2), [])
+            s, e = at.get((name, False), []), at.get((name, True), [])
             if len(s) != 1 or len(e) != 1 or e[0] < s[0]:
                 continue  # not reached, or a size the step allocated itself
             self.result[name] = max(int(live[s[0] : e[0] + 1].max()) - int(live[s[0]]), 0)
@@ -141,3 +147,38 @@ def _allocation_events(step: Callable[[], Any]) -> list[int]:
         stack.extend(e.children)
     events.sort()
     return [n for _, _, n in events]
+
+
+def allocation_peak(step: Callable[[], Any]) -> tuple[int, int]:
+    """``(peak, end)``: the largest and the final sum of CPU bytes allocated minus freed
+    while ``step`` runs (what it allocated beyond what it started with; compiled code
+    included)."""
+    live = np.cumsum([0, *_allocation_events(step)])
+    return int(live.max()), int(live[-1])
+
+
+def module_backward_bytes(
+    model: nn.Module, step: Callable[[], Any], names: Sequence[str]
+) -> dict[str, int]:
+    """What the backward of each named submodule's call allocates beyond its start, in
+    one run of ``step`` (forward and backward; forward hooks watch each call, see
+    :class:`BackwardProbe`). For benchmarks and tests of models autoac does not run."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    probe = BackwardProbe(device)
+    since: dict[str, int | None] = {}
+    hooks = []
+    for n in names:
+        mod = model.get_submodule(n)
+
+        def pre(_m: nn.Module, _a: Any, n: str = n) -> None:
+            since[n] = sequence_now()
+
+        def post(_m: nn.Module, _a: Any, out: Any, n: str = n) -> None:
+            probe.watch(n, flat_tensors(out), since[n])
+
+        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        return probe.run(step)
+    finally:
+        for h in hooks:
+            h.remove()

@@ -300,10 +300,10 @@ def _none_backward_fit(profile: Profile, r: RegionProfile, groups: list[Group]) 
                 diff[s - lo] += d
                 diff[e - lo] -= d
     live = np.asarray(profile.live[lo:b], dtype=np.int64) + np.cumsum(diff[:-1])
-    ws = live[1:] - live[0]
+    ws = live[1:] - live[0]  # the span is never empty
     cut = -np.maximum(ws - cap, 0)
-    top = int(np.argmax(ws)) if len(ws) else 0
-    if len(ws) and cap > ws[top]:
+    top = int(np.argmax(ws))
+    if cap > ws[top]:
         cut[top] += cap - int(ws[top])  # the compiled backward allocates more
     ivs: list[Interval] = []
     start = 0
@@ -354,8 +354,8 @@ def build_problem(
             groups.append(Group(region=r.index, op=o, choices=ch))
         # not where the region may pack: the fit is of its unpacked backward, and a
         # packed region's live bytes there are other (the measured step packs nothing)
-        can_pack = any(f in o.formats for o in r.ops for f in formats)
-        if r.none_backward_bytes is not None and "none" in modes and not can_pack:
+        fit = r.none_backward_bytes is not None and "none" in modes
+        if fit and not any(f in o.formats for o in r.ops for f in formats):
             ivs = _none_backward_fit(profile, r, [groups[g] for g in rm.groups])
             if ivs:
                 # the same in every plan that leaves the region un-checkpointed: one

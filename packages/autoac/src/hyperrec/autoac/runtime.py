@@ -1192,7 +1192,7 @@ def calibrate_none(
 
     ``backward`` (0.1.22) does the same for what such a region's backward allocates: the
     eager step's backward allocates every element-wise gradient, which a compiled
-    backward fuses away (on the CPU the last layer of a small HSTU tower allocated 0.034
+    backward fuses away (on the CPU the last layer of a small HSTU tower allocated 0.035
     GiB compiled against 0.074 in the trace; the step's peak lies in that backward). Each
     measured un-checkpointed region, and every region with the same ops, gets
     :attr:`~hyperrec.autoac.profiler.RegionProfile.none_backward_bytes`: the planner then
@@ -1244,13 +1244,21 @@ def calibrate_none(
     }
     # same fused ops, same bytes: the identical layers of a stack
     signature = {n: tuple((o.key, o.op, o.nbytes) for o in ops) for n, ops in fused_of.items()}
+    # every op, for the backward: a region's backward allocates for all of them
+    layer = {r.name: tuple((o.key, o.op, o.nbytes) for o in r.ops) for r in profile_.regions}
     fitted: dict[str, float] = {}
     by_signature: dict[tuple[Any, ...], float] = {}
+    bwd_of: dict[str, int] = {}
+    bwd_by_layer: dict[tuple[Any, ...], int] = {}
     for r, rp in zip(profile_.regions, plan_.regions):
+        if rp.mode != "none" or any(d in SAVE_FORMATS for d in rp.saves.values()):
+            continue  # only what an unpacked un-checkpointed region measured
+        if r.name in bwd:
+            bwd_of[r.name] = bwd[r.name]
+            bwd_by_layer[layer[r.name]] = max(bwd_by_layer.get(layer[r.name], 0), bwd[r.name])
         fused = fused_of[r.name]
         fused_bytes = sum(lv.nbytes for o in fused for lv in o.storages if lv.needed)
-        packed = any(d in SAVE_FORMATS for d in rp.saves.values())
-        if rp.mode != "none" or packed or r.name not in saved or fused_bytes == 0:
+        if r.name not in saved or fused_bytes == 0:
             continue
         # the fused ops' bytes as profile_ prices them now (a calibrated profile: less)
         priced = sum(o.none_held_bytes(lv) for o in fused for lv in o.storages if lv.needed)
@@ -1258,16 +1266,6 @@ def calibrate_none(
         fitted[r.name] = min(max((priced - excess) / fused_bytes, 0.0), 1.0)
         sig = signature[r.name]
         by_signature[sig] = max(by_signature.get(sig, 0.0), fitted[r.name])
-    # every op, for the backward: a region's backward allocates for all of them
-    layer = {r.name: tuple((o.key, o.op, o.nbytes) for o in r.ops) for r in profile_.regions}
-    bwd_of: dict[str, int] = {}
-    bwd_by_layer: dict[tuple[Any, ...], int] = {}
-    for r, rp in zip(profile_.regions, plan_.regions):
-        packed = any(d in SAVE_FORMATS for d in rp.saves.values())
-        if rp.mode == "none" and not packed and r.name in bwd:
-            bwd_of[r.name] = bwd[r.name]
-            sig = layer[r.name]
-            bwd_by_layer[sig] = max(bwd_by_layer.get(sig, 0), bwd[r.name])
     regions = []
     for r in profile_.regions:
         frac = fitted.get(r.name, by_signature.get(signature[r.name]))
