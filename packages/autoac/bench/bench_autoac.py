@@ -91,7 +91,10 @@ H200 = {"bf16_tflops": 780.0, "fp8_tflops": 1250.0, "copy_tbps": 4.2}
 #: layer; 18 s for the Llama point on the H200 run of 2026-12-01).
 COMPILE_S = 30.0
 #: ``--curve --variants``: autoac's ways of planning at a peer's peak.
-CURVE_VARIANTS = ("eager", "fused", "quant", "fused_quant", "fused_calib")
+CURVE_VARIANTS = ("eager", "fused", "quant", "fused_quant", "fused_calib", "fused_search")
+#: ``fused_search``: the partitioner's fractions autoac also measures (the same list at
+#: every budget: autoac is told the budget in bytes only).
+SEARCH_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 #: Relative error of the profiled no-AC / full-AC peaks against the measured ones above
 #: which the JSON carries a warning (the model is then not to be trusted).
 CHECK_REL = 0.10
@@ -699,7 +702,11 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             res.update(seen)
 
     def fitted_compiled_point(
-        peer: dict | None, quant: bool = False, fused: bool = False, calib: bool = False
+        peer: dict | None,
+        quant: bool = False,
+        fused: bool = False,
+        calib: bool = False,
+        search: bool = False,
     ) -> None:
         """autoac at a peer point's measured peak, through the public call a user makes:
         ``autoac.apply(..., compile=True, profile_=prof)`` prices the plan from its
@@ -709,7 +716,9 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         free (``fused_recompute=True``, apply's default with Inductor since 0.1.20; the
         points without it pass ``False``: eager op times, as before); ``calib``: the
         un-checkpointed regions priced at what their graphs save before planning
-        (``calibrate_none=True``, experimental)."""
+        (``calibrate_none=True``, experimental); ``search``: autoac's plan measured
+        against torch's partitioner at :data:`SEARCH_FRACTIONS`, the fastest within the
+        budget kept (``partitioner_fractions``, experimental)."""
         if peer is None or "peak_bytes" not in peer or (quant and not compiled_quant):
             return
         b = max(peer["peak_bytes"], free.floor)
@@ -727,6 +736,8 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
                 "modes": [r.mode for r in h.plan.regions],
                 "packed": h.plan.packed,
                 "packed_in_graph": h.packed_in_graph,
+                "fractions": [r.fraction for r in h.plan.regions],
+                "search": h.search,
             }
 
         setup = apply_compiled_setup(
@@ -736,14 +747,19 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
             profile_=prof,
             fused_recompute=fused,
             calibrate_none=calib,
+            partitioner_fractions=SEARCH_FRACTIONS if search else (),
             formats=("mxint8",) if quant else (),
             plan_config=None if quant else autoac.PlanConfig(formats=()),
         )
         kind = (
-            ("_fused" if fused else "") + ("_quant" if quant else "") + ("_calib" if calib else "")
+            ("_fused" if fused else "")
+            + ("_quant" if quant else "")
+            + ("_calib" if calib else "")
+            + ("_search" if search else "")
         )
         name = f"autoac_apply_compiled{kind}@{peer['method']}"
-        res = point(name, setup, need_s=3 * COMPILE_S, matched=peer["method"],
+        need = (3 + (len(SEARCH_FRACTIONS) if search else 0)) * COMPILE_S
+        res = point(name, setup, need_s=need, matched=peer["method"],
                     budget_bytes=int(b), budget_used=int(b))  # fmt: skip
         if res is not None:
             res.update(seen)
@@ -760,7 +776,7 @@ def run_case(case: Case, args: argparse.Namespace, deadline: float, log: Callabl
         for peer in peers():
             for v in args.variants:
                 fitted_compiled_point(peer, quant="quant" in v, fused="fused" in v,
-                                      calib="calib" in v)  # fmt: skip
+                                      calib="calib" in v, search="search" in v)  # fmt: skip
 
     def pack_all_compiled_point() -> None:
         """``pack_all_mxint8`` with every layer compiled: the packing traced into the
@@ -973,7 +989,8 @@ def main() -> None:
         default="eager,fused,quant,fused_quant",
         help="--curve: autoac variants at each peer (eager: eager op times; fused: fused "
         "recompute priced free, apply's default; quant: MXINT8 saves; fused_calib: fused "
-        "with calibrate_none=True, experimental, not in the default list)",
+        "with calibrate_none=True; fused_search: fused, also measuring torch's partitioner "
+        "at SEARCH_FRACTIONS; both experimental, not in the default list)",
     )
     ap.add_argument(
         "--pack-all",

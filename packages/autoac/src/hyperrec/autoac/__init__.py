@@ -20,7 +20,14 @@ from hyperrec.autoac import reference
 from hyperrec.autoac._version import __version__
 from hyperrec.autoac.bound import SpanFreeBound, span_free_bound
 from hyperrec.autoac.formats import SAVE_FORMATS, SaveFormat
-from hyperrec.autoac.planner import Plan, PlanConfig, RegionPlan, plan, price_compiled_saves
+from hyperrec.autoac.planner import (
+    Plan,
+    PlanConfig,
+    RegionPlan,
+    partitioner_plan,
+    plan,
+    price_compiled_saves,
+)
 from hyperrec.autoac.profiler import (
     Profile,
     ProfileConfig,
@@ -69,6 +76,7 @@ __all__ = [
     "compiled_packing_supported",
     "for_compiled_packing",
     "measure_step",
+    "partitioner_plan",
     "plan",
     "price_compiled",
     "price_compiled_saves",

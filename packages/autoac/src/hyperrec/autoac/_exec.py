@@ -97,17 +97,22 @@ class RegionDecisions:
     """What one region does with each op output.
 
     Attributes:
-        mode: ``"sac"`` (checkpoint with a selective policy) or ``"none"`` (no
-            checkpoint; saved tensors may be packed).
+        mode: ``"sac"`` (checkpoint with a selective policy), ``"none"`` (no
+            checkpoint; saved tensors may be packed) or ``"partitioner"`` (no
+            checkpoint of autoac's: compiled, AOTAutograd's partitioner chooses what to
+            recompute within ``activation_memory_budget = fraction``; eagerly it runs as
+            ``"none"``).
         saves: ``(op name, occurrence) -> decision`` for ops that are not at the mode's
             default: ``"keep"`` or a :data:`~hyperrec.autoac.formats.SaveFormat`. The
             default is ``"recompute"`` under ``"sac"`` and ``"keep"`` under ``"none"``.
         min_pack_bytes: storages smaller than this are kept, never packed.
+        fraction: the partitioner's budget of a ``"partitioner"`` region, else ``None``.
     """
 
     mode: str
     saves: Mapping[tuple[str, int], str] = field(default_factory=dict)
     min_pack_bytes: int = 0
+    fraction: float | None = None
 
     @property
     def quantized(self) -> bool:
@@ -487,6 +492,8 @@ def run_region(
         traced: running under ``torch.compile``: only keep/recompute decisions (torch's
             selective-checkpoint contexts, which the compiler understands).
     """
+    if decisions.mode == "partitioner":
+        return fn(*args, **kwargs)
     if decisions.mode == "none":
         if decisions.quantized and torch.is_grad_enabled() and not traced:
             return _run_none_packed(decisions, _eagerly(fn), args, kwargs)

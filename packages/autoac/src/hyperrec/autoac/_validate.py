@@ -84,6 +84,15 @@ def check_float(
     return out
 
 
+def check_fraction(name: str, value: Any) -> float:
+    """``value`` as a float in [0, 1] (a ``TypeError`` for a non-number, a
+    ``ValueError`` outside the range or NaN)."""
+    out = check_float(name, value, minimum=0.0)
+    if not out <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {out}")
+    return out
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool (ints, even 0 and 1, are not).
 

@@ -18,7 +18,13 @@ from typing import Any, Literal
 import numpy as np
 
 from hyperrec.autoac._exec import INPUT, RegionDecisions
-from hyperrec.autoac._validate import check_bool, check_choice, check_float, check_int
+from hyperrec.autoac._validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_fraction,
+    check_int,
+)
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.model import (
     Assignment,
@@ -36,10 +42,21 @@ from hyperrec.autoac.model import (
 from hyperrec.autoac.profiler import Profile, RegionProfile
 from hyperrec.autoac.solve import lagrangian_bound, solve_exact, solve_greedy
 
-__all__ = ["PRICINGS", "Plan", "PlanConfig", "RegionPlan", "plan", "price_compiled_saves"]
+__all__ = [
+    "MODES",
+    "PRICINGS",
+    "Plan",
+    "PlanConfig",
+    "RegionPlan",
+    "partitioner_plan",
+    "plan",
+    "price_compiled_saves",
+]
 
 #: Values of :attr:`Plan.pricing`.
 PRICINGS: tuple[str, ...] = ("profile", "compiled")
+#: Values of :attr:`RegionPlan.mode`.
+MODES: tuple[str, ...] = ("sac", "none", "partitioner")
 
 Solver = Literal["auto", "exact", "greedy"]
 Strategy = Literal["fastest", "pack_all"]
@@ -117,15 +134,18 @@ class RegionPlan:
 
     Attributes:
         name: region name.
-        mode: ``"sac"`` or ``"none"``.
+        mode: ``"sac"``, ``"none"`` or ``"partitioner"`` (compiled with AOTAutograd's
+            partitioner at ``activation_memory_budget = fraction``, autoac deciding
+            nothing inside; see :func:`partitioner_plan`).
         saves: ``(op name, occurrence) -> "keep" | format`` for ops off the mode's
-            default (``"sac"``: recompute; ``"none"``: keep).
+            default (``"sac"``: recompute; ``"none"``: keep; ``"partitioner"``: none).
         held_bytes: predicted bytes the region holds between its forward and its
             backward (inputs included).
         added_s: predicted seconds the region adds (recomputation, packing).
         recompute_s: seconds a full checkpoint of the region would add.
         input_bytes: bytes of its inputs (what a full checkpoint holds).
         noac_held_bytes: bytes it would hold un-checkpointed with nothing packed.
+        fraction: a ``"partitioner"`` region's budget fraction, else ``None``.
     """
 
     name: str
@@ -136,6 +156,7 @@ class RegionPlan:
     recompute_s: float
     input_bytes: int = 0
     noac_held_bytes: int = 0
+    fraction: float | None = None
 
     @property
     def saved_fraction(self) -> float:
@@ -204,7 +225,10 @@ class Plan:
         """Per region name, the decisions :func:`hyperrec.autoac.apply_plan` runs."""
         return {
             r.name: RegionDecisions(
-                mode=r.mode, saves=dict(r.saves), min_pack_bytes=self.min_pack_bytes
+                mode=r.mode,
+                saves=dict(r.saves),
+                min_pack_bytes=self.min_pack_bytes,
+                fraction=r.fraction,
             )
             for r in self.regions
         }
@@ -229,8 +253,9 @@ class Plan:
         for r in self.regions:
             kept = sum(1 for d in r.saves.values() if d == "keep")
             packed = sum(1 for d in r.saves.values() if d in SAVE_FORMATS)
+            mode = r.mode if r.fraction is None else f"p{r.fraction:.2f}"
             lines.append(
-                f"{r.name:<24} {r.mode:<5} {kept:>5} {packed:>6} "
+                f"{r.name:<24} {mode:<5} {kept:>5} {packed:>6} "
                 f"{r.held_bytes / 2**20:>9.2f} {r.added_s * 1e3:>8.3f}"
             )
         return "\n".join(lines)
@@ -249,6 +274,7 @@ class Plan:
                     "recompute_s": r.recompute_s,
                     "input_bytes": r.input_bytes,
                     "noac_held_bytes": r.noac_held_bytes,
+                    **({} if r.fraction is None else {"fraction": r.fraction}),
                 }
                 for r in self.regions
             ],
@@ -299,11 +325,21 @@ class Plan:
         try:
             regions = []
             for r in items("regions", d["regions"]):
-                check_choice("mode", r["mode"], ("sac", "none"))
+                check_choice("mode", r["mode"], MODES)
                 saves = {}
                 for op, occ, dec in items("saves", r["saves"]):
                     check_choice("decision", dec, ("keep", *SAVE_FORMATS))
                     saves[(text("op", op), check_int("occurrence", occ, minimum=0))] = dec
+                fraction = r.get("fraction")
+                if (fraction is None) != (r["mode"] != "partitioner"):
+                    raise ValueError(
+                        "a region has a fraction if and only if its mode is 'partitioner', "
+                        f"got mode {r['mode']!r} with fraction {fraction!r}"
+                    )
+                if fraction is not None:
+                    fraction = check_fraction("fraction", fraction)
+                    if saves:
+                        raise ValueError("a 'partitioner' region has no saves, got some")
                 regions.append(
                     RegionPlan(
                         text("name", r["name"]),
@@ -314,6 +350,7 @@ class Plan:
                         check_float("recompute_s", r["recompute_s"]),
                         nbytes("input_bytes", r.get("input_bytes", 0)),
                         nbytes("noac_held_bytes", r.get("noac_held_bytes", 0)),
+                        fraction,
                     )
                 )
             lb = d["lower_bound_s"]
@@ -612,6 +649,102 @@ def plan(
         plain,
         lower_bound_s=min(best.lower_bound_s, plain.lower_bound_s),
         proven_optimal=best.proven_optimal,
+    )
+
+
+def partitioner_plan(
+    profile: Profile, fraction: float | Mapping[str, float], *, budget: float | None = None
+) -> Plan:
+    """The plan that leaves every region's choice to AOTAutograd's partitioner at
+    ``activation_memory_budget = fraction`` (torch's own knob, per region), for compiled
+    regions only.
+
+    Regions that may be checkpointed get mode ``"partitioner"`` (with a mapping: those
+    it names); the others (a collective, an explicit generator, an in-place write into
+    an input: see :class:`~hyperrec.autoac.profiler.RegionProfile`; with a mapping, also
+    the regions it leaves out) stay ``"none"`` and compile with the default partition,
+    as in every plan. Its prediction is un-checkpointed regions
+    holding everything (nothing packed); :func:`hyperrec.autoac.price_compiled` prices
+    what the partitioner's graphs save. What the partitioner recomputes is not
+    predicted: ``added_s`` is 0.0 and ``solver`` ``"partitioner"``; only a measured step
+    says its time (:func:`hyperrec.autoac.apply` with ``partitioner_fractions`` measures
+    it against autoac's own plan).
+
+    Args:
+        profile: from :func:`hyperrec.autoac.profiler`.
+        fraction: the partitioner's ``activation_memory_budget``, in [0, 1] (1: the
+            default partition, 0: recompute all it can), for every region, or
+            ``region name -> fraction``.
+        budget: recorded as :attr:`Plan.budget` (not enforced: the plan is fixed).
+
+    Raises:
+        TypeError: ``profile`` not a :class:`Profile`; ``fraction`` or ``budget`` not a
+            number (or a mapping of numbers).
+        ValueError: a fraction outside [0, 1]; a mapping naming a region the profile
+            does not have, or one that cannot be handed to the partitioner; a negative
+            or non-finite ``budget``.
+    """
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile must be a Profile, got {type(profile).__name__}")
+    eligible = {
+        r.name for r in profile.regions if "sac" in r.modes and not any(o.collective for o in r.ops)
+    }
+    if isinstance(fraction, Mapping):
+        names = {r.name for r in profile.regions}
+        unknown = sorted(set(fraction) - names)
+        if unknown:
+            raise ValueError(f"fraction names regions {unknown} that the profile does not have")
+        fixed = sorted(set(fraction) - eligible)
+        if fixed:
+            raise ValueError(
+                f"fraction names regions {fixed} that stay un-checkpointed (a collective, "
+                "an explicit generator or an in-place write into an input): the "
+                "partitioner may not recompute in them"
+            )
+        fractions = {n: check_fraction(f"fraction[{n!r}]", f) for n, f in fraction.items()}
+    else:
+        f = check_fraction("fraction", fraction)
+        fractions = dict.fromkeys(eligible, f)
+    cap = None if budget is None else _bytes("budget", budget, 0, "a number of bytes")
+    raw = build_problem(profile, formats=())
+    prob = compress(raw)
+    a = _no_ac(prob)
+    live = profile_of(raw, a) + profile.device_offset
+    regions = []
+    for r, reg in enumerate(prob.regions):
+        rp = profile.regions[r]
+        frac = fractions.get(reg.name)
+        held = reg.input_bytes + held_of(prob, a, r) + rp.plain_held_bytes
+        regions.append(
+            RegionPlan(
+                name=reg.name,
+                mode="none" if frac is None else "partitioner",
+                saves={},
+                held_bytes=held,
+                added_s=0.0,
+                recompute_s=rp.full_recompute_s,
+                input_bytes=reg.input_bytes,
+                noac_held_bytes=held,
+                fraction=frac,
+            )
+        )
+    peak = int(live.max(initial=0))
+    floor = peak_of(prob, least_peak(prob)) + profile.device_offset
+    return Plan(
+        regions=tuple(regions),
+        budget=cap,
+        region_budgets={},
+        predicted_peak=peak,
+        added_s=0.0,
+        lower_bound_s=-math.inf,
+        proven_optimal=False,
+        solver="partitioner",
+        floor=floor,
+        no_ac_peak=peak,
+        full_recompute_s=time_of(prob, min_memory(prob)),
+        min_pack_bytes=profile.config.min_pack_bytes,
+        device=profile.device,
+        live=live,
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hyperrec.autoac import _exec
 from hyperrec.autoac import regions as _regions
-from hyperrec.autoac._backward_mem import BackwardProbe
+from hyperrec.autoac._backward_mem import BackwardProbe, allocation_peak
 from hyperrec.autoac._compiled_pack import (
     COMPILED_FORMATS,
     compiled_packing_supported,
@@ -51,12 +52,13 @@ from hyperrec.autoac._compiled_pack import (
 )
 from hyperrec.autoac._compiled_saves import graph_saves, sequence_now, storage_keys
 from hyperrec.autoac._exec import INPUT, RegionDecisions, no_compile, run_region
-from hyperrec.autoac._validate import check_bool, check_choice, check_int
+from hyperrec.autoac._validate import check_bool, check_choice, check_fraction, check_int
 from hyperrec.autoac.formats import SAVE_FORMATS
 from hyperrec.autoac.planner import (
     Plan,
     PlanConfig,
     check_saves_args,
+    partitioner_plan,
     plan,
     price_compiled_saves,
     restrict,
@@ -281,6 +283,9 @@ class _Runner:
         d = self.decisions.get(name)
         if d is None or d.mode == "none":
             return _compile(fn, self.compile_kwargs)
+        if d.mode == "partitioner":
+            assert d.fraction is not None  # Plan.from_dict and partitioner_plan see to it
+            return _compile_with_budget(fn, d.fraction, self.compile_kwargs)
         if self.mechanism == "sac":
             ctx = self.ctx[name]
 
@@ -291,21 +296,43 @@ class _Runner:
                 return _ckpt(_exec.keep_module_state(fn), ctx, *args, **kwargs)
 
             return _compile(body, self.compile_kwargs)
-        frac = self.fractions.get(name, 0.0)
-        region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
-        if region_budget is not None:
-            # torch >= 2.13: a per-region annotation read by the partitioner.
-            return _compile(_with_region_budget(region_budget, frac, fn), self.compile_kwargs)
-        # Older torch: the global knob, read when the region's graph is compiled.
-        import torch._functorch.config as fconfig
+        return _compile_with_budget(fn, self.fractions.get(name, 0.0), self.compile_kwargs)
 
-        compiled = _compile(fn, self.compile_kwargs)
 
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with fconfig.patch(activation_memory_budget=frac):
-                return compiled(*args, **kwargs)
+def _compile_with_budget(
+    fn: Callable[..., Any], frac: float, compile_kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``torch.compile`` of a region whose partitioner runs at
+    ``activation_memory_budget = frac``."""
+    region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
+    if region_budget is not None:
+        # torch >= 2.13: a per-region annotation read by the partitioner.
+        return _compile(_with_region_budget(region_budget, frac, fn), compile_kwargs)
+    # Older torch: the global knob, read when the region's graph is compiled. Identical
+    # layers share one code object, and Dynamo would hand a region with another fraction
+    # the graph compiled for the first: the body reads the fraction as a constant, which
+    # Dynamo guards on, so each fraction compiles its own graph.
+    import torch._functorch.config as fconfig
 
-        return run
+    text = repr(float(frac))
+
+    def body(*args: Any, **kwargs: Any) -> Any:
+        if not text:  # never: the read makes the fraction part of the guards
+            raise AssertionError("empty fraction")
+        return fn(*args, **kwargs)
+
+    compiled = _compile(body, compile_kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # set and restored by hand: fconfig.patch costs about 20 us a call on the host
+        old = fconfig.activation_memory_budget
+        fconfig.activation_memory_budget = frac
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            fconfig.activation_memory_budget = old
+
+    return run
 
 
 def _packed_classes(d: RegionDecisions) -> dict[str, str] | None:
@@ -478,6 +505,12 @@ class AutoAC:
             measured step runs eagerly (see :func:`measure_step`), compiled plans too.
         compiled: regions run compiled.
         mechanism: how compiled regions take the plan (see :func:`compile_mechanism`).
+        search: after ``apply(partitioner_fractions=...)``: one entry per plan tried
+            (``"plan"``: ``"autoac"`` or ``"partitioner"``, ``"fraction"``,
+            ``"peak_bytes"``, ``"peak_source"`` (``"cuda"``, ``"cpu_events"`` or
+            ``"predicted"``), ``"time_s"`` (median of the timed steps), ``"times_s"``,
+            ``"fits"``, ``"chosen"``, ``"error"`` for a candidate that did not compile);
+            else ``None``.
         packed_in_graph: regions whose packed saves are traced into their compiled
             graphs (see the module docstring), each with the saved nodes its hooks chose
             to pack while the graphs were built (empty until the first compiled step).
@@ -511,11 +544,18 @@ class AutoAC:
         self.mechanism: CompileMechanism = compile_mechanism()
         self.compile_kwargs = dict(compile_kwargs or {})
         self.verification: dict[str, Any] | None = None
+        self.search: list[dict[str, Any]] | None = None
         self._modules: list[nn.Module] = []
         self.plan = plan_
         self._install(plan_)
 
     def _install(self, plan_: Plan) -> None:
+        if not self.compiled and any(r.mode == "partitioner" for r in plan_.regions):
+            raise ValueError(
+                "plan has 'partitioner' regions, which only a compiled region can run "
+                "(eagerly they would run un-checkpointed): put it in force with "
+                "compile=True"
+            )
         names = [r.name for r in plan_.regions]
         mods, names = _regions.resolve_regions(self.model, names)
         if len(mods) != len(plan_.regions):
@@ -682,6 +722,7 @@ def apply(
     profile_: Profile | None = None,
     fused_recompute: bool | None = None,
     calibrate_none: bool = False,
+    partitioner_fractions: tuple[float, ...] = (),
 ) -> AutoAC:
     """Profile a step, plan within the budget, and put the plan in force: one call.
 
@@ -742,6 +783,16 @@ def apply(
             step). Nothing is calibrated where that plan checkpoints every region.
             Experimental and off by default (measured at two budgets per benchmark
             model on one GPU: exact predictions, level or no faster; README).
+        partitioner_fractions: with ``compile=True`` and a step ``budget``: also try
+            torch's own choice, every region compiled with AOTAutograd's partitioner at
+            ``activation_memory_budget`` = each of these fractions
+            (:func:`~hyperrec.autoac.planner.partitioner_plan`), and keep, of autoac's
+            plan and these, the one whose step ran fastest with a measured peak within
+            ``budget`` (autoac's plan where none fits). Each candidate compiles the
+            regions once more and runs :data:`SEARCH_STEPS` timed steps (peaks: the CUDA
+            allocator; on the CPU the allocator's events, else the graph-priced
+            prediction). What was measured is in :attr:`AutoAC.search`. Experimental,
+            off by default (``()``); see the README for where it helps.
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
             (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
             the step again: put the plans for several budgets in force one after
@@ -770,8 +821,10 @@ def apply(
             ``("mxint8",)`` with ``compile=True`` (or any where packing in compiled
             graphs is not supported); with ``profile_``: ``regions`` or
             ``profile_config`` given, ``formats`` the profile did not measure, or
-            ``formats`` together with ``plan_config.formats``; ``fused_recompute=True``
-            or ``calibrate_none=True`` without ``compile=True``.
+            ``formats`` together with ``plan_config.formats``; ``fused_recompute=True``,
+            ``calibrate_none=True`` or ``partitioner_fractions`` without
+            ``compile=True``; ``partitioner_fractions`` without a step ``budget``, with
+            ``region_budgets`` or with a fraction outside [0, 1].
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -789,6 +842,7 @@ def apply(
             "calibrate_none=True needs compile=True: it fits the regions to what their "
             "compiled graphs save"
         )
+    fractions = _check_partitioner_fractions(partitioner_fractions, compile, budget, region_budgets)
     if fused_recompute is not None:
         check_bool("fused_recompute", fused_recompute)
         if fused_recompute and not compile:
@@ -879,6 +933,9 @@ def apply(
             planned, planned_regions = _price_within_budget(
                 handle, step_fn, budget, region_budgets, plan_config, replan_peak
             )
+        if fractions:
+            assert budget is not None  # _check_partitioner_fractions
+            _search_partitioner(handle, step_fn, budget, fractions)
         if verify:
             _verify(
                 handle,
@@ -895,6 +952,177 @@ def apply(
         handle.remove()
         raise
     return handle
+
+
+#: Timed steps per plan in ``apply(partitioner_fractions=...)``'s search (after one
+#: untimed step that compiles it); the median decides.
+SEARCH_STEPS = 5
+
+
+def _check_partitioner_fractions(
+    fractions: Any, compile: bool, budget: float | None, region_budgets: Any
+) -> tuple[float, ...]:
+    if not isinstance(fractions, tuple):
+        raise TypeError(
+            f"partitioner_fractions must be a tuple of floats, got {type(fractions).__name__}"
+        )
+    out = tuple(check_fraction("partitioner_fractions entry", f) for f in fractions)
+    if not out:
+        return out
+    if not compile:
+        raise ValueError(
+            "partitioner_fractions needs compile=True: the partitioner is torch.compile's"
+        )
+    if budget is None or region_budgets:
+        raise ValueError(
+            "partitioner_fractions needs a step budget and no region_budgets: the "
+            "partitioner's plans are checked against the step's measured peak only"
+        )
+    return tuple(dict.fromkeys(out))  # each fraction once, in the order given
+
+
+def _measure_compiled(
+    handle: AutoAC, step_fn: Callable[[nn.Module], torch.Tensor]
+) -> tuple[int, str, list[float]]:
+    """Peak (and where it came from) and step times of the compiled plan in force: one
+    step to compile, one measured for the peak, :data:`SEARCH_STEPS` timed."""
+    model, prof = handle.model, handle.profile
+    assert prof is not None
+    seed = prof.config.seed
+    measure_step(model, step_fn, track=False, seed=seed)
+    if _device_of(model).type == "cuda":
+        peak = measure_step(model, step_fn, track=False, seed=seed).peak_bytes
+        source = "cuda"
+    else:
+        peak, source = _cpu_compiled_peak(handle, step_fn)
+    times = [
+        measure_step(model, step_fn, track=False, seed=seed).time_s for _ in range(SEARCH_STEPS)
+    ]
+    return int(peak), source, times
+
+
+def _cpu_compiled_peak(
+    handle: AutoAC, step_fn: Callable[[nn.Module], torch.Tensor]
+) -> tuple[int, str]:
+    """Peak of one compiled step on the CPU, counted as the profile counts it, and where
+    it came from: the allocator's events (autoac's tracker would run the compiled
+    regions eagerly), else (no kineto) the plan's graph-priced prediction."""
+    model, prof = handle.model, handle.profile
+    assert prof is not None
+    if not torch.profiler.kineto_available():  # pragma: no cover - CPU builds without it
+        return handle.plan.predicted_peak, "predicted"
+    saved = grads_of(model)
+    set_grads(model, None)
+    try:
+        # the step only: measure_step's saved RNG state is not the step's
+        with torch.random.fork_rng(devices=[]):
+            if prof.config.seed is not None:
+                _seed_all(prof.config.seed, _device_of(model))
+            got, _ = allocation_peak(lambda: backward_sparing_inputs(model, step_fn(model)))
+    finally:
+        set_grads(model, saved)
+    return prof.resident_bytes + got, "cpu_events"
+
+
+def _search_partitioner(
+    handle: AutoAC,
+    step_fn: Callable[[nn.Module], torch.Tensor],
+    budget: float,
+    fractions: tuple[float, ...],
+) -> None:
+    """Measure autoac's plan in force and :func:`partitioner_plan` at each fraction,
+    then mixes of two neighbouring fractions (see :func:`_mix_order`); leave in force
+    the fastest whose measured peak is within ``budget`` (autoac's plan where none is),
+    the measurements in ``handle.search``."""
+    prof = handle.profile
+    assert prof is not None
+    rows: list[dict[str, Any]] = []
+    # row index -> the plan measured there, as compiled (see _restore_plan)
+    tried: dict[int, tuple[Plan, dict[str, float]]] = {}
+
+    def attempt(p: Plan, row: dict[str, Any]) -> bool:
+        try:
+            _set_plan(handle, p, step_fn)
+        except _COMPILE_ERRORS as err:
+            rows.append({**row, "fits": False, "chosen": False,
+                         "error": f"{type(err).__name__}: {_last_line(err)}"})  # fmt: skip
+            return False
+        peak, source, times = _measure_compiled(handle, step_fn)
+        tried[len(rows)] = (handle.plan, handle._runner.fractions)
+        rows.append({**row, "peak_bytes": peak, "peak_source": source,
+                     "time_s": statistics.median(times), "times_s": times,
+                     "fits": peak <= budget, "chosen": False})  # fmt: skip
+        return bool(rows[-1]["fits"])
+
+    peak, source, times = _measure_compiled(handle, step_fn)
+    tried[0] = (handle.plan, handle._runner.fractions)
+    rows.append({"plan": "autoac", "fraction": None, "peak_bytes": peak, "peak_source": source,
+                 "time_s": statistics.median(times), "times_s": times, "fits": peak <= budget,
+                 "chosen": False})  # fmt: skip
+    uniform: dict[float, int] = {}
+    for f in fractions:
+        attempt(partitioner_plan(prof, f, budget=budget), {"plan": "partitioner", "fraction": f})
+        if len(rows) - 1 in tried:
+            uniform[f] = len(rows) - 1
+    order = sorted(uniform)
+    for lo, hi in zip(order, order[1:]):
+        i, j = uniform[lo], uniform[hi]
+        if not rows[i]["fits"] or rows[j]["fits"]:
+            continue
+        switched = _mix_order(prof, budget, tried[i][0], tried[j][0], rows[i]["peak_bytes"])
+        # a mix measured over the budget gives back its last switches (twice at most)
+        for _ in range(3):
+            if not switched:
+                break
+            mix = {r.name: lo for r in tried[i][0].regions if r.mode == "partitioner"}
+            mix.update(dict.fromkeys(switched, hi))
+            row = {"plan": "mixed", "fraction": None, "low": lo, "high": hi,
+                   "high_regions": list(switched)}  # fmt: skip
+            if attempt(partitioner_plan(prof, mix, budget=budget), row) or "error" in rows[-1]:
+                break
+            switched = switched[:-1]
+    fitting = [i for i in tried if rows[i]["fits"]]
+    pick = min(fitting, key=lambda i: rows[i]["time_s"]) if fitting else 0
+    rows[pick]["chosen"] = True
+    plan_, fractions_ = tried[pick]
+    if handle.plan is not plan_ or handle._runner.fractions is not fractions_:
+        _restore_plan(handle, plan_, fractions_)
+    handle.search = rows
+
+
+def _mix_order(profile_: Profile, budget: float, low: Plan, high: Plan, low_peak: int) -> list[str]:
+    """Regions of the uniform partitioner plan ``low`` (priced from its graphs, measured
+    at ``low_peak``) to give ``high``'s fraction, in order, while the predicted peak
+    stays within ``budget``: each step takes the region whose switch predicts the least
+    peak. Predictions are the graph-priced ones (:func:`price_compiled_saves` with each
+    region's bytes from the uniform plan of its fraction), shifted by what ``low``'s
+    measured peak differs from its prediction (the backward's working set is priced
+    from the eager trace)."""
+    held: dict[tuple[float, str], int] = {}
+    for p in (low, high):
+        for r in p.regions:
+            if r.fraction is not None:
+                held[(r.fraction, r.name)] = r.held_bytes - r.input_bytes
+    lo, hi = (next(r.fraction for r in p.regions if r.fraction is not None) for p in (low, high))
+    mix = {r.name: lo for r in low.regions if r.fraction is not None}
+    shift = low_peak - low.predicted_peak
+
+    def peak(m: dict[str, float]) -> int:
+        p = partitioner_plan(profile_, m)
+        return price_compiled_saves(
+            p, profile_, {n: held[(f, n)] for n, f in m.items()}
+        ).predicted_peak
+
+    out: list[str] = []
+    while True:
+        options = [(peak({**mix, n: hi}), n) for n, f in mix.items() if f == lo]
+        if not options:
+            return out
+        best, name = min(options)
+        if best + shift > budget:
+            return out
+        mix[name] = hi
+        out.append(name)
 
 
 def _inductor(compile_kwargs: Mapping[str, Any] | None) -> bool:
@@ -1438,6 +1666,10 @@ def _verify(
         # functions run eagerly, as they did when profiled (see ``no_compile``)
         with contextlib.nullcontext() if handle.compiled else no_compile():
             m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
+        if m.allocator_peak is None and any(r.mode == "partitioner" for r in handle.plan.regions):
+            # the CPU's tracked step runs the regions eagerly, where the partitioner
+            # does nothing: the compiled step's own peak
+            m = replace(m, peak_bytes=_cpu_compiled_peak(handle, step_fn)[0])
         err = None
         if handle.plan.packed:
             if ref is None:
