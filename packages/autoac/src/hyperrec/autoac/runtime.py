@@ -303,7 +303,11 @@ def _compile_with_budget(
     fn: Callable[..., Any], frac: float, compile_kwargs: dict[str, Any]
 ) -> Callable[..., Any]:
     """``torch.compile`` of a region whose partitioner runs at
-    ``activation_memory_budget = frac``."""
+    ``activation_memory_budget = frac``, as one graph (``fullgraph=True``: a region that
+    graph-breaks raises at its first call). Behind a graph break the annotation would
+    run eagerly (and raise), and on older torch the frames after the break would not be
+    guarded on the fraction, so a later plan at another fraction would reuse them."""
+    compile_kwargs = {**compile_kwargs, "fullgraph": True}
     region_budget = getattr(torch.autograd.graph, "region_activation_memory_budget", None)
     if region_budget is not None:
         # torch >= 2.13: a per-region annotation read by the partitioner.
@@ -549,13 +553,16 @@ class AutoAC:
         self.plan = plan_
         self._install(plan_)
 
-    def _install(self, plan_: Plan) -> None:
+    def _check_runnable(self, plan_: Plan) -> None:
         if not self.compiled and any(r.mode == "partitioner" for r in plan_.regions):
             raise ValueError(
                 "plan has 'partitioner' regions, which only a compiled region can run "
                 "(eagerly they would run un-checkpointed): put it in force with "
                 "compile=True"
             )
+
+    def _install(self, plan_: Plan) -> None:
+        self._check_runnable(plan_)
         names = [r.name for r in plan_.regions]
         mods, names = _regions.resolve_regions(self.model, names)
         if len(mods) != len(plan_.regions):
@@ -593,6 +600,7 @@ class AutoAC:
         if not isinstance(plan_, Plan):
             raise TypeError(f"plan must be a Plan, got {type(plan_).__name__}")
         _check_plan_regions(self.model, plan_)
+        self._check_runnable(plan_)  # before the plan in force is taken off
         _regions.uninstall(self._modules)
         self._install(plan_)
 
@@ -1043,11 +1051,14 @@ def _search_partitioner(
     def attempt(p: Plan, row: dict[str, Any]) -> bool:
         try:
             _set_plan(handle, p, step_fn)
-        except _COMPILE_ERRORS as err:
+            peak, source, times = _measure_compiled(handle, step_fn)
+        except Exception as err:  # a candidate, not the user's plan
+            # Any failure of a candidate's steps (a backend error; a region that graph-
+            # breaks, which a partitioner region compiles without: see
+            # _compile_with_budget) leaves it out; the plans measured before stay.
             rows.append({**row, "fits": False, "chosen": False,
                          "error": f"{type(err).__name__}: {_last_line(err)}"})  # fmt: skip
             return False
-        peak, source, times = _measure_compiled(handle, step_fn)
         tried[len(rows)] = (handle.plan, handle._runner.fractions)
         rows.append({**row, "peak_bytes": peak, "peak_source": source,
                      "time_s": statistics.median(times), "times_s": times,
@@ -1107,11 +1118,14 @@ def _mix_order(profile_: Profile, budget: float, low: Plan, high: Plan, low_peak
     mix = {r.name: lo for r in low.regions if r.fraction is not None}
     shift = low_peak - low.predicted_peak
 
+    # regions left with the default partition are priced as ``low``'s graphs held them
+    # (as ``shift`` was measured), not at the eager profile's bytes
+    fixed = {r.name: r.held_bytes - r.input_bytes for r in low.regions if r.fraction is None}
+
     def peak(m: dict[str, float]) -> int:
         p = partitioner_plan(profile_, m)
-        return price_compiled_saves(
-            p, profile_, {n: held[(f, n)] for n, f in m.items()}
-        ).predicted_peak
+        saved = {**fixed, **{n: held[(f, n)] for n, f in m.items()}}
+        return price_compiled_saves(p, profile_, saved).predicted_peak
 
     out: list[str] = []
     while True:
@@ -1666,9 +1680,14 @@ def _verify(
         # functions run eagerly, as they did when profiled (see ``no_compile``)
         with contextlib.nullcontext() if handle.compiled else no_compile():
             m = measure_step(handle.model, step_fn, seed=prof.config.seed, keep_grads=True)
-        if m.allocator_peak is None and any(r.mode == "partitioner" for r in handle.plan.regions):
+        searched = handle.search is not None
+        if (
+            m.allocator_peak is None
+            and handle.compiled
+            and (searched or any(r.mode == "partitioner" for r in handle.plan.regions))
+        ):
             # the CPU's tracked step runs the regions eagerly, where the partitioner
-            # does nothing: the compiled step's own peak
+            # does nothing: the compiled step's own peak, as the search measured it
             m = replace(m, peak_bytes=_cpu_compiled_peak(handle, step_fn)[0])
         err = None
         if handle.plan.packed:
