@@ -29,6 +29,12 @@ STYLES: tuple[tuple[str, str, str, str], ...] = (
         "tab:olive",
     ),  # fmt: skip
     (
+        "autoac_apply_compiled_fused_search",
+        "autoac.apply, compiled, with torch's partitioner searched",
+        "*",
+        "tab:red",
+    ),  # fmt: skip
+    (
         "autoac_apply_compiled_fused_calib",
         "autoac.apply, compiled, fused pricing, calibrated",
         "d",
