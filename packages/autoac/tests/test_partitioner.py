@@ -24,8 +24,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _case():
-    model = ChainTower()
+def _case(model=None):
+    model = ChainTower() if model is None else model
     step = step_for(torch.randn(64, 64))
     return model, step, autoac.profile(model, step, config=FLOPS)
 

@@ -16,8 +16,8 @@ import io
 
 import pytest
 import torch
-from autoac_cases import step_for
-from test_compiled_headroom import FLOPS, PARTITION, ChainBlock, ChainTower
+from test_compiled_headroom import PARTITION, ChainBlock, ChainTower
+from test_partitioner import _case, _grads
 from torch import nn
 
 from hyperrec import autoac
@@ -68,22 +68,6 @@ class MixedTower(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
-
-
-def _case(model=None):
-    model = ChainTower() if model is None else model
-    step = step_for(torch.randn(64, 64))
-    return model, step, autoac.profile(model, step, config=FLOPS)
-
-
-def _grads(model, step):
-    for p in model.parameters():
-        p.grad = None
-    step(model).backward()
-    out = [p.grad.clone() for p in model.parameters()]
-    for p in model.parameters():
-        p.grad = None
-    return out
 
 
 def _held(handle, step):
