@@ -241,3 +241,17 @@ def test_search_over_budget_everywhere_keeps_autoac(monkeypatch):
         assert h.search[0]["chosen"] and h.plan.solver != "partitioner"
     finally:
         h.remove()
+
+
+def test_search_logs_each_plan_it_measures(monkeypatch, caplog):
+    with caplog.at_level("INFO", logger="hyperrec.autoac"):
+        h, _ = _search(monkeypatch, 0.17, {"autoac": 3.0, 0.0: 2.0, 1.0: 1.0, "mixed": 1.5})
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "hyperrec.autoac"]
+        assert len(lines) == len(h.search)
+        assert lines[0].startswith("autoac search: autoac: peak ")
+        assert any(ln.startswith("autoac search: partitioner 1: ") and "(over the budget)" in ln
+                   for ln in lines)  # fmt: skip
+        assert any(ln.startswith("autoac search: mixed 0/1 (") for ln in lines)
+    finally:
+        h.remove()

@@ -28,6 +28,7 @@ can fuse both into the neighbouring kernels). Other packed regions run eagerly
 from __future__ import annotations
 
 import contextlib
+import logging
 import numbers
 import statistics
 import time
@@ -799,8 +800,9 @@ def apply(
             ``budget`` (autoac's plan where none fits). Each candidate compiles the
             regions once more and runs :data:`SEARCH_STEPS` timed steps (peaks: the CUDA
             allocator; on the CPU the allocator's events, else the graph-priced
-            prediction). What was measured is in :attr:`AutoAC.search`. Experimental,
-            off by default (``()``); see the README for where it helps.
+            prediction). What was measured is in :attr:`AutoAC.search`, and each plan
+            is logged as it is measured (logger ``"hyperrec.autoac"``, INFO).
+            Experimental, off by default (``()``); see the README for where it helps.
         profile_: a :class:`~hyperrec.autoac.profiler.Profile` of this model and step
             (from :func:`~hyperrec.autoac.profiler.profile`), used instead of profiling
             the step again: put the plans for several budgets in force one after
@@ -966,6 +968,21 @@ def apply(
 #: untimed step that compiles it); the median decides.
 SEARCH_STEPS = 5
 
+#: Progress of long work (the search logs each plan it measured at INFO).
+_log = logging.getLogger("hyperrec.autoac")
+
+
+def _log_row(row: dict[str, Any]) -> None:
+    what = row["plan"] + ("" if row.get("fraction") is None else f" {row['fraction']:g}")
+    if row["plan"] == "mixed":
+        what += f" {row['low']:g}/{row['high']:g} ({len(row['high_regions'])} at {row['high']:g})"
+    if "error" in row:
+        _log.info("autoac search: %s failed: %s", what, row["error"])
+    else:
+        _log.info("autoac search: %s: peak %.3f GiB%s, %.3f ms", what,
+                  row["peak_bytes"] / 2**30, "" if row["fits"] else " (over the budget)",
+                  row["time_s"] * 1e3)  # fmt: skip
+
 
 def _check_partitioner_fractions(
     fractions: Any, compile: bool, budget: float | None, region_budgets: Any
@@ -1058,11 +1075,13 @@ def _search_partitioner(
             # _compile_with_budget) leaves it out; the plans measured before stay.
             rows.append({**row, "fits": False, "chosen": False,
                          "error": f"{type(err).__name__}: {_last_line(err)}"})  # fmt: skip
+            _log_row(rows[-1])
             return False
         tried[len(rows)] = (handle.plan, handle._runner.fractions)
         rows.append({**row, "peak_bytes": peak, "peak_source": source,
                      "time_s": statistics.median(times), "times_s": times,
                      "fits": peak <= budget, "chosen": False})  # fmt: skip
+        _log_row(rows[-1])
         return bool(rows[-1]["fits"])
 
     peak, source, times = _measure_compiled(handle, step_fn)
@@ -1070,6 +1089,7 @@ def _search_partitioner(
     rows.append({"plan": "autoac", "fraction": None, "peak_bytes": peak, "peak_source": source,
                  "time_s": statistics.median(times), "times_s": times, "fits": peak <= budget,
                  "chosen": False})  # fmt: skip
+    _log_row(rows[-1])
     uniform: dict[float, int] = {}
     for f in fractions:
         attempt(partitioner_plan(prof, f, budget=budget), {"plan": "partitioner", "fraction": f})
