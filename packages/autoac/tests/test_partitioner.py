@@ -169,6 +169,16 @@ def test_bad_search_arguments(kwargs, err, match):
         autoac.apply(model, **args)
 
 
+def test_search_refused_on_several_ranks(monkeypatch):
+    """Ranks measure different times and peaks: each could keep another plan."""
+    model, step, _ = _case()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    with pytest.raises(ValueError, match="more than one rank"):
+        autoac.apply(model, budget=1e9, step_fn=step, compile=True, partitioner_fractions=(0.5,))
+    assert not installed_regions(model)
+
+
 def _search(monkeypatch, budget_at: float, times: dict):
     """``apply`` with the search, step times replaced by ``times[key]`` (key: ``"autoac"``,
     a fraction, or ``"mixed"``) so that the choice does not hang on the CPU's noise; the

@@ -834,7 +834,8 @@ def apply(
             ``formats`` together with ``plan_config.formats``; ``fused_recompute=True``,
             ``calibrate_none=True`` or ``partitioner_fractions`` without
             ``compile=True``; ``partitioner_fractions`` without a step ``budget``, with
-            ``region_budgets`` or with a fraction outside [0, 1].
+            ``region_budgets``, with a fraction outside [0, 1] or with
+            ``torch.distributed`` initialised on more than one rank.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -1002,6 +1003,13 @@ def _check_partitioner_fractions(
         raise ValueError(
             "partitioner_fractions needs a step budget and no region_budgets: the "
             "partitioner's plans are checked against the step's measured peak only"
+        )
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "partitioner_fractions is not supported with torch.distributed on more than "
+            "one rank: the search chooses by measured step times and peaks, which differ "
+            "between ranks, so ranks could put different plans in force"
         )
     return tuple(dict.fromkeys(out))  # each fraction once, in the order given
 
