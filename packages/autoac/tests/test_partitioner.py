@@ -60,7 +60,7 @@ def test_plan_holds_what_no_ac_holds_and_names_the_fraction():
     no_ac = autoac.plan(prof, budget=1e18, config=autoac.PlanConfig(formats=()))
     assert p.predicted_peak == no_ac.no_ac_peak
     assert [r.held_bytes for r in p.regions] == [r.noac_held_bytes for r in no_ac.regions]
-    assert "p0.30" in p.summary()
+    assert "p0.30" in p.summary() and "added time not predicted" in p.summary()
     names = [r.name for r in prof.regions]
     mixed = autoac.partitioner_plan(prof, {names[0]: 0.0, names[2]: 1.0})
     assert [r.fraction for r in mixed.regions] == [0.0, None, 1.0, None]

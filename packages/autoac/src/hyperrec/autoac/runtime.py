@@ -1073,10 +1073,21 @@ def _search_partitioner(
     # row index -> the plan measured there, as compiled (see _restore_plan)
     tried: dict[int, tuple[Plan, dict[str, float]]] = {}
 
-    def attempt(p: Plan, row: dict[str, Any]) -> bool:
+    def measure(row: dict[str, Any]) -> int:
+        """Measure the plan in force into a new row; its index."""
+        peak, source, times = _measure_compiled(handle, step_fn)
+        tried[len(rows)] = (handle.plan, handle._runner.fractions)
+        rows.append({**row, "peak_bytes": peak, "peak_source": source,
+                     "time_s": statistics.median(times), "times_s": times,
+                     "fits": peak <= budget, "chosen": False})  # fmt: skip
+        _log_row(rows[-1])
+        return len(rows) - 1
+
+    def attempt(p: Plan, row: dict[str, Any]) -> int | None:
+        """Put a candidate in force and measure it: its row, or ``None`` if it failed."""
         try:
             _set_plan(handle, p, step_fn)
-            peak, source, times = _measure_compiled(handle, step_fn)
+            return measure(row)
         except Exception as err:  # a candidate, not the user's plan
             # Any failure of a candidate's steps (a backend error; a region that graph-
             # breaks, which a partitioner region compiles without: see
@@ -1084,25 +1095,16 @@ def _search_partitioner(
             rows.append({**row, "fits": False, "chosen": False,
                          "error": f"{type(err).__name__}: {_last_line(err)}"})  # fmt: skip
             _log_row(rows[-1])
-            return False
-        tried[len(rows)] = (handle.plan, handle._runner.fractions)
-        rows.append({**row, "peak_bytes": peak, "peak_source": source,
-                     "time_s": statistics.median(times), "times_s": times,
-                     "fits": peak <= budget, "chosen": False})  # fmt: skip
-        _log_row(rows[-1])
-        return bool(rows[-1]["fits"])
+            return None
 
-    peak, source, times = _measure_compiled(handle, step_fn)
-    tried[0] = (handle.plan, handle._runner.fractions)
-    rows.append({"plan": "autoac", "fraction": None, "peak_bytes": peak, "peak_source": source,
-                 "time_s": statistics.median(times), "times_s": times, "fits": peak <= budget,
-                 "chosen": False})  # fmt: skip
-    _log_row(rows[-1])
+    measure({"plan": "autoac", "fraction": None})  # autoac's own: its errors propagate
     uniform: dict[float, int] = {}
     for f in fractions:
-        attempt(partitioner_plan(prof, f, budget=budget), {"plan": "partitioner", "fraction": f})
-        if len(rows) - 1 in tried:
-            uniform[f] = len(rows) - 1
+        k = attempt(
+            partitioner_plan(prof, f, budget=budget), {"plan": "partitioner", "fraction": f}
+        )
+        if k is not None:
+            uniform[f] = k
     order = sorted(uniform)
     for lo, hi in zip(order, order[1:]):
         i, j = uniform[lo], uniform[hi]
@@ -1117,7 +1119,8 @@ def _search_partitioner(
             mix.update(dict.fromkeys(switched, hi))
             row = {"plan": "mixed", "fraction": None, "low": lo, "high": hi,
                    "high_regions": list(switched)}  # fmt: skip
-            if attempt(partitioner_plan(prof, mix, budget=budget), row) or "error" in rows[-1]:
+            k = attempt(partitioner_plan(prof, mix, budget=budget), row)
+            if k is None or rows[k]["fits"]:
                 break
             switched = switched[:-1]
     fitting = [i for i in tried if rows[i]["fits"]]
@@ -1150,10 +1153,13 @@ def _mix_order(profile_: Profile, budget: float, low: Plan, high: Plan, low_peak
     # (as ``shift`` was measured), not at the eager profile's bytes
     fixed = {r.name: r.held_bytes - r.input_bytes for r in low.regions if r.fraction is None}
 
+    # the un-checkpointed trace every mix is priced against (its fractions do not enter
+    # the pricing, only the bytes handed to it)
+    base = partitioner_plan(profile_, mix)
+
     def peak(m: dict[str, float]) -> int:
-        p = partitioner_plan(profile_, m)
         saved = {**fixed, **{n: held[(f, n)] for n, f in m.items()}}
-        return price_compiled_saves(p, profile_, saved).predicted_peak
+        return price_compiled_saves(base, profile_, saved).predicted_peak
 
     out: list[str] = []
     while True:
