@@ -4,7 +4,7 @@
 
 One row per peer point of the curve (torch's compiled ``activation_memory_budget``
 fractions, compiled no AC, eager full AC), sorted by the peer's measured peak; one column
-group per autoac variant asked for that peak (``autoac_apply_compiled[_fused|_quant]@<peer>``):
+group per autoac variant some run measured (``autoac_apply_compiled[_fused|_quant]@<peer>``):
 its measured peak, median step time and the peer's time over autoac's (above 1: autoac
 faster). A ratio is starred where autoac's measured peak exceeds the peer's, so that it
 is not a like-for-like win. With several files (repeated runs of one model), each ratio
@@ -28,6 +28,7 @@ VARIANTS: tuple[tuple[str, str], ...] = (
     ("autoac_apply_compiled_quant", "autoac, MXINT8 saves, eager-priced"),
     ("autoac_apply_compiled_fused_quant", "autoac, MXINT8 saves, fused-priced"),
     ("autoac_apply_compiled_fused_calib", "autoac, fused-priced, calibrate_none"),
+    ("autoac_apply_compiled_fused_search", "autoac, torch's partitioner searched"),
 )
 
 
@@ -53,14 +54,20 @@ def table(results: list[dict[str, Any]], model: str) -> str:
     runs = [_points(r, model) for r in results if model in r.get("models", {})]
     if not runs:
         raise SystemExit(f"no result has model {model!r}")
+    # only the variants some run measured: a column of "not measured" says nothing
+    variants = [
+        (prefix, title)
+        for prefix, title in VARIANTS
+        if any(m.startswith(prefix + "@") for r in runs for m in r)
+    ]
     head = ["peer (measured peak GiB, ms)"]
-    for _, title in VARIANTS:
+    for _, title in variants:
         head.append(f"{title}: peak GiB, ms, peer / autoac")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for peer in _peers(runs[0]):
         ref = runs[0][peer]
         row = [f"{peer} ({ref['peak_bytes'] / GIB:.2f}, {ref['time_ms_median']:.1f})"]
-        for prefix, _ in VARIANTS:
+        for prefix, _ in variants:
             name = f"{prefix}@{peer}"
             got = [(r[name], r[peer]) for r in runs if name in r and peer in r]
             if not got:
