@@ -79,7 +79,8 @@ def _time_ms(fn, device: str, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_case(case, device: str, reps: int, rounds: int) -> dict:
+def case_inputs(case, device: str):
+    """(kind, q, k, v, offsets, max_len, num_targets) of a case: seed-0 lengths and values."""
     name, kind, dist, batch, max_len, heads, dim = case
     lens = lengths(dist, batch, max_len, seed=0)
     off = torch.zeros(batch + 1, dtype=torch.int64)
@@ -90,6 +91,13 @@ def run_case(case, device: str, reps: int, rounds: int) -> dict:
     q, k, v = (torch.randn(t, heads, dim, device=device, dtype=torch.bfloat16, generator=g)
                for _ in range(3))  # fmt: skip
     targets = lens.clamp(max=4).to(device) if kind == "hstu" else None
+    return kind, q, k, v, off, max_len, targets
+
+
+def run_case(case, device: str, reps: int, rounds: int) -> dict:
+    name, kind, dist, batch, max_len, heads, dim = case
+    kind, q, k, v, off, max_len, targets = case_inputs(case, device)
+    t = int(q.shape[0])
     row: dict = dict(name=name, kind=kind, dist=dist, batch=batch, max_len=max_len,
                      heads=heads, head_dim=dim, tokens=t, ms={})  # fmt: skip
     for mode in MODES:

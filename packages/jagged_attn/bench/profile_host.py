@@ -35,32 +35,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
-from bench_attention import lengths  # noqa: E402
-from bench_validate import _call  # noqa: E402
+from bench_validate import CASES as VALIDATE_CASES  # noqa: E402
+from bench_validate import SMOKE as VALIDATE_SMOKE  # noqa: E402
+from bench_validate import _call, case_inputs  # noqa: E402
 
-# (name, kind, distribution, batch, max length, heads, head dim): bench_validate's short
-# host-bound cases
-CASES = [
-    ("softmax-u-B64-L512-H4-D128", "softmax", "uniform", 64, 512, 4, 128),
-    ("softmax-u-B16-L128-H2-D64", "softmax", "uniform", 16, 128, 2, 64),
-    ("hstu-targets-p-B256-L1024-H4-D128", "hstu", "powerlaw", 256, 1024, 4, 128),
-]
-SMOKE = [("softmax-smoke", "softmax", "uniform", 3, 20, 1, 16)]
+# bench_validate's short host-bound cases
+CASES = [VALIDATE_CASES[i] for i in (1, 3, 4)]
+SMOKE = VALIDATE_SMOKE[:1]
 MODES = (False, True)
-
-
-def _inputs(case, device):
-    name, kind, dist, batch, max_len, heads, dim = case
-    lens = lengths(dist, batch, max_len, seed=0)
-    off = torch.zeros(batch + 1, dtype=torch.int64)
-    off[1:] = lens.cumsum(0)
-    off = off.to(device)
-    t = int(lens.sum())
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(t, heads, dim, device=device, dtype=torch.bfloat16, generator=g)
-               for _ in range(3))  # fmt: skip
-    targets = lens.clamp(max=4).to(device) if kind == "hstu" else None
-    return kind, q, k, v, off, max_len, targets
 
 
 def _sync(device: str) -> None:
@@ -95,7 +77,7 @@ def _profile(fn, calls: int, device: str) -> dict[str, tuple[float, float]]:
 
 
 def run_case(case, device: str, calls: int, rounds: int, top: int) -> dict:
-    kind, q, k, v, off, max_len, targets = _inputs(case, device)
+    kind, q, k, v, off, max_len, targets = case_inputs(case, device)
     fns = {m: (lambda m=m: _call(kind, q, k, v, off.clone(), max_len, targets, m)) for m in MODES}
     for m in MODES:  # compile, fill the caches
         for _ in range(3):
