@@ -112,7 +112,9 @@ def run_case(case, device: str, calls: int, rounds: int, top: int) -> dict:
         "host_us": {m: statistics.median(v) for m, v in host.items()},
         "host_us_rounds": host,
         "default_over_none": statistics.median(ratios),
-        "profiled_total_us": {m: sum(t for _, t in merged(m).values()) for m in ("True", "False")},
+        "profiled_total_us": {
+            m: sum(t for _, t in d.values()) for m, d in (("True", on), ("False", off_))
+        },
         "top_differences": [
             {
                 "function": key,
