@@ -224,10 +224,12 @@ def _check_isolation(session: nox.Session, path: Path, extras: tuple[str, ...]) 
 _CLEAN = {"PYTHONPATH": ""}
 
 
-#: Packages whose CPU tests are single-threaded compute (Triton's interpreter, no process
-#: groups, no timings) and minutes long: they use both of CI's cores, one pytest-xdist
-#: worker per core, a test file per worker at a time (module fixtures are built once).
-PARALLEL_TESTS = {"jagged_attn"}
+#: Test suites that are minutes long and mostly single-threaded (Triton's interpreter,
+#: Inductor compiles on the CPU, one- and two-rank gloo jobs): they use both of CI's cores,
+#: one pytest-xdist worker per core, a test file per worker at a time (module fixtures are
+#: built once). Suites of four- to eight-rank process groups (parallel5d) stay serial:
+#: their ranks already fill the cores. Their ``lowest`` sessions follow the same rule.
+PARALLEL_TESTS = {"jagged_attn", "autoac", "integration"}
 _XDIST = ("-n", "2", "--dist", "loadfile")
 
 
@@ -403,7 +405,7 @@ def integration(session: nox.Session) -> None:
         session.skip("integration/ does not exist yet")
     _install_local(session, path)
     _check_isolation(session, path, ("test",))
-    _pytest(session, path / "tests")
+    _pytest(session, path / "tests", *_XDIST)
 
 
 @nox.session(python=PYTHON, venv_params=NO_PIP, default=False)
@@ -615,7 +617,8 @@ def lowest(session: nox.Session, package: str) -> None:
         session.run("python", "-m", "pip", "check", env=_CLEAN)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _pytest(session, path / "tests", "-m", "not gpu and not multigpu and not slow")
+    xdist = _XDIST if path.name in PARALLEL_TESTS else ()
+    _pytest(session, path / "tests", "-m", "not gpu and not multigpu and not slow", *xdist)
 
 
 # -- jobs -------------------------------------------------------------------------------------
