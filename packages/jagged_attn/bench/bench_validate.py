@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results", help="JSON directory")
     parser.add_argument("--quick", action="store_true", help="two cases")
     parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="only the cases of these names (repeatable)")  # fmt: skip
     parser.add_argument(
         "--rounds",
         type=int,
@@ -170,6 +172,11 @@ def main() -> None:
         if not torch.cuda.is_available():
             sys.exit("bench_validate.py needs a CUDA GPU (or --smoke)")
         device, cases, reps, rounds = "cuda", QUICK if args.quick else CASES, 0, args.rounds
+    if args.case:
+        unknown = sorted(set(args.case) - {c[0] for c in CASES + SMOKE})
+        if unknown:
+            parser.error(f"--case: unknown case(s) {unknown}")
+        cases = [c for c in CASES + SMOKE if c[0] in args.case]
     rows = []
     t0 = time.perf_counter()
     for case in cases:
@@ -185,6 +192,8 @@ def main() -> None:
     worst = max(max(r["same_default_over_none"], r["fresh_default_over_none"],
                     r["step12_default_over_none"]) for r in rows)  # fmt: skip
     suffix = "smoke" if args.smoke else ("quick" if args.quick else "full")  # the GPU: in "machine"
+    if args.case:
+        suffix = "cases"
     from hyperrec.jagged_attn._triton._direct import direct_requested
 
     direct = direct_requested()

@@ -117,18 +117,18 @@ def test_fused_check_on_random_batches(lens, shrink, block, causal, int32, targe
 @pytest.fixture
 def device_mode(monkeypatch):
     """``validate=True`` on CPU tensors as on CUDA ones (``"device"`` mode), counting the
-    separate check launches and the fused ones."""
+    separate check launches (the flag computed on its own) and the fused ones."""
     counts = {"separate": 0, "fused": 0}
     monkeypatch.setattr(
         "hyperrec.jagged_attn.interface.value_check_mode",
         lambda validate, device: "device" if validate is True else "none",
     )
-    real_run = _validate.DeviceCheck.run
+    real_condition = _validate._fused_condition
     real_flag = _validate.DeviceCheck.assert_flag
 
-    def run(self):
+    def condition(*args):
         counts["separate"] += 1
-        real_run(self)
+        return real_condition(*args)
 
     def flag(self, ok):
         counts["fused"] += 1
@@ -137,7 +137,7 @@ def device_mode(monkeypatch):
     def in_kernel(self):
         counts["fused"] += 1
 
-    monkeypatch.setattr(_validate.DeviceCheck, "run", run)
+    monkeypatch.setattr(_validate, "_fused_condition", condition)
     monkeypatch.setattr(_validate.DeviceCheck, "assert_flag", flag)
     monkeypatch.setattr(_validate.DeviceCheck, "asserted_in_kernel", in_kernel)
     _validate._checked.clear()
@@ -168,6 +168,35 @@ def test_new_scalars_on_a_cached_schedule_check_separately(device_mode):
     jagged_attention(q, k, v, off, 17, backend="triton")
     jagged_attention(q, k, v, off, 32, backend="triton")  # same schedule, new max_seqlen
     assert device_mode == {"separate": 1, "fused": 1}
+
+
+def test_a_schedule_built_unchecked_is_checked_once_on_its_own(device_mode):
+    # validate=False builds the schedule without the check; the next default calls hit
+    # that schedule, so the check runs on its own, once per object and version
+    off = _off([5, 0, 17, 9])
+    q, k, v = _qkv(int(off[-1]))
+    jagged_attention(q, k, v, off, 17, backend="triton", validate=False)
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    assert device_mode == {"separate": 1, "fused": 0}
+    off[1] = 4  # modified in place (still valid): a new schedule, built with the check
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    assert device_mode == {"separate": 1, "fused": 1}
+
+
+def test_a_checked_schedule_vouches_only_for_its_own_objects(device_mode):
+    # the cache of checked schedules is keyed by the offsets object: an equal copy is a
+    # new object (checked again), and invalid values in a new object still raise
+    off = _off([5, 0, 17, 9])
+    q, k, v = _qkv(int(off[-1]))
+    jagged_attention(q, k, v, off, 17, backend="triton")
+    jagged_attention(q, k, v, off.clone(), 17, backend="triton")
+    assert device_mode == {"separate": 0, "fused": 2}
+    bad = off.clone()
+    bad[2] = 40  # decreasing after
+    with pytest.raises(RuntimeError, match="validate='full'"):
+        jagged_attention(q, k, v, bad, 17, backend="triton")
 
 
 def test_invalid_values_raise_through_the_fused_check(device_mode):
