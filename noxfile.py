@@ -235,6 +235,11 @@ PARALLEL_TESTS = {"jagged_attn", "integration"}
 _XDIST = ("-n", "2", "--dist", "loadfile")
 
 
+def _xdist(name: str) -> tuple[str, ...]:
+    """pytest-xdist's arguments for the suite of ``name`` (a directory name), if any."""
+    return _XDIST if name in PARALLEL_TESTS else ()
+
+
 def _pytest(session: nox.Session, tests: Path, *extra: str) -> None:
     env = {
         **_CLEAN,
@@ -396,7 +401,7 @@ def tests(session: nox.Session, package: str) -> None:
     path = ROOT / "packages" / package
     _install_local(session, path)
     _check_isolation(session, path, ("test",))
-    _pytest(session, path / "tests", *(_XDIST if package in PARALLEL_TESTS else ()))
+    _pytest(session, path / "tests", *_xdist(package))
 
 
 @nox.session(python=PYTHON, venv_params=NO_PIP)
@@ -407,7 +412,7 @@ def integration(session: nox.Session) -> None:
         session.skip("integration/ does not exist yet")
     _install_local(session, path)
     _check_isolation(session, path, ("test",))
-    _pytest(session, path / "tests", *_XDIST)
+    _pytest(session, path / "tests", *_xdist(path.name))
 
 
 @nox.session(python=PYTHON, venv_params=NO_PIP, default=False)
@@ -619,8 +624,8 @@ def lowest(session: nox.Session, package: str) -> None:
         session.run("python", "-m", "pip", "check", env=_CLEAN)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    xdist = _XDIST if path.name in PARALLEL_TESTS else ()
-    _pytest(session, path / "tests", "-m", "not gpu and not multigpu and not slow", *xdist)
+    _pytest(session, path / "tests", "-m", "not gpu and not multigpu and not slow",
+            *_xdist(path.name))  # fmt: skip
 
 
 # -- jobs -------------------------------------------------------------------------------------

@@ -44,26 +44,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
 from bench_validate import CASES, SMOKE, _call, case_inputs  # noqa: E402
+from profile_host import _host_us  # noqa: E402
 
 # bench_validate's short host-bound softmax cases
 SHORT = [CASES[i] for i in (1, 2, 3)]
-
-
-DEVICE = ["cuda"]
-
-
-def _sync() -> None:
-    if DEVICE[0] == "cuda":
-        torch.cuda.synchronize()
-
-
-def _host_us(fn: Callable[[], Any], calls: int) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    _sync()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 class _Patches:
@@ -111,8 +95,8 @@ def _variants() -> dict[str, tuple[bool, Callable[[], _Patches]]]:
     }  # fmt: skip
 
 
-def run_variants(case: tuple, rounds: int, calls: int) -> dict[str, Any]:
-    kind, q, k, v, off, max_len, targets = case_inputs(case, DEVICE[0])
+def run_variants(case: tuple, device: str, rounds: int, calls: int) -> dict[str, Any]:
+    kind, q, k, v, off, max_len, targets = case_inputs(case, device)
     variants = _variants()
     fns = {}
     for name, (mode, patches) in variants.items():
@@ -129,7 +113,7 @@ def run_variants(case: tuple, rounds: int, calls: int) -> dict[str, Any]:
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             with variants[name][1]():
-                samples[name].append(_host_us(fns[name], calls))
+                samples[name].append(_host_us(fns[name], calls, device))
     base = samples["none"]
     return {
         name: dict(
@@ -160,8 +144,8 @@ def _stage_targets() -> list[tuple[Any, str]]:
     ]
 
 
-def run_stages(case: tuple, rounds: int, calls: int) -> dict[str, Any]:
-    kind, q, k, v, off, max_len, targets = case_inputs(case, DEVICE[0])
+def run_stages(case: tuple, device: str, rounds: int, calls: int) -> dict[str, Any]:
+    kind, q, k, v, off, max_len, targets = case_inputs(case, device)
     totals: dict[str, int] = {}
     counts: dict[str, int] = {}
     items = []
@@ -188,7 +172,9 @@ def run_stages(case: tuple, rounds: int, calls: int) -> dict[str, Any]:
                 totals.clear()
                 counts.clear()
                 host = _host_us(
-                    lambda m=mode: _call(kind, q, k, v, off.clone(), max_len, targets, m), calls
+                    lambda m=mode: _call(kind, q, k, v, off.clone(), max_len, targets, m),
+                    calls,
+                    device,
                 )
                 row = per[str(mode)]
                 row.setdefault("call (host us)", []).append(host)
@@ -222,28 +208,27 @@ def main(argv: list[str] | None = None) -> int:
         def device_mode(validate: Any, device: Any) -> str:
             return "device" if validate is True else "none"
 
-        DEVICE[0], args.rounds, args.calls = "cpu", 2, 3
+        args.rounds, args.calls = 2, 3
         with _Patches([(interface, "value_check_mode", device_mode)]):
-            return _run(args, SMOKE[:1])
+            return _run(args, SMOKE[:1], "cpu")
     if not torch.cuda.is_available():
         sys.exit("diagnose_check.py needs a CUDA GPU (or --smoke)")
-    DEVICE[0] = "cuda"
-    return _run(args, SHORT)
+    return _run(args, SHORT, "cuda")
 
 
-def _run(args: argparse.Namespace, cases: list[tuple]) -> int:
+def _run(args: argparse.Namespace, cases: list[tuple], device: str) -> int:
     from hyperrec.testing import write_result
 
-    result: dict[str, Any] = {"device": DEVICE[0], "calls": args.calls, "rounds": args.rounds,
+    result: dict[str, Any] = {"device": device, "calls": args.calls, "rounds": args.rounds,
                               "cases": {}}  # fmt: skip
     for case in cases:
         row: dict[str, Any] = {}
         if not args.no_variants:
-            row["variants"] = run_variants(case, args.rounds, args.calls)
+            row["variants"] = run_variants(case, device, args.rounds, args.calls)
             print(case[0], {n: round(v["over_none_us"], 1) for n, v in row["variants"].items()},
                   flush=True)  # fmt: skip
         if not args.no_stages:
-            row["stages"] = run_stages(case, args.rounds, args.calls)
+            row["stages"] = run_stages(case, device, args.rounds, args.calls)
             for label, s in row["stages"].items():
                 if "(calls)" not in label:
                     print(f"  {label:40s} none {s['none']:7.1f} default {s['default']:7.1f} "

@@ -185,9 +185,9 @@ def test_a_schedule_built_unchecked_is_checked_once_on_its_own(device_mode):
     assert device_mode == {"separate": 1, "fused": 1}
 
 
-def test_a_checked_schedule_vouches_only_for_its_own_objects(device_mode):
-    # the cache of checked schedules is keyed by the offsets object: an equal copy is a
-    # new object (checked again), and invalid values in a new object still raise
+def test_a_check_vouches_only_for_its_own_objects(device_mode):
+    # checks and schedules are cached per offsets object: an equal copy is a new object
+    # (checked again), and invalid values in a new object still raise
     off = _off([5, 0, 17, 9])
     q, k, v = _qkv(int(off[-1]))
     jagged_attention(q, k, v, off, 17, backend="triton")
