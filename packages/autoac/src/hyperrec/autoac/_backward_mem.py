@@ -130,23 +130,38 @@ def _earliest_since(outputs: list[Any], since: int | None) -> Any:
 
 
 def _allocation_events(step: Callable[[], Any]) -> list[int]:
-    """CPU allocations (+bytes) and frees (-bytes) while ``step`` runs, in time order."""
+    """CPU allocations (+bytes) while ``step`` runs and frees (-bytes) of those
+    allocations, in time order.
+
+    Frees of blocks allocated before ``step`` are left out. The profiler reports such a
+    free only if the block was allocated under an earlier memory-profiling window (it
+    knows no size otherwise), e.g. a tensor of an earlier measurement that a reference
+    cycle kept alive until the garbage collector happened to run inside this one; counted,
+    it would lower this step's peak by an amount that depends on when the collector ran."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events: list[tuple[int, bool, int]] = []
+    events: list[tuple[int, bool, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
             n = e.extra_fields.alloc_size
             # at equal times an allocation before a free (a marker's pair stays in order)
-            events.append((e.start_time_ns, n < 0, n))
+            events.append((e.start_time_ns, n < 0, n, e.extra_fields.ptr))
         stack.extend(e.children)
     events.sort()
-    return [n for _, _, n in events]
+    out: list[int] = []
+    live: dict[int, int] = {}  # address -> bytes, of the blocks allocated in the window
+    for _, _, n, ptr in events:
+        if n > 0:
+            live[ptr] = n
+            out.append(n)
+        elif live.pop(ptr, None) is not None:
+            out.append(n)
+    return out
 
 
 def allocation_peak(step: Callable[[], Any]) -> tuple[int, int]:
