@@ -10,10 +10,16 @@ drained at the end):
   default patched in-process: the flag asserted by ``torch._assert_async`` instead of in
   the kernel (``flag_assert``), the schedule kernel compiled without debug mode
   (``nodebug``: the assert dropped, the check kept), ``validate=False`` with the schedule
-  kernel compiled in debug mode (``none_debug``), and both modes with Python's garbage
-  collector off (``*_nogc``). Modes alternate over rounds in a rotated order; the figure
+  kernel compiled in debug mode (``none_debug``), the default without the cache of
+  checked offsets (``nocache``: every call is checked, which with a new object at every
+  call changes nothing but the bookkeeping: the cache's cost as an upper bound), and both
+  modes with Python's garbage collector off (``*_nogc``). Modes alternate over rounds in a rotated order; the figure
   per variant is the median over rounds of its difference to ``validate=False`` in the
-  same round.
+  same round. Each variant is also split into the GPU's time per call with the host's
+  issue time hidden (``device_us``) and the host's time to issue a call (``issue_us``),
+  from ``bench_attention.device_and_host`` (no L2 flush, calls back to back): the wall
+  time above is the larger of the two where they overlap, and the split tells whether a
+  difference is the host's or a kernel's.
 * ``--stages``: inclusive host time per call of the functions on the call's path (timers
   wrapped around them, the same wrappers in both modes), default against
   ``validate=False``.
@@ -43,6 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "testing" / "src"))
 
+from bench_attention import device_and_host  # noqa: E402
 from bench_validate import CASES, SMOKE, _call, case_inputs  # noqa: E402
 from profile_host import _host_us  # noqa: E402
 
@@ -71,6 +78,7 @@ class _Patches:
 
 
 def _variants() -> dict[str, tuple[bool, Callable[[], _Patches]]]:
+    from hyperrec.jagged_attn import _validate
     from hyperrec.jagged_attn._triton import _tiles
 
     launch = _tiles.launch
@@ -90,6 +98,8 @@ def _variants() -> dict[str, tuple[bool, Callable[[], _Patches]]]:
         "nodebug": (True, lambda: _Patches([(_tiles, "launch",
                                              relaunch("nodebug", dict(num_warps=8)))])),
         "none_debug": (False, lambda: _Patches([(_tiles, "launch", relaunch("debug", debug))])),
+        "nocache": (True, lambda: _Patches([(_validate, "_already_checked",
+                                             lambda tensors, scalars: False)])),
         "none_nogc": (False, lambda: _Patches([], nogc=True)),
         "default_nogc": (True, lambda: _Patches([], nogc=True)),
     }  # fmt: skip
@@ -114,12 +124,28 @@ def run_variants(case: tuple, device: str, rounds: int, calls: int) -> dict[str,
         for name in names[r % len(names) :] + names[: r % len(names)]:
             with variants[name][1]():
                 samples[name].append(_host_us(fns[name], calls, device))
+    split: dict[str, dict[str, list[float]]] = {n: {"device": [], "issue": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            with variants[name][1]():
+                got = device_and_host(fns[name], reps=calls, device=device, flush=False)
+            split[name]["device"].append(got["device_ms"] * 1e3)
+            split[name]["issue"].append(got["host_us"])
     base = samples["none"]
+    dev0, iss0 = split["none"]["device"], split["none"]["issue"]
     return {
         name: dict(
             median_us=statistics.median(s),
             over_none_us=statistics.median([a - b for a, b in zip(s, base)]),
             rounds_us=s,
+            device_us=statistics.median(split[name]["device"]),
+            device_over_none_us=statistics.median(
+                [a - b for a, b in zip(split[name]["device"], dev0)]
+            ),
+            issue_us=statistics.median(split[name]["issue"]),
+            issue_over_none_us=statistics.median(
+                [a - b for a, b in zip(split[name]["issue"], iss0)]
+            ),
         )
         for name, s in samples.items()
     }
@@ -225,8 +251,11 @@ def _run(args: argparse.Namespace, cases: list[tuple], device: str) -> int:
         row: dict[str, Any] = {}
         if not args.no_variants:
             row["variants"] = run_variants(case, device, args.rounds, args.calls)
-            print(case[0], {n: round(v["over_none_us"], 1) for n, v in row["variants"].items()},
-                  flush=True)  # fmt: skip
+            for n, v in row["variants"].items():
+                print(f"{case[0]:32s} {n:13s} wall {v['median_us']:7.1f} "
+                      f"({v['over_none_us']:+6.1f}) gpu {v['device_us']:7.1f} "
+                      f"({v['device_over_none_us']:+6.1f}) issue {v['issue_us']:7.1f} "
+                      f"({v['issue_over_none_us']:+6.1f}) us", flush=True)  # fmt: skip
         if not args.no_stages:
             row["stages"] = run_stages(case, device, args.rounds, args.calls)
             for label, s in row["stages"].items():
