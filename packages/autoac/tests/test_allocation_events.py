@@ -4,8 +4,8 @@ window of a block allocated before it must not lower the step's peak.
 The profiler reports such a free whenever the block was allocated under an earlier
 memory-profiling window (an earlier measurement of the same search); when a reference
 cycle keeps it alive, the garbage collector frees it at a moment that depends on what
-ran before, and a counted free lowered the measured peak at random (a partitioner
-search's peaks reordered in one test run out of several hundred).
+ran before, and a counted free lowered the measured peak at random (the likely cause of
+a partitioner-search test failing once in CI: one plan's peak three activations low).
 """
 
 from __future__ import annotations
