@@ -61,7 +61,7 @@ def test_frees_of_the_windows_own_blocks_still_count():
         kept.append(torch.ones(N))
 
     peak, end = allocation_peak(step)
-    assert 4 * N <= peak < 2 * 4 * N  # a was freed before b: they never coexist
+    assert 4 * N <= peak < 2 * 4 * N  # the first block is freed before the second exists
     assert end >= 4 * N  # the second block outlives the step
 
 

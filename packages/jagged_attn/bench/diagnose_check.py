@@ -13,9 +13,9 @@ drained at the end):
   kernel compiled in debug mode (``none_debug``), the default without the cache of
   checked offsets (``nocache``: every call is checked, which with a new object at every
   call changes nothing but the bookkeeping: the cache's cost as an upper bound), and both
-  modes with Python's garbage collector off (``*_nogc``). Modes alternate over rounds in a rotated order; the figure
-  per variant is the median over rounds of its difference to ``validate=False`` in the
-  same round. Each variant is also split into the GPU's time per call with the host's
+  modes with Python's garbage collector off (``*_nogc``). Modes alternate over rounds in
+  a rotated order; the figure per variant is the median over rounds of its difference
+  to ``validate=False`` in the same round. Each variant is also split into the GPU's time per call with the host's
   issue time hidden (``device_us``) and the host's time to issue a call (``issue_us``),
   from ``bench_attention.device_and_host`` (no L2 flush, calls back to back): the wall
   time above is the larger of the two where they overlap, and the split tells whether a
@@ -118,34 +118,32 @@ def run_variants(case: tuple, device: str, rounds: int, calls: int) -> dict[str,
         with patches():
             for _ in range(5):  # compile, fill the launch caches
                 fn()
-    samples: dict[str, list[float]] = {n: [] for n in variants}
     names = list(variants)
+    # per variant: wall, GPU and issue time (us per call), one reading per round
+    samples = {n: {"wall": [], "device": [], "issue": []} for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             with variants[name][1]():
-                samples[name].append(_host_us(fns[name], calls, device))
-    split: dict[str, dict[str, list[float]]] = {n: {"device": [], "issue": []} for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            with variants[name][1]():
-                got = device_and_host(fns[name], reps=calls, device=device, flush=False)
-            split[name]["device"].append(got["device_ms"] * 1e3)
-            split[name]["issue"].append(got["host_us"])
-    base = samples["none"]
-    dev0, iss0 = split["none"]["device"], split["none"]["issue"]
+                wall = _host_us(fns[name], calls, device)
+                split = device_and_host(fns[name], reps=calls, device=device, flush=False)
+            row = samples[name]
+            row["wall"].append(wall)
+            row["device"].append(split["device_ms"] * 1e3)
+            row["issue"].append(split["host_us"])
+
+    def over_none(name: str, kind: str) -> float:
+        pairs = zip(samples[name][kind], samples["none"][kind])
+        return statistics.median([a - b for a, b in pairs])
+
     return {
         name: dict(
-            median_us=statistics.median(s),
-            over_none_us=statistics.median([a - b for a, b in zip(s, base)]),
-            rounds_us=s,
-            device_us=statistics.median(split[name]["device"]),
-            device_over_none_us=statistics.median(
-                [a - b for a, b in zip(split[name]["device"], dev0)]
-            ),
-            issue_us=statistics.median(split[name]["issue"]),
-            issue_over_none_us=statistics.median(
-                [a - b for a, b in zip(split[name]["issue"], iss0)]
-            ),
+            median_us=statistics.median(s["wall"]),
+            over_none_us=over_none(name, "wall"),
+            rounds_us=s["wall"],
+            device_us=statistics.median(s["device"]),
+            device_over_none_us=over_none(name, "device"),
+            issue_us=statistics.median(s["issue"]),
+            issue_over_none_us=over_none(name, "issue"),
         )
         for name, s in samples.items()
     }
